@@ -1,0 +1,45 @@
+"""CRISP kernels: the neuron-major 4-bit prefix format and the expert kernels over its first k neurons.
+
+Importing this package touches no GPU and works without Triton (the pure-torch reference runs).
+"""
+
+from .expert_mlp import (
+    Backend,
+    expert_mlp,
+    expert_mlp_accumulate_,
+    expert_mlp_accumulate_ref_,
+    expert_mlp_ref,
+    select_backend,
+)
+from .format import (
+    PackedExpert,
+    PackedLayer,
+    Proj,
+    QuantFormat,
+    dequantize_expert,
+    dequantize_layer,
+    pack_expert,
+    pack_layer,
+)
+from .io import PackFormatError, load_packed, read_packed_metadata, save_packed
+
+__all__ = [
+    "Backend",
+    "PackFormatError",
+    "PackedExpert",
+    "PackedLayer",
+    "Proj",
+    "QuantFormat",
+    "dequantize_expert",
+    "dequantize_layer",
+    "expert_mlp",
+    "expert_mlp_accumulate_",
+    "expert_mlp_accumulate_ref_",
+    "expert_mlp_ref",
+    "load_packed",
+    "pack_expert",
+    "pack_layer",
+    "read_packed_metadata",
+    "save_packed",
+    "select_backend",
+]

@@ -1,0 +1,167 @@
+"""One expert over the first k neurons of its packed 4-bit weights.
+
+Public entry points:
+
+- ``expert_mlp(x, packed, width, token_widths=)`` -> (T, H) in x's dtype;
+- ``expert_mlp_accumulate_(out, x, packed, width, rows=, weights=, token_widths=)``:
+  ``out[rows[t]] += weights[t] * expert(x[rows[t]])`` in float32, so a runtime accumulates
+  several experts into one output without gathering or scattering tokens itself.
+
+Backends (``Backend``): compiled Triton for CUDA tensors, Triton's interpreter for CPU
+tensors when ``TRITON_INTERPRET=1``, otherwise the pure-torch reference (which is also what
+the kernels are tested against).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import HAS_TRITON, interpreter_enabled
+from .checks import (
+    INDEX_DTYPES,
+    check_accumulate_args,
+    check_activations,
+    check_packed,
+    check_token_vector,
+    check_width,
+)
+from .format import PackedExpert, dequantize_expert
+
+
+class Backend(enum.Enum):
+    TRITON = "triton"  # compiled, CUDA tensors
+    TRITON_INTERPRET = "triton-interpret"  # Triton's CPU interpreter (tests)
+    TORCH = "torch"  # dequantize then F.linear
+
+
+def select_backend(device: torch.device) -> Backend:
+    if HAS_TRITON and device.type == "cuda":
+        return Backend.TRITON
+    if HAS_TRITON and device.type == "cpu" and interpreter_enabled():
+        return Backend.TRITON_INTERPRET
+    return Backend.TORCH
+
+
+def _resolve_backend(backend: Backend | None, device: torch.device) -> Backend:
+    chosen = select_backend(device) if backend is None else Backend(backend)
+    if chosen is Backend.TRITON and device.type != "cuda":
+        raise ValueError(f"backend=TRITON needs CUDA tensors, got {device}")
+    if chosen is Backend.TRITON_INTERPRET and not (device.type == "cpu" and interpreter_enabled()):
+        raise ValueError("backend=TRITON_INTERPRET needs CPU tensors and TRITON_INTERPRET=1 set before import")
+    if chosen is not Backend.TORCH and not HAS_TRITON:
+        raise ValueError("Triton is not installed; use backend=Backend.TORCH")
+    return chosen
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    packed: PackedExpert,
+    width: int | None = None,
+    *,
+    token_widths: torch.Tensor | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` over the first ``width`` neurons of ``packed``.
+
+    x: (T, H) fp16, bf16 or fp32; accumulation in fp32; returns (T, H) in x's dtype.
+    width: neurons used (None = all the packed expert holds); a runtime argument.
+    token_widths: optional (T,) int32/int64; token t uses only neurons j < min(width,
+    token_widths[t]) (values are clamped to [0, width], never read past the prefix).
+    """
+    check_packed(packed)
+    check_activations(x, packed)
+    width = check_width(width, packed)
+    check_token_vector(token_widths, "token_widths", x.shape[0], x.device, INDEX_DTYPES)
+    chosen = _resolve_backend(backend, x.device)
+    if chosen is Backend.TORCH:
+        return expert_mlp_ref(x, packed, width, token_widths=token_widths).to(x.dtype)
+    from .expert_mlp_triton import expert_mlp_triton
+
+    return expert_mlp_triton(x, packed, width, token_widths)
+
+
+def expert_mlp_accumulate_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    packed: PackedExpert,
+    width: int | None = None,
+    *,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    token_widths: torch.Tensor | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """``out[rows[t]] += weights[t] * expert(x[rows[t]])`` for t < len(rows); returns ``out``.
+
+    out: (N, H) float32 accumulation buffer; x: (N, H) activations (the same rows index both);
+    rows: (T,) int32/int64 token indices; weights: (T,) float32 routing weights;
+    token_widths: optional (T,) widths, as in :func:`expert_mlp`.
+    """
+    check_packed(packed)
+    check_activations(x, packed)
+    width = check_width(width, packed)
+    check_accumulate_args(out, x, rows, weights)
+    check_token_vector(token_widths, "token_widths", rows.shape[0], x.device, INDEX_DTYPES)
+    if out.shape[0] != x.shape[0]:
+        raise ValueError(f"out: expected {x.shape[0]} rows like x, got {out.shape[0]}")
+    chosen = _resolve_backend(backend, x.device)
+    if chosen is Backend.TORCH:
+        expert_mlp_accumulate_ref_(out, x, packed, width, rows=rows, weights=weights, token_widths=token_widths)
+        return out
+    from .expert_mlp_triton import expert_mlp_accumulate_triton_
+
+    expert_mlp_accumulate_triton_(out, x, packed, width, rows, weights, token_widths)
+    return out
+
+
+
+def effective_token_widths(width: int, token_widths: torch.Tensor | None, num_tokens: int, device) -> torch.Tensor:
+    """Per-token widths clamped to [0, width]: (T,) int64.
+
+    Values are clamped rather than validated so that no device-to-host sync is needed on
+    CUDA; a width can never reach past the resident prefix.
+    """
+    if token_widths is None:
+        return torch.full((num_tokens,), width, dtype=torch.int64, device=device)
+    return token_widths.to(torch.int64).clamp(0, width)
+
+
+def expert_mlp_ref(
+    x: torch.Tensor,
+    packed: PackedExpert,
+    width: int | None = None,
+    *,
+    token_widths: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` over the first ``width`` neurons; (T, H) in ``compute_dtype``.
+
+    Neurons j >= token_widths[t] contribute nothing to token t.
+    """
+    width = check_width(width, packed)
+    gate, up, down = dequantize_expert(packed, width, dtype=compute_dtype)  # (k, H), (k, H), (H, k)
+    xc = x.to(compute_dtype)
+    hidden = F.silu(F.linear(xc, gate)) * F.linear(xc, up)  # (T, k)
+    if token_widths is not None:
+        widths = effective_token_widths(width, token_widths, x.shape[0], x.device)
+        keep = torch.arange(width, device=x.device).unsqueeze(0) < widths.unsqueeze(1)  # (T, k)
+        hidden = hidden * keep
+    return F.linear(hidden, down)  # (T, H)
+
+
+def expert_mlp_accumulate_ref_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    packed: PackedExpert,
+    width: int | None = None,
+    *,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    token_widths: torch.Tensor | None = None,
+) -> None:
+    """``out[rows[t]] += weights[t] * expert(x[rows[t]])`` in float32, the reference."""
+    y = expert_mlp_ref(x[rows.long()], packed, width, token_widths=token_widths, compute_dtype=torch.float32)
+    out.index_add_(0, rows.long(), y * weights.unsqueeze(1))

@@ -1,0 +1,394 @@
+"""The packed expert format: 4-bit, group-wise along H, stored neuron-major.
+
+Neuron j of an expert owns three H-vectors: row j of gate, row j of up and column j of
+down. Everything neuron j needs sits in row j of each tensor below, so the first k neurons
+(the most important ones after CRISP's reordering) are one contiguous byte range per tensor:
+
+    qweight  (W, 3, H // 2) uint8    [:, 0] gate row, [:, 1] up row, [:, 2] down column
+    scales   (W, 3, H // g) fp16
+    zeros    (W, 3, H // g) uint8    absent for the symmetric format (zero point 8)
+
+A width-k load is three plain copies of ``nbytes(k)`` bytes in all; widening a resident
+prefix from k to k' copies rows k..k' only. Groups run along H for all three vectors (down
+is stored transposed), so reordering neurons never mixes quantization groups.
+
+Nibble order: the low nibble holds the even element, the high nibble the odd one (the
+convention of vLLM's W4A16 MoE kernels and of compressed-tensors).
+
+Zero points are kept as one byte per group rather than packed to 4 bits: at H=4096, g=64
+they are 192 of 6,720 bytes per neuron (2.9%); packing would save 1.4% of the bytes and
+cost an extra unpack in every kernel.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+BITS = 4
+QMAX = (1 << BITS) - 1  # 15
+SYMMETRIC_ZERO = 1 << (BITS - 1)  # 8
+GROUP_SIZES = (32, 64, 128)
+SCALE_DTYPE = torch.float16
+# Smallest scale stored: a group of all-equal weights would otherwise divide by zero.
+_MIN_SCALE = 1e-8
+
+
+class Proj(enum.IntEnum):
+    """Position of each projection in the middle axis of the packed tensors."""
+
+    GATE = 0
+    UP = 1
+    DOWN = 2
+
+
+NUM_PROJ = len(Proj)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How expert weights are quantized: 4 bits, groups of ``group_size`` along H."""
+
+    bits: int = BITS
+    group_size: int = 64
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits != BITS:
+            raise ValueError(f"QuantFormat.bits: only {BITS}-bit is supported, got {self.bits}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"QuantFormat.group_size: expected one of {GROUP_SIZES}, got {self.group_size}")
+
+    def check_hidden_size(self, hidden_size: int, what: str = "hidden size") -> None:
+        if hidden_size <= 0 or hidden_size % self.group_size != 0:
+            raise ValueError(
+                f"{what} H={hidden_size} must be a positive multiple of group_size={self.group_size}"
+            )
+
+    def neuron_nbytes(self, hidden_size: int) -> int:
+        """Bytes one neuron occupies in the packed format (weights, scales, zero points)."""
+        groups = hidden_size // self.group_size
+        per_proj = hidden_size // 2 + groups * SCALE_DTYPE.itemsize + (0 if self.symmetric else groups)
+        return NUM_PROJ * per_proj
+
+
+# ----------------------------------------------------------------------------- quantization
+
+
+def quantize_rows(w: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize ``w`` (..., H) group-wise along the last axis.
+
+    Returns (q (..., H) uint8 in [0, 15], scales (..., H/g) fp16, zeros (..., H/g) uint8 or None).
+    The stored (fp16-rounded) scale is the one used to round, so dequantizing reproduces the
+    grid exactly and a weight already on the grid round-trips bit for bit.
+    """
+    hidden = w.shape[-1]
+    fmt.check_hidden_size(hidden)
+    groups = w.float().reshape(*w.shape[:-1], hidden // fmt.group_size, fmt.group_size)
+    if fmt.symmetric:
+        absmax = groups.abs().amax(dim=-1)
+        scales = (absmax / (SYMMETRIC_ZERO - 1)).clamp_min(_MIN_SCALE).to(SCALE_DTYPE)
+        zero = torch.full_like(scales, SYMMETRIC_ZERO, dtype=torch.float32)
+        zeros_out = None
+    else:
+        wmin = groups.amin(dim=-1)
+        wmax = groups.amax(dim=-1)
+        scales = ((wmax - wmin) / QMAX).clamp_min(_MIN_SCALE).to(SCALE_DTYPE)
+        zero = torch.round(-wmin / scales.float()).clamp(0, QMAX)
+        zeros_out = zero.to(torch.uint8)
+    q = torch.round(groups / scales.float().unsqueeze(-1)) + zero.unsqueeze(-1)
+    q = q.clamp(0, QMAX).to(torch.uint8).reshape(w.shape)
+    return q, scales, zeros_out
+
+
+def dequantize_rows(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, dtype=torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows`: ``(q - z) * s`` in ``dtype``; q (..., H) unpacked."""
+    hidden = q.shape[-1]
+    groups = q.to(dtype).reshape(*q.shape[:-1], hidden // group_size, group_size)
+    zero = zeros.to(dtype) if zeros is not None else torch.full_like(scales, SYMMETRIC_ZERO, dtype=dtype)
+    return ((groups - zero.unsqueeze(-1)) * scales.to(dtype).unsqueeze(-1)).reshape(q.shape)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(..., H) uint8 in [0, 15] -> (..., H/2) uint8, low nibble = even element."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles: last dimension must be even, got {q.shape[-1]}")
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(..., H/2) uint8 -> (..., H) uint8, inverse of :func:`pack_nibbles`."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------- containers
+
+
+def _check_prefix_width(width: int | None, full: int, what: str = "width") -> int:
+    if width is None:
+        return full
+    if isinstance(width, bool) or not isinstance(width, int):
+        raise TypeError(f"{what}: expected an int in [0, {full}] or None, got {type(width).__name__}")
+    if not 0 <= width <= full:
+        raise ValueError(f"{what}={width} is out of range: expected 0 <= {what} <= {full} (the full width)")
+    return width
+
+
+@dataclass(frozen=True)
+class PackedExpert:
+    """One expert in the neuron-major 4-bit format (see the module docstring for shapes)."""
+
+    fmt: QuantFormat
+    qweight: torch.Tensor  # (W, 3, H/2) uint8
+    scales: torch.Tensor  # (W, 3, H/g) fp16
+    zeros: torch.Tensor | None  # (W, 3, H/g) uint8, None when symmetric
+
+    def __post_init__(self) -> None:
+        _check_packed_tensors(self.fmt, self.qweight, self.scales, self.zeros, leading=1, what="PackedExpert")
+
+    @property
+    def width(self) -> int:
+        """Neurons held (the full width of the expert, or of this prefix)."""
+        return self.qweight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.qweight.shape[-1] * 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+    def nbytes(self, width: int | None = None) -> int:
+        """Exact bytes of the first ``width`` neurons (all tensors)."""
+        width = _check_prefix_width(width, self.width)
+        return width * self.fmt.neuron_nbytes(self.hidden_size)
+
+    def prefix(self, width: int | None = None) -> PackedExpert:
+        """Zero-copy view of the first ``width`` neurons."""
+        width = _check_prefix_width(width, self.width)
+        return PackedExpert(
+            self.fmt,
+            self.qweight[:width],
+            self.scales[:width],
+            None if self.zeros is None else self.zeros[:width],
+        )
+
+    def to(self, device, non_blocking: bool = False) -> PackedExpert:
+        return PackedExpert(
+            self.fmt,
+            self.qweight.to(device, non_blocking=non_blocking),
+            self.scales.to(device, non_blocking=non_blocking),
+            None if self.zeros is None else self.zeros.to(device, non_blocking=non_blocking),
+        )
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    """All experts of one MoE layer, stacked: the leading axis is the expert.
+
+    ``neuron_order[e, j]`` is the original index of stored neuron j of expert e, so the
+    original weights can be reconstructed (and checked) from the pack.
+    """
+
+    fmt: QuantFormat
+    qweight: torch.Tensor  # (E, I, 3, H/2) uint8
+    scales: torch.Tensor  # (E, I, 3, H/g) fp16
+    zeros: torch.Tensor | None  # (E, I, 3, H/g) uint8
+    neuron_order: torch.Tensor  # (E, I) int64
+
+    def __post_init__(self) -> None:
+        _check_packed_tensors(self.fmt, self.qweight, self.scales, self.zeros, leading=2, what="PackedLayer")
+        expected = tuple(self.qweight.shape[:2])
+        if self.neuron_order.dtype != torch.int64 or tuple(self.neuron_order.shape) != expected:
+            raise ValueError(
+                f"PackedLayer.neuron_order: expected int64 of shape {expected}, "
+                f"got {self.neuron_order.dtype} {tuple(self.neuron_order.shape)}"
+            )
+
+    @property
+    def num_experts(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.qweight.shape[-1] * 2
+
+    def expert(self, index: int) -> PackedExpert:
+        """Zero-copy view of expert ``index``."""
+        if not 0 <= index < self.num_experts:
+            raise IndexError(f"expert index {index} out of range for {self.num_experts} experts")
+        return PackedExpert(
+            self.fmt,
+            self.qweight[index],
+            self.scales[index],
+            None if self.zeros is None else self.zeros[index],
+        )
+
+    def nbytes(self) -> int:
+        """Bytes of all experts at full width (excluding ``neuron_order``)."""
+        return self.num_experts * self.intermediate_size * self.fmt.neuron_nbytes(self.hidden_size)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"qweight": self.qweight, "scales": self.scales, "neuron_order": self.neuron_order}
+        if self.zeros is not None:
+            out["zeros"] = self.zeros
+        return out
+
+    def pin_memory(self) -> PackedLayer:
+        """Copy into page-locked host memory (CUDA only), for asynchronous host-to-device copies."""
+        return PackedLayer(
+            self.fmt,
+            self.qweight.pin_memory(),
+            self.scales.pin_memory(),
+            None if self.zeros is None else self.zeros.pin_memory(),
+            self.neuron_order,
+        )
+
+
+def _check_packed_tensors(fmt, qweight, scales, zeros, *, leading: int, what: str) -> None:
+    if qweight.dtype != torch.uint8 or qweight.dim() != leading + 2 or qweight.shape[-2] != NUM_PROJ:
+        raise ValueError(
+            f"{what}.qweight: expected uint8 of shape ({'E, ' if leading == 2 else ''}W, 3, H/2), "
+            f"got {qweight.dtype} {tuple(qweight.shape)}"
+        )
+    hidden = qweight.shape[-1] * 2
+    fmt.check_hidden_size(hidden, f"{what} hidden size")
+    groups_shape = (*qweight.shape[:-1], hidden // fmt.group_size)
+    if scales.dtype != SCALE_DTYPE or tuple(scales.shape) != groups_shape:
+        raise ValueError(
+            f"{what}.scales: expected {SCALE_DTYPE} of shape {groups_shape}, got {scales.dtype} {tuple(scales.shape)}"
+        )
+    if fmt.symmetric:
+        if zeros is not None:
+            raise ValueError(f"{what}.zeros: the symmetric format stores no zero points, got a tensor")
+    elif zeros is None or zeros.dtype != torch.uint8 or tuple(zeros.shape) != groups_shape:
+        got = "None" if zeros is None else f"{zeros.dtype} {tuple(zeros.shape)}"
+        raise ValueError(f"{what}.zeros: expected uint8 of shape {groups_shape}, got {got}")
+    devices = {t.device for t in (qweight, scales, zeros) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"{what}: tensors are on different devices {sorted(map(str, devices))}")
+
+
+# ----------------------------------------------------------------------------- pack / unpack
+
+
+def _check_expert_weights(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
+    if gate.dim() != 2:
+        raise ValueError(f"gate: expected (I, H), got shape {tuple(gate.shape)}")
+    inter, hidden = gate.shape
+    if tuple(up.shape) != (inter, hidden):
+        raise ValueError(f"up: expected (I, H) = {(inter, hidden)} like gate, got {tuple(up.shape)}")
+    if tuple(down.shape) != (hidden, inter):
+        raise ValueError(f"down: expected (H, I) = {(hidden, inter)} as in nn.Linear, got {tuple(down.shape)}")
+    for name, t in (("gate", gate), ("up", up), ("down", down)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+    return inter, hidden
+
+
+def pack_expert(
+    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: QuantFormat = QuantFormat()
+) -> PackedExpert:
+    """Quantize one expert, neurons in the order given (most important first).
+
+    gate, up: (I, H) as ``nn.Linear(H, I).weight``; down: (H, I) as ``nn.Linear(I, H).weight``.
+    """
+    _, hidden = _check_expert_weights(gate, up, down)
+    fmt.check_hidden_size(hidden)
+    rows = torch.stack((gate.detach(), up.detach(), down.detach().t()), dim=1)  # (I, 3, H)
+    q, scales, zeros = quantize_rows(rows, fmt)
+    return PackedExpert(fmt, pack_nibbles(q).contiguous(), scales.contiguous(), _contig(zeros))
+
+
+def pack_layer(
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    fmt: QuantFormat = QuantFormat(),
+    neuron_order: torch.Tensor | None = None,
+) -> PackedLayer:
+    """Quantize all experts of a layer in the transformers v5 layout.
+
+    gate_up_proj: (E, 2I, H), gate half first; down_proj: (E, H, I).
+    neuron_order: (E, I) permutation per expert; stored neuron j of expert e is original
+    neuron ``neuron_order[e, j]``. None keeps the present order.
+    """
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
+        raise ValueError(f"gate_up_proj: expected (E, 2I, H), got shape {tuple(gate_up_proj.shape)}")
+    num_experts, two_inter, hidden = gate_up_proj.shape
+    inter = two_inter // 2
+    if tuple(down_proj.shape) != (num_experts, hidden, inter):
+        raise ValueError(
+            f"down_proj: expected (E, H, I) = {(num_experts, hidden, inter)}, got {tuple(down_proj.shape)}"
+        )
+    fmt.check_hidden_size(hidden)
+    if neuron_order is None:
+        neuron_order = torch.arange(inter).expand(num_experts, inter)
+    neuron_order = check_permutations(neuron_order, num_experts, inter)
+    gate = gate_up_proj[:, :inter].detach()
+    up = gate_up_proj[:, inter:].detach()
+    down_t = down_proj.detach().transpose(1, 2)  # (E, I, H)
+    idx = neuron_order.to(gate.device).unsqueeze(-1).expand(num_experts, inter, hidden)
+    rows = torch.stack((gate.gather(1, idx), up.gather(1, idx), down_t.gather(1, idx)), dim=2)  # (E, I, 3, H)
+    q, scales, zeros = quantize_rows(rows, fmt)
+    return PackedLayer(
+        fmt, pack_nibbles(q).contiguous(), scales.contiguous(), _contig(zeros), neuron_order.cpu().clone()
+    )
+
+
+def check_permutations(order: torch.Tensor, num_experts: int, inter: int) -> torch.Tensor:
+    """Validate an (E, I) tensor of per-expert permutations of range(I); returns it as int64."""
+    if tuple(order.shape) != (num_experts, inter) or order.is_floating_point():
+        raise ValueError(
+            f"neuron_order: expected an integer tensor of shape {(num_experts, inter)}, "
+            f"got {order.dtype} {tuple(order.shape)}"
+        )
+    order = order.to(torch.int64)
+    expected = torch.arange(inter, device=order.device).expand(num_experts, inter)
+    if not torch.equal(order.sort(dim=1).values, expected):
+        raise ValueError("neuron_order: each row must be a permutation of range(I)")
+    return order
+
+
+def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def dequantize_expert(
+    packed: PackedExpert, width: int | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference dequantization of the first ``width`` neurons.
+
+    Returns (gate (k, H), up (k, H), down (H, k)) in ``dtype`` (float32 by default; the
+    tests use float64).
+    """
+    p = packed.prefix(width)
+    rows = dequantize_rows(unpack_nibbles(p.qweight), p.scales, p.zeros, p.fmt.group_size, dtype)
+    return rows[:, Proj.GATE], rows[:, Proj.UP], rows[:, Proj.DOWN].t()
+
+
+def dequantize_layer(layer: PackedLayer, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize a layer back to the transformers v5 layout in the ORIGINAL neuron order.
+
+    Returns (gate_up_proj (E, 2I, H), down_proj (E, H, I)).
+    """
+    rows = dequantize_rows(unpack_nibbles(layer.qweight), layer.scales, layer.zeros, layer.fmt.group_size, dtype)
+    inverse = torch.argsort(layer.neuron_order.to(rows.device), dim=1)  # (E, I)
+    idx = inverse.unsqueeze(-1).unsqueeze(-1).expand_as(rows)
+    rows = rows.gather(1, idx)  # (E, I, 3, H) in original order
+    gate_up = torch.cat((rows[:, :, Proj.GATE], rows[:, :, Proj.UP]), dim=1)
+    down = rows[:, :, Proj.DOWN].transpose(1, 2).contiguous()
+    return gate_up, down
