@@ -1,0 +1,433 @@
+"""The CRISP plan: which width each routed expert runs at, per MoE layer.
+
+CRISP (see ``shared/seed/crisp-paper-summary.txt``) sorts routed expert combinations into
+Hot / Warm / Cold tiers by frequency and names the dominant expert of each combination:
+
+    Hot   every routed expert full width
+    Warm  the dominant expert(s) full width, the others at ``TierWidths.warm`` neurons
+    Cold  the dominant expert(s) full width, the others at ``TierWidths.cold`` (0 = skipped)
+
+The same machinery expresses the baselines every comparison needs (``PolicyKind``): full
+width everywhere, one uniform width, and skipping the auxiliary expert(s) (always, or when the
+routing weight is under a threshold).
+
+Routing wider than top-2 (DeepSeek top-6, Qwen top-4/8, OLMoE top-8): the combination key is
+the *leading pair*, the two experts with the highest routing weights of a token. Top-2 is the
+paper's case, where the pair is the whole combination; for wider routing the full k-sets are
+too many to count densely (C(64, 6) = 75M), while pairs stay countable (C(64, 2) = 2,016).
+Ranks within a token: the pair's dominant expert is rank 0, the other pair member rank 1,
+the remaining routed experts ranks 2..k-1 by decreasing routing weight. Ranks below
+``num_dominant`` run full width; the others take the tier's width. Shared experts (Qwen2-MoE,
+DeepSeek) are dense MLPs outside this plan: they always run full width and stay resident.
+
+Planning is plain torch on small CPU tensors: ``token_widths`` looks combinations up in
+(E, E) tables built once per layer, so a decode step costs a few tensor ops.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+PLAN_FORMAT = "crisp-plan"
+PLAN_VERSION = 1
+COMBINATION_KEY = "leading-pair-by-routing-weight"
+
+Pair = tuple[int, int]
+
+
+class PlanError(ValueError):
+    """A plan that is malformed or does not fit the model / pack it is used with."""
+
+
+class Tier(enum.Enum):
+    HOT = "hot"
+    WARM = "warm"
+    COLD = "cold"
+
+
+_TIER_CODE = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
+_UNSEEN_CODE = -1
+
+
+class PolicyKind(enum.Enum):
+    FULL = "full"  # every routed expert at full width (the 4-bit full-width baseline)
+    UNIFORM = "uniform"  # every routed expert at one width
+    SKIP_AUX = "skip_aux"  # dominant (by routing weight) full, the others skipped
+    CRISP = "crisp"  # tiers over combinations, measured dominance
+
+
+@dataclass(frozen=True)
+class TierWidths:
+    """Width (neurons) of the non-dominant experts in each tier; dominant ones run full."""
+
+    hot: int
+    warm: int
+    cold: int = 0
+
+    def for_tier(self, tier: Tier) -> int:
+        return {Tier.HOT: self.hot, Tier.WARM: self.warm, Tier.COLD: self.cold}[tier]
+
+
+@dataclass(frozen=True)
+class TierCutoffs:
+    """Tier boundaries by share of token activations, most frequent combinations first.
+
+    Hot: the most frequent combinations that together carry ``hot_mass`` of activations.
+    Cold: the least frequent ones that together carry at most ``cold_mass``. Warm: the rest.
+    """
+
+    hot_mass: float = 0.5
+    cold_mass: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.hot_mass <= 1.0 and 0.0 <= self.cold_mass <= 1.0):
+            raise PlanError(f"TierCutoffs: masses must lie in [0, 1], got {self.hot_mass}, {self.cold_mass}")
+        if self.hot_mass + self.cold_mass > 1.0 + 1e-9:
+            raise PlanError(f"TierCutoffs: hot_mass + cold_mass must be <= 1, got {self.hot_mass + self.cold_mass}")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Tier and dominant expert of every combination (leading pair) seen in one layer."""
+
+    tiers: Mapping[Pair, Tier]
+    dominant: Mapping[Pair, int]
+    # Lookup tables built on first use; not part of equality.
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def tables(self, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tier code (E, E) int64, dominant expert (E, E) int64), symmetric; -1 = unseen."""
+        if num_experts not in self._tables:
+            tier = torch.full((num_experts, num_experts), _UNSEEN_CODE, dtype=torch.int64)
+            dom = torch.full((num_experts, num_experts), -1, dtype=torch.int64)
+            for (a, b), t in self.tiers.items():
+                tier[a, b] = tier[b, a] = _TIER_CODE[t]
+                d = self.dominant.get((a, b), -1)
+                dom[a, b] = dom[b, a] = d
+            self._tables[num_experts] = (tier, dom)
+        return self._tables[num_experts]
+
+
+def pair_key(a: int, b: int) -> Pair:
+    return (a, b) if a <= b else (b, a)
+
+
+@dataclass(frozen=True)
+class CrispPlan:
+    """Widths per routed expert, per layer, under one policy (see the module docstring)."""
+
+    policy: PolicyKind
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    layer_ids: tuple[int, ...]
+    tier_widths: TierWidths | None = None  # CRISP
+    layers: Mapping[int, LayerPlan] = field(default_factory=dict)  # CRISP
+    unseen_tier: Tier = Tier.WARM  # CRISP: what a combination never seen in profiling gets
+    num_dominant: int = 1  # experts per token kept at full width (CRISP, SKIP_AUX)
+    uniform_width: int | None = None  # UNIFORM
+    skip_threshold: float | None = None  # SKIP_AUX: skip only when the routing weight is below this
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def full(cls, num_experts: int, top_k: int, intermediate_size: int, layer_ids) -> CrispPlan:
+        return cls(PolicyKind.FULL, num_experts, top_k, intermediate_size, tuple(layer_ids))
+
+    @classmethod
+    def uniform(cls, num_experts: int, top_k: int, intermediate_size: int, layer_ids, width: int) -> CrispPlan:
+        return cls(PolicyKind.UNIFORM, num_experts, top_k, intermediate_size, tuple(layer_ids), uniform_width=width)
+
+    @classmethod
+    def skip_aux(
+        cls, num_experts: int, top_k: int, intermediate_size: int, layer_ids, *, threshold: float | None = None,
+        num_dominant: int = 1,
+    ) -> CrispPlan:
+        return cls(
+            PolicyKind.SKIP_AUX, num_experts, top_k, intermediate_size, tuple(layer_ids),
+            skip_threshold=threshold, num_dominant=num_dominant,
+        )
+
+    @classmethod
+    def crisp(
+        cls,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        layers: Mapping[int, LayerPlan],
+        tier_widths: TierWidths,
+        *,
+        unseen_tier: Tier = Tier.WARM,
+        num_dominant: int = 1,
+        description: str = "",
+    ) -> CrispPlan:
+        return cls(
+            PolicyKind.CRISP, num_experts, top_k, intermediate_size, tuple(sorted(layers)), tier_widths=tier_widths,
+            layers=dict(layers), unseen_tier=unseen_tier, num_dominant=num_dominant, description=description,
+        )
+
+    def with_tiers(self, tier_widths: TierWidths | None = None, layers: Mapping[int, LayerPlan] | None = None,
+                   unseen_tier: Tier | None = None) -> CrispPlan:
+        """A copy of a CRISP plan with other widths, tiers or unseen tier (for searches)."""
+        return CrispPlan.crisp(
+            self.num_experts, self.top_k, self.intermediate_size, self.layers if layers is None else layers,
+            self.tier_widths if tier_widths is None else tier_widths,
+            unseen_tier=self.unseen_tier if unseen_tier is None else unseen_tier,
+            num_dominant=self.num_dominant, description=self.description,
+        )
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self) -> None:
+        full = self.intermediate_size
+        if self.num_experts < 1 or self.top_k < 1 or self.top_k > self.num_experts:
+            raise PlanError(f"plan: need 1 <= top_k <= num_experts, got top_k={self.top_k}, E={self.num_experts}")
+        if full < 1:
+            raise PlanError(f"plan: intermediate_size must be positive, got {full}")
+        if not 1 <= self.num_dominant <= self.top_k:
+            raise PlanError(f"plan: num_dominant must lie in [1, top_k={self.top_k}], got {self.num_dominant}")
+        if self.policy is PolicyKind.UNIFORM and (self.uniform_width is None or not 0 <= self.uniform_width <= full):
+            raise PlanError(f"plan: uniform_width must lie in [0, {full}], got {self.uniform_width}")
+        if self.policy is PolicyKind.SKIP_AUX and self.skip_threshold is not None and not (
+            0.0 <= self.skip_threshold <= 1.0
+        ):
+            raise PlanError(f"plan: skip_threshold must lie in [0, 1], got {self.skip_threshold}")
+        if self.policy is PolicyKind.CRISP:
+            if self.tier_widths is None:
+                raise PlanError("plan: a CRISP plan needs tier_widths")
+            for name in ("hot", "warm", "cold"):
+                w = getattr(self.tier_widths, name)
+                if not 0 <= w <= full:
+                    raise PlanError(f"plan: width of tier {name!r} must lie in [0, {full}], got {w}")
+            unknown = set(self.layers) - set(self.layer_ids)
+            if unknown:
+                raise PlanError(f"plan: layers {sorted(unknown)} are not among layer_ids {list(self.layer_ids)}")
+            for layer_id, lp in self.layers.items():
+                for (a, b), tier in lp.tiers.items():
+                    if not (0 <= a < self.num_experts and 0 <= b < self.num_experts) or a > b:
+                        raise PlanError(
+                            f"plan: layer {layer_id} combination {(a, b)} is not an ordered pair of expert ids "
+                            f"in [0, {self.num_experts})"
+                        )
+                    if not isinstance(tier, Tier):
+                        raise PlanError(f"plan: layer {layer_id} combination {(a, b)} has tier {tier!r}")
+                    d = lp.dominant.get((a, b))
+                    if d not in (a, b):
+                        raise PlanError(f"plan: layer {layer_id} combination {(a, b)}: dominant {d} is not a or b")
+
+    def check_compatible(self, *, num_experts: int, top_k: int, intermediate_size: int, layer_ids) -> None:
+        """Raise PlanError unless this plan fits a model/pack with these dimensions."""
+        mismatches = []
+        if self.num_experts != num_experts:
+            mismatches.append(f"num_experts {self.num_experts} != {num_experts}")
+        if self.top_k != top_k:
+            mismatches.append(f"top_k {self.top_k} != {top_k}")
+        if self.intermediate_size != intermediate_size:
+            mismatches.append(f"intermediate_size {self.intermediate_size} != {intermediate_size}")
+        missing = set(layer_ids) - set(self.layer_ids)
+        extra = set(self.layer_ids) - set(layer_ids)
+        if missing:
+            mismatches.append(f"no entry for layers {sorted(missing)}")
+        if extra:
+            mismatches.append(f"unknown layers {sorted(extra)}")
+        if mismatches:
+            raise PlanError("plan does not fit this model/pack: " + "; ".join(mismatches))
+
+    # ------------------------------------------------------------------ the lookup
+
+    def token_widths(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Width each token needs from each of its routed experts: (T, k) int64 on the CPU.
+
+        top_k_index (T, k) int, top_k_weights (T, k) float, as a transformers router returns
+        them. Index values outside [0, E) (padding sentinels) get width 0.
+        """
+        if layer_id not in self.layer_ids:
+            raise PlanError(f"plan has no layer {layer_id}; it covers layers {list(self.layer_ids)}")
+        if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape:
+            raise ValueError(
+                f"top_k_index / top_k_weights: expected equal (T, k) shapes, "
+                f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
+            )
+        index = top_k_index.detach().to("cpu", torch.int64)
+        weights = top_k_weights.detach().to("cpu", torch.float32)
+        num_tokens, k = index.shape
+        full = self.intermediate_size
+        valid = (index >= 0) & (index < self.num_experts)
+        if self.policy is PolicyKind.FULL:
+            widths = torch.full_like(index, full)
+        elif self.policy is PolicyKind.UNIFORM:
+            widths = torch.full_like(index, self.uniform_width)
+        else:
+            # Sort each token's experts by routing weight; invalid slots sink to the end.
+            key = torch.where(valid, weights, torch.full_like(weights, -float("inf")))
+            order = key.argsort(dim=1, descending=True, stable=True)  # (T, k)
+            sorted_index = index.gather(1, order)
+            sorted_weights = weights.gather(1, order)
+            rank = torch.arange(k).expand(num_tokens, k).clone()  # rank by routing weight
+            if self.policy is PolicyKind.SKIP_AUX:
+                aux_width = torch.zeros_like(sorted_index)
+                if self.skip_threshold is not None:
+                    aux_width = torch.where(sorted_weights >= self.skip_threshold, full, 0)
+            else:
+                aux_width, rank = self._crisp_sorted(layer_id, sorted_index, rank)
+            sorted_widths = torch.where(rank < self.num_dominant, torch.full_like(aux_width, full), aux_width)
+            widths = torch.empty_like(sorted_widths).scatter_(1, order, sorted_widths)
+        return torch.where(valid, widths, torch.zeros_like(widths))
+
+    def _crisp_sorted(self, layer_id: int, sorted_index: torch.Tensor, rank: torch.Tensor):
+        num_tokens, k = sorted_index.shape
+        tw = self.tier_widths
+        tier_width = torch.tensor([tw.hot, tw.warm, tw.cold], dtype=torch.int64)
+        if k < 2:
+            code = torch.full((num_tokens,), _TIER_CODE[Tier.HOT], dtype=torch.int64)
+            return tier_width[code].unsqueeze(1).expand(num_tokens, k), rank
+        lp = self.layers.get(layer_id, LayerPlan({}, {}))
+        tier_table, dom_table = lp.tables(self.num_experts)
+        a = sorted_index[:, 0].clamp(0, self.num_experts - 1)
+        b = sorted_index[:, 1].clamp(0, self.num_experts - 1)
+        code = tier_table[a, b]
+        code = torch.where(code == _UNSEEN_CODE, _TIER_CODE[self.unseen_tier], code)
+        dom = dom_table[a, b]
+        # The second-heaviest expert is dominant: swap ranks 0 and 1.
+        swap = dom == sorted_index[:, 1]
+        rank[swap, 0] = 1
+        rank[swap, 1] = 0
+        return tier_width[code].unsqueeze(1).expand(num_tokens, k), rank
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict:
+        out = {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "policy": self.policy.value,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "intermediate_size": self.intermediate_size,
+            "layer_ids": list(self.layer_ids),
+            "num_dominant": self.num_dominant,
+            "description": self.description,
+        }
+        if self.policy is PolicyKind.UNIFORM:
+            out["uniform_width"] = self.uniform_width
+        if self.policy is PolicyKind.SKIP_AUX:
+            out["skip_threshold"] = self.skip_threshold
+        if self.policy is PolicyKind.CRISP:
+            out["combination_key"] = COMBINATION_KEY
+            out["tier_widths"] = {"hot": self.tier_widths.hot, "warm": self.tier_widths.warm,
+                                  "cold": self.tier_widths.cold}
+            out["unseen_tier"] = self.unseen_tier.value
+            out["layers"] = {
+                str(layer_id): [
+                    {"experts": list(pair), "tier": tier.value, "dominant": lp.dominant[pair]}
+                    for pair, tier in sorted(lp.tiers.items())
+                ]
+                for layer_id, lp in sorted(self.layers.items())
+            }
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> CrispPlan:
+        if not isinstance(data, Mapping) or data.get("format") != PLAN_FORMAT:
+            got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+            raise PlanError(f"not a CRISP plan: format is {got!r}, expected {PLAN_FORMAT!r}")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan version {data.get('version')!r} is not supported (this CRISP reads {PLAN_VERSION})")
+        try:
+            policy = PolicyKind(data["policy"])
+            common = dict(
+                num_experts=int(data["num_experts"]),
+                top_k=int(data["top_k"]),
+                intermediate_size=int(data["intermediate_size"]),
+                layer_ids=tuple(int(i) for i in data["layer_ids"]),
+                num_dominant=int(data.get("num_dominant", 1)),
+                description=str(data.get("description", "")),
+            )
+            if policy is PolicyKind.UNIFORM:
+                return cls(policy, uniform_width=int(data["uniform_width"]), **common)
+            if policy is PolicyKind.SKIP_AUX:
+                threshold = data.get("skip_threshold")
+                return cls(policy, skip_threshold=None if threshold is None else float(threshold), **common)
+            if policy is PolicyKind.FULL:
+                return cls(policy, **common)
+            if data.get("combination_key") != COMBINATION_KEY:
+                raise PlanError(f"plan: unknown combination_key {data.get('combination_key')!r}")
+            tw = data["tier_widths"]
+            layers = {}
+            for layer_key, entries in data["layers"].items():
+                tiers, dominant = {}, {}
+                for entry in entries:
+                    a, b = (int(e) for e in entry["experts"])
+                    tiers[(a, b)] = Tier(entry["tier"])
+                    dominant[(a, b)] = int(entry["dominant"])
+                layers[int(layer_key)] = LayerPlan(tiers, dominant)
+            return cls(
+                policy,
+                tier_widths=TierWidths(int(tw["hot"]), int(tw["warm"]), int(tw["cold"])),
+                layers=layers,
+                unseen_tier=Tier(data["unseen_tier"]),
+                **common,
+            )
+        except PlanError:
+            raise
+        except (KeyError, ValueError, TypeError) as exc:
+            raise PlanError(f"plan is malformed: {exc!r}") from exc
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON, atomically."""
+        from crisp_kernels.io import atomic_write
+
+        text = json.dumps(self.to_dict(), indent=1)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CrispPlan:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"{path}: not a readable JSON plan ({exc})") from exc
+        try:
+            return cls.from_dict(data)
+        except PlanError as exc:
+            raise PlanError(f"{path}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------- tiers from statistics
+
+
+def assign_tiers(counts: Mapping[Pair, int], cutoffs: TierCutoffs) -> dict[Pair, Tier]:
+    """Hot / Warm / Cold for each counted combination, by share of activations (see TierCutoffs).
+
+    Ties in count are broken by the pair itself so the result is deterministic.
+    """
+    total = sum(counts.values())
+    if total <= 0:
+        return {}
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    tiers: dict[Pair, Tier] = {}
+    carried = 0
+    for pair, count in ranked:
+        # Hot until the mass before this pair reaches hot_mass (so at least one pair is hot when hot_mass > 0).
+        tiers[pair] = Tier.HOT if carried < cutoffs.hot_mass * total else Tier.WARM
+        carried += count
+    tail = 0
+    for pair, count in reversed(ranked):
+        if tiers[pair] is Tier.HOT or tail + count > cutoffs.cold_mass * total:
+            break
+        tiers[pair] = Tier.COLD
+        tail += count
+    return tiers
