@@ -1,0 +1,189 @@
+"""CrispPlan: widths per policy, the leading-pair generalisation, tiers from counts, JSON."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from crisp_runtime.plan import (
+    CrispPlan,
+    LayerPlan,
+    PlanError,
+    PolicyKind,
+    Tier,
+    TierCutoffs,
+    TierWidths,
+    assign_tiers,
+)
+
+FULL = 96
+
+
+def _crisp_plan(num_experts=8, top_k=2, num_dominant=1, unseen=Tier.WARM):
+    tiers = {(0, 1): Tier.HOT, (2, 3): Tier.WARM, (1, 2): Tier.WARM, (4, 5): Tier.COLD, (0, 7): Tier.COLD}
+    dominant = {(0, 1): 1, (2, 3): 3, (1, 2): 2, (4, 5): 5, (0, 7): 7}
+    return CrispPlan.crisp(
+        num_experts, top_k, FULL, {0: LayerPlan(tiers, dominant), 3: LayerPlan({}, {})}, TierWidths(FULL, 40, 0),
+        unseen_tier=unseen, num_dominant=num_dominant,
+    )
+
+
+def _widths_by_hand(plan: CrispPlan, index, weights):
+    """A direct, per-token re-statement of the plan's rules (the module docstring), for comparison."""
+    out = []
+    for idx_row, w_row in zip(index.tolist(), weights.tolist(), strict=True):
+        valid = [(w, -pos, e, pos) for pos, (e, w) in enumerate(zip(idx_row, w_row, strict=True))
+                 if 0 <= e < plan.num_experts]
+        by_weight = [item[3] for item in sorted(valid, reverse=True)]  # positions, heaviest first, stable
+        widths = [0] * len(idx_row)
+        if plan.policy is PolicyKind.FULL:
+            for pos in by_weight:
+                widths[pos] = FULL
+            out.append(widths)
+            continue
+        ranks = {pos: r for r, pos in enumerate(by_weight)}
+        if plan.policy is PolicyKind.CRISP and len(by_weight) >= 2:
+            a, b = idx_row[by_weight[0]], idx_row[by_weight[1]]
+            key = (min(a, b), max(a, b))
+            lp = plan.layers.get(0)
+            tier = lp.tiers.get(key, plan.unseen_tier)
+            dom = lp.dominant.get(key, a)
+            if dom == b and a != b:
+                ranks[by_weight[0]], ranks[by_weight[1]] = 1, 0
+            aux = plan.tier_widths.for_tier(tier)
+        elif plan.policy is PolicyKind.CRISP:
+            aux = FULL
+        for pos in by_weight:
+            if ranks[pos] < plan.num_dominant:
+                widths[pos] = FULL
+            elif plan.policy is PolicyKind.SKIP_AUX:
+                thr = plan.skip_threshold
+                widths[pos] = FULL if thr is not None and w_row[pos] >= thr else 0
+            else:
+                widths[pos] = aux
+        out.append(widths)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def test_crisp_widths_follow_tiers_and_dominance():
+    plan = _crisp_plan()
+    index = torch.tensor([[0, 1], [3, 2], [1, 2], [5, 4], [6, 7], [7, 0], [2, 3]])
+    weights = torch.tensor([[.6, .4], [.7, .3], [.5, .5], [.9, .1], [.8, .2], [.55, .45], [.8, .2]])
+    widths = plan.token_widths(0, index, weights)
+    expected = torch.tensor([
+        [FULL, FULL],  # hot: both full
+        [FULL, 40],  # warm, 3 dominant
+        [40, FULL],  # warm, 2 dominant although tied in weight
+        [FULL, 0],  # cold: 5 dominant, 4 skipped
+        [FULL, 40],  # unseen pair -> unseen tier (warm), heavier expert 6 dominant
+        [FULL, 0],  # cold, 7 dominant
+        [40, FULL],  # warm (2,3): the measured dominant 3 wins over the heavier 2
+    ])
+    assert torch.equal(widths, expected)
+
+
+@pytest.mark.parametrize("policy", ["full", "uniform", "skip", "skip_thr", "crisp", "crisp_top4"])
+def test_widths_match_a_per_token_restatement(policy):
+    gen = torch.Generator().manual_seed(7)
+    top_k = 4 if policy == "crisp_top4" else 2
+    plans = {
+        "full": CrispPlan.full(8, top_k, FULL, [0]),
+        "uniform": CrispPlan.uniform(8, top_k, FULL, [0], 33),
+        "skip": CrispPlan.skip_aux(8, top_k, FULL, [0]),
+        "skip_thr": CrispPlan.skip_aux(8, top_k, FULL, [0], threshold=0.3),
+        "crisp": _crisp_plan(),
+        "crisp_top4": _crisp_plan(top_k=4, num_dominant=2, unseen=Tier.COLD),
+    }
+    plan = plans[policy]
+    index = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(200)])
+    index[5, 0] = 8  # a padding sentinel outside [0, E) gets width 0
+    weights = torch.rand(200, top_k, generator=gen)
+    weights = weights / weights.sum(1, keepdim=True)
+    got = plan.token_widths(0, index, weights)
+    if plan.policy is PolicyKind.UNIFORM:
+        expected = torch.where(index < 8, 33, 0)
+    else:
+        expected = _widths_by_hand(plan, index, weights)
+    assert torch.equal(got, expected)
+    assert got[5, 0] == 0
+
+
+def test_json_round_trip_and_validation(tmp_path):
+    for plan in (_crisp_plan(), CrispPlan.full(8, 2, FULL, [0, 3]), CrispPlan.uniform(8, 2, FULL, [1], 7),
+                 CrispPlan.skip_aux(8, 2, FULL, [0], threshold=0.25)):
+        path = tmp_path / f"{plan.policy.value}.json"
+        plan.save(path)
+        loaded = CrispPlan.load(path)
+        assert loaded == plan
+        assert json.loads(path.read_text())["version"] == 1
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: d.update(version=99), "version 99"),
+        (lambda d: d.update(format="other"), "not a CRISP plan"),
+        (lambda d: d["tier_widths"].update(warm=FULL + 1), "tier 'warm'"),
+        (lambda d: d["layers"]["0"][0].update(experts=[0, 8]), r"expert ids in \[0, 8\)"),
+        (lambda d: d["layers"]["0"][0].update(dominant=5), "dominant 5"),
+        (lambda d: d["layers"].update({"9": []}), r"layers \[9\]"),
+        (lambda d: d["layers"]["0"][0].update(tier="lukewarm"), "malformed"),
+        (lambda d: d.pop("intermediate_size"), "malformed"),
+    ],
+)
+def test_bad_plans_are_refused_with_the_reason(tmp_path, mutate, match):
+    data = _crisp_plan().to_dict()
+    mutate(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=match):
+        CrispPlan.load(path)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(PlanError, match="uniform_width"):
+        CrispPlan.uniform(8, 2, FULL, [0], FULL + 1)
+    with pytest.raises(PlanError, match="top_k"):
+        CrispPlan.full(4, 5, FULL, [0])
+    with pytest.raises(PlanError, match="num_dominant"):
+        CrispPlan.skip_aux(8, 2, FULL, [0], num_dominant=3)
+    with pytest.raises(PlanError, match="no layer 5"):
+        CrispPlan.full(8, 2, FULL, [0]).token_widths(5, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2))
+
+
+def test_check_compatible_names_every_mismatch():
+    plan = _crisp_plan()
+    plan.check_compatible(num_experts=8, top_k=2, intermediate_size=FULL, layer_ids=[0, 3])
+    with pytest.raises(PlanError, match=r"num_experts 8 != 16.*no entry for layers \[5\].*unknown layers \[3\]"):
+        plan.check_compatible(num_experts=16, top_k=2, intermediate_size=FULL, layer_ids=[0, 5])
+
+
+@pytest.mark.parametrize(("hot", "cold"), [(0.5, 0.1), (0.0, 0.0), (1.0, 0.0), (0.3, 0.7), (0.6, 0.25)])
+def test_tiers_partition_the_counted_combinations(hot, cold):
+    gen = torch.Generator().manual_seed(1)
+    pairs = list(itertools.combinations(range(8), 2))
+    counts = {p: int(c) for p, c in zip(pairs, torch.randint(1, 1000, (len(pairs),), generator=gen), strict=True)}
+    tiers = assign_tiers(counts, TierCutoffs(hot, cold))
+    assert set(tiers) == set(counts)
+    total = sum(counts.values())
+    mass = {t: sum(counts[p] for p in tiers if tiers[p] is t) / total for t in Tier}
+    # Hot is the smallest most-frequent prefix reaching hot_mass; cold the largest tail within cold_mass.
+    assert mass[Tier.COLD] <= cold + 1e-12
+    hot_pairs = [p for p in tiers if tiers[p] is Tier.HOT]
+    assert mass[Tier.HOT] >= hot - 1e-12
+    if hot_pairs:
+        least_hot = min(counts[p] for p in hot_pairs)
+        assert all(counts[p] <= least_hot for p in tiers if tiers[p] is not Tier.HOT)
+        assert mass[Tier.HOT] - min(counts[p] for p in hot_pairs) / total < hot
+    cold_pairs = [p for p in tiers if tiers[p] is Tier.COLD]
+    if cold_pairs:
+        assert max(counts[p] for p in cold_pairs) <= min(counts[p] for p in tiers if tiers[p] is not Tier.COLD)
+
+
+def test_tier_cutoffs_refuse_impossible_masses():
+    with pytest.raises(PlanError, match="<= 1"):
+        TierCutoffs(0.8, 0.3)
+    with pytest.raises(PlanError, match=r"\[0, 1\]"):
+        TierCutoffs(-0.1, 0.0)
