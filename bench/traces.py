@@ -1,0 +1,232 @@
+"""Routing traces: record them from a model, store them, and map them onto a larger model.
+
+File format (``.npz``, read with ``allow_pickle=False``; no pickle anywhere):
+
+    index    (L, T, k) int16    routed expert ids per MoE layer, token and slot (router order)
+    weights  (L, T, k) float32  their routing weights
+    layer_ids (L,) int64        decoder-layer index of each MoE layer (plan keys)
+    seq_starts (S,) int64       first token of each recorded sequence
+    meta     0-d str            JSON: format "crisp-routing-trace", version, model, num_experts,
+                                top_k, hidden_size, intermediate_size, source, ...
+
+Recording runs the model teacher-forced over token sequences. In a causal model the
+routing of position t depends only on tokens <= t, so this is exactly the routing that
+decoding the same text token by token with a KV cache would produce.
+
+Mapping onto a larger model (``map_widths``): the source model's L layers are cycled over
+the target's layers (target layer l replays source layer l mod L for the same token);
+widths are kept as fractions of the intermediate size (width w of I_src becomes
+round(w / I_src x I_tgt)); expert ids and slot order are kept (the number of experts and
+top_k must match). The caller states this mapping in every report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from crisp_runtime.plan import CrispPlan, LayerPlan, TierCutoffs, TierWidths, assign_tiers, pair_key
+
+TRACE_FORMAT = "crisp-routing-trace"
+TRACE_VERSION = 1
+
+
+class TraceError(ValueError):
+    """A trace file that is missing, malformed or does not fit."""
+
+
+@dataclass
+class Trace:
+    index: np.ndarray  # (L, T, k) int
+    weights: np.ndarray  # (L, T, k) float32
+    layer_ids: list[int]
+    meta: dict = field(default_factory=dict)
+    seq_starts: list[int] = field(default_factory=lambda: [0])
+
+    def __post_init__(self) -> None:
+        if self.index.ndim != 3 or self.index.shape != self.weights.shape:
+            raise TraceError(f"trace: index and weights must have equal (L, T, k) shapes, "
+                             f"got {self.index.shape} and {self.weights.shape}")
+        if len(self.layer_ids) != self.index.shape[0]:
+            raise TraceError(f"trace: {len(self.layer_ids)} layer ids for {self.index.shape[0]} layers")
+        for key in ("num_experts", "top_k", "intermediate_size"):
+            if key not in self.meta:
+                raise TraceError(f"trace metadata lacks {key!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.index.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.meta["num_experts"])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.meta["top_k"])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.meta["intermediate_size"])
+
+    def head(self, num_tokens: int) -> Trace:
+        """The first ``num_tokens`` tokens."""
+        n = min(num_tokens, self.num_tokens)
+        return Trace(self.index[:, :n], self.weights[:, :n], list(self.layer_ids), dict(self.meta),
+                     [s for s in self.seq_starts if s < n] or [0])
+
+    def save(self, path: str | os.PathLike) -> None:
+        meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **self.meta}
+        path = Path(path)
+        with open(path, "wb") as f:
+            np.savez_compressed(
+                f, index=self.index.astype(np.int16), weights=self.weights.astype(np.float32),
+                layer_ids=np.asarray(self.layer_ids, dtype=np.int64),
+                seq_starts=np.asarray(self.seq_starts, dtype=np.int64), meta=np.asarray(json.dumps(meta)),
+            )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Trace:
+        path = Path(path)
+        if not path.is_file():
+            raise TraceError(f"{path}: no such trace file (record one with `crisp-bench simulate --record-trace`)")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                if meta.get("format") != TRACE_FORMAT:
+                    raise TraceError(f"{path}: not a routing trace (format {meta.get('format')!r})")
+                if meta.get("version") != TRACE_VERSION:
+                    raise TraceError(f"{path}: trace version {meta.get('version')!r} is not supported")
+                return cls(z["index"].astype(np.int64), z["weights"].astype(np.float32),
+                           [int(i) for i in z["layer_ids"]], meta, [int(s) for s in z["seq_starts"]])
+        except TraceError:
+            raise
+        except (OSError, ValueError, KeyError) as exc:
+            raise TraceError(f"{path}: not a readable trace ({exc})") from exc
+
+
+# ---------------------------------------------------------------------------- recording
+
+
+@torch.no_grad()
+def record_trace(model, sequences: torch.Tensor, *, source: str = "", progress=None) -> Trace:
+    """Run ``model`` over each row of ``sequences`` (S, N) and record every MoE layer's routing."""
+    from crisp_runtime.models import find_moe_layers, model_top_k, record_routing
+
+    layers = find_moe_layers(model)
+    ref = layers[0]
+    device = next(model.parameters()).device
+    with record_routing(model, layers) as routing:
+        for i, seq in enumerate(sequences):
+            model(input_ids=seq.unsqueeze(0).to(device), use_cache=False)
+            if progress is not None:
+                progress(i + 1, len(sequences))
+    index = np.stack([routing.layer(r.layer_id)[0].numpy() for r in layers])
+    weights = np.stack([routing.layer(r.layer_id)[1].numpy() for r in layers])
+    meta = {
+        "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
+        "num_experts": ref.num_experts, "top_k": model_top_k(model), "hidden_size": ref.hidden_size,
+        "intermediate_size": ref.intermediate_size, "source": source,
+        "recording": "teacher-forced forward per sequence (= decode routing in a causal model)",
+    }
+    n = sequences.shape[1]
+    return Trace(index, weights, [r.layer_id for r in layers], meta, [i * n for i in range(len(sequences))])
+
+
+def synthetic_trace(num_layers=4, num_tokens=256, num_experts=8, top_k=2, intermediate_size=256, seed=0) -> Trace:
+    """A skewed random trace (Zipf-like expert popularity per layer), for tests and demos."""
+    rng = np.random.default_rng(seed)
+    index = np.zeros((num_layers, num_tokens, top_k), dtype=np.int64)
+    weights = np.zeros((num_layers, num_tokens, top_k), dtype=np.float32)
+    for layer in range(num_layers):
+        pop = 1.0 / np.arange(1, num_experts + 1) ** 1.2
+        pop = pop[rng.permutation(num_experts)]
+        pop /= pop.sum()
+        for t in range(num_tokens):
+            chosen = rng.choice(num_experts, size=top_k, replace=False, p=pop)
+            w = np.sort(rng.dirichlet(np.ones(top_k)))[::-1]
+            index[layer, t] = chosen
+            weights[layer, t] = w
+    meta = {"model": "synthetic", "num_experts": num_experts, "top_k": top_k, "hidden_size": 128,
+            "intermediate_size": intermediate_size, "source": f"synthetic seed {seed}"}
+    return Trace(index, weights, list(range(num_layers)), meta)
+
+
+# ---------------------------------------------------------------------------- policies
+
+
+def plan_from_trace(trace: Trace, cutoffs: TierCutoffs | None = None, warm_fraction: float = 0.5) -> CrispPlan:
+    """A CRISP plan made from the trace's own counts (dominant = heavier routing weight).
+
+    For tests and for models without a profiled plan; reports label it as such.
+    """
+    cutoffs = TierCutoffs() if cutoffs is None else cutoffs
+    inter = trace.intermediate_size
+    layers = {}
+    for li, layer_id in enumerate(trace.layer_ids):
+        counts: Counter = Counter()
+        heavier: dict = {}
+        for t in range(trace.num_tokens):
+            order = np.argsort(-trace.weights[li, t], kind="stable")
+            a, b = int(trace.index[li, t, order[0]]), int(trace.index[li, t, order[1]])
+            key = pair_key(a, b)
+            counts[key] += 1
+            heavier.setdefault(key, Counter())[a] += 1
+        tiers = assign_tiers(counts, cutoffs)
+        dominant = {k: heavier[k].most_common(1)[0][0] for k in tiers}
+        layers[layer_id] = LayerPlan(tiers, dominant)
+    return CrispPlan.crisp(trace.num_experts, trace.top_k, inter, layers,
+                           TierWidths(inter, int(round(warm_fraction * inter)), 0),
+                           description="derived from the trace itself (bench.traces.plan_from_trace)")
+
+
+def token_widths(trace: Trace, plan: CrispPlan) -> np.ndarray:
+    """(L, T, k) widths in source neurons for every traced token under ``plan``."""
+    out = np.zeros_like(trace.index)
+    for li, layer_id in enumerate(trace.layer_ids):
+        out[li] = plan.token_widths(layer_id, torch.from_numpy(trace.index[li]),
+                                    torch.from_numpy(trace.weights[li])).numpy()
+    return out
+
+
+def matched_uniform_width(trace: Trace, plan: CrispPlan) -> int:
+    """The uniform width (source neurons) whose bytes per token equal ``plan``'s on this trace."""
+    mean = float(token_widths(trace, plan).sum(axis=-1).mean())
+    return max(1, min(trace.intermediate_size, int(round(mean / trace.top_k))))
+
+
+def policy_plans(trace: Trace, crisp: CrispPlan | None, uniform_width: int | None = None) -> dict[str, CrispPlan]:
+    """The four policies over the trace's model: full, uniform, skip_aux, crisp."""
+    e, k, inter, ids = trace.num_experts, trace.top_k, trace.intermediate_size, trace.layer_ids
+    plans = {"full": CrispPlan.full(e, k, inter, ids)}
+    if uniform_width is None:
+        uniform_width = matched_uniform_width(trace, crisp) if crisp is not None else inter // 2
+    plans["uniform"] = CrispPlan.uniform(e, k, inter, ids, uniform_width)
+    plans["skip_aux"] = CrispPlan.skip_aux(e, k, inter, ids)
+    if crisp is not None:
+        crisp.check_compatible(num_experts=e, top_k=k, intermediate_size=inter, layer_ids=ids)
+        plans["crisp"] = crisp
+    return plans
+
+
+def map_widths(trace: Trace, widths: np.ndarray, num_layers: int, intermediate_size: int):
+    """Cycle the (L, T, k) source widths over ``num_layers`` target layers, scale to the target I.
+
+    Returns (index, widths) as (T, num_layers, k) int arrays (token-major, as the simulator reads).
+    """
+    src = trace.num_layers
+    cycle = [i % src for i in range(num_layers)]
+    index = trace.index[cycle].transpose(1, 0, 2)
+    scaled = np.rint(widths[cycle].astype(np.float64) * intermediate_size / trace.intermediate_size).astype(np.int64)
+    scaled = np.where(widths[cycle] > 0, np.maximum(scaled, 1), 0)
+    return np.ascontiguousarray(index), np.ascontiguousarray(scaled.transpose(1, 0, 2))
