@@ -32,8 +32,9 @@ QMAX = (1 << BITS) - 1  # 15
 SYMMETRIC_ZERO = 1 << (BITS - 1)  # 8
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPE = torch.float16
-# Smallest scale stored: a group of all-equal weights would otherwise divide by zero.
-_MIN_SCALE = 1e-8
+# Smallest scale stored, so that an all-zero group never divides by zero. It must survive the
+# cast to fp16: 2**-24 is fp16's smallest subnormal (a floor of 1e-8 rounded to a 0 scale).
+_MIN_SCALE = 2.0**-24
 
 
 class Proj(enum.IntEnum):
@@ -93,8 +94,10 @@ def quantize_rows(w: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torc
         zero = torch.full_like(scales, SYMMETRIC_ZERO, dtype=torch.float32)
         zeros_out = None
     else:
-        wmin = groups.amin(dim=-1)
-        wmax = groups.amax(dim=-1)
+        # The grid (q - z) * s with an integer z in [0, 15] always contains 0, so the range
+        # must too (as in GPTQ); a group of one sign would otherwise clip to [0, wmax - wmin].
+        wmin = groups.amin(dim=-1).clamp(max=0)
+        wmax = groups.amax(dim=-1).clamp(min=0)
         scales = ((wmax - wmin) / QMAX).clamp_min(_MIN_SCALE).to(SCALE_DTYPE)
         zero = torch.round(-wmin / scales.float()).clamp(0, QMAX)
         zeros_out = zero.to(torch.uint8)
