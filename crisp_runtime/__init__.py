@@ -3,15 +3,55 @@
 Importing this package touches no GPU and does not import transformers.
 """
 
+from .device_cache import CacheBudgetError, PrefixCache, ResidentExperts
+from .eviction import EvictionPolicy, FrequencyPolicy, LRUPolicy, TierAwarePolicy, make_policy
+from .executor import CrispRuntime, RuntimeConfig, min_budget_bytes
+from .hf import CrispHandle, apply, load_model, parse_budget
+from .host_store import HostStore
+from .models import UnsupportedModelError
+from .pack import CrispPack, PackMismatchError, load_pack, model_info, pack_model, save_pack
 from .plan import CrispPlan, LayerPlan, PlanError, PolicyKind, Tier, TierCutoffs, TierWidths, assign_tiers
+from .scheduler import CostModel, ExpertTask, StepPlan, flow_shop_makespan, johnson_order, plan_step
+from .stats import LayerStats, RuntimeStats
 
 __all__ = [
+    "CacheBudgetError",
+    "CostModel",
+    "CrispHandle",
+    "CrispPack",
     "CrispPlan",
+    "CrispRuntime",
+    "EvictionPolicy",
+    "ExpertTask",
+    "FrequencyPolicy",
+    "HostStore",
+    "LRUPolicy",
     "LayerPlan",
+    "LayerStats",
+    "PackMismatchError",
     "PlanError",
     "PolicyKind",
+    "PrefixCache",
+    "ResidentExperts",
+    "RuntimeConfig",
+    "RuntimeStats",
+    "StepPlan",
     "Tier",
+    "TierAwarePolicy",
     "TierCutoffs",
     "TierWidths",
+    "UnsupportedModelError",
+    "apply",
     "assign_tiers",
+    "flow_shop_makespan",
+    "johnson_order",
+    "load_model",
+    "load_pack",
+    "make_policy",
+    "min_budget_bytes",
+    "model_info",
+    "pack_model",
+    "parse_budget",
+    "plan_step",
+    "save_pack",
 ]

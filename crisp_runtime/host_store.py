@@ -1,0 +1,69 @@
+"""The host store: every packed expert in host memory, pinned when CUDA is present, allocated once.
+
+Each layer's tensors are the ``PackedLayer`` tensors themselves, pinned once at set-up
+(``PackedLayer.pin_memory`` copies into page-locked memory). Nothing is allocated afterwards:
+a copy of rows ``k0..k1`` of expert ``e`` reads a contiguous slice of each tensor
+(``qweight[e, k0:k1]`` etc.; the format is neuron-major).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from crisp_kernels import PackedExpert, PackedLayer
+
+
+class HostStore:
+    """Packed layers in host memory, ``layer_id -> PackedLayer``."""
+
+    def __init__(self, layers: Mapping[int, PackedLayer], *, pin: bool | None = None) -> None:
+        if not layers:
+            raise ValueError("HostStore: expected at least one packed layer")
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self.pinned = bool(pin)
+        self.layers: dict[int, PackedLayer] = {}
+        for layer_id, layer in layers.items():
+            if not isinstance(layer, PackedLayer):
+                raise TypeError(f"HostStore: layer {layer_id} is {type(layer).__name__}, expected PackedLayer")
+            if layer.qweight.device.type != "cpu":
+                layer = _to_cpu(layer)
+            if self.pinned and not layer.qweight.is_pinned():  # GPU-only: page-locked for async H2D copies
+                layer = layer.pin_memory()
+            self.layers[int(layer_id)] = layer
+
+    def layer(self, layer_id: int) -> PackedLayer:
+        return self.layers[layer_id]
+
+    def expert(self, layer_id: int, expert: int) -> PackedExpert:
+        return self.layers[layer_id].expert(expert)
+
+    def neuron_nbytes(self, layer_id: int) -> int:
+        layer = self.layers[layer_id]
+        return layer.fmt.neuron_nbytes(layer.hidden_size)
+
+    def full_width(self, layer_id: int) -> int:
+        return self.layers[layer_id].intermediate_size
+
+    def rows(self, layer_id: int, expert: int, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Host slices holding neurons ``start..stop`` of one expert (contiguous views)."""
+        layer = self.layers[layer_id]
+        out = [layer.qweight[expert, start:stop], layer.scales[expert, start:stop]]
+        if layer.zeros is not None:
+            out.append(layer.zeros[expert, start:stop])
+        return tuple(out)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers.values())
+
+
+def _to_cpu(layer: PackedLayer) -> PackedLayer:
+    return PackedLayer(
+        layer.fmt,
+        layer.qweight.cpu(),
+        layer.scales.cpu(),
+        None if layer.zeros is None else layer.zeros.cpu(),
+        layer.neuron_order.cpu(),
+    )

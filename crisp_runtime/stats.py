@@ -1,0 +1,75 @@
+"""Counters of one applied model: what crossed host-to-device, what the cache saved, per layer.
+
+Definitions (all JSON-friendly ints/floats):
+
+- ``tokens``: tokens that went through the layer (each MoE layer sees every token once).
+- ``steps``: calls of the layer (one per forward pass).
+- ``bytes_h2d``: bytes copied host-to-device into the prefix cache (missing prefixes and
+  widenings), exactly ``rows_copied * neuron_nbytes``.
+- ``bytes_read``: what a cache-less offload would copy: per step, for each expert run, the
+  bytes of its prefix at the width the step needs (the largest any of its tokens needs).
+- ``bytes_routed``: per token, the bytes of the prefixes of every expert that token runs
+  (``Σ_t Σ_e nbytes(width_t,e)``); equal to ``bytes_read`` when one token is decoded at a time.
+- ``hits``: experts run without a copy (resident at the width needed or wider).
+- ``misses``: experts not resident at all, copied in.
+- ``widenings``: experts resident at a narrower prefix, widened by copying only the missing rows.
+- ``evictions``: prefixes dropped from the cache to make room.
+- ``expert_runs``: experts run (width > 0), ``skipped``: routed (token, expert) slots of width 0.
+- ``copy_ms`` / ``step_ms``: optional CUDA event timings (``RuntimeConfig(record_timings=True)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class LayerStats:
+    tokens: int = 0
+    steps: int = 0
+    bytes_h2d: int = 0
+    bytes_read: int = 0
+    bytes_routed: int = 0
+    hits: int = 0
+    misses: int = 0
+    widenings: int = 0
+    evictions: int = 0
+    expert_runs: int = 0
+    skipped: int = 0
+    copy_ms: float = 0.0
+    step_ms: float = 0.0
+
+    def add(self, other: LayerStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+_SUMMED = ("bytes_h2d", "bytes_read", "bytes_routed", "hits", "misses", "widenings", "evictions", "expert_runs",
+           "skipped", "copy_ms", "step_ms")
+
+
+class RuntimeStats:
+    """Per-layer :class:`LayerStats` plus totals; ``as_dict()`` is what ``CrispHandle.stats()`` returns."""
+
+    def __init__(self, layer_ids) -> None:
+        self.layer_ids = tuple(layer_ids)
+        self.layers: dict[int, LayerStats] = {i: LayerStats() for i in self.layer_ids}
+
+    def reset(self) -> None:
+        for i in self.layer_ids:
+            self.layers[i] = LayerStats()
+
+    def as_dict(self) -> dict:
+        per_layer = {str(i): asdict(s) for i, s in self.layers.items()}
+        totals = {name: sum(getattr(s, name) for s in self.layers.values()) for name in _SUMMED}
+        # Every MoE layer sees every token, so the model's token count is the largest per-layer count.
+        tokens = max((s.tokens for s in self.layers.values()), default=0)
+        lookups = totals["hits"] + totals["misses"] + totals["widenings"]
+        return {
+            "tokens": tokens,
+            **totals,
+            "bytes_h2d_per_token": totals["bytes_h2d"] / tokens if tokens else 0.0,
+            "bytes_read_per_token": totals["bytes_read"] / tokens if tokens else 0.0,
+            "hit_rate": totals["hits"] / lookups if lookups else 0.0,
+            "layers": per_layer,
+        }
