@@ -1,0 +1,281 @@
+"""``crisp-eval``: perplexity and next-token accuracy of CRISP against its baselines, at equal bytes.
+
+Policies, all on the same windows of the given text (non-overlapping, spread evenly):
+
+- ``dense``: the unquantized model as loaded (its bytes are those of its own expert dtype);
+- ``full``: the pack at full width (4-bit);
+- ``crisp``: the pack's plan (Hot / Warm / Cold tiers, measured dominance);
+- ``uniform``: every routed expert at one width, the width whose bytes per token are closest to CRISP's;
+- ``skip_aux``: the heavier expert (by routing weight) at full width, the other run only when its
+  routing weight is at least a threshold, chosen as the quantile of the auxiliary routing weights
+  (recorded in the ``full`` run) that makes its bytes per token match CRISP's;
+- ``skip_aux_all``: the auxiliary expert always skipped (for reference).
+
+``bytes_per_token`` = expert weight bytes read per token, summed over the MoE layers: for every
+expert a token runs, the bytes of its prefix at the width it runs (widths x neuron bytes of the
+pack). Independent of any cache: what a cache-less offload has to copy. The ``runtime`` engine
+(default) runs the packed experts through ``crisp_runtime.apply`` and reads ``bytes_routed`` from
+its counters; the ``reference`` engine dequantizes the pack and masks neurons (``MaskedExperts``),
+counting the widths itself. Both must agree (tests check it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from crisp_runtime.plan import CrispPlan, PolicyKind
+
+from .calibration import (
+    CliError,
+    MaskedExperts,
+    check_seq_len,
+    check_vocab,
+    contiguous_windows,
+    dump_json,
+    load_model,
+    load_texts,
+    log,
+    model_fingerprint,
+    resolve_device,
+    score_windows,
+    threads,
+)
+from .profile import _stored_weights, load_pack_dir
+
+
+def _aux_weights(weights_list, num_dominant: int) -> torch.Tensor:
+    """Routing weights of the non-dominant (by weight) experts of every token, all layers: (N,)."""
+    out = []
+    for weights in weights_list:
+        w = weights.float().sort(dim=1, descending=True).values
+        out.append(w[:, num_dominant:].reshape(-1))
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+class Evaluator:
+    def __init__(self, model_dir, pack_dir, data, *, samples=None, seq_len=256, batch_size=16, device="cpu",
+                 engine="runtime", quiet=False):
+        self.t0 = time.time()
+        self.quiet = quiet
+        if engine not in ("runtime", "reference"):
+            raise CliError(f"--engine must be 'runtime' or 'reference', got {engine!r}")
+        self.engine = engine
+        self.batch_size = batch_size
+        texts = load_texts(data)
+        self.layers, self.plan, self.info = load_pack_dir(pack_dir)
+        self.pack_dir = Path(pack_dir)
+        self.model, self.refs = load_model(model_dir, resolve_device(device))
+        check_seq_len(self.model, seq_len)
+        from crisp_runtime.pack import PackMismatchError, check_layers_fit_model
+
+        try:
+            check_layers_fit_model(self.layers, self.model, info=self.info)
+        except PackMismatchError as exc:
+            raise CliError(f"--crisp {pack_dir}: {exc}") from exc
+        recorded = (self.info.get("model") or {}).get("weights_sha256")
+        if recorded and recorded != model_fingerprint(self.model, self.refs)["weights_sha256"]:
+            raise CliError(f"--crisp {pack_dir}: the pack was made from other weights than --model {model_dir}")
+        if self.plan is None or self.plan.policy is not PolicyKind.CRISP:
+            raise CliError(f"--crisp {pack_dir}: the pack has no CRISP plan (plan.json); run crisp-profile")
+        self.windows = contiguous_windows(texts, samples, seq_len)
+        check_vocab(self.model, self.windows)
+        first = next(iter(self.layers.values()))
+        self.inter = first.intermediate_size
+        self.neuron_bytes = first.fmt.neuron_nbytes(first.hidden_size)
+        self.layer_ids = sorted(self.layers)
+        self.top_k = self.plan.top_k
+        self.full_bpt = self.top_k * len(self.layer_ids) * self.inter * self.neuron_bytes
+
+    def log(self, msg):
+        log(f"[crisp-eval {time.time() - self.t0:6.1f}s] {msg}", quiet=self.quiet)
+
+    def _plan(self, kind, **kw) -> CrispPlan:
+        args = (self.plan.num_experts, self.top_k, self.inter, self.layer_ids)
+        if kind == "full":
+            return CrispPlan.full(*args)
+        if kind == "uniform":
+            return CrispPlan.uniform(*args, width=kw["width"])
+        return CrispPlan.skip_aux(*args, threshold=kw.get("threshold"), num_dominant=self.plan.num_dominant)
+
+    def run(self) -> list[dict]:
+        records = []
+        n_tok = self.windows.numel()
+        self.log(f"{self.windows.shape[0]} windows x {self.windows.shape[1]} tokens, engine={self.engine}")
+        dense = score_windows(self.model, self.windows, self.batch_size)
+        expert_dtype_bytes = self.refs[0].module.gate_up_proj.element_size()
+        dense_bpt = self.top_k * len(self.layer_ids) * self.inter * 3 * self.refs[0].hidden_size * expert_dtype_bytes
+        records.append(self._record("dense", "dense (unquantized)", dense_bpt, dense, n_tok))
+        self.log(f"dense: ppl {dense.perplexity:.4f} acc {dense.accuracy:.4f}")
+
+        runner = self._runtime_runner() if self.engine == "runtime" else self._reference_runner()
+        with runner as run:
+            from crisp_runtime.models import record_routing
+
+            with record_routing(self.model, self.refs) as trace:
+                full = run(self._plan("full"))
+            records.append(self._record("full", "4-bit full width", full[1], full[0], n_tok))
+            crisp = run(self.plan)
+            records.append(self._record("crisp", "CRISP (pack plan)", crisp[1], crisp[0], n_tok))
+            target = crisp[1]
+            # uniform: the width whose bytes per token are closest to CRISP's
+            width = min(self.inter, max(0, round(target / self.full_bpt * self.inter)))
+            uni = run(self._plan("uniform", width=width))
+            records.append(self._record("uniform", f"uniform width {width}/{self.inter}", uni[1], uni[0], n_tok,
+                                        uniform_width=width))
+            # skip-aux: threshold = quantile of the auxiliary routing weights giving CRISP's bytes
+            nd = self.plan.num_dominant
+            aux = _aux_weights([torch.cat(trace.weights[i]) for i in self.layer_ids], nd)
+            keep = (target / self.full_bpt * self.top_k - nd) / max(1, self.top_k - nd)
+            keep = min(1.0, max(0.0, keep))
+            threshold = float(torch.quantile(aux.double(), 1.0 - keep)) if aux.numel() else 0.0
+            threshold = min(1.0, max(0.0, threshold))
+            sk = run(self._plan("skip_aux", threshold=threshold))
+            records.append(self._record("skip_aux", f"skip auxiliary if weight < {threshold:.3f}", sk[1], sk[0],
+                                        n_tok, skip_threshold=threshold))
+            ska = run(self._plan("skip_aux"))
+            records.append(self._record("skip_aux_all", "skip auxiliary always", ska[1], ska[0], n_tok))
+        full_acc = records[1]["accuracy"]
+        for r in records:
+            r["relative_accuracy_loss_vs_full"] = (full_acc - r["accuracy"]) / full_acc if full_acc else None
+            r["bytes_fraction_of_full"] = r["bytes_per_token"] / self.full_bpt
+        return records
+
+    def _record(self, policy, label, bpt, scores, n_tok, **extra):
+        rec = {"policy": policy, "label": label, "bytes_per_token": float(bpt), "perplexity": scores.perplexity,
+               "loss": scores.loss, "accuracy": scores.accuracy, "tokens_scored": int(scores.nll.numel())}
+        rec.update(extra)
+        if policy != "dense":
+            self.log(f"{policy}: bytes/token {bpt:,.0f} ({bpt / self.full_bpt:.1%}) ppl {scores.perplexity:.4f} "
+                     f"acc {scores.accuracy:.4f}")
+        return rec
+
+    # -- engines: a context manager yielding run(plan) -> (TokenScores, bytes_per_token)
+    def _runtime_runner(self):
+        import contextlib
+
+        from crisp_runtime.hf import apply
+        from crisp_runtime.pack import CrispPack
+
+        @contextlib.contextmanager
+        def runner():
+            handle = apply(self.model, CrispPack(self.layers, self.plan, self.info), plan=self._plan("full"))
+            try:
+                def run(plan):
+                    handle.set_plan(plan)
+                    handle.reset_stats()
+                    scores = score_windows(self.model, self.windows, self.batch_size)
+                    st = handle.stats()
+                    return scores, st["bytes_routed"] / st["tokens"]
+                yield run
+            finally:
+                handle.restore()
+
+        return runner()
+
+    def _reference_runner(self):
+        import contextlib
+
+        weights = {lid: _stored_weights(layer) for lid, layer in self.layers.items()}
+
+        @contextlib.contextmanager
+        def runner():
+            def run(plan):
+                with MaskedExperts(self.model, self.refs, weights=weights, widths_fn=plan.token_widths,
+                                   record=True) as inst:
+                    scores = score_windows(self.model, self.windows, self.batch_size)
+                used = sum(int(torch.cat(inst.trace.widths[i]).sum()) for i in self.layer_ids)
+                tokens = sum(t.shape[0] for t in inst.trace.widths[self.layer_ids[0]])
+                return scores, used * self.neuron_bytes / tokens
+            yield run
+
+        return runner()
+
+
+def format_table(records: list[dict]) -> str:
+    head = (f"{'policy':<13} {'bytes/token':>12} {'of full':>8} {'perplexity':>11} {'accuracy':>9} "
+            f"{'rel. loss':>9}  note")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        rel = r.get("relative_accuracy_loss_vs_full")
+        lines.append(
+            f"{r['policy']:<13} {r['bytes_per_token']:>12,.0f} {r['bytes_fraction_of_full']:>8.1%} "
+            f"{r['perplexity']:>11.4f} {r['accuracy']:>9.4f} {'' if rel is None else f'{rel:>9.2%}'}  {r['label']}"
+        )
+    return "\n".join(lines)
+
+
+def verdict(records: list[dict], max_bytes=0.55, max_loss=0.036) -> dict:
+    by = {r["policy"]: r for r in records}
+    c = by["crisp"]
+    return {
+        "crisp_bytes_fraction": c["bytes_fraction_of_full"],
+        "crisp_relative_accuracy_loss": c["relative_accuracy_loss_vs_full"],
+        "bytes_target_met": c["bytes_fraction_of_full"] <= max_bytes,
+        "accuracy_target_met": c["relative_accuracy_loss_vs_full"] <= max_loss,
+        "beats_uniform": c["accuracy"] > by["uniform"]["accuracy"],
+        "beats_skip_aux": c["accuracy"] > by["skip_aux"]["accuracy"],
+        "bytes_gap_uniform": by["uniform"]["bytes_fraction_of_full"] - c["bytes_fraction_of_full"],
+        "bytes_gap_skip_aux": by["skip_aux"]["bytes_fraction_of_full"] - c["bytes_fraction_of_full"],
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="crisp-eval",
+        description="Perplexity and next-token accuracy of a CRISP pack against dense, 4-bit full width, uniform "
+        "width and skip-auxiliary at equal expert bytes per token.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="local transformers checkpoint folder")
+    p.add_argument("--crisp", required=True, help="CRISP pack folder (from crisp-profile) with its plan")
+    p.add_argument("--data", required=True, nargs="+", help="evaluation text (.txt, .jsonl, .jsonl.gz, .json.gz)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="non-overlapping windows spread over the text (default: all that fit)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--engine", default="runtime", choices=("runtime", "reference"),
+                   help="runtime: crisp_runtime.apply with the packed 4-bit experts; reference: dequantize + mask")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the records as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.samples is not None and args.samples < 1:
+            raise CliError(f"--samples must be positive, got {args.samples}")
+        with threads(args.threads):
+            ev = Evaluator(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
+                           batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet)
+            records = ev.run()
+    except CliError as exc:
+        print(f"crisp-eval: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(records))
+    v = verdict(records)
+    print(
+        f"\nCRISP at {v['crisp_bytes_fraction']:.1%} of full-width bytes: relative accuracy loss "
+        f"{v['crisp_relative_accuracy_loss']:.2%} (target <= 3.6% at <= 55%: "
+        f"{'met' if v['bytes_target_met'] and v['accuracy_target_met'] else 'NOT met'}); "
+        f"beats uniform: {v['beats_uniform']}, beats skip-aux: {v['beats_skip_aux']}"
+    )
+    if args.json:
+        dump_json(args.json, {"model": args.model, "crisp": args.crisp, "data": args.data,
+                              "windows": list(ev.windows.shape), "engine": args.engine,
+                              "full_width_bytes_per_token": ev.full_bpt, "records": records, "verdict": v,
+                              "plan_description": ev.plan.description,
+                              "elapsed_s": round(time.time() - ev.t0, 1)})
+    return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
