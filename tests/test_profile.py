@@ -1,0 +1,194 @@
+"""crisp-profile on a tiny random Mixtral: pack + plan, the permutation, tiers, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from crisp_tools import profile as prof  # noqa: E402
+from crisp_tools.calibration import load_model, reorder_expert_weights  # noqa: E402
+from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text  # noqa: E402
+
+from crisp_kernels.format import dequantize_layer, pack_layer  # noqa: E402
+from crisp_runtime.pack import load_pack  # noqa: E402
+from crisp_runtime.plan import PolicyKind, Tier  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model = make_tiny_mixtral(root / "model")
+    text = write_text(root / "calib.txt")
+    return root, model, text
+
+
+@pytest.fixture(scope="module")
+def profiled(tiny):
+    root, model, text = tiny
+    out = root / "pack"
+    rc = prof.main(["--model", str(model), "--data", str(text), "--out", str(out), *PROFILE_ARGS])
+    assert rc == 0
+    return out
+
+
+def _leftovers(directory):
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def test_profile_writes_pack_and_plan(tiny, profiled):
+    root, model_dir, _ = tiny
+    pack = load_pack(profiled)
+    assert pack.plan is not None and pack.plan.policy is PolicyKind.CRISP
+    assert sorted(pack.layers) == [0, 1]
+    assert pack.info["model"]["weights_sha256"]
+    assert pack.info["search"]["chosen"]["bytes_fraction"] <= 0.55 + 1e-9
+    assert 0.0 <= pack.info["dominance_proxy_agreement"] <= 1.0
+    assert "fall back to the routing-weight proxy" in pack.plan.description
+    # the work folder and temporary folders are gone
+    assert _leftovers(root) == []
+    model, _ = load_model(model_dir)
+    pack.check_model(model)
+
+
+def test_permutation_preserves_the_unquantized_function(tiny, profiled):
+    """Reordering gate/up rows and down columns by the pack's neuron order changes nothing."""
+    _, model_dir, text = tiny
+    model, layers = load_model(model_dir)
+    model.double()
+    model.set_experts_implementation("eager")  # grouped_mm has no float64
+    pack = load_pack(profiled)
+    ids = torch.tensor(list(text.read_bytes()[:96]), dtype=torch.long).view(3, 32)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        for ref in layers:
+            order = pack.layers[ref.layer_id].neuron_order
+            assert not torch.equal(order, torch.arange(order.shape[1]).expand_as(order))  # a real permutation
+            gu, down = reorder_expert_weights(ref.module.gate_up_proj.data, ref.module.down_proj.data, order)
+            ref.module.gate_up_proj.data.copy_(gu)
+            ref.module.down_proj.data.copy_(down)
+        after = model(input_ids=ids).logits
+    assert (after - before).abs().max().item() <= 1e-12
+
+
+def test_quantization_does_not_depend_on_the_order(tiny, profiled):
+    """Groups run along H, so the reordered pack dequantizes to the unreordered one, bit for bit."""
+    _, model_dir, _ = tiny
+    _, layers = load_model(model_dir)
+    pack = load_pack(profiled)
+    for ref in layers:
+        packed = pack.layers[ref.layer_id]
+        plain = pack_layer(ref.module.gate_up_proj.detach(), ref.module.down_proj.detach(), packed.fmt)
+        for a, b in zip(dequantize_layer(packed), dequantize_layer(plain), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_tiers_partition_the_seen_combinations(profiled):
+    pack = load_pack(profiled)
+    info = json.loads((profiled / "pack.json").read_text())
+    total_tokens = 24 * 32
+    for layer_id, lp in pack.plan.layers.items():
+        rows = info["combinations"][str(layer_id)]
+        seen = {tuple(r["experts"]) for r in rows}
+        assert set(lp.tiers) == seen  # every seen pair has exactly one tier (a dict: no pair twice)
+        assert sum(r["count"] for r in rows) == total_tokens
+        assert set(lp.tiers.values()) <= set(Tier)
+        for pair, dom in lp.dominant.items():
+            assert dom in pair
+        # Hot pairs are at least as frequent as Warm, Warm at least as frequent as Cold
+        count = {tuple(r["experts"]): r["count"] for r in rows}
+        rank = {Tier.HOT: 0, Tier.WARM: 1, Tier.COLD: 2}
+        for p in seen:
+            for q in seen:
+                if rank[lp.tiers[p]] < rank[lp.tiers[q]]:
+                    assert count[p] >= count[q]
+        # measured pairs use the measured damage
+        for r in rows:
+            if r["measured"]:
+                da, db = r["mask_damage"]
+                assert r["dominant"] == (r["experts"][0] if da >= db else r["experts"][1])
+
+
+def test_resume_after_interruption_equals_uninterrupted(tiny, profiled, tmp_path):
+    _, model_dir, text = tiny
+    out = tmp_path / "resumed"
+    work = tmp_path / "work"
+    argv = ["--model", str(model_dir), "--data", str(text), "--out", str(out), "--work-dir", str(work), *PROFILE_ARGS]
+    with pytest.raises(prof.ProfileInterrupted):
+        prof.main(argv, interrupt_after=1)
+    assert not out.exists()  # nothing half-written
+    assert (work / prof.STATS_FILE).is_file()
+    assert prof.main(argv) == 0
+    assert not work.exists()
+    a, b = load_pack(profiled), load_pack(out)
+    assert (profiled / "plan.json").read_text() == (out / "plan.json").read_text()
+    for lid in a.layers:
+        for name, t in a.layers[lid].tensors().items():
+            assert torch.equal(t, b.layers[lid].tensors()[name]), name
+    strip = ("elapsed_s",)
+    assert {k: v for k, v in a.info.items() if k not in strip} == {k: v for k, v in b.info.items() if k not in strip}
+
+
+def test_rerun_replaces_the_same_models_pack(tiny, profiled, tmp_path):
+    _, model_dir, text = tiny
+    out = tmp_path / "again"
+    shutil.copytree(profiled, out)
+    argv = ["--model", str(model_dir), "--data", str(text), "--out", str(out), *PROFILE_ARGS]
+    assert prof.main(argv) == 0
+    assert (out / "plan.json").read_text() == (profiled / "plan.json").read_text()
+
+
+def _bad_cases(tiny, profiled, tmp):
+    root, model_dir, text = tiny
+    empty = tmp / "empty.txt"
+    empty.write_text("")
+    short = tmp / "short.txt"
+    short.write_text("def f(): pass\n")
+    other = tmp / "other_pack"
+    shutil.copytree(profiled, other)
+    info = json.loads((other / "pack.json").read_text())
+    info["model"]["weights_sha256"] = "0" * 64
+    (other / "pack.json").write_text(json.dumps(info))
+    junk = tmp / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("mine")
+    m, d = str(model_dir), str(text)
+    return {
+        "missing model": (["--model", str(tmp / "nope"), "--data", d], "not a directory", None),
+        "missing data": (["--model", m, "--data", str(tmp / "nope.txt")], "no such file", None),
+        "empty text": (["--model", m, "--data", str(empty)], "empty", None),
+        "too short text": (["--model", m, "--data", str(short)], "fewer than --seq-len", None),
+        "too many samples": (["--model", m, "--data", str(short), "--seq-len", "8", "--samples", "500"],
+                             "too little text", None),
+        "seq-len beyond the model": (["--model", m, "--data", d, "--seq-len", "65"], "max_position_embeddings", None),
+        "another model's pack": (["--model", m, "--data", d], "different model", other),
+        "a folder that is not a pack": (["--model", m, "--data", d], "holds no CRISP pack", junk),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing model", "missing data", "empty text", "too short text", "too many samples",
+                                  "seq-len beyond the model", "another model's pack", "a folder that is not a pack"])
+def test_bad_input_exits_2_and_writes_nothing(tiny, profiled, tmp_path, capsys, case):
+    argv, message, out = _bad_cases(tiny, profiled, tmp_path)[case]
+    out = out or tmp_path / "out"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    snapshot = {p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None
+    defaults = ["--samples", "4", "--seq-len", "32"] if "--seq-len" not in argv else []
+    rc = prof.main([*argv, "--out", str(out), *defaults, "--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "crisp-profile: error:" in err and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temp or work folders left behind
+    if snapshot is not None:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == snapshot
+
+
+def test_help_documents_every_option():
+    text = prof.build_parser().format_help()
+    for opt in ("--model", "--data", "--samples", "--seq-len", "--out", "--device", "--group-size", "--hot-mass",
+                "--cold-mass", "--warm-width", "--search-target-bytes", "--work-dir"):
+        assert opt in text
