@@ -172,16 +172,16 @@ def _token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_masked(g, u, offs_t, t_mask, offs_n, k, tw_ptr, HAS_TW: tl.constexpr):
+def _silu_mul_masked(g, u, offs_t, t_mask, offs_n, tw_ptr, HAS_TW: tl.constexpr):
     h = g * tl.sigmoid(g) * u
     if HAS_TW:
+        # j < min(k, tw) for 0 <= j: n < k is already the store mask, so no clamp is needed
         tw = tl.load(tw_ptr + offs_t, mask=t_mask, other=0)
-        tw = tl.minimum(tl.maximum(tw, 0), k)
         h = tl.where(offs_n[None, :] < tw[:, None], h, 0.0)
     return h
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "k"])
 def _gate_up_decode_kernel(
     x_ptr, rows_ptr, tw_ptr, q_ptr, s_ptr, z_ptr, h_ptr,
     T, k, stride_xt,
@@ -210,18 +210,23 @@ def _gate_up_decode_kernel(
         xo = tl.load(x_ptr + x_off + 1, mask=x_mask, other=0.0).to(tl.float32)[:, None, :]
         w_mask = n_mask[:, None] & b_mask[None, :]
         q_off = q_row[:, None] + offs_b[None, :]
-        g_off = s_row[:, None] + (offs_b // GB)[None, :]
-        s, z = _load_group_params(s_ptr, z_ptr, g_off, w_mask, SYMMETRIC)
+        if BLOCK_K <= GB:  # the whole step lies in one group: one scale per neuron
+            g_off = (s_row + b0 // GB)[:, None]
+            g_mask = n_mask[:, None]
+        else:
+            g_off = s_row[:, None] + (offs_b // GB)[None, :]
+            g_mask = w_mask
+        s, z = _load_group_params(s_ptr, z_ptr, g_off, g_mask, SYMMETRIC)
         lo, hi = _dequant_pair(tl.load(q_ptr + q_off, mask=w_mask, other=0), s, z)
         acc_g += tl.sum(xe * lo[None, :, :] + xo * hi[None, :, :], axis=2)
-        s, z = _load_group_params(s_ptr, z_ptr, g_off + G, w_mask, SYMMETRIC)
+        s, z = _load_group_params(s_ptr, z_ptr, g_off + G, g_mask, SYMMETRIC)
         lo, hi = _dequant_pair(tl.load(q_ptr + q_off + HB, mask=w_mask, other=0), s, z)
         acc_u += tl.sum(xe * lo[None, :, :] + xo * hi[None, :, :], axis=2)
-    h = _silu_mul_masked(acc_g, acc_u, offs_t, t_mask, offs_n, k, tw_ptr, HAS_TW)
+    h = _silu_mul_masked(acc_g, acc_u, offs_t, t_mask, offs_n, tw_ptr, HAS_TW)
     tl.store(h_ptr + offs_t.to(tl.int64)[:, None] * k + offs_n[None, :], h, mask=t_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "k"])
 def _gate_up_prefill_kernel(
     x_ptr, rows_ptr, tw_ptr, q_ptr, s_ptr, z_ptr, h_ptr,
     T, k, stride_xt,
@@ -254,16 +259,21 @@ def _gate_up_prefill_kernel(
         # weights as (bytes, neurons) tiles: the right operand of x @ w
         w_mask = b_mask[:, None] & n_mask[None, :]
         q_off = q_col[None, :] + offs_b[:, None]
-        g_off = s_col[None, :] + (offs_b // GB)[:, None]
-        s, z = _load_group_params(s_ptr, z_ptr, g_off, w_mask, SYMMETRIC)
+        if BLOCK_K <= GB:  # the whole step lies in one group: one scale per neuron
+            g_off = (s_col + b0 // GB)[None, :]
+            g_mask = n_mask[None, :]
+        else:
+            g_off = s_col[None, :] + (offs_b // GB)[:, None]
+            g_mask = w_mask
+        s, z = _load_group_params(s_ptr, z_ptr, g_off, g_mask, SYMMETRIC)
         lo, hi = _dequant_pair(tl.load(q_ptr + q_off, mask=w_mask, other=0), s, z)
         acc_g = _dot(xe, lo, acc_g, DOT_DTYPE)
         acc_g = _dot(xo, hi, acc_g, DOT_DTYPE)
-        s, z = _load_group_params(s_ptr, z_ptr, g_off + G, w_mask, SYMMETRIC)
+        s, z = _load_group_params(s_ptr, z_ptr, g_off + G, g_mask, SYMMETRIC)
         lo, hi = _dequant_pair(tl.load(q_ptr + q_off + HB, mask=w_mask, other=0), s, z)
         acc_u = _dot(xe, lo, acc_u, DOT_DTYPE)
         acc_u = _dot(xo, hi, acc_u, DOT_DTYPE)
-    h = _silu_mul_masked(acc_g, acc_u, offs_t, t_mask, offs_n, k, tw_ptr, HAS_TW)
+    h = _silu_mul_masked(acc_g, acc_u, offs_t, t_mask, offs_n, tw_ptr, HAS_TW)
     tl.store(h_ptr + offs_t.to(tl.int64)[:, None] * k + offs_n[None, :], h, mask=t_mask[:, None] & n_mask[None, :])
 
 
@@ -284,7 +294,7 @@ def _write_out(out_ptr, rows_ptr, w_ptr, acc_e, acc_o, offs_t, t_mask, offs_b, b
         tl.store(out_ptr + o_off + 1, acc_o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "k", "chunk"])
 def _down_decode_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, out_ptr, rows_ptr, w_ptr,
     T, k, chunk, stride_ot,
@@ -322,7 +332,7 @@ def _down_decode_kernel(
                HAS_ROWS, HAS_WEIGHTS, ATOMIC)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "k", "chunk"])
 def _down_prefill_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, out_ptr, rows_ptr, w_ptr,
     T, k, chunk, stride_ot,
