@@ -88,3 +88,19 @@ def test_eval_bad_input(setup, tmp_path, capsys):
     assert ev.main(["--model", str(model), "--crisp", str(out), "--data", str(held), "--seq-len", "32",
                     "--samples", "100000"]) == 2
     assert "too little text" in capsys.readouterr().err
+
+
+def test_evidence_report_runs(setup, tmp_path, capsys):
+    from crisp_tools import evidence
+
+    _, model, held, out = setup
+    path = tmp_path / "ev.json"
+    rc = evidence.main(["--model", str(model), "--crisp", str(out), "--data", str(held), "--seq-len", "32",
+                        "--samples", "12", "--top-pairs", "3", "--json", str(path), "--quiet", "--threads", "1"])
+    assert rc == 0
+    ev = json.loads(path.read_text())
+    for layer in ev["skew"].values():
+        assert 0.0 <= layer["bottom29_share"] <= layer["top25_share"] <= 1.0
+    assert set(ev["uniform_50"]["all_layers"]) == {"hot", "medium", "cold"}
+    assert len(ev["masking"]["combinations"]) <= 3
+    assert "## 5. Dropping a whole expert" in capsys.readouterr().out
