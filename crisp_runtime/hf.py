@@ -162,8 +162,9 @@ class CrispHandle:
                     if device is not None and obj.device != device:
                         obj.data = obj.data.to(device)
                     module._parameters[name] = obj
-                else:
+                else:  # load_model: there never were full-precision experts
                     module.__dict__[name] = obj
+                    kept = False
             _reorder_parameters(module, self._stash[ref.name])
         self.model.set_experts_implementation(self._previous_impl)
         self.active = False
@@ -332,7 +333,7 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     pack = load_pack(pack_dir)  # fail on a bad pack before reading the checkpoint
     budget = parse_budget(gpu_budget)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, device_map="cpu", **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, **kwargs)  # on the CPU (no device_map)
     pack.check_model(model)
     drop_expert_weights(model)
     model.to(device)
