@@ -186,7 +186,7 @@ class PrefixCache:
 class OrderTotals:
     time_s: float = 0.0
     expert_s: float = 0.0  # from router end to layer end (copies + computes not hidden)
-    bound_s: float = 0.0  # flow-shop lower bound of the expert part
+    bound_s: float = 0.0  # other + router + the flow-shop lower bound of the expert part
 
 
 @dataclass
@@ -266,8 +266,9 @@ def simulate_decode(
     min_budget = shape.top_k * shape.expert_nbytes
     if budget_bytes < min_budget:
         raise BudgetTooSmall(
-            f"GPU budget {budget_bytes / 1e9:.3f} GB is smaller than one layer's working set "
-            f"({shape.top_k} full-width experts = {min_budget / 1e9:.3f} GB)"
+            f"GPU budget of {budget_bytes:,} bytes ({budget_bytes / shape.total_expert_nbytes:.1%} of the expert "
+            f"bytes) is smaller than one layer's working set ({shape.top_k} full-width experts = {min_budget:,} bytes, "
+            f"{min_budget / shape.total_expert_nbytes:.1%})"
         )
     num_tokens = len(index)
     if warmup >= num_tokens:
@@ -300,9 +301,33 @@ def simulate_decode(
                 tot = res.per_order[o]
                 tot.time_s += lead + end
                 tot.expert_s += end
-                tot.bound_s += bound
+                tot.bound_s += lead + bound
         if counting:
             res.tokens += 1
         if progress is not None:
             progress(t + 1, num_tokens)
     return res
+
+
+# ---------------------------------------------------------------------------- policies at a budget
+
+
+def simulate_policies(
+    mapped: dict[str, tuple],
+    profile: HardwareProfile,
+    shape: ModelShape,
+    budget_fraction: float,
+    orders: Sequence[str] = ORDERS,
+    warmup: int = 0,
+    progress=None,
+) -> list[dict]:
+    """One record per (policy, order): ``mapped`` is policy -> (index, widths), each (T, L, k)."""
+    budget = int(budget_fraction * shape.total_expert_nbytes)
+    records = []
+    for policy, (index, widths) in mapped.items():
+        res = simulate_decode(index, widths, profile, shape, budget, orders, warmup,
+                              progress=None if progress is None else (lambda d, n, p=policy: progress(p, d, n)))
+        for o in orders:
+            rec = {"policy": policy, "budget_fraction": budget_fraction, "budget_bytes": budget, **res.summary(o)}
+            records.append(rec)
+    return records

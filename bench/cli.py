@@ -1,0 +1,585 @@
+"""``crisp-bench``: how fast CRISP runs on this machine, against what you would use instead.
+
+Subcommands: kernels, transfer, layer, e2e, simulate. With no subcommand a quick default
+suite runs all of them on the committed trained model (about a minute on a 2-core CPU; it
+uses the GPU when there is one). Every subcommand prints tables, and takes ``--json PATH``
+and ``--plot PATH.png``. Bad input exits with code 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import report
+from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, TARGETS
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-mixtral"
+DEFAULT_TEXT = REPO_ROOT / "data" / "stdlib-heldout.txt"
+POLICIES = ("full", "uniform", "skip_aux", "crisp")
+ORDERS = ("serial", "router", "widest_first")
+SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
+
+
+class CliError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+# ---------------------------------------------------------------------------- argument helpers
+
+
+def _csv(choices):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {', '.join(choices)}")
+        return items
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text.rstrip("%")) / (100.0 if text.endswith("%") else 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1] (or 0-100%), got {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _outputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the records as JSON to PATH")
+    p.add_argument("--plot", metavar="PATH.png", help="write a plot to PATH.png (matplotlib)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy shared CPU)")
+
+
+def _model_args(p: argparse.ArgumentParser, *, pack_required: bool = True) -> None:
+    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL),
+                   help="transformers checkpoint (default: the committed models/tiny-mixtral)")
+    p.add_argument("--pack", metavar="DIR", default=None,
+                   help="CRISP pack + plan of that model (default: DIR-crisp beside it, or DIR itself)")
+    p.add_argument("--text", metavar="PATH", default=str(DEFAULT_TEXT),
+                   help="held-out text (.txt/.jsonl) to decode (default: data/stdlib-heldout.txt)")
+
+
+SIMULATE_EPILOG = """\
+how the simulator reads the paper (profile rtx4090-pcie4):
+  The paper's per-expert figures (full-width Mixtral expert: 7.5 ms load, 0.8 ms compute;
+  3.8 / 0.4 ms at 50%) and its layer breakdown (14.4 ms = 11.2 ms loading the two routed
+  experts + 2.6 ms compute + 0.4 ms router) do not add up: two uncached loads take 15.0 ms
+  and two computes 1.6 ms. The profile takes the per-expert figures as ground truth: load =
+  0.1 ms + 7.4 ms x width fraction (affine fit of the two points), compute = 0.8 ms x width
+  fraction, router 0.4 ms, plus 1.0 ms of other compute per layer (2.6 - 2 x 0.8) that does
+  not shrink with width. The paper's 11.2 ms of loading is then ~1.5 full loads per layer,
+  i.e. a ~25% hit rate; the simulator prints its own breakdown beside the paper's.
+
+mapping a small model's traces onto --target mixtral-8x7b:
+  target layer l replays traced layer (l mod L) for the same token; expert ids and router
+  order are kept (needs 8 experts, top-2); widths are kept as fractions of I and scaled to
+  I=14336; expert bytes are Mixtral's (H=4096, I=14336) in CRISP's 4-bit format (g64 with
+  zero points: 6,720 B/neuron, 96.3 MB/expert, 24.7 GB for 256 experts). Attention, norms
+  and the KV cache are resident outside the budget; the budget holds expert prefixes in one
+  LRU cache shared by all layers. Batch 1, steady state (the first --warmup tokens fill the
+  cache and are not counted).
+
+policies (CrispPlan): full = every routed expert full width (full + LRU = the
+  mixtral-offloading-style baseline); uniform = every expert at one width (default: the
+  width giving CRISP's bytes per token); skip_aux = dominant expert only; crisp = tiers over
+  expert pairs from the committed plan (--plan auto derives one from the trace itself).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="crisp-bench",
+        description="Benchmarks for CRISP (kernels, transfers, layer steps, end to end) and a decoding simulator. "
+        "Without a subcommand, runs a quick default suite (~1 minute on a 2-core CPU) on the committed model.",
+    )
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="torch CPU threads for the default suite (default: 1 on machines with <= 2 cores)")
+    sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,layer,e2e,simulate}")
+
+    p = sub.add_parser("kernels", help="expert kernels vs dequantize+F.linear and fp16 F.linear",
+                       description="The kernels sweep (widths x token counts x model shapes): us, GB/s of prefix "
+                       "bytes, % of measured copy bandwidth; every variant is checked against the reference first.")
+    p.add_argument("--shapes", default="tiny", help="model shapes, comma separated (e.g. tiny,mixtral)")
+    p.add_argument("--widths", default="0.25,0.5,1.0", help="width fractions, comma separated")
+    p.add_argument("--tokens", default="1,4", help="token counts, comma separated")
+    p.add_argument("--quick", action="store_true", help="fewest repetitions")
+    _outputs(p)
+
+    p = sub.add_parser("transfer", help="host-to-device bandwidth and load time per width",
+                       description="Pinned host-to-device bandwidth, and load time per width for each model shape "
+                       "(the paper's 'load and compute scale together' table). On a CPU the 'transfer' is a memcpy.")
+    p.add_argument("--shapes", default="tiny,mixtral", help="model shapes: tiny, mixtral (comma separated)")
+    p.add_argument("--widths", default="0.125,0.25,0.5,0.75,1.0", help="width fractions, comma separated")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed repetitions per point")
+    p.add_argument("--profile-out", metavar="PATH.json", nargs="?", const=MEASURED_PROFILE_FILE,
+                   help=f"also measure expert compute and write a 'measured' simulator profile "
+                   f"(default path {MEASURED_PROFILE_FILE})")
+    _outputs(p)
+
+    p = sub.add_parser("layer", help="one MoE layer step under load/compute orders and policies",
+                       description="One MoE layer step of the model under orders (serial, router, widest_first) "
+                       "and policies (full, uniform, skip_aux, crisp) at equal GPU memory, against the flow-shop "
+                       "bound, with the paper's breakdown (router, load, compute, share of load) for this machine.")
+    _model_args(p)
+    p.add_argument("--budget", type=_fraction, default=0.25, help="GPU budget, fraction of expert bytes")
+    p.add_argument("--steps", type=_positive_int, default=32, help="decode steps to time")
+    p.add_argument("--policies", type=_csv(POLICIES), default=list(POLICIES))
+    _outputs(p)
+
+    p = sub.add_parser("e2e", help="decode tokens/s, bytes/token, hit rate, accuracy per policy",
+                       description="End-to-end decoding of a model under each policy at equal GPU memory: tokens/s, "
+                       "bytes copied per token, cache hit rate and next-token accuracy. full = the "
+                       "mixtral-offloading-style full-width LRU baseline.")
+    _model_args(p)
+    p.add_argument("--budget", type=_fraction, default=0.25, help="GPU budget, fraction of expert bytes")
+    p.add_argument("--tokens", type=_positive_int, default=128, help="tokens to decode per policy")
+    p.add_argument("--policies", type=_csv(POLICIES), default=list(POLICIES))
+    _outputs(p)
+
+    p = sub.add_parser("simulate", help="predict decoding on another GPU from routing traces",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SIMULATE_EPILOG,
+                       description="Discrete-event simulation of batch-1 decoding (router, copy engine, compute "
+                       "engine, other per-layer work) fed with routing traces and a hardware profile; tokens/s and "
+                       "bytes per token per policy at a GPU budget.")
+    p.add_argument("--profile", default="rtx4090-pcie4",
+                   help=f"hardware profile: {', '.join(BUILTIN_PROFILES)}, measured (see --profile-file), or PATH.json")
+    p.add_argument("--profile-file", metavar="PATH", default=None,
+                   help=f"file of the 'measured' profile (default {MEASURED_PROFILE_FILE})")
+    p.add_argument("--trace", metavar="PATH.npz", help="routing trace to replay (default: record one from --model)")
+    p.add_argument("--record-trace", metavar="PATH.npz", help="save the recorded trace here")
+    _model_args(p)
+    p.add_argument("--sequences", type=_positive_int, default=8, help="sequences to record (default 8)")
+    p.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per recorded sequence (default 256)")
+    p.add_argument("--tokens", type=_positive_int, default=None, help="replay only the first N traced tokens")
+    p.add_argument("--plan", default=None,
+                   help="CRISP plan: a plan JSON, a pack folder, or 'auto' (derive from the trace); "
+                   "default: the pack's plan")
+    p.add_argument("--target", default="mixtral-8x7b", choices=[*TARGETS, "native"],
+                   help="model whose layer count and expert sizes the trace is mapped onto (default mixtral-8x7b)")
+    p.add_argument("--budget", type=_fraction, default=0.25,
+                   help="GPU budget as a fraction of the model's 4-bit expert bytes (default 0.25)")
+    p.add_argument("--budget-sweep", action="store_true", help="sweep the budget from 10%% to 75%%")
+    p.add_argument("--policies", type=_csv(POLICIES), default=list(POLICIES), help="comma separated")
+    p.add_argument("--orders", type=_csv(ORDERS), default=list(ORDERS), help="comma separated")
+    p.add_argument("--uniform-width", type=_fraction, default=None,
+                   help="width of the uniform policy (fraction of I; default: CRISP's bytes per token)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="tokens that fill the cache first, not counted (default: min(32, a quarter of the trace))")
+    _outputs(p)
+    return parser
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        for name in ("json", "plot"):
+            report.check_output_path(getattr(args, name, None), f"--{name}")
+        if getattr(args, "plot", None) and not str(args.plot).lower().endswith(".png"):
+            raise CliError(f"--plot {args.plot}: expected a .png path")
+        if args.command is None:
+            return _default_suite(args)
+        if getattr(args, "threads", None):
+            import torch
+
+            torch.set_num_threads(args.threads)
+        handler = {"kernels": _cmd_kernels, "transfer": _cmd_transfer, "layer": _cmd_layer, "e2e": _cmd_e2e,
+                   "simulate": _cmd_simulate}[args.command]
+        return handler(args)
+    except KeyboardInterrupt:
+        print("crisp-bench: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - bad input must not end in a traceback
+        if os.environ.get("CRISP_BENCH_DEBUG"):
+            raise
+        known = _known_errors()
+        if isinstance(exc, (CliError, *known)):
+            print(f"crisp-bench {args.command or ''}: error: {exc}".replace("  ", " "), file=sys.stderr)
+            return 2
+        print(f"crisp-bench {args.command or ''}: internal error: {type(exc).__name__}: {exc} "
+              f"(set CRISP_BENCH_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from crisp_runtime.plan import PlanError
+
+    from .profiles import ProfileError
+    from .simulate import BudgetTooSmall
+    from .traces import TraceError
+
+    errors: list[type[BaseException]] = [PlanError, ProfileError, BudgetTooSmall, TraceError, report.OutputPathError]
+    try:
+        from crisp_runtime.models import UnsupportedModelError
+
+        errors.append(UnsupportedModelError)
+    except ImportError:  # pragma: no cover
+        pass
+    from .e2e import ModelInputError
+
+    errors.append(ModelInputError)
+    return tuple(errors)
+
+
+def _emit(args, command: str, records: list[dict], **extra) -> None:
+    if getattr(args, "json", None):
+        report.write_json(args.json, command, records, **extra)
+        print(f"wrote {args.json}")
+
+
+# ---------------------------------------------------------------------------- simulate
+
+
+def _cmd_simulate(args) -> int:
+    from . import simulate as sim
+
+    t0 = time.perf_counter()
+    profile, shape, trace, plans, mapped, notes = _simulation_inputs(args)
+    print(f"simulate: profile {profile.name} ({profile.description or profile.source})")
+    for n in notes:
+        print(f"  {n}")
+    budgets = list(SWEEP) if args.budget_sweep else [args.budget]
+    if args.budget_sweep:
+        floor = shape.top_k * shape.expert_nbytes / shape.total_expert_nbytes
+        too_small = [b for b in budgets if b < floor]
+        budgets = [b for b in budgets if b >= floor]
+        if too_small:
+            print(f"  sweep skips {', '.join(f'{b:.0%}' for b in too_small)}: below one layer's working set "
+                  f"({shape.top_k} full experts = {floor:.1%} of the expert bytes)")
+        if not budgets:
+            raise CliError("no budget of the sweep holds one layer's working set")
+    if args.warmup is None:
+        args.warmup = min(32, trace.num_tokens // 4)
+    if args.warmup < 0 or args.warmup >= trace.num_tokens:
+        raise CliError(f"--warmup must lie in [0, {trace.num_tokens}) for a trace of {trace.num_tokens} tokens")
+    records: list[dict] = []
+    keys = list(mapped)
+    for b in budgets:
+        prog = report.Progress(f"simulating budget {b:.0%}")
+
+        def step(policy, done, n, prog=prog):
+            prog(keys.index(policy) * n + done, len(keys) * n)
+
+        records += sim.simulate_policies(mapped, profile, shape, b, args.orders, args.warmup, progress=step)
+    for r in records:
+        r["profile"] = profile.name
+        r["target"] = shape.name
+    _print_simulation(records, budgets, args, shape)
+    headline = _headline(records, budgets)
+    for line in headline["lines"]:
+        print(line)
+    if profile.name == "rtx4090-pcie4" and shape.name == "mixtral-8x7b":
+        print(_paper_comparison(records, args.budget if not args.budget_sweep else 0.25))
+    if args.plot:
+        _plot_simulation(args.plot, records, budgets, profile, shape, trace)
+        print(f"wrote {args.plot}")
+    _emit(args, "simulate", records, profile=profile.to_dict(), target=shape.__dict__, mapping=notes,
+          plans={k: v.to_dict() if k != "crisp" else {"description": v.description, "tier_widths": vars(v.tier_widths)}
+                 for k, v in plans.items()},
+          headline={k: v for k, v in headline.items() if k != "lines"})
+    print(f"simulate: {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _simulation_inputs(args):
+    """(profile, target shape, trace, plans, mapped widths, notes) for ``simulate``."""
+    from . import traces as tr
+    from .profiles import ModelShape, get_profile
+
+    profile = get_profile(args.profile, args.profile_file)
+    notes: list[str] = []
+    pack_dir = None
+    if args.trace:
+        trace = tr.Trace.load(args.trace)
+        notes.append(f"trace {args.trace}: {trace.num_layers} layers x {trace.num_tokens} tokens, "
+                     f"E={trace.num_experts}, top-{trace.top_k}, I={trace.intermediate_size} "
+                     f"({trace.meta.get('model', '?')}, {trace.meta.get('source', '')})")
+    else:
+        from .e2e import load_model_for_bench
+
+        model, pack_dir = load_model_for_bench(args.model, args.pack, need_pack=args.plan is None)
+        trace = _record(model, args)
+        notes.append(f"trace recorded from {args.model} on {args.text}: {trace.num_layers} layers x "
+                     f"{trace.num_tokens} tokens ({args.sequences} x {args.seq_len}, teacher-forced = decode routing)")
+        if args.record_trace:
+            trace.save(args.record_trace)
+            notes.append(f"trace saved to {args.record_trace}")
+    if args.tokens:
+        trace = trace.head(args.tokens)
+    # The CRISP plan.
+    crisp_plan = None
+    if "crisp" in args.policies or args.uniform_width is None:
+        crisp_plan = _load_crisp_plan(args.plan, pack_dir, trace, notes)
+    uniform = None if args.uniform_width is None else max(1, round(args.uniform_width * trace.intermediate_size))
+    plans = tr.policy_plans(trace, crisp_plan, uniform)
+    plans = {k: v for k, v in plans.items() if k in args.policies}
+    if args.target == "native":
+        shape = ModelShape(f"native ({trace.meta.get('model', 'traced model')})", trace.num_layers,
+                           trace.num_experts, trace.top_k, int(trace.meta.get("hidden_size", 128)),
+                           trace.intermediate_size)
+        notes.append(f"target native: {shape.num_layers} layers, expert {shape.expert_nbytes / 1e3:.1f} kB")
+    else:
+        shape = TARGETS[args.target]
+        if (trace.num_experts, trace.top_k) != (shape.num_experts, shape.top_k):
+            raise CliError(f"trace has E={trace.num_experts}, top-{trace.top_k}; target {shape.name} needs "
+                           f"E={shape.num_experts}, top-{shape.top_k} (use --target native)")
+        notes.append(f"target {shape.name}: {shape.num_layers} layers cycle the {trace.num_layers} traced layers; "
+                     f"widths scaled x{shape.intermediate_size / trace.intermediate_size:g} "
+                     f"(fractions of I kept); expert {shape.expert_nbytes / 1e6:.1f} MB "
+                     f"(H={shape.hidden_size}, I={shape.intermediate_size}, 4-bit g{shape.group_size} + zeros), "
+                     f"all experts {shape.total_expert_nbytes / 1e9:.2f} GB")
+    if "uniform" in plans:
+        how = "given" if args.uniform_width is not None else ("matched to CRISP's bytes/token" if crisp_plan
+                                                                  else "default 50%")
+        notes.append(f"uniform width {plans['uniform'].uniform_width}/{trace.intermediate_size} ({how})")
+    mapped = {}
+    for name, plan in plans.items():
+        widths = tr.token_widths(trace, plan)
+        mapped[name] = tr.map_widths(trace, widths, shape.num_layers, shape.intermediate_size)
+    return profile, shape, trace, plans, mapped, notes
+
+
+def _record(model, args):
+    from crisp_runtime.text import read_texts, sample_sequences
+
+    from . import traces as tr
+
+    try:
+        texts = read_texts(args.text)
+        seqs = sample_sequences(texts, args.sequences, args.seq_len, seed=0)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    print(f"recording routing of {args.sequences} x {args.seq_len} tokens ...", file=sys.stderr)
+    return tr.record_trace(model, seqs, source=str(args.text), progress=report.Progress("recording"))
+
+
+def _load_crisp_plan(spec, pack_dir, trace, notes):
+    from crisp_runtime.plan import CrispPlan
+
+    from . import traces as tr
+    from .e2e import find_plan_file
+
+    if spec == "auto":
+        notes.append("crisp plan: derived from the trace itself (tiers by pair frequency, warm aux at 50%)")
+        return tr.plan_from_trace(trace)
+    path = None
+    if spec is not None:
+        p = Path(spec)
+        if p.is_dir():
+            path = find_plan_file(p)
+            if path is None:
+                raise CliError(f"--plan {spec}: no CRISP plan in that folder")
+        elif p.is_file():
+            path = p
+        else:
+            raise CliError(f"--plan {spec}: no such file or folder (or use --plan auto)")
+    elif pack_dir is not None:
+        path = find_plan_file(pack_dir)
+    if path is None:
+        raise CliError("no CRISP plan: give --plan PATH (a plan JSON or pack folder) or --plan auto")
+    plan = CrispPlan.load(path)
+    if plan.policy.value != "crisp":
+        raise CliError(f"{path}: is a {plan.policy.value!r} plan, not a CRISP plan")
+    tw = plan.tier_widths
+    notes.append(f"crisp plan: {path} (hot/warm/cold aux widths {tw.hot}/{tw.warm}/{tw.cold} of "
+                 f"{plan.intermediate_size}, unseen pairs -> {plan.unseen_tier.value})")
+    return plan
+
+
+def _print_simulation(records, budgets, args, shape) -> None:
+    cols = [("policy", "policy"), ("order", "order"), ("tokens_per_s", "tok/s"), ("ms_per_token", "ms/tok"),
+            ("mb_per_token", "MB copied/tok"), ("hit_rate", "hit rate"), ("experts_per_layer", "experts/layer"),
+            ("layer_ms", "layer ms"), ("load_ms", "load ms"), ("compute_ms", "compute ms"),
+            ("flow_shop_bound_ms", "bound ms")]
+    for b in budgets:
+        rows = [dict(r, mb_per_token=r["bytes_per_token"] / 1e6) for r in records if r["budget_fraction"] == b]
+        print()
+        print(report.table(rows, cols, title=f"budget {b:.0%} of expert bytes ({rows[0]['budget_bytes'] / 1e9:.2f} GB)"
+                                             f", {shape.name}, {rows[0]['tokens']} tokens"))
+
+
+def _pick(records, policy, order, budget):
+    for r in records:
+        if r["policy"] == policy and r["order"] == order and r["budget_fraction"] == budget:
+            return r
+    return None
+
+
+def _headline(records, budgets) -> dict:
+    out: dict = {"lines": []}
+    for b in budgets:
+        crisp = _pick(records, "crisp", "widest_first", b)
+        base_r = _pick(records, "full", "router", b)
+        base_s = _pick(records, "full", "serial", b)
+        base_w = _pick(records, "full", "widest_first", b)
+        if not crisp:
+            continue
+        entry = {}
+        parts = []
+        for name, base in (("full_router", base_r), ("full_serial", base_s), ("full_widest_first", base_w)):
+            if base:
+                entry[name] = crisp["tokens_per_s"] / base["tokens_per_s"]
+                parts.append(f"{entry[name]:.2f}x vs full/{name[5:]}")
+        out[f"{b:g}"] = entry
+        out["lines"].append(f"budget {b:.0%}: CRISP (widest-first) {crisp['tokens_per_s']:.2f} tok/s = "
+                            + ", ".join(parts) + " (full-width LRU)")
+    return out
+
+
+def _paper_comparison(records, budget) -> str:
+    r = _pick(records, "full", "serial", budget)
+    if r is None:
+        return ""
+    return (f"paper's MoE layer (RTX 4090, full width, serial): 14.4 ms = load 11.2 + compute 2.6 + router 0.4\n"
+            f"simulated full/serial at {budget:.0%}:              {r['layer_ms']:.1f} ms = load {r['load_ms']:.1f} "
+            f"+ compute {r['compute_ms'] + r['other_ms']:.1f} (experts {r['compute_ms']:.1f} + other "
+            f"{r['other_ms']:.1f}) + router {r['router_ms']:.1f}; hit rate {r['hit_rate']:.0%}")
+
+
+def _plot_simulation(path, records, budgets, profile, shape, trace) -> None:
+    stamp = report.environment()["date"]
+    note = (f"{profile.name} profile, traces of {trace.meta.get('model', '?')} mapped onto {shape.name}, "
+            f"{records[0]['tokens']} tokens, {stamp}")
+    if len(budgets) > 1:
+        series: dict = {}
+        for r in records:
+            if r["order"] == ("widest_first" if r["policy"] != "full" else "router") or (
+                    r["policy"] == "full" and r["order"] == "widest_first"):
+                label = f"{r['policy']} ({r['order'].replace('_', '-')})"
+                series.setdefault(label, []).append((100 * r["budget_fraction"], r["tokens_per_s"]))
+        report.plot_lines(path, series, xlabel="GPU budget (% of 4-bit expert bytes)", ylabel="decode tokens/s",
+                          title=f"Simulated decode throughput vs GPU budget ({profile.name}, {shape.name})", note=note)
+    else:
+        groups: dict = {}
+        for r in records:
+            groups.setdefault(r["policy"], {})[r["order"]] = r["tokens_per_s"]
+        report.plot_bars(path, groups, ylabel="decode tokens/s",
+                         title=f"Simulated tokens/s at {budgets[0]:.0%} budget ({profile.name}, {shape.name})",
+                         note=note)
+
+
+# ---------------------------------------------------------------------------- other subcommands
+
+
+def _cmd_kernels(args) -> int:
+    """The kernels engineer's sweep (``crisp_bench.kernels.run_kernel_sweep``), printed and saved."""
+    import importlib
+    import inspect
+
+    try:
+        kernels = importlib.import_module("crisp_bench.kernels")
+    except ImportError as exc:
+        raise CliError(f"the kernels benchmark is not available in this install ({exc})") from exc
+    sweep = getattr(kernels, "run_kernel_sweep", None)
+    if sweep is None:
+        raise CliError("crisp_bench.kernels has no run_kernel_sweep()")
+
+    def floats(text, what):
+        try:
+            return [float(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise CliError(f"--{what} {text!r}: expected comma-separated numbers") from None
+
+    wanted = {"shapes": [s.strip() for s in args.shapes.split(",") if s.strip()],
+              "widths": floats(args.widths, "widths"),
+              "tokens": [int(v) for v in floats(args.tokens, "tokens")],
+              "quick": args.quick, "progress": report.Progress("kernels")}
+    params = inspect.signature(sweep).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in wanted.items() if accepts_any or k in params}
+    try:
+        records = sweep(**kwargs)
+    except (ValueError, KeyError) as exc:
+        raise CliError(f"kernels: {exc}") from exc
+    records = [dict(r) for r in records]
+    if records:
+        keys = list(records[0])
+        print(report.table(records, [(k, k) for k in keys], title="kernels (us, GB/s of prefix bytes, % of copy bw)"))
+    else:
+        print("kernels: the sweep returned no records")
+    if args.plot and records:
+        _plot_kernels(args.plot, records)
+        print(f"wrote {args.plot}")
+    _emit(args, "kernels", records)
+    return 0
+
+
+def _plot_kernels(path, records) -> None:
+    """GB/s (or us) against width, one line per (variant, tokens) where the records say so."""
+    ykey = next((k for k in ("gb_per_s", "gbps", "GB/s", "us", "time_us") if k in records[0]), None)
+    xkey = next((k for k in ("width_fraction", "width", "k") if k in records[0]), None)
+    if ykey is None or xkey is None:
+        report.plot_bars(path, {str(i): {"value": 0.0} for i in range(1)}, ylabel="-", title="no plottable fields")
+        return
+    series: dict = {}
+    for r in records:
+        label = " ".join(str(r[k]) for k in ("variant", "impl", "shape", "tokens") if k in r)
+        if isinstance(r.get(ykey), (int, float)) and isinstance(r.get(xkey), (int, float)):
+            series.setdefault(label or "kernel", []).append((r[xkey], r[ykey]))
+    report.plot_lines(path, series, xlabel=xkey, ylabel=ykey, title="expert kernels", note=report.environment()["date"])
+
+
+def _cmd_transfer(args) -> int:
+    from .transfer import run
+
+    return run(args)
+
+
+def _cmd_layer(args) -> int:
+    from .layer import run
+
+    return run(args)
+
+
+def _cmd_e2e(args) -> int:
+    from .e2e import run
+
+    return run(args)
+
+
+def _default_suite(args) -> int:
+    """kernels, transfer, layer, e2e and simulate, each small, on the committed model."""
+    t0 = time.perf_counter()
+    threads = args.threads or (1 if (os.cpu_count() or 1) <= 2 else None)
+    common = ["--threads", str(threads)] if threads else []
+    steps = [
+        ["transfer", "--shapes", "tiny,mixtral", "--widths", "0.25,0.5,1.0", "--repeats", "3"],
+        ["kernels", "--quick"],
+        ["layer", "--steps", "16"],
+        ["e2e", "--tokens", "32"],
+        ["simulate", "--sequences", "4", "--seq-len", "128", "--warmup", "16"],
+    ]
+    status = 0
+    for argv in steps:
+        print(f"\n=== crisp-bench {' '.join(argv)}")
+        rc = main(argv + common)
+        status = status or rc
+    print(f"\ndefault suite: {time.perf_counter() - t0:.0f} s")
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""``crisp-bench e2e``: decode a real model under each policy at equal GPU memory.
+
+The model runs through ``crisp_runtime`` (``apply`` with the pack and a device-cache byte
+budget); each policy swaps the plan (``handle.set_plan``) and starts from an empty cache.
+Decoding is batch 1 with a KV cache, teacher-forced on held-out text, so next-token accuracy
+is measured on the same tokens for every policy (and for the unquantized model, as the
+reference). ``full`` with the LRU cache is the mixtral-offloading-style baseline: whole
+experts at 4 bits, least recently used evicted.
+
+On a CPU the "GPU" is host memory: the cache copies are memcpy, and the tokens/s are the
+CPU's, not an offloading system's (the output says so).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from . import report
+
+
+class ModelInputError(ValueError):
+    """A model path that is not a checkpoint, or has no CRISP pack."""
+
+
+def pack_dir_for(model_dir: str | Path, pack_dir: str | Path | None) -> Path | None:
+    """The CRISP pack folder of a model: ``pack_dir``, else ``<model_dir>-crisp``, else ``model_dir`` itself."""
+    from crisp_runtime.pack import INFO_FILE
+
+    if pack_dir is not None:
+        p = Path(pack_dir)
+        if not (p / INFO_FILE).is_file():
+            raise ModelInputError(f"--pack {pack_dir}: not a CRISP pack ({INFO_FILE} missing)")
+        return p
+    model_dir = Path(model_dir)
+    for cand in (model_dir.parent / f"{model_dir.name}-crisp", model_dir):
+        if (cand / INFO_FILE).is_file():
+            return cand
+    return None
+
+
+def find_plan_file(pack_dir: str | Path) -> Path | None:
+    from crisp_runtime.pack import PLAN_FILE
+
+    p = Path(pack_dir) / PLAN_FILE
+    return p if p.is_file() else None
+
+
+def load_model_for_bench(model_dir, pack_dir=None, *, need_pack: bool = True, device="cpu"):
+    """(unquantized model in eval mode on ``device``, pack folder or None)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ModelInputError(f"{model_dir}: not a transformers checkpoint (no config.json)")
+    pack = pack_dir_for(model_dir, pack_dir)
+    if need_pack and pack is None:
+        raise ModelInputError(f"{model_dir}: no CRISP pack found (looked for {model_dir.name}-crisp/ beside it and "
+                              f"in the folder itself); make one with `crisp-profile` or pass --pack DIR")
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:  # pragma: no cover
+        raise ModelInputError("transformers is not installed (pip install 'crisp-moe[hf]')") from exc
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval().to(device)
+    return model, pack
+
+
+def bench_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _cache_kwargs(model, past) -> dict:
+    """The KV-cache argument under its name in this transformers version (``cache`` in 5.x, else
+    ``past_key_values``)."""
+    import inspect
+
+    if past is None:
+        return {}
+    params = inspect.signature(model.forward).parameters
+    return {"cache": past} if "cache" in params else {"past_key_values": past}
+
+
+def _cache_of(out):
+    return getattr(out, "cache", None) if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def decode(model, ids: torch.Tensor, warmup: int, handle=None) -> dict:
+    """Teacher-forced batch-1 decode over ``ids`` (N,): one token per forward, KV cache on.
+
+    Returns tokens/s and accuracy over the positions after ``warmup`` (the first ones fill the
+    expert cache and the allocator); runtime stats are reset at the same point.
+    """
+    device = next(p for p in model.parameters() if not p.is_meta).device
+    ids = ids.to(device)
+    past = None
+    correct = 0
+    counted = 0
+    t0 = None
+    for t in range(len(ids) - 1):
+        if t == warmup:
+            _sync(device)
+            if handle is not None:
+                handle.reset_stats()
+            t0 = time.perf_counter()
+        out = model(input_ids=ids[t:t + 1].unsqueeze(0), **_cache_kwargs(model, past), use_cache=True)
+        past = _cache_of(out)
+        if t >= warmup:
+            correct += int(out.logits[0, -1].argmax().item() == int(ids[t + 1]))
+            counted += 1
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    return {"tokens": counted, "seconds": elapsed, "tokens_per_s": counted / elapsed, "accuracy": correct / counted}
+
+
+def run(args) -> int:
+    from crisp_runtime.pack import load_pack
+    from crisp_runtime.text import read_texts, sample_sequences
+
+    from . import traces as tr
+
+    device = bench_device()
+    model, pack_dir = load_model_for_bench(args.model, args.pack, need_pack=True, device=device)
+    pack = load_pack(pack_dir)
+    if pack.plan is None and "crisp" in args.policies:
+        raise ModelInputError(f"{pack_dir}: the pack has no plan.json, so there is no CRISP policy to run")
+    try:
+        texts = read_texts(args.text)
+        ids = sample_sequences(texts, 1, args.tokens + 1 + (warm := min(16, args.tokens // 4)), seed=1)[0]
+    except ValueError as exc:
+        raise ModelInputError(str(exc)) from exc
+    total = sum(layer.nbytes() for layer in pack.layers.values())
+    budget = int(args.budget * total)
+    top_k = pack.plan.top_k if pack.plan is not None else int(pack.info.get("top_k") or 2)
+    full_expert = max(layer.nbytes() // layer.num_experts for layer in pack.layers.values())
+    if budget < top_k * full_expert:
+        from .simulate import BudgetTooSmall
+
+        raise BudgetTooSmall(f"--budget {args.budget:g} = {budget:,} B is below one token's experts at full width "
+                             f"({top_k} x {full_expert:,} B = {top_k * full_expert / total:.1%} of the expert bytes)")
+    what = "GPU" if device.type == "cuda" else "CPU (cache 'copies' are host memcpy; not an offloading measurement)"
+    print(f"e2e: {args.model} + pack {pack_dir} on {what}; budget {args.budget:.0%} of {total / 1e6:.2f} MB expert "
+          f"bytes = {budget / 1e6:.2f} MB; {args.tokens} tokens (+{warm} warm-up) of {args.text}")
+
+    # The reference: the unquantized model, and its routing on these tokens (to match uniform's bytes).
+    ref = decode(model, ids, warm)
+    with torch.no_grad():
+        from crisp_runtime.models import record_routing
+
+        with record_routing(model) as routing:
+            model(input_ids=ids[:-1].unsqueeze(0).to(device), use_cache=False)
+    layer_ids = sorted(routing.index)
+    first = pack.layers[layer_ids[0]]
+    trace = tr.Trace(
+        torch.stack([routing.layer(i)[0] for i in layer_ids]).numpy(),
+        torch.stack([routing.layer(i)[1] for i in layer_ids]).numpy(), layer_ids,
+        {"num_experts": first.num_experts, "top_k": top_k, "intermediate_size": first.intermediate_size},
+    )
+    plans = tr.policy_plans(trace, pack.plan if pack.plan is not None and pack.plan.policy.value == "crisp" else None)
+    plans = {k: v for k, v in plans.items() if k in args.policies}
+
+    from crisp_runtime.hf import apply
+
+    records = [{"policy": "unquantized (no offload)", "tokens_per_s": ref["tokens_per_s"], "bytes_per_token": 0.0,
+                "hit_rate": None, "accuracy": ref["accuracy"], "tokens": ref["tokens"]}]
+    handle = apply(model, pack, plan=plans.get("full") or next(iter(plans.values())), gpu_budget=budget)
+    try:
+        for name, plan in plans.items():
+            handle.set_plan(plan)
+            handle.runtime.cache.clear()
+            prog = report.Progress(f"e2e {name}")
+            prog(0, 1)
+            res = decode(model, ids, warm, handle)
+            prog(1, 1)
+            st = handle.stats()
+            records.append({
+                "policy": name, "tokens_per_s": res["tokens_per_s"], "ms_per_token": 1e3 / res["tokens_per_s"],
+                "bytes_per_token": st["bytes_h2d_per_token"], "bytes_read_per_token": st["bytes_read_per_token"],
+                "hit_rate": st["hit_rate"], "accuracy": res["accuracy"], "tokens": res["tokens"],
+                "budget_bytes": budget, "budget_fraction": args.budget, "device": str(device),
+            })
+    finally:
+        handle.restore()
+    full = next((r for r in records if r["policy"] == "full"), None)
+    for r in records:
+        if full is not None:
+            r["accuracy_loss_vs_full"] = full["accuracy"] - r["accuracy"]
+            r["speedup_vs_full"] = r["tokens_per_s"] / full["tokens_per_s"]
+        if r["policy"] in plans and plans[r["policy"]].policy.value == "uniform":
+            r["uniform_width"] = plans[r["policy"]].uniform_width
+    cols = [("policy", "policy"), ("tokens_per_s", "tok/s"), ("speedup_vs_full", "x full"),
+            ("kb_per_token", "kB copied/tok"), ("kb_read_per_token", "kB read/tok"), ("hit_rate", "hit rate"),
+            ("accuracy", "next-token acc"), ("accuracy_loss_vs_full", "acc loss vs full")]
+    rows = [dict(r, kb_per_token=r["bytes_per_token"] / 1e3, kb_read_per_token=r.get("bytes_read_per_token", 0) / 1e3,
+                 hit_rate=r["hit_rate"] if r["hit_rate"] is not None else "-") for r in records]
+    print(report.table(rows, cols))
+    print("full = 4-bit whole experts + LRU cache: the mixtral-offloading-style baseline. "
+          f"Accuracy over {ref['tokens']} tokens is noisy below ~1,000 tokens.")
+    if args.plot:
+        groups = {r["policy"]: {"tokens/s": r["tokens_per_s"]} for r in records[1:]}
+        report.plot_bars(args.plot, groups, ylabel="decode tokens/s",
+                         title=f"e2e decode at {args.budget:.0%} budget on {device} ({Path(args.model).name})",
+                         note=report.environment()["date"])
+        print(f"wrote {args.plot}")
+    if args.json:
+        report.write_json(args.json, "e2e", records, model=str(args.model), pack=str(pack_dir),
+                          plans={k: json.loads(json.dumps(v.to_dict()))["policy"] for k, v in plans.items()})
+        print(f"wrote {args.json}")
+    return 0

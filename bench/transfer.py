@@ -1,0 +1,269 @@
+"""``crisp-bench transfer``: host-to-device bandwidth, and load time per width per model shape.
+
+A width-k load in CRISP's format is three plain copies (qweight, scales, zeros rows 0..k) from
+pinned host memory into device buffers; that is what is timed here, for each model shape and
+width, beside the expert's compute time at that width (the paper's "load and compute scale
+together" table). On a CPU there is no host-to-device link: the "copy" is a memcpy between
+two host buffers, and the output says so.
+
+``--profile-out`` fits the simulator's affine models to these measurements (load = latency +
+bytes / bandwidth, compute = latency + bytes / bandwidth) and measures the model's router and
+other per-layer time, and writes the ``measured`` profile.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from crisp_kernels.format import QuantFormat
+
+from . import report
+from .profiles import HardwareProfile, ModelShape, fit_affine
+
+SHAPES = {
+    "mixtral": ModelShape("mixtral-8x7b", 32, 8, 2, 4096, 14336),
+    "tiny": None,  # from models/tiny-mixtral/config.json
+}
+
+
+class TransferError(ValueError):
+    pass
+
+
+def tiny_shape(model_dir: Path | None = None) -> ModelShape:
+    from .cli import DEFAULT_MODEL
+
+    cfg_path = Path(model_dir or DEFAULT_MODEL) / "config.json"
+    if cfg_path.is_file():
+        c = json.loads(cfg_path.read_text())
+        return ModelShape("tiny-mixtral", c["num_hidden_layers"], c.get("num_local_experts", 8),
+                          c.get("num_experts_per_tok", 2), c["hidden_size"], c["intermediate_size"])
+    return ModelShape("tiny-mixtral (assumed)", 4, 8, 2, 128, 512)
+
+
+def resolve_shapes(spec: str) -> list[ModelShape]:
+    out = []
+    for name in [s.strip() for s in spec.split(",") if s.strip()]:
+        if name not in SHAPES:
+            raise TransferError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+        out.append(SHAPES[name] or tiny_shape())
+    return out
+
+
+def parse_widths(spec: str) -> list[float]:
+    try:
+        ws = [float(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise TransferError(f"--widths {spec!r}: expected fractions such as 0.25,0.5,1.0") from None
+    if not ws or any(not 0 < w <= 1 for w in ws):
+        raise TransferError(f"--widths {spec!r}: fractions must lie in (0, 1]")
+    return ws
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _expert_buffers(shape: ModelShape, device, pin: bool):
+    fmt = QuantFormat(group_size=shape.group_size)
+    inter, hidden, groups = shape.intermediate_size, shape.hidden_size, shape.hidden_size // fmt.group_size
+
+    def make(cols, dtype):
+        t = torch.empty((inter, 3, cols), dtype=dtype)
+        return t.pin_memory() if pin else t
+
+    host = [make(hidden // 2, torch.uint8), make(groups, torch.float16), make(groups, torch.uint8)]
+    for t in host:
+        t.view(torch.uint8).random_(0, 255)
+    dev = [torch.empty_like(t, device=device) for t in host]
+    return host, dev
+
+
+def time_load(host, dev, width: int, repeats: int, device) -> float:
+    """Median seconds to copy rows 0..width of the three tensors host -> device."""
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        for h, d in zip(host, dev, strict=True):
+            d[:width].copy_(h[:width], non_blocking=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def time_compute(shape: ModelShape, width: int, repeats: int, device) -> float:
+    """Median seconds of one decode token through one expert at ``width`` (crisp_kernels.expert_mlp)."""
+    from crisp_kernels import expert_mlp, pack_expert
+
+    g = torch.Generator().manual_seed(0)
+    h, i = shape.hidden_size, shape.intermediate_size
+    gate = torch.randn(i, h, generator=g) * 0.02
+    up = torch.randn(i, h, generator=g) * 0.02
+    down = torch.randn(h, i, generator=g) * 0.02
+    packed = pack_expert(gate, up, down, QuantFormat(group_size=shape.group_size)).to(device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    x = torch.randn(1, h, generator=g).to(device, dtype)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        expert_mlp(x, packed, width)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def bandwidth(device, nbytes: int, repeats: int) -> float:
+    pin = device.type == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src = src.pin_memory() if pin else src
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / time_load([src], [dst], nbytes, repeats, device)
+
+
+def run(args) -> int:
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    shapes = resolve_shapes(args.shapes)
+    widths = parse_widths(args.widths)
+    on_gpu = device.type == "cuda"
+    what = (f"pinned host -> {torch.cuda.get_device_name(0)}" if on_gpu
+            else "CPU: no GPU, the 'transfer' is a host memcpy (not a PCIe measurement)")
+    print(f"transfer: {what}")
+    big = 256 << 20 if on_gpu else 64 << 20
+    bw = bandwidth(device, big, args.repeats)
+    print(f"bandwidth of one {big >> 20} MiB copy: {bw / 1e9:.2f} GB/s")
+    records = [{"kind": "bandwidth", "bytes": big, "gb_per_s": bw / 1e9, "device": str(device)}]
+    compute_points: dict[str, list] = {}
+    load_points: dict[str, list] = {}
+    for shape in shapes:
+        host, dev = _expert_buffers(shape, device, pin=on_gpu)
+        prog = report.Progress(f"transfer {shape.name}")
+        measure_compute = args.profile_out is not None or shape.expert_nbytes < (64 << 20) or on_gpu
+        for n, frac in enumerate(widths):
+            width = max(1, round(frac * shape.intermediate_size))
+            nbytes = width * shape.neuron_nbytes
+            load = time_load(host, dev, width, args.repeats, device)
+            comp = time_compute(shape, width, max(1, args.repeats // 2), device) if measure_compute else None
+            records.append({"kind": "load", "shape": shape.name, "width_fraction": frac, "width": width,
+                            "bytes": nbytes, "load_ms": 1e3 * load, "gb_per_s": nbytes / load / 1e9,
+                            "compute_ms": None if comp is None else 1e3 * comp,
+                            "load_over_compute": None if not comp else load / comp, "device": str(device)})
+            load_points.setdefault(shape.name, []).append((nbytes, load))
+            if comp is not None:
+                compute_points.setdefault(shape.name, []).append((nbytes, comp))
+            prog(n + 1, len(widths))
+        del host, dev
+    cols = [("shape", "shape"), ("width_fraction", "width"), ("mb", "MB"), ("load_ms", "load ms"),
+            ("gb_per_s", "GB/s"), ("compute_ms", "compute ms (1 token)"), ("load_over_compute", "load/compute")]
+    rows = [dict(r, mb=r["bytes"] / 1e6, compute_ms=r["compute_ms"] if r["compute_ms"] is not None else "-",
+                 load_over_compute=r["load_over_compute"] if r["load_over_compute"] is not None else "-")
+            for r in records if r["kind"] == "load"]
+    print(report.table(rows, cols, title="load and compute per width (paper, RTX 4090 Mixtral: 7.5/0.8 ms full, "
+                                         "3.8/0.4 ms at 50%)"))
+    if not on_gpu:
+        print("compute on CPU is the pure-torch reference expert (dequantize + matmul), not a GPU kernel")
+    extra = {}
+    if args.profile_out is not None:
+        profile = measured_profile(load_points, compute_points, device)
+        report.check_output_path(args.profile_out, "--profile-out")
+        profile.save(args.profile_out)
+        extra["profile"] = profile.to_dict()
+        print(f"wrote the measured profile {args.profile_out}: H2D {profile.h2d_bytes_per_s / 1e9:.2f} GB/s + "
+              f"{profile.copy_latency_s * 1e6:.0f} us/copy; compute {profile.compute_bytes_per_s / 1e9:.2f} GB/s + "
+              f"{profile.compute_latency_s * 1e6:.0f} us; router {profile.router_s * 1e6:.0f} us, "
+              f"other {profile.other_s * 1e6:.0f} us per layer")
+    if args.plot:
+        series = {f"load {s}": [(b / 1e6, 1e3 * t) for b, t in pts] for s, pts in load_points.items()}
+        series.update({f"compute {s}": [(b / 1e6, 1e3 * t) for b, t in pts] for s, pts in compute_points.items()})
+        report.plot_lines(args.plot, series, xlabel="prefix MB", ylabel="ms", title=f"load and compute vs width "
+                          f"({device})", note=report.environment()["date"])
+        print(f"wrote {args.plot}")
+    if args.json:
+        report.write_json(args.json, "transfer", records, **extra)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def measured_profile(load_points, compute_points, device, model_dir=None) -> HardwareProfile:
+    """Affine fits over all shapes' points, plus router/other per layer from the committed model."""
+    lp = [p for pts in load_points.values() for p in pts]
+    cp = [p for pts in compute_points.values() for p in pts]
+    copy_lat, s_per_byte = fit_affine(lp)
+    comp_lat, c_per_byte = fit_affine(cp)
+    router_s, other_s = measure_layer_overheads(model_dir, device)
+    return HardwareProfile(
+        name="measured", h2d_bytes_per_s=1.0 / max(s_per_byte, 1e-15), copy_latency_s=copy_lat,
+        compute_bytes_per_s=1.0 / max(c_per_byte, 1e-15), compute_latency_s=comp_lat, router_s=router_s,
+        other_s=other_s, source="crisp-bench transfer --profile-out",
+        description=f"measured on {report.environment()['device']} {report.environment()['date']}",
+    )
+
+
+@torch.no_grad()
+def measure_layer_overheads(model_dir, device) -> tuple[float, float]:
+    """(router s, other s) per MoE layer of a decode step of the committed model (0, 0 without one).
+
+    Decode-step time minus the experts modules' time, split into the gate (router) and the rest,
+    by forward hooks that synchronise the device.
+    """
+    from .cli import DEFAULT_MODEL
+    from .e2e import ModelInputError, _cache_kwargs, _cache_of, load_model_for_bench
+
+    try:
+        model, _ = load_model_for_bench(model_dir or DEFAULT_MODEL, need_pack=False, device=device)
+    except ModelInputError:
+        return 0.0, 0.0
+    from crisp_runtime.models import find_moe_layers
+
+    refs = find_moe_layers(model)
+    spent = {"experts": 0.0, "router": 0.0}
+    marks: dict = {}
+
+    def pre(kind):
+        def hook(*_):
+            _sync(device)
+            marks[kind] = time.perf_counter()
+        return hook
+
+    def post(kind):
+        def hook(*_):
+            _sync(device)
+            spent[kind] += time.perf_counter() - marks[kind]
+        return hook
+
+    handles = []
+    for ref in refs:
+        handles += [ref.module.register_forward_pre_hook(pre("experts")),
+                    ref.module.register_forward_hook(post("experts"))]
+        parent = model.get_submodule(ref.name.rsplit(".", 1)[0])
+        gate = getattr(parent, "gate", None) or getattr(parent, "router", None)
+        if gate is not None:
+            handles += [gate.register_forward_pre_hook(pre("router")), gate.register_forward_hook(post("router"))]
+    ids = torch.arange(1, 49).unsqueeze(0).to(device) % 200 + 32
+    past, total, n = None, 0.0, 0
+    try:
+        for t in range(ids.shape[1]):
+            if t == 8:
+                spent.update(experts=0.0, router=0.0)
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model(input_ids=ids[:, t:t + 1], **_cache_kwargs(model, past), use_cache=True)
+            _sync(device)
+            past = _cache_of(out)
+            if t >= 8:
+                total += time.perf_counter() - t0
+                n += 1
+    finally:
+        for h in handles:
+            h.remove()
+    layers = len(refs)
+    router = spent["router"] / (n * layers)
+    other = max(0.0, (total - spent["experts"] - spent["router"]) / (n * layers))
+    return router, other
