@@ -172,6 +172,9 @@ class ResidentExperts:
     def acquire(self, layer_id: int, expert: int, width: int, **_) -> Acquired:
         return Acquired(self.layers[layer_id].expert(expert).prefix(width), "hit", 0, 0)
 
+    def clear(self) -> None:
+        """Nothing to drop: every expert stays resident."""
+
 
 def _view(layer: PackedLayer, tensors, width: int) -> PackedExpert:
     zeros = tensors[2][:width] if len(tensors) > 2 else None
