@@ -1,8 +1,11 @@
 """CRISP kernels: the neuron-major 4-bit prefix format and the expert kernels over its first k neurons.
 
 Importing this package touches no GPU and works without Triton (the pure-torch reference runs).
+It registers the ``torch.ops.crisp`` custom ops (``ops.py``), which records Python functions with
+the dispatcher and nothing more.
 """
 
+from . import ops  # noqa: F401  (registers torch.ops.crisp.*)
 from .expert_mlp import (
     Backend,
     expert_mlp,
@@ -11,6 +14,7 @@ from .expert_mlp import (
     expert_mlp_ref,
     select_backend,
 )
+from .experts_module import CrispExperts
 from .format import (
     PackedExpert,
     PackedLayer,
@@ -25,6 +29,7 @@ from .io import PackFormatError, load_packed, read_packed_metadata, save_packed
 
 __all__ = [
     "Backend",
+    "CrispExperts",
     "PackFormatError",
     "PackedExpert",
     "PackedLayer",
