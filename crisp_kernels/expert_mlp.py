@@ -9,7 +9,10 @@ Public entry points:
 
 Backends (``Backend``): compiled Triton for CUDA tensors, Triton's interpreter for CPU
 tensors when ``TRITON_INTERPRET=1``, otherwise the pure-torch reference (which is also what
-the kernels are tested against).
+the kernels are tested against). The kernels live in ``expert_mlp_triton.py``.
+
+Activations: the hidden dimension must be contiguous (stride 1, checked); rows may be strided
+(e.g. a slice of a wider buffer), the kernels take the row stride.
 """
 
 from __future__ import annotations
@@ -97,8 +100,10 @@ def expert_mlp_accumulate_(
     """``out[rows[t]] += weights[t] * expert(x[rows[t]])`` for t < len(rows); returns ``out``.
 
     out: (N, H) float32 accumulation buffer; x: (N, H) activations (the same rows index both);
-    rows: (T,) int32/int64 token indices; weights: (T,) float32 routing weights;
-    token_widths: optional (T,) widths, as in :func:`expert_mlp`.
+    rows: (T,) int32/int64 token indices in [0, N), which may repeat; weights: (T,) float32
+    routing weights; token_widths: optional (T,) widths, as in :func:`expert_mlp`.
+    The values of ``rows`` are not range-checked (that would cost a device-to-host sync): an
+    index outside [0, N) is an error on the torch backend and undefined in the kernels.
     """
     check_packed(packed)
     check_activations(x, packed)
@@ -115,7 +120,6 @@ def expert_mlp_accumulate_(
 
     expert_mlp_accumulate_triton_(out, x, packed, width, rows, weights, token_widths)
     return out
-
 
 
 def effective_token_widths(width: int, token_widths: torch.Tensor | None, num_tokens: int, device) -> torch.Tensor:
