@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--orders", type=_csv(ORDERS), default=list(ORDERS), help="comma separated")
     p.add_argument("--uniform-width", type=_fraction, default=None,
                    help="width of the uniform policy (fraction of I; default: CRISP's bytes per token)")
+    p.add_argument("--cache-scope", choices=("global", "layer"), default="global",
+                   help="global: one LRU over all layers (CRISP's runtime, default); layer: the budget split into "
+                   "one LRU per layer (mixtral-offloading's per-layer slots; needs >= top_k experts per layer)")
     p.add_argument("--warmup", type=int, default=None,
                    help="tokens that fill the cache first, not counted (default: min(32, a quarter of the trace))")
     _outputs(p)
@@ -264,6 +267,8 @@ def _cmd_simulate(args) -> int:
     budgets = list(SWEEP) if args.budget_sweep else [args.budget]
     if args.budget_sweep:
         floor = shape.top_k * shape.expert_nbytes / shape.total_expert_nbytes
+        if args.cache_scope == "layer":
+            floor *= shape.num_layers
         too_small = [b for b in budgets if b < floor]
         budgets = [b for b in budgets if b >= floor]
         if too_small:
@@ -283,7 +288,8 @@ def _cmd_simulate(args) -> int:
         def step(policy, done, n, prog=prog):
             prog(keys.index(policy) * n + done, len(keys) * n)
 
-        records += sim.simulate_policies(mapped, profile, shape, b, args.orders, args.warmup, progress=step)
+        records += sim.simulate_policies(mapped, profile, shape, b, args.orders, args.warmup, progress=step,
+                                         cache_scope=args.cache_scope)
     for r in records:
         r["profile"] = profile.name
         r["target"] = shape.name

@@ -26,7 +26,11 @@ runtime's semantics: an expert whose resident prefix is at least as wide as need
 (no copy); a narrower resident prefix is widened by copying only the missing rows; a miss
 copies the whole prefix. Before a layer's copies, least recently used entries that the
 layer does not need are evicted whole until the missing bytes fit. The budget must hold one
-layer's working set (``top_k`` full-width experts), else :class:`BudgetTooSmall`.
+layer's working set (``top_k`` full-width experts), else :class:`BudgetTooSmall`. With
+``cache_scope="layer"`` the budget is split evenly into one such cache per layer instead
+(mixtral-offloading's fixed per-layer expert slots). A global LRU cycles through the layers
+in a loop, so below one token's working set (top_k of E experts per layer: 25% for Mixtral)
+it evicts exactly what the next token needs first; the budget sweep shows that step.
 
 Everything here is plain Python and deterministic; times are seconds.
 """
@@ -253,6 +257,7 @@ def simulate_decode(
     orders: Sequence[str] = ORDERS,
     warmup: int = 0,
     progress=None,
+    cache_scope: str = "global",
 ) -> SimResult:
     """Decode ``T`` tokens one at a time through ``L`` MoE layers.
 
@@ -263,7 +268,9 @@ def simulate_decode(
     for o in orders:
         if o not in ORDERS:
             raise ValueError(f"unknown order {o!r}; choose one of {', '.join(ORDERS)}")
-    min_budget = shape.top_k * shape.expert_nbytes
+    if cache_scope not in ("global", "layer"):
+        raise ValueError(f"cache_scope must be 'global' or 'layer', got {cache_scope!r}")
+    min_budget = shape.top_k * shape.expert_nbytes * (shape.num_layers if cache_scope == "layer" else 1)
     if budget_bytes < min_budget:
         raise BudgetTooSmall(
             f"GPU budget of {budget_bytes:,} bytes ({budget_bytes / shape.total_expert_nbytes:.1%} of the expert "
@@ -273,17 +280,26 @@ def simulate_decode(
     num_tokens = len(index)
     if warmup >= num_tokens:
         raise ValueError(f"warmup ({warmup}) must be smaller than the number of tokens ({num_tokens})")
-    cache = PrefixCache(budget_bytes, shape.neuron_nbytes)
+    stats = CacheStats()
+    if cache_scope == "global":
+        shared = PrefixCache(budget_bytes, shape.neuron_nbytes)
+        caches = [shared] * shape.num_layers
+    else:
+        caches = [PrefixCache(budget_bytes // shape.num_layers, shape.neuron_nbytes) for _ in range(shape.num_layers)]
+    for c in caches:
+        c.stats = stats
     nb = shape.neuron_nbytes
-    res = SimResult(0, shape.num_layers, 0, 0, cache.stats, 0.0, 0.0, 0.0, 0.0, 0,
+    res = SimResult(0, shape.num_layers, 0, 0, stats, 0.0, 0.0, 0.0, 0.0, 0,
                     {o: OrderTotals() for o in orders})
     for t in range(num_tokens):
         counting = t >= warmup
         if t == warmup:
-            cache.stats = res.stats = CacheStats()
+            res.stats = CacheStats()
+            for c in caches:
+                c.stats = res.stats
         for layer in range(shape.num_layers):
             needed = needed_experts(index[t][layer], widths[t][layer])
-            missing = cache.step(layer, needed)
+            missing = caches[layer].step(layer, needed)
             if not counting:
                 continue
             jobs = [Job(e, w, profile.load_s(missing[e]), profile.compute_s(w * nb)) for e, w in needed.items()]
@@ -320,14 +336,17 @@ def simulate_policies(
     orders: Sequence[str] = ORDERS,
     warmup: int = 0,
     progress=None,
+    cache_scope: str = "global",
 ) -> list[dict]:
     """One record per (policy, order): ``mapped`` is policy -> (index, widths), each (T, L, k)."""
     budget = int(budget_fraction * shape.total_expert_nbytes)
     records = []
     for policy, (index, widths) in mapped.items():
         res = simulate_decode(index, widths, profile, shape, budget, orders, warmup,
-                              progress=None if progress is None else (lambda d, n, p=policy: progress(p, d, n)))
+                              progress=None if progress is None else (lambda d, n, p=policy: progress(p, d, n)),
+                              cache_scope=cache_scope)
         for o in orders:
-            rec = {"policy": policy, "budget_fraction": budget_fraction, "budget_bytes": budget, **res.summary(o)}
+            rec = {"policy": policy, "budget_fraction": budget_fraction, "budget_bytes": budget,
+                   "cache_scope": cache_scope, **res.summary(o)}
             records.append(rec)
     return records

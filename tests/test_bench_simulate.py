@@ -109,3 +109,16 @@ def test_rtx4090_profile_reads_the_paper():
     assert p.router_s == pytest.approx(0.4e-3)
     with pytest.raises(ProfileError):
         get_profile("nope")
+
+
+def test_per_layer_cache_scope():
+    shape = ModelShape("toy2", num_layers=2, num_experts=8, top_k=2, hidden_size=64, intermediate_size=4)
+    # Two layers, each needing the same two experts every token: a per-layer cache of 2 experts per layer
+    # hits from the second token on; so does a global cache of 4 experts.
+    index = [[[1, 2], [1, 2]]] * 3
+    widths = [[[4, 4], [4, 4]]] * 3
+    for scope in ("global", "layer"):
+        res = simulate_decode(index, widths, PROFILE, shape, budget_bytes=4 * 420, warmup=1, cache_scope=scope)
+        assert res.bytes_copied == 0 and res.stats.hits == 8
+    with pytest.raises(BudgetTooSmall):
+        simulate_decode(index, widths, PROFILE, shape, budget_bytes=3 * 420, cache_scope="layer")
