@@ -181,6 +181,7 @@ def run(args) -> int:
             ("compute_ms", "compute ms"), ("load_share", "load share"), ("hit_rate", "hit rate")]
     print(report.table(records, cols))
     print("paper (RTX 4090, Mixtral, full width): 14.4 ms layer = router 0.4 + load 11.2 + compute 2.6; load share 78%")
+    runtime_records = _runtime_measurements(trace, device, hidden)
     if args.plot:
         groups: dict = {}
         for r in records:
@@ -189,7 +190,7 @@ def run(args) -> int:
                          title=f"layer step per policy and order ({device})", note=report.environment()["date"])
         print(f"wrote {args.plot}")
     if args.json:
-        report.write_json(args.json, "layer", records, model=str(args.model))
+        report.write_json(args.json, "layer", records, model=str(args.model), runtime=runtime_records)
         print(f"wrote {args.json}")
     return 0
 
@@ -213,3 +214,27 @@ def _router_time(model, device, hidden) -> float:
         _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[5:])
+
+
+def _runtime_measurements(trace, device, hidden) -> list[dict]:
+    """The runtime engineer's measurements (``crisp_bench.runtime``): the planner's CPU time per layer step,
+    and on a GPU one runtime layer step (async copy stream) against the flow-shop bound."""
+    try:
+        from . import runtime as rt
+    except ImportError as exc:  # pragma: no cover - depends on the runtime package
+        print(f"(runtime measurements unavailable: {exc})")
+        return []
+    out = []
+    recs = rt.measure_planner_overhead(configs=((trace.num_experts, trace.top_k),), iters=300, warmup=30)
+    for r in recs:
+        print(f"runtime planner (CrispRuntime.plan_step), E={r['num_experts']} top-{r['top_k']} {r['policy']}: "
+              f"p50 {r['planner_us_p50']:.1f} us per layer step (target <= {r['target_us']:.0f} us)")
+    out += [dict(r, kind="planner") for r in recs]
+    if device.type == "cuda":
+        inter = trace.intermediate_size
+        recs = rt.measure_layer_step(hidden=hidden, intermediate=inter, num_experts=trace.num_experts,
+                                     top_k=trace.top_k, iters=5)
+        recs += rt.measure_layer_step(iters=5)  # Mixtral-8x7B shapes
+        print(report.table(recs, [(k, k) for k in recs[0]], title="runtime layer step vs flow-shop bound (GPU)"))
+        out += [dict(r, kind="layer_step") for r in recs]
+    return out

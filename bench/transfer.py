@@ -169,6 +169,15 @@ def run(args) -> int:
                                          "3.8/0.4 ms at 50%)"))
     if not on_gpu:
         print("compute on CPU is the pure-torch reference expert (dequantize + matmul), not a GPU kernel")
+    else:  # the runtime's own prefix copies through its cache, vs a plain pinned copy
+        try:
+            from .runtime import measure_transfer
+
+            rt = measure_transfer(iters=5)
+            print(report.table(rt, [(k, k) for k in rt[0]], title="runtime prefix copies (crisp_bench.runtime)"))
+            records += [dict(r, kind="runtime_prefix_copy") for r in rt]
+        except ImportError as exc:  # pragma: no cover
+            print(f"(runtime transfer measurement unavailable: {exc})")
     extra = {}
     if args.profile_out is not None:
         profile = measured_profile(load_points, compute_points, device)
