@@ -86,6 +86,8 @@ class CrispRuntime:
         config: RuntimeConfig = RuntimeConfig(),
     ) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # GPU-only: "cuda" == the tensors' "cuda:N"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = config
         self.plan = plan
         self.layer_ids = tuple(sorted(int(i) for i in layers))
