@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="torch CPU threads for the default suite (default: 1 on machines with <= 2 cores)")
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help="checkpoint for the default suite (default: the committed models/tiny-mixtral)")
     sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,layer,e2e,simulate}")
 
     p = sub.add_parser("kernels", help="expert kernels vs dequantize+F.linear and fp16 F.linear",
@@ -571,17 +573,20 @@ def _default_suite(args) -> int:
     t0 = time.perf_counter()
     threads = args.threads or (1 if (os.cpu_count() or 1) <= 2 else None)
     common = ["--threads", str(threads)] if threads else []
+    model = ["--model", args.model] if args.model else []
     steps = [
         ["transfer", "--shapes", "tiny,mixtral", "--widths", "0.25,0.5,1.0", "--repeats", "3"],
         ["kernels", "--quick"],
-        ["layer", "--steps", "16"],
-        ["e2e", "--tokens", "32"],
-        ["simulate", "--sequences", "4", "--seq-len", "128", "--warmup", "16"],
+        ["layer", "--steps", "16", *model],
+        ["e2e", "--tokens", "32", *model],
+        ["simulate", "--sequences", "4", "--seq-len", "128", "--warmup", "16", *model],
     ]
     status = 0
     for argv in steps:
-        print(f"\n=== crisp-bench {' '.join(argv)}")
+        print(f"\n=== crisp-bench {' '.join(argv)}", flush=True)
         rc = main(argv + common)
+        if rc != 0:
+            print(f"=== crisp-bench {argv[0]} exited with {rc}; the suite goes on", flush=True)
         status = status or rc
     print(f"\ndefault suite: {time.perf_counter() - t0:.0f} s")
     return status
