@@ -63,20 +63,20 @@ def test_fake_shapes():
         torch.ops.crisp.expert_mlp(torch.empty(5, 32, device="meta"), *_args(p), 7, None)
 
 
-def test_traces_without_graph_breaks(kernel_backend):
-    p = _expert(False, "cpu")
+def test_traces_without_graph_breaks(device, kernel_backend):
+    p = _expert(False, device)
 
     def f(x, out, rows, weights):
         y = torch.ops.crisp.expert_mlp(x, *_args(p), 9, None)
         torch.ops.crisp.expert_mlp_accumulate_(out, x, *_args(p), 9, rows, weights, None)
         return y * 2
 
-    x = torch.randn(2, H)
-    rows, weights = torch.tensor([1, 0]), torch.ones(2)
-    out = torch.zeros(2, H)
+    x = torch.randn(2, H, device=device)
+    rows, weights = torch.tensor([1, 0], device=device), torch.ones(2, device=device)
+    out = torch.zeros(2, H, device=device)
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     y = compiled(x, out, rows, weights)
-    expected_out = torch.zeros(2, H)
+    expected_out = torch.zeros(2, H, device=device)
     expert_mlp_accumulate_(expected_out, x, p, 9, rows=rows, weights=weights)
     assert torch.equal(y, 2 * expert_mlp(x, p, 9))
     assert torch.equal(out, expected_out)

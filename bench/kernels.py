@@ -1,0 +1,377 @@
+"""``python -m crisp_bench.kernels``: the expert kernels against what one would use instead.
+
+For each model shape, token count T and width k (a fraction of I), one random packed expert is
+timed three ways on the same activations:
+
+- ``crisp``: :func:`crisp_kernels.expert_mlp` (compiled Triton on CUDA; on a CPU the torch
+  reference unless ``TRITON_INTERPRET=1``), reading the first k neurons of the packed weights;
+- ``dequant_linear``: the torch reference path, dequantize the first k neurons then ``F.linear``;
+- ``fp16_linear``: ``F.linear`` on dense fp16 weights of the same first k neurons (gate and up
+  concatenated into one matmul): the unquantized baseline, 3.6x the bytes.
+
+Every variant is first checked against a float64 reference on the same packed weights; a
+variant off by more than its tolerance aborts the sweep. Then each is timed: CUDA events
+around each call, the L2 cache flushed before each call (a 256 MiB write; a just-loaded expert
+is not L2-resident in a real offloading step), warmup, median of N. The table reports us per
+variant, GB/s of the bytes the kernel must read (``nbytes(k)`` of the prefix + the
+activations), that as % of this device's copy bandwidth measured in the same run (a large
+``copy_``, counted as read + write), speedups over the baselines, and ``width_scaling`` =
+time(k) / (time(I) * k / I): 1.0 when time is proportional to width, above 1 when fixed costs
+(launches, tails) dominate narrow widths.
+
+``run_kernel_sweep(...) -> list[dict]`` is what ``crisp-bench kernels`` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from crisp_kernels import Backend, PackedExpert, QuantFormat, dequantize_expert, expert_mlp, expert_mlp_ref
+from crisp_kernels.expert_mlp import select_backend
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int  # H
+    inter: int  # I, neurons per expert
+
+
+def _tiny_shape() -> Shape:
+    """The committed tiny model's expert shape when present, else a small stand-in."""
+    cfg = Path(__file__).resolve().parent.parent / "models" / "tiny-mixtral" / "config.json"
+    if cfg.is_file():
+        c = json.loads(cfg.read_text())
+        return Shape("tiny", int(c["hidden_size"]), int(c["intermediate_size"]))
+    return Shape("tiny", 128, 512)
+
+
+SHAPES: dict[str, Callable[[], Shape]] = {
+    "tiny": _tiny_shape,
+    "mixtral": lambda: Shape("mixtral-8x7b", 4096, 14336),
+    "deepseek": lambda: Shape("deepseek-moe-16b", 2048, 1408),
+    "qwen3": lambda: Shape("qwen3-30b-a3b", 2048, 768),
+}
+ALIASES = {"mixtral-8x7b": "mixtral", "deepseek-moe-16b": "deepseek", "qwen3-30b-a3b": "qwen3"}
+GPU_SHAPES = ("mixtral", "deepseek", "qwen3")
+DEFAULT_WIDTHS = (0.25, 0.5, 0.75, 1.0)
+DEFAULT_TOKENS = (1, 4, 16, 128)
+VARIANTS = ("crisp", "dequant_linear", "fp16_linear")
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+_L2_FLUSH_BYTES = 256 << 20
+
+
+def resolve_shape(spec: str) -> Shape:
+    """A shape name (tiny, mixtral, deepseek, qwen3) or ``HxI`` (e.g. ``4096x14336``)."""
+    key = ALIASES.get(spec.strip().lower(), spec.strip().lower())
+    if key in SHAPES:
+        return SHAPES[key]()
+    parts = key.split("x")
+    if len(parts) == 2 and all(p.isdigit() and int(p) > 0 for p in parts):
+        return Shape(key, int(parts[0]), int(parts[1]))
+    raise ValueError(f"unknown shape {spec!r}: choose from {', '.join(SHAPES)} or give HxI, e.g. 4096x14336")
+
+
+def random_packed_expert(shape: Shape, fmt: QuantFormat, device, seed: int = 0) -> PackedExpert:
+    """Random codes, scales and zero points with outputs of order 1 (no fp16 overflow)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    groups = shape.hidden // fmt.group_size
+    q = torch.randint(0, 256, (shape.inter, 3, shape.hidden // 2), generator=gen, device=device, dtype=torch.uint8)
+    # (q - z) has std ~4.6; scale so that each dot product has std ~1 (gate/up sum over H, down over I)
+    fan_in = torch.tensor([shape.hidden, shape.hidden, shape.inter], device=device, dtype=torch.float32)
+    base = (1.0 / (4.6 * fan_in.sqrt())).view(1, 3, 1)
+    jitter = 0.5 + torch.rand(shape.inter, 3, groups, generator=gen, device=device)
+    scales = (base * jitter).to(torch.float16)
+    zeros = None
+    if not fmt.symmetric:
+        zeros = torch.randint(0, 16, (shape.inter, 3, groups), generator=gen, device=device, dtype=torch.uint8)
+    return PackedExpert(fmt, q, scales, zeros)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_us(fn: Callable[[], object], device: torch.device, *, warmup: int, iters: int, flush: bool = True) -> float:
+    """Median microseconds per call: CUDA events (L2 flushed before each call) or perf_counter."""
+    for _ in range(warmup):
+        fn()
+    _synchronize(device)
+    times = []
+    if device.type == "cuda":
+        scratch = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if flush else None
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            if scratch is not None:
+                scratch.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) * 1e3 for start, end in events]
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(device: torch.device, *, nbytes: int, warmup: int, iters: int) -> float:
+    """Device-to-device ``copy_`` bandwidth, counting bytes read + bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), device, warmup=warmup, iters=iters, flush=False)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def _variants(x, packed: PackedExpert, width: int, backend) -> dict[str, Callable[[], torch.Tensor]]:
+    gate, up, down = dequantize_expert(packed, width, dtype=torch.float16)
+    gate_up = torch.cat((gate, up)).contiguous()  # (2k, H): one matmul for both
+    down = down.contiguous()  # (H, k)
+    x16 = x.to(torch.float16)
+
+    def fp16_linear():
+        g, u = F.linear(x16, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, down)
+
+    return {
+        "crisp": lambda: expert_mlp(x, packed, width, backend=backend),
+        "dequant_linear": lambda: expert_mlp(x, packed, width, backend=Backend.TORCH),
+        "fp16_linear": fp16_linear,
+    }
+
+
+def _tolerance(variant: str, dtype: torch.dtype) -> float:
+    # crisp / the reference path: output rounding plus one rounding of the dot operands (2u,
+    # see tests/test_expert_mlp.py); fp16_linear also rounds the dequantized weights to fp16.
+    u = _UNIT_ROUNDOFF[dtype] if variant != "fp16_linear" else _UNIT_ROUNDOFF[torch.float16]
+    return max(4 * u if variant == "fp16_linear" else 2 * u, 1e-5)
+
+
+def run_kernel_sweep(
+    shapes: Sequence[str] = ("tiny",),
+    widths: Sequence[float] = DEFAULT_WIDTHS,
+    tokens: Sequence[int] = DEFAULT_TOKENS,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str = "fp16",
+    group_size: int = 64,
+    symmetric: bool = False,
+    warmup: int | None = None,
+    iters: int | None = None,
+    quick: bool = False,
+    backend: Backend | str | None = None,
+    copy_bytes: int | None = None,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
+    """One record per (shape, T, width); see the module docstring for the fields' meaning."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose from {', '.join(_DTYPES)}")
+    act_dtype = _DTYPES[dtype]
+    fmt = QuantFormat(group_size=group_size, symmetric=symmetric)
+    resolved = [resolve_shape(s) for s in shapes]
+    for f in widths:
+        if not 0.0 < float(f) <= 1.0:
+            raise ValueError(f"width fraction {f}: must lie in (0, 1]")
+    for t in tokens:
+        if int(t) < 1:
+            raise ValueError(f"token count {t}: must be >= 1")
+    for s in resolved:
+        fmt.check_hidden_size(s.hidden, f"shape {s.name}: hidden size")
+    if warmup is None:
+        warmup = 2 if quick else 10
+    if iters is None:
+        iters = 5 if quick else (50 if device.type == "cuda" else 20)
+    chosen = Backend(backend) if backend is not None else select_backend(device)
+    copy_bytes = copy_bytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
+    copy_gbps = copy_bandwidth_gbps(device, nbytes=copy_bytes, warmup=2, iters=max(5, iters // 2))
+
+    fractions = sorted({float(f) for f in widths})
+    total = len(resolved) * len(tokens) * len(fractions)
+    done = 0
+    records = []
+    for shape in resolved:
+        packed = random_packed_expert(shape, fmt, device, seed)
+        for num_tokens in tokens:
+            gen = torch.Generator(device=device).manual_seed(seed + num_tokens)
+            x = torch.randn(int(num_tokens), shape.hidden, generator=gen, device=device).to(act_dtype)
+            full_us: dict[str, float] = {}
+            rows = []
+            # full width first: every narrower row is compared with it
+            for frac in sorted(set(fractions) | {1.0}, reverse=True):
+                width = max(1, round(frac * shape.inter))
+                variants = _variants(x, packed, width, chosen)
+                ref = expert_mlp_ref(x, packed, width, compute_dtype=torch.float64)
+                errs = {}
+                for name, fn in variants.items():
+                    errs[name] = _rel_err(fn(), ref)
+                    if not errs[name] <= _tolerance(name, act_dtype):
+                        raise ValueError(
+                            f"{name} is wrong at {shape.name} T={num_tokens} k={width}: relative error "
+                            f"{errs[name]:.2e} > {_tolerance(name, act_dtype):.1e}"
+                        )
+                us = {name: time_us(fn, device, warmup=warmup, iters=iters) for name, fn in variants.items()}
+                del variants
+                if frac == 1.0:
+                    full_us = us
+                bytes_read = packed.nbytes(width) + x.numel() * x.element_size()
+                gbps = bytes_read / (us["crisp"] * 1e-6) / 1e9
+                row = {
+                    "shape": shape.name,
+                    "hidden": shape.hidden,
+                    "intermediate": shape.inter,
+                    "tokens": int(num_tokens),
+                    "width_fraction": frac,
+                    "width": width,
+                    "dtype": dtype,
+                    "backend": chosen.value,
+                    "device": str(device),
+                    "bytes_read": bytes_read,
+                    "us_crisp": us["crisp"],
+                    "us_dequant_linear": us["dequant_linear"],
+                    "us_fp16_linear": us["fp16_linear"],
+                    "gb_per_s": gbps,
+                    "copy_gb_per_s": copy_gbps,
+                    "pct_copy_bw": 100.0 * gbps / copy_gbps,
+                    "x_vs_dequant_linear": us["dequant_linear"] / us["crisp"],
+                    "x_vs_fp16_linear": us["fp16_linear"] / us["crisp"],
+                    "width_scaling": us["crisp"] / (full_us["crisp"] * width / shape.inter),
+                    "err_crisp": errs["crisp"],
+                    "err_dequant_linear": errs["dequant_linear"],
+                    "err_fp16_linear": errs["fp16_linear"],
+                }
+                if frac in fractions:
+                    rows.append(row)
+                    done += 1
+                    if progress is not None:
+                        progress(done, total)
+            records.extend(sorted(rows, key=lambda r: r["width_fraction"]))
+        del packed
+    return records
+
+
+# ---------------------------------------------------------------------------- command line
+
+COLUMNS = [
+    ("shape", "shape", "{}"),
+    ("tokens", "T", "{}"),
+    ("width", "k", "{}"),
+    ("width_fraction", "k/I", "{:.0%}"),
+    ("us_crisp", "crisp us", "{:.1f}"),
+    ("us_dequant_linear", "deq+linear us", "{:.1f}"),
+    ("us_fp16_linear", "fp16 us", "{:.1f}"),
+    ("gb_per_s", "GB/s", "{:.1f}"),
+    ("pct_copy_bw", "% copy bw", "{:.1f}"),
+    ("x_vs_dequant_linear", "x deq+lin", "{:.2f}"),
+    ("x_vs_fp16_linear", "x fp16", "{:.2f}"),
+    ("width_scaling", "t(k)/(t(I)k/I)", "{:.2f}"),
+]
+
+
+def format_table(records: Sequence[dict]) -> str:
+    head = [title for _, title, _ in COLUMNS]
+    body = [[fmt.format(r[key]) for key, _, fmt in COLUMNS] for r in records]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _csv_floats(text: str) -> list[float]:
+    try:
+        values = [float(v.rstrip("%")) / (100 if v.endswith("%") else 1) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return values
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m crisp_bench.kernels",
+        description="Time the CRISP expert kernel against dequantize+F.linear and fp16 F.linear over widths, token "
+        "counts and model shapes; every variant is validated against a float64 reference first.",
+    )
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated shapes: {', '.join(SHAPES)} or HxI (default: {','.join(GPU_SHAPES)} on "
+                   "CUDA, tiny on CPU)")  # fmt: skip
+    p.add_argument("--widths", type=_csv_floats, default=list(DEFAULT_WIDTHS),
+                   help="width fractions of I, e.g. 0.25,0.5,0.75,1 or 25%%,50%% (default: 25/50/75/100%%)")
+    p.add_argument("--tokens", type=_csv_ints, default=list(DEFAULT_TOKENS),
+                   help="token counts T (default: 1,4,16,128)")  # fmt: skip
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp16", help="activation dtype (default: fp16)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="quantization group size")
+    p.add_argument("--symmetric", action="store_true", help="symmetric format (no zero points)")
+    p.add_argument("--backend", choices=[b.value for b in Backend], default=None,
+                   help="backend of the crisp variant (default: chosen from the device)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=None, help="warmup calls per variant (default: 10, quick: 2)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per variant (default: 50 on CUDA, 20 CPU)")
+    p.add_argument("--quick", action="store_true", help="few repetitions; on a CPU a smoke run of seconds")
+    p.add_argument("--json", metavar="PATH", help="write one JSON record per table row to PATH")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    shapes = args.shapes.split(",") if args.shapes else (list(GPU_SHAPES) if device.type == "cuda" else ["tiny"])
+    if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
+        print(f"error: --json {args.json}: folder does not exist", file=sys.stderr)
+        return 2
+    try:
+        records = run_kernel_sweep(
+            shapes, args.widths, args.tokens, device=device, dtype=args.dtype, group_size=args.group_size,
+            symmetric=args.symmetric, warmup=args.warmup, iters=args.iters, quick=args.quick, backend=args.backend,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if records:
+        r = records[0]
+        print(f"device {r['device']}, backend {r['backend']}, activations {r['dtype']}, "
+              f"copy bandwidth {r['copy_gb_per_s']:.1f} GB/s (read + write)")  # fmt: skip
+    print(format_table(records))
+    if args.json:
+        Path(args.json).write_text(json.dumps([{k: _jsonable(v) for k, v in r.items()} for r in records], indent=1))
+        print(f"wrote {len(records)} records to {args.json}")
+    return 0
+
+
+def _jsonable(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+if __name__ == "__main__":
+    sys.exit(main())
