@@ -38,6 +38,8 @@ import torch
 PLAN_FORMAT = "crisp-plan"
 PLAN_VERSION = 1
 COMBINATION_KEY = "leading-pair-by-routing-weight"
+# Steps with at most this many routed slots (T * k) take the plain-Python lookup.
+_SMALL_STEP_SLOTS = 64
 
 Pair = tuple[int, int]
 
@@ -261,6 +263,53 @@ class CrispPlan:
             )
         index = top_k_index.detach().to("cpu", torch.int64)
         weights = top_k_weights.detach().to("cpu", torch.float32)
+        if index.numel() <= _SMALL_STEP_SLOTS:
+            return torch.tensor(self._token_widths_small(layer_id, index.tolist(), weights.tolist()),
+                                dtype=torch.int64).reshape(index.shape)
+        return self._token_widths_tensor(layer_id, index, weights)
+
+    def _token_widths_small(self, layer_id: int, index: list[list[int]], weights: list[list[float]]):
+        """The per-token rules in plain Python: a decode step is a handful of slots, and ~25 small
+        tensor ops would cost ~100 us where this costs a few (measured: bench/runtime.py)."""
+        full = self.intermediate_size
+        policy = self.policy
+        out = []
+        for experts, w in zip(index, weights, strict=True):
+            k = len(experts)
+            if policy is PolicyKind.FULL or policy is PolicyKind.UNIFORM:
+                width = full if policy is PolicyKind.FULL else self.uniform_width
+                out.append([width if 0 <= e < self.num_experts else 0 for e in experts])
+                continue
+            valid = [pos for pos in range(k) if 0 <= experts[pos] < self.num_experts]
+            by_weight = sorted(valid, key=lambda pos: -w[pos])  # stable: ties keep router order
+            ranks = {pos: r for r, pos in enumerate(by_weight)}
+            if policy is PolicyKind.SKIP_AUX:
+                thr = self.skip_threshold
+                aux = [full if thr is not None and w[pos] >= thr else 0 for pos in range(k)]
+            else:
+                tier, swap = self._pair_tier(layer_id, [experts[pos] for pos in by_weight[:2]])
+                if swap:
+                    ranks[by_weight[0]], ranks[by_weight[1]] = 1, 0
+                aux = [self.tier_widths.for_tier(tier)] * k
+            row = [0] * k
+            for pos in valid:
+                row[pos] = full if ranks[pos] < self.num_dominant else aux[pos]
+            out.append(row)
+        return out
+
+    def _pair_tier(self, layer_id: int, pair: list[int]) -> tuple[Tier, bool]:
+        """(tier of a token's leading pair, whether its second expert is the dominant one)."""
+        if len(pair) < 2:
+            return Tier.HOT, False
+        key = pair_key(pair[0], pair[1])
+        lp = self.layers.get(layer_id)
+        tier = lp.tiers.get(key) if lp is not None else None
+        if tier is None:
+            return self.unseen_tier, False
+        return tier, lp.dominant.get(key) == pair[1] and pair[0] != pair[1]
+
+    def _token_widths_tensor(self, layer_id: int, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The same rules as :meth:`_token_widths_small`, vectorized for prefill-sized steps."""
         num_tokens, k = index.shape
         full = self.intermediate_size
         valid = (index >= 0) & (index < self.num_experts)
@@ -300,7 +349,7 @@ class CrispPlan:
         code = torch.where(code == _UNSEEN_CODE, _TIER_CODE[self.unseen_tier], code)
         dom = dom_table[a, b]
         # The second-heaviest expert is dominant: swap ranks 0 and 1.
-        swap = dom == sorted_index[:, 1]
+        swap = (dom == sorted_index[:, 1]) & (sorted_index[:, 0] != sorted_index[:, 1])
         rank[swap, 0] = 1
         rank[swap, 1] = 0
         return tier_width[code].unsqueeze(1).expand(num_tokens, k), rank

@@ -100,7 +100,9 @@ def test_widths_match_a_per_token_restatement(policy):
     index[5, 0] = 8  # a padding sentinel outside [0, E) gets width 0
     weights = torch.rand(200, top_k, generator=gen)
     weights = weights / weights.sum(1, keepdim=True)
-    got = plan.token_widths(0, index, weights)
+    got = plan.token_widths(0, index, weights)  # 200 tokens: the vectorized path
+    small = torch.cat([plan.token_widths(0, index[i:i + 8], weights[i:i + 8]) for i in range(0, 200, 8)])
+    assert torch.equal(got, small)  # 8 tokens at a time: the plain-Python decode path
     if plan.policy is PolicyKind.UNIFORM:
         expected = torch.where(index < 8, 33, 0)
     else:
