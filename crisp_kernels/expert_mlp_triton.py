@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import tl, triton
+from ._triton import interpreter_enabled, tl, triton
 from .format import SYMMETRIC_ZERO, PackedExpert
 
 # ----------------------------------------------------------------------------- constants
@@ -375,7 +375,7 @@ def _down_prefill_kernel(
 
 def _dot_dtype(x: torch.Tensor):
     # The interpreter's bf16 dot is wrong, so it gets fp32 operands (exact products).
-    if x.device.type != "cuda" or x.dtype == torch.float32:
+    if interpreter_enabled() or x.dtype == torch.float32:
         return tl.float32
     return tl.float16 if x.dtype == torch.float16 else tl.bfloat16
 
@@ -449,7 +449,7 @@ def expert_mlp_triton(
     plan = plan or select_plan(num_tokens, hidden, width, x.device)
     if plan.split > 1:  # several programs add into each output element: fp32 atomics
         out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
-    elif x.dtype == torch.bfloat16 and x.device.type != "cuda":
+    elif x.dtype == torch.bfloat16 and interpreter_enabled():
         # one program per element, stored; the interpreter's fp32->bf16 cast truncates (the GPU
         # rounds to nearest even), so there the fp32 result is stored and torch rounds it.
         out = torch.empty((num_tokens, hidden), dtype=torch.float32, device=x.device)
