@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="tiny,mixtral", help="model shapes: tiny, mixtral (comma separated)")
     p.add_argument("--widths", default="0.125,0.25,0.5,0.75,1.0", help="width fractions, comma separated")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed repetitions per point")
+    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL),
+                   help="model whose shape is 'tiny' and whose router/other time goes into --profile-out "
+                   "(default: the committed models/tiny-mixtral)")
     p.add_argument("--profile-out", metavar="PATH.json", nargs="?", const=MEASURED_PROFILE_FILE,
                    help=f"also measure expert compute and write a 'measured' simulator profile "
                    f"(default path {MEASURED_PROFILE_FILE})")

@@ -27,7 +27,7 @@ from .profiles import HardwareProfile, ModelShape, fit_affine
 
 SHAPES = {
     "mixtral": ModelShape("mixtral-8x7b", 32, 8, 2, 4096, 14336),
-    "tiny": None,  # from models/tiny-mixtral/config.json
+    "tiny": None,  # from the --model's config.json (default models/tiny-mixtral)
 }
 
 
@@ -46,12 +46,12 @@ def tiny_shape(model_dir: Path | None = None) -> ModelShape:
     return ModelShape("tiny-mixtral (assumed)", 4, 8, 2, 128, 512)
 
 
-def resolve_shapes(spec: str) -> list[ModelShape]:
+def resolve_shapes(spec: str, model_dir=None) -> list[ModelShape]:
     out = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name not in SHAPES:
             raise TransferError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
-        out.append(SHAPES[name] or tiny_shape())
+        out.append(SHAPES[name] or tiny_shape(model_dir))
     return out
 
 
@@ -130,7 +130,8 @@ def bandwidth(device, nbytes: int, repeats: int) -> float:
 
 def run(args) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    shapes = resolve_shapes(args.shapes)
+    model_dir = getattr(args, "model", None)
+    shapes = resolve_shapes(args.shapes, model_dir)
     widths = parse_widths(args.widths)
     on_gpu = device.type == "cuda"
     what = (f"pinned host -> {torch.cuda.get_device_name(0)}" if on_gpu
@@ -180,7 +181,7 @@ def run(args) -> int:
             print(f"(runtime transfer measurement unavailable: {exc})")
     extra = {}
     if args.profile_out is not None:
-        profile = measured_profile(load_points, compute_points, device)
+        profile = measured_profile(load_points, compute_points, device, model_dir)
         report.check_output_path(args.profile_out, "--profile-out")
         profile.save(args.profile_out)
         extra["profile"] = profile.to_dict()
@@ -206,7 +207,10 @@ def measured_profile(load_points, compute_points, device, model_dir=None) -> Har
     cp = [p for pts in compute_points.values() for p in pts]
     copy_lat, s_per_byte = fit_affine(lp)
     comp_lat, c_per_byte = fit_affine(cp)
-    router_s, other_s = measure_layer_overheads(model_dir, device)
+    def comp(nbytes):
+        return comp_lat + nbytes * c_per_byte
+
+    router_s, other_s = measure_layer_overheads(model_dir, device, comp)
     return HardwareProfile(
         name="measured", h2d_bytes_per_s=1.0 / max(s_per_byte, 1e-15), copy_latency_s=copy_lat,
         compute_bytes_per_s=1.0 / max(c_per_byte, 1e-15), compute_latency_s=comp_lat, router_s=router_s,
@@ -216,20 +220,36 @@ def measured_profile(load_points, compute_points, device, model_dir=None) -> Har
 
 
 @torch.no_grad()
-def measure_layer_overheads(model_dir, device) -> tuple[float, float]:
+def measure_layer_overheads(model_dir, device, expert_compute_s=None) -> tuple[float, float]:
     """(router s, other s) per MoE layer of a decode step of the committed model (0, 0 without one).
 
     Decode-step time minus the experts modules' time, split into the gate (router) and the rest,
-    by forward hooks that synchronise the device.
+    by forward hooks that synchronise the device. When the model has a CRISP pack, the step runs
+    through the CRISP runtime with every expert resident at full width, and what the experts
+    module spends beyond ``top_k`` expert computes (``expert_compute_s(bytes)``; the runtime's
+    planner, grouping, kernel launches) is added to the router's time: it is serial per layer
+    step, before the experts, so the simulator treats it alike.
     """
     from .cli import DEFAULT_MODEL
     from .e2e import ModelInputError, _cache_kwargs, _cache_of, load_model_for_bench
 
     try:
-        model, _ = load_model_for_bench(model_dir or DEFAULT_MODEL, need_pack=False, device=device)
+        model, pack_dir = load_model_for_bench(model_dir or DEFAULT_MODEL, need_pack=False, device=device)
     except ModelInputError:
         return 0.0, 0.0
-    from crisp_runtime.models import find_moe_layers
+    from crisp_runtime.models import find_moe_layers, model_top_k
+
+    handle = None
+    if pack_dir is not None and expert_compute_s is not None:
+        from crisp_runtime import apply
+        from crisp_runtime.pack import load_pack
+
+        pack = load_pack(pack_dir)
+        layer = next(iter(pack.layers.values()))
+        plan = __import__("crisp_runtime").CrispPlan.full(layer.num_experts, model_top_k(model),
+                                                          layer.intermediate_size, sorted(pack.layers))
+        handle = apply(model, pack, plan=plan, gpu_budget=None)
+        per_layer_compute = model_top_k(model) * expert_compute_s(layer.nbytes() // layer.num_experts)
 
     refs = find_moe_layers(model)
     spent = {"experts": 0.0, "router": 0.0}
@@ -272,7 +292,11 @@ def measure_layer_overheads(model_dir, device) -> tuple[float, float]:
     finally:
         for h in handles:
             h.remove()
+        if handle is not None:
+            handle.restore()
     layers = len(refs)
     router = spent["router"] / (n * layers)
     other = max(0.0, (total - spent["experts"] - spent["router"]) / (n * layers))
+    if handle is not None:
+        router += max(0.0, spent["experts"] / (n * layers) - per_layer_compute)
     return router, other
