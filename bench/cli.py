@@ -527,8 +527,13 @@ def _cmd_kernels(args) -> int:
         raise CliError(f"kernels: {exc}") from exc
     records = [dict(r) for r in records]
     if records:
-        keys = list(records[0])
-        print(report.table(records, [(k, k) for k in keys], title="kernels (us, GB/s of prefix bytes, % of copy bw)"))
+        preferred = [("shape", "shape"), ("tokens", "T"), ("width_fraction", "width"), ("backend", "backend"),
+                     ("us_crisp", "crisp us"), ("us_dequant_linear", "dequant+linear us"),
+                     ("us_fp16_linear", "fp16 linear us"), ("gb_per_s", "crisp GB/s"), ("pct_copy_bw", "% copy bw"),
+                     ("x_vs_dequant_linear", "x dequant"), ("x_vs_fp16_linear", "x fp16"),
+                     ("width_scaling", "width scaling")]
+        cols = [c for c in preferred if c[0] in records[0]] or [(k, k) for k in records[0]]
+        print(report.table(records, cols, title="kernels (us, GB/s of prefix bytes, % of copy bandwidth)"))
     else:
         print("kernels: the sweep returned no records")
     if args.plot and records:
@@ -547,10 +552,12 @@ def _plot_kernels(path, records) -> None:
         return
     series: dict = {}
     for r in records:
-        label = " ".join(str(r[k]) for k in ("variant", "impl", "shape", "tokens") if k in r)
+        label = " ".join(f"{k[0].upper()}={r[k]}" if k == "tokens" else str(r[k])
+                         for k in ("variant", "impl", "shape", "tokens") if k in r)
         if isinstance(r.get(ykey), (int, float)) and isinstance(r.get(xkey), (int, float)):
             series.setdefault(label or "kernel", []).append((r[xkey], r[ykey]))
-    report.plot_lines(path, series, xlabel=xkey, ylabel=ykey, title="expert kernels", note=report.environment()["date"])
+    title = f"crisp expert kernel ({records[0].get('device', '')})"
+    report.plot_lines(path, series, xlabel=xkey, ylabel=ykey, title=title, note=report.environment()["date"])
 
 
 def _cmd_transfer(args) -> int:
