@@ -81,12 +81,18 @@ from .calibration import (
 STATS_FILE = "stats.safetensors"
 PROFILE_VERSION = 1
 
-# Defaults of the tier cut-offs and the Warm width: picked by `--search-target-bytes 0.55` on the
-# calibration text of the trained tiny model (see docs/eval-tiny-mixtral.md) and by the skew the
-# paper reports (top 25% of combinations carry > 60% of activations, bottom 29% < 10%).
-DEFAULT_HOT_MASS = 0.1
-DEFAULT_COLD_MASS = 0.3
-DEFAULT_WARM_WIDTH = 0.125
+# Defaults of the tier cut-offs and the Warm width. The paper does not state its values; these are
+# set by arithmetic for the target, <= 55% of full-width expert bytes per token at top-2.
+# A token of a Hot pair reads 2 full experts, Warm 1 + warm_width, Cold 1, so the bytes fraction is
+# (1 + hot_share + warm_width * warm_share) / 2. Hot = pairs carrying 5% of activations (the last
+# Hot pair overshoots, so ~5-8%), Cold = the rarest pairs carrying up to 50% (on the paper's skew
+# the bottom 29% of pairs carry < 10%, so Cold is most of the pairs but a minority of the tokens
+# only if the skew is strong), Warm at 1/16 width: (1 + 0.05..0.08 + 0.45 * 0.0625) / 2 = 54-55.4%.
+# They are starting points, not a measurement: `--search-target-bytes F` measures the loss of
+# alternatives on held-out calibration text and picks the best; pack.json records the candidates.
+DEFAULT_HOT_MASS = 0.05
+DEFAULT_COLD_MASS = 0.5
+DEFAULT_WARM_WIDTH = 0.0625
 
 SEARCH_HOT = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 SEARCH_COLD = (0.0, 0.1, 0.2, 0.3, 0.5)
@@ -115,7 +121,7 @@ class ProfileConfig:
     holdout_fraction: float = 0.1
     dominance_samples: int = 64
     dominance_min_tokens: int = 32
-    dominance_max_windows: int = 16
+    dominance_max_windows: int = 8
     search_target_bytes: float | None = None
     search_samples: int = 32
     work_dir: str | None = None
@@ -625,6 +631,10 @@ class Profiler:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             save_pack_dir(tmp, packed, plan, info)
+            # mkdtemp / mkstemp create 0700 / 0600: give the pack ordinary permissions
+            os.chmod(tmp, 0o755)
+            for f in tmp.iterdir():
+                os.chmod(f, 0o644)
             if out.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
                 os.replace(out, old / "pack")
@@ -706,7 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dominance-samples", type=int, default=64, help="calibration windows for measuring dominance")
     p.add_argument("--dominance-min-tokens", type=int, default=32,
                    help="pairs seen on fewer tokens (in the dominance windows) use the routing-weight proxy")
-    p.add_argument("--dominance-max-windows", type=int, default=16, help="windows per pair in each masking run")
+    p.add_argument("--dominance-max-windows", type=int, default=8, help="windows per pair in each masking run")
     p.add_argument("--search-target-bytes", type=float, default=None, metavar="FRACTION",
                    help="search tier cut-offs and Warm width for <= FRACTION of full-width bytes per token "
                         "(lowest loss on held-out calibration windows); overrides --hot-mass/--cold-mass/--warm-width")
