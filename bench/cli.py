@@ -101,8 +101,10 @@ mapping a small model's traces onto --target mixtral-8x7b:
 
 policies (CrispPlan): full = every routed expert full width (full + LRU = the
   mixtral-offloading-style baseline); uniform = every expert at one width (default: the
-  width giving CRISP's bytes per token); skip_aux = dominant expert only; crisp = tiers over
-  expert pairs from the committed plan (--plan auto derives one from the trace itself).
+  width giving CRISP's bytes per token); skip_aux = dominant expert full, the other skipped when
+  its routing weight is under the threshold giving CRISP's bytes per token (always without a
+  CRISP plan), as crisp-eval does; crisp = tiers over expert pairs from the committed plan
+  (--plan auto derives one from the trace itself).
 """
 
 
@@ -366,6 +368,11 @@ def _simulation_inputs(args):
         how = "given" if args.uniform_width is not None else ("matched to CRISP's bytes/token" if crisp_plan
                                                                   else "default 50%")
         notes.append(f"uniform width {plans['uniform'].uniform_width}/{trace.intermediate_size} ({how})")
+    if "skip_aux" in plans:
+        th = plans["skip_aux"].skip_threshold
+        notes.append("skip_aux: the auxiliary expert always skipped" if th is None else
+                     f"skip_aux: auxiliary expert skipped when its routing weight < {th:.3f} "
+                     f"(matched to CRISP's bytes/token, as crisp-eval does)")
     mapped = {}
     for name, plan in plans.items():
         widths = tr.token_widths(trace, plan)

@@ -205,14 +205,34 @@ def matched_uniform_width(trace: Trace, plan: CrispPlan) -> int:
     return max(1, min(trace.intermediate_size, int(round(mean / trace.top_k))))
 
 
-def policy_plans(trace: Trace, crisp: CrispPlan | None, uniform_width: int | None = None) -> dict[str, CrispPlan]:
-    """The four policies over the trace's model: full, uniform, skip_aux, crisp."""
+def matched_skip_threshold(trace: Trace, plan: CrispPlan) -> float | None:
+    """Routing-weight threshold under which skip_aux drops a non-dominant expert, chosen so that its
+    bytes per token on this trace match ``plan``'s (crisp-eval's matching); None = always skip."""
+    mean_experts = float(token_widths(trace, plan).sum(axis=-1).mean()) / trace.intermediate_size
+    keep = (mean_experts - 1.0) / max(1, trace.top_k - 1)  # share of auxiliary slots kept
+    if keep <= 0:
+        return None
+    if keep >= 1:
+        return 0.0
+    aux = -np.sort(-trace.weights, axis=-1)[..., 1:].ravel()  # every non-leading routing weight
+    return float(np.quantile(aux, 1.0 - keep))
+
+
+def policy_plans(trace: Trace, crisp: CrispPlan | None, uniform_width: int | None = None,
+                 skip_threshold: float | None | str = "match") -> dict[str, CrispPlan]:
+    """The four policies over the trace's model: full, uniform, skip_aux, crisp.
+
+    Defaults match crisp-eval: uniform at the width giving CRISP's bytes per token, skip_aux with the
+    routing-weight threshold giving CRISP's bytes per token (always skip without a CRISP plan).
+    """
     e, k, inter, ids = trace.num_experts, trace.top_k, trace.intermediate_size, trace.layer_ids
     plans = {"full": CrispPlan.full(e, k, inter, ids)}
     if uniform_width is None:
         uniform_width = matched_uniform_width(trace, crisp) if crisp is not None else inter // 2
     plans["uniform"] = CrispPlan.uniform(e, k, inter, ids, uniform_width)
-    plans["skip_aux"] = CrispPlan.skip_aux(e, k, inter, ids)
+    if skip_threshold == "match":
+        skip_threshold = matched_skip_threshold(trace, crisp) if crisp is not None else None
+    plans["skip_aux"] = CrispPlan.skip_aux(e, k, inter, ids, threshold=skip_threshold)
     if crisp is not None:
         crisp.check_compatible(num_experts=e, top_k=k, intermediate_size=inter, layer_ids=ids)
         plans["crisp"] = crisp
