@@ -75,9 +75,10 @@ class Slot:
 
 
 def johnson_order(jobs: Sequence[Job]) -> list[Job]:
-    """Johnson's rule for the two-stage flow shop; ties keep router order."""
+    """Johnson's rule for the two-stage flow shop, tie-broken as ``crisp_runtime.scheduler.johnson_order``
+    (equal loads: wider first; then router order)."""
     pos = {id(j): i for i, j in enumerate(jobs)}
-    first = sorted((j for j in jobs if j.load_s < j.compute_s), key=lambda j: (j.load_s, pos[id(j)]))
+    first = sorted((j for j in jobs if j.load_s < j.compute_s), key=lambda j: (j.load_s, -j.compute_s, pos[id(j)]))
     last = sorted((j for j in jobs if j.load_s >= j.compute_s), key=lambda j: (-j.compute_s, pos[id(j)]))
     return first + last
 

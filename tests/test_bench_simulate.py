@@ -122,3 +122,22 @@ def test_per_layer_cache_scope():
         assert res.bytes_copied == 0 and res.stats.hits == 8
     with pytest.raises(BudgetTooSmall):
         simulate_decode(index, widths, PROFILE, shape, budget_bytes=3 * 420, cache_scope="layer")
+
+
+def test_widest_first_matches_the_runtime_scheduler():
+    """Same order and makespan as crisp_runtime's Johnson rule on random steps (loads 0 = cache hits)."""
+    import random
+
+    from crisp_bench.simulate import johnson_order
+
+    scheduler = pytest.importorskip("crisp_runtime.scheduler")
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 6)
+        jobs = [Job(e, 1, rng.choice([0.0, 0.25, 0.5, 1.0, 2.0, 4.0]), rng.choice([0.25, 0.5, 1.0])) for e in range(n)]
+        load, comp = [j.load_s for j in jobs], [j.compute_s for j in jobs]
+        order = scheduler.johnson_order(load, comp)
+        assert [j.expert for j in johnson_order(jobs)] == order
+        end, _ = schedule(jobs, "widest_first")
+        assert end == scheduler.flow_shop_makespan(order, load, comp)
+        assert end >= flow_shop_bound(jobs) and end <= schedule(jobs, "router")[0]
