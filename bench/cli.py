@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--orders", type=_csv(ORDERS), default=list(ORDERS), help="comma separated")
     p.add_argument("--uniform-width", type=_fraction, default=None,
                    help="width of the uniform policy (fraction of I; default: CRISP's bytes per token)")
+    p.add_argument("--compare", metavar="E2E.json",
+                   help="an `e2e --json` file measured on this machine: print the prediction error per policy "
+                   "(widest-first order against a GPU run, serial against a CPU run)")
     p.add_argument("--cache-scope", choices=("global", "layer"), default="global",
                    help="global: one LRU over all layers (CRISP's runtime, default); layer: the budget split into "
                    "one LRU per layer (mixtral-offloading's per-layer slots; needs >= top_k experts per layer)")
@@ -306,13 +309,14 @@ def _cmd_simulate(args) -> int:
         print(line)
     if profile.name == "rtx4090-pcie4" and shape.name == "mixtral-8x7b":
         print(_paper_comparison(records, args.budget if not args.budget_sweep else 0.25))
+    comparison = _compare_e2e(args.compare, records, budgets[0]) if args.compare else None
     if args.plot:
         _plot_simulation(args.plot, records, budgets, profile, shape, trace)
         print(f"wrote {args.plot}")
     _emit(args, "simulate", records, profile=profile.to_dict(), target=shape.__dict__, mapping=notes,
           plans={k: v.to_dict() if k != "crisp" else {"description": v.description, "tier_widths": vars(v.tier_widths)}
                  for k, v in plans.items()},
-          headline={k: v for k, v in headline.items() if k != "lines"})
+          headline={k: v for k, v in headline.items() if k != "lines"}, comparison=comparison)
     print(f"simulate: {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -465,6 +469,37 @@ def _headline(records, budgets) -> dict:
         out["lines"].append(f"budget {b:.0%}: CRISP (widest-first) {crisp['tokens_per_s']:.2f} tok/s = "
                             + ", ".join(parts) + " (full-width LRU)")
     return out
+
+
+def _compare_e2e(path, records, budget) -> list[dict]:
+    """Predicted vs measured tokens/s per policy, from an ``e2e --json`` document."""
+    import json
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CliError(f"--compare {path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("command") != "e2e":
+        raise CliError(f"--compare {path}: not the --json output of `crisp-bench e2e`")
+    rows = []
+    for m in doc["records"]:
+        order = "widest_first" if str(m.get("device", "cpu")).startswith("cuda") else "serial"
+        p = _pick(records, m["policy"], order, budget)
+        if p is None:
+            continue
+        err = p["tokens_per_s"] / m["tokens_per_s"] - 1.0
+        rows.append({"policy": m["policy"], "order": order, "predicted_tokens_per_s": p["tokens_per_s"],
+                     "measured_tokens_per_s": m["tokens_per_s"], "error": err,
+                     "predicted_bytes_per_token": p["bytes_per_token"],
+                     "measured_bytes_per_token": m["bytes_per_token"]})
+    if not rows:
+        raise CliError(f"--compare {path}: no policy in common with this simulation")
+    print(report.table(rows, [("policy", "policy"), ("order", "order"), ("predicted_tokens_per_s", "predicted tok/s"),
+                              ("measured_tokens_per_s", "e2e tok/s"), ("error", "rel. error"),
+                              ("predicted_bytes_per_token", "predicted B/tok"),
+                              ("measured_bytes_per_token", "e2e B/tok")],
+                       title=f"prediction vs e2e ({path}); target: within 15%"))
+    return rows
 
 
 def _paper_comparison(records, budget) -> str:

@@ -107,6 +107,17 @@ def test_layer(tiny_model, tmp_path):
                                                          for o in ("serial", "router", "widest_first")}
 
 
+def test_simulate_compare_with_e2e(tiny_model, tmp_path):
+    e2e = tmp_path / "e2e.json"
+    assert main(["e2e", "--model", str(tiny_model / "tiny"), "--text", str(tiny_model / "text.txt"), "--tokens", "8",
+                 "--policies", "full,crisp", "--json", str(e2e), "--threads", "1"]) == 0
+    out = tmp_path / "s.json"
+    assert main(["simulate", "--trace", str(tiny_model / "trace.npz"), "--plan", str(tiny_model / "tiny-crisp"),
+                 "--target", "native", "--compare", str(e2e), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["comparison"]
+    assert {r["policy"] for r in rows} == {"full", "crisp"} and all("error" in r for r in rows)
+
+
 def test_transfer_and_measured_profile(tmp_path, monkeypatch):
     out, prof = tmp_path / "tr.json", tmp_path / "prof.json"
     rc = main(["transfer", "--shapes", "tiny", "--widths", "0.5,1.0", "--repeats", "1", "--json", str(out),
