@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Train a tiny byte-level Mixtral (8 experts, top-2) from scratch for CRISP demos and tests.
+
+Nothing is downloaded: the model is ``transformers.MixtralForCausalLM`` built from a
+``MixtralConfig`` with random initialisation, trained on the byte corpus written by
+``tools/make_corpus.py`` (the Python standard library's sources).
+
+Deterministic: fixed seeds, ``torch.use_deterministic_algorithms(True)``, a fixed number of
+threads, and training windows drawn from a seeded ``torch.Generator``. The same command on
+the same Python/torch version and CPU type gives the same weights (floating-point reduction
+order can differ across CPU types and thread counts).
+
+Output directory: ``model.safetensors`` + ``config.json`` + ``generation_config.json`` (from
+``save_pretrained``) and ``training.json`` (hyperparameters, versions, wall time, metrics,
+expert-pair skew on the calibration text).
+
+Usage:
+    nice -n 10 python tools/train_tiny_moe.py --steps 2400 --out models/tiny-mixtral
+    python tools/train_tiny_moe.py --steps 20 --out /tmp/tiny --no-save   # speed probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+# Run as a script, Python puts tools/ first on sys.path, where sibling tools (e.g. a
+# tools/profile.py) would shadow standard-library modules; put the repository root there instead.
+_TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _TOOLS_DIR]
+sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from crisp_runtime.text import VOCAB_SIZE, read_texts, sample_sequences  # noqa: E402
+
+
+def build_config(args: argparse.Namespace):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_positions,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        router_aux_loss_coef=args.aux_coef,
+        output_router_logits=False,  # saved config: inference default; training passes True
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        use_cache=True,
+    )
+
+
+class WindowSampler:
+    """Seeded random windows of ``seq_len + 1`` bytes from one byte stream (no per-step copies)."""
+
+    def __init__(self, texts: list[str], seq_len: int, seed: int):
+        data = b"\x00".join(t.encode("utf-8") for t in texts)
+        self.stream = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (total_bytes,)
+        self.span = seq_len + 1
+        if len(data) < self.span:
+            raise ValueError(f"training text has {len(data)} bytes, need at least {self.span}")
+        self.gen = torch.Generator().manual_seed(seed)
+        self.offsets = torch.arange(self.span)  # (seq_len + 1,)
+
+    def batch(self, batch_size: int) -> torch.Tensor:
+        """Returns LongTensor (batch_size, seq_len + 1)."""
+        starts = torch.randint(0, len(self.stream) - self.span + 1, (batch_size,), generator=self.gen)
+        return self.stream[starts[:, None] + self.offsets[None, :]].long()
+
+
+@torch.no_grad()
+def evaluate(model, seqs: torch.Tensor, batch_size: int = 16) -> dict[str, float]:
+    """Mean next-byte loss / perplexity / top-1 accuracy over ``seqs`` (N, L): L-1 predictions each."""
+    model.eval()
+    total_loss, total_correct, total = 0.0, 0, 0
+    for i in range(0, len(seqs), batch_size):
+        x = seqs[i : i + batch_size]
+        logits = model(input_ids=x[:, :-1], use_cache=False).logits.float()  # (B, L-1, V)
+        target = x[:, 1:]  # (B, L-1)
+        total_loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                      reduction="sum").item()
+        total_correct += (logits.argmax(-1) == target).sum().item()
+        total += target.numel()
+    loss = total_loss / total
+    return {"loss": loss, "perplexity": math.exp(loss), "accuracy": total_correct / total,
+            "predictions": total}
+
+
+@torch.no_grad()
+def pair_skew(model, seqs: torch.Tensor, top_fraction: float = 0.25, bottom_fraction: float = 0.29,
+              batch_size: int = 16) -> list[dict]:
+    """Per layer: how concentrated the routed expert combinations (unordered top-k sets) are.
+
+    For each layer, counts every token's routed expert set on ``seqs`` (N, L) and reports the
+    share of activations carried by the most frequent ``top_fraction`` of all C(E, k) possible
+    combinations, and by the least frequent ``bottom_fraction`` (cf. the paper's 25% / 29%).
+    """
+    cfg = model.config
+    combos = list(itertools.combinations(range(cfg.num_local_experts), cfg.num_experts_per_tok))
+    index = {c: i for i, c in enumerate(combos)}
+    counts = [torch.zeros(len(combos), dtype=torch.long) for _ in model.model.layers]
+    handles = []
+
+    def hook_for(layer_idx):
+        def hook(module, inputs, output):
+            router_indices = output[2]  # (tokens, top_k)
+            keys = router_indices.sort(dim=-1).values.tolist()
+            ids = torch.tensor([index[tuple(k)] for k in keys])
+            counts[layer_idx] += torch.bincount(ids, minlength=len(combos))
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        handles.append(layer.mlp.gate.register_forward_hook(hook_for(i)))
+    try:
+        model.eval()
+        for i in range(0, len(seqs), batch_size):
+            model(input_ids=seqs[i : i + batch_size], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+
+    n_top = max(1, round(top_fraction * len(combos)))
+    n_bottom = max(1, round(bottom_fraction * len(combos)))
+    report = []
+    for i, c in enumerate(counts):
+        ordered = c.sort(descending=True).values
+        total = ordered.sum().item()
+        expert_load = torch.zeros(cfg.num_local_experts)
+        for combo, n in zip(combos, c.tolist(), strict=True):
+            for e in combo:
+                expert_load[e] += n
+        report.append({
+            "layer": i,
+            "tokens": total,
+            "combinations": len(combos),
+            f"top_{n_top}_share": ordered[:n_top].sum().item() / total,
+            f"bottom_{n_bottom}_share": ordered[-n_bottom:].sum().item() / total,
+            "unused_combinations": int((c == 0).sum().item()),
+            "top_combinations": [[list(combos[j]), c[j].item()] for j in c.argsort(descending=True)[:n_top].tolist()],
+            "expert_share": [round(v, 4) for v in (expert_load / expert_load.sum()).tolist()],
+        })
+    return report
+
+
+def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """Switch-style load-balancing loss, computed per layer and averaged over layers.
+
+    For layer l with router logits (T, E): f_e = share of the T*top_k routed slots that go to
+    expert e (no gradient), P_e = mean router probability of e; loss_l = E * sum_e f_e * P_e,
+    which is 1.0 for perfectly balanced routing. transformers' built-in aux loss pools the
+    tokens of all layers before taking f and P, so one layer's collapse can be offset by
+    another's; with it, whole experts died in our probe runs. Per-layer balance avoids that.
+    """
+    losses = []
+    for logits in router_logits:  # each (T, E)
+        probs = logits.float().softmax(dim=-1)  # (T, E)
+        num_experts = probs.shape[-1]
+        chosen = probs.topk(top_k, dim=-1).indices  # (T, top_k)
+        f = F.one_hot(chosen, num_experts).sum(dim=1).float().mean(dim=0) / top_k  # (E,)
+        losses.append(num_experts * (f.detach() * probs.mean(dim=0)).sum())
+    return torch.stack(losses).mean()
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup then cosine decay to ``min_lr_ratio * lr``."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--data-dir", default="data", help="directory with stdlib-{train,calib,heldout}.txt")
+    p.add_argument("--out", default="models/tiny-mixtral", help="output directory for the checkpoint")
+    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--intermediate-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--max-positions", type=int, default=512)
+    p.add_argument("--aux-coef", type=float, default=0.01,
+                   help="coefficient of the per-layer router load-balancing loss (1.0 = balanced)")
+    p.add_argument("--eval-samples", type=int, default=128, help="held-out / calib windows for metrics")
+    p.add_argument("--eval-seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--train-experts-impl", default="eager",
+                   help="experts implementation used while training only (not saved in the config)")
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--no-save", action="store_true", help="train and evaluate without writing a checkpoint")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True)
+
+    import transformers
+    from transformers import MixtralForCausalLM
+
+    d = args.data_dir
+    train_texts = read_texts([os.path.join(d, "stdlib-train.txt")])
+    heldout = sample_sequences(read_texts([os.path.join(d, "stdlib-heldout.txt")]),
+                               args.eval_samples, args.seq_len, args.eval_seed)  # (N, L)
+    calib = sample_sequences(read_texts([os.path.join(d, "stdlib-calib.txt")]),
+                             args.eval_samples, args.seq_len, args.eval_seed)  # (N, L)
+    sampler = WindowSampler(train_texts, args.seq_len, args.seed + 1)
+
+    config = build_config(args)
+    model = MixtralForCausalLM(config)
+    model.set_experts_implementation(args.train_experts_impl)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    print(f"params {n_params:,} (experts {n_expert:,}); train bytes {len(sampler.stream):,}", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+    tokens_per_step = args.batch_size * args.seq_len
+    t0 = time.perf_counter()
+    t_log = t0
+    for step in range(args.steps):
+        model.train()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        batch = sampler.batch(args.batch_size)  # (B, L+1)
+        # No labels: the LM loss is computed here on explicit (input, next byte) pairs, and the
+        # balance loss from the per-layer router logits (see per_layer_balance_loss).
+        out = model(input_ids=batch[:, :-1], output_router_logits=True, use_cache=False)
+        logits = out.logits  # (B, L, V)
+        lm_loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch[:, 1:].reshape(-1))
+        aux_loss = per_layer_balance_loss(out.router_logits, config.num_experts_per_tok)
+        loss = lm_loss + args.aux_coef * aux_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
+            now = time.perf_counter()
+            n_steps = args.log_every if step else 1
+            print(f"step {step + 1:5d}/{args.steps} lm_loss {lm_loss.item():.4f} aux {aux_loss.item():.3f} "
+                  f"lr {lr_at(step, args):.2e} {n_steps * tokens_per_step / (now - t_log):7.0f} tok/s "
+                  f"elapsed {now - t0:6.1f}s", flush=True)
+            t_log = now
+    wall = time.perf_counter() - t0
+
+    metrics = evaluate(model, heldout)
+    calib_metrics = evaluate(model, calib)
+    skew = pair_skew(model, calib)
+    print(f"held-out: loss {metrics['loss']:.4f} ppl {metrics['perplexity']:.3f} "
+          f"acc {metrics['accuracy']:.4f} ({metrics['predictions']} predictions)")
+    print(f"calib:    loss {calib_metrics['loss']:.4f} ppl {calib_metrics['perplexity']:.3f} "
+          f"acc {calib_metrics['accuracy']:.4f}")
+    for r in skew:
+        keys = [k for k in r if k.endswith("_share") and k != "expert_share"]
+        print(f"layer {r['layer']}: " + " ".join(f"{k} {r[k]:.3f}" for k in keys)
+              + f" unused {r['unused_combinations']}/{r['combinations']} expert_share {r['expert_share']}")
+    print(f"training wall time {wall:.1f}s ({args.steps * tokens_per_step / wall:.0f} tok/s)")
+    if args.no_save:
+        return 0
+
+    model.set_experts_implementation("eager")
+    os.makedirs(args.out, exist_ok=True)
+    model.save_pretrained(args.out, safe_serialization=True)
+    # Reload and check what others rely on: transformers' own class, its expert layout, same metrics.
+    reloaded = MixtralForCausalLM.from_pretrained(args.out)
+    experts = reloaded.model.layers[0].mlp.experts
+    E, I, H = config.num_local_experts, config.intermediate_size, config.hidden_size
+    assert type(experts).__name__ == "MixtralExperts", type(experts)
+    assert tuple(experts.gate_up_proj.shape) == (E, 2 * I, H), experts.gate_up_proj.shape
+    assert tuple(experts.down_proj.shape) == (E, H, I), experts.down_proj.shape
+    with open(os.path.join(args.out, "config.json")) as f:
+        assert "experts_implementation" not in f.read(), "config.json forces an experts implementation"
+    re_metrics = evaluate(reloaded, heldout)
+    assert abs(re_metrics["loss"] - metrics["loss"]) < 1e-4, (re_metrics, metrics)
+
+    record = {
+        "description": "Tiny byte-level Mixtral trained from scratch on Python stdlib sources (CRISP demos/tests)",
+        "command": "python tools/train_tiny_moe.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "hyperparameters": {k: v for k, v in vars(args).items() if k not in ("out", "no_save", "log_every")},
+        "aux_loss": "per-layer Switch-style balance loss (per_layer_balance_loss), not transformers' pooled one",
+        "tokens_per_step": tokens_per_step,
+        "train_tokens": tokens_per_step * args.steps,
+        "parameters": n_params,
+        "expert_parameters": n_expert,
+        "dtype": "float32",
+        "tokenizer": "bytes (crisp_runtime.text: UTF-8 byte = token id, vocab 256, separator 0)",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "threads": args.threads},
+        "training_wall_time_s": round(wall, 1),
+        "heldout": {**metrics, "file": "stdlib-heldout.txt", "samples": args.eval_samples,
+                    "seq_len": args.seq_len, "seed": args.eval_seed,
+                    "how": "crisp_runtime.text.sample_sequences(read_texts([file]), samples, seq_len, seed); "
+                           "next-byte predictions at positions 1..seq_len-1"},
+        "calib": {**calib_metrics, "file": "stdlib-calib.txt"},
+        "combination_skew_calib": skew,
+    }
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(f"saved {args.out} ({os.path.getsize(os.path.join(args.out, 'model.safetensors')) / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
