@@ -46,7 +46,7 @@ from .calibration import (
     score_windows,
     threads,
 )
-from .profile import _stored_weights, load_pack_dir
+from .profile_model import _stored_weights, load_pack_dir
 
 
 def _aux_weights(weights_list, num_dominant: int) -> torch.Tensor:

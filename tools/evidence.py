@@ -41,7 +41,7 @@ from .calibration import (
     score_windows,
     threads,
 )
-from .profile import _stored_weights, load_pack_dir, pair_codes
+from .profile_model import _stored_weights, load_pack_dir, pair_codes
 
 
 def _share(counts_sorted: list[int], frac: float, top: bool) -> float:

@@ -30,8 +30,9 @@ import platform
 import sys
 import time
 
-# Run as a script, Python puts tools/ first on sys.path, where sibling tools (e.g. a
-# tools/profile.py) would shadow standard-library modules; put the repository root there instead.
+# Run as a script, Python puts tools/ first on sys.path, where a sibling module could shadow a
+# standard-library one (a tools/profile.py once broke transformers' cProfile import); put the
+# repository root there instead, which also makes crisp_runtime importable without an install.
 _TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _TOOLS_DIR]
 sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
