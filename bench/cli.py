@@ -629,9 +629,9 @@ def _default_suite(args) -> int:
     steps = [
         ["transfer", "--shapes", "tiny,mixtral", "--widths", "0.25,0.5,1.0", "--repeats", "3"],
         ["kernels", "--quick"],
-        ["layer", "--steps", "16", *model],
-        ["e2e", "--tokens", "32", *model],
-        ["simulate", "--sequences", "4", "--seq-len", "128", "--warmup", "16", *model],
+        ["layer", "--steps", "32", *model],
+        ["e2e", "--tokens", "256", *model],
+        ["simulate", "--sequences", "8", "--seq-len", "256", *model],
     ]
     status = 0
     for argv in steps:
