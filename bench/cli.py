@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--budget", type=_fraction, default=0.25, help="GPU budget, fraction of expert bytes")
     p.add_argument("--tokens", type=_positive_int, default=128, help="tokens to decode per policy")
+    p.add_argument("--record-trace", metavar="PATH.npz",
+                   help="save the routing of the decoded tokens (for `simulate --trace PATH.npz --compare E2E.json`)")
     p.add_argument("--policies", type=_csv(POLICIES), default=list(POLICIES))
     _outputs(p)
 

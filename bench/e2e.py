@@ -163,6 +163,12 @@ def run(args) -> int:
         torch.stack([routing.layer(i)[1] for i in layer_ids]).numpy(), layer_ids,
         {"num_experts": first.num_experts, "top_k": top_k, "intermediate_size": first.intermediate_size},
     )
+    if getattr(args, "record_trace", None):
+        report.check_output_path(args.record_trace, "--record-trace")
+        trace.meta.update(model=str(args.model), source=f"{args.text} (the e2e tokens; warm-up {warm})",
+                          hidden_size=first.hidden_size, warmup=warm)
+        trace.save(args.record_trace)
+        print(f"routing of the decoded tokens saved to {args.record_trace} (simulate it with --warmup {warm})")
     plans = tr.policy_plans(trace, pack.plan if pack.plan is not None and pack.plan.policy.value == "crisp" else None)
     plans = {k: v for k, v in plans.items() if k in args.policies}
 

@@ -110,10 +110,11 @@ def test_layer(tiny_model, tmp_path):
 def test_simulate_compare_with_e2e(tiny_model, tmp_path):
     e2e = tmp_path / "e2e.json"
     assert main(["e2e", "--model", str(tiny_model / "tiny"), "--text", str(tiny_model / "text.txt"), "--tokens", "8",
-                 "--policies", "full,crisp", "--json", str(e2e), "--threads", "1"]) == 0
+                 "--policies", "full,crisp", "--json", str(e2e), "--threads", "1",
+                 "--record-trace", str(tmp_path / "e2e.npz")]) == 0
     out = tmp_path / "s.json"
-    assert main(["simulate", "--trace", str(tiny_model / "trace.npz"), "--plan", str(tiny_model / "tiny-crisp"),
-                 "--target", "native", "--compare", str(e2e), "--json", str(out)]) == 0
+    assert main(["simulate", "--trace", str(tmp_path / "e2e.npz"), "--plan", str(tiny_model / "tiny-crisp"),
+                 "--target", "native", "--warmup", "2", "--compare", str(e2e), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["comparison"]
     assert {r["policy"] for r in rows} == {"full", "crisp"} and all("error" in r for r in rows)
 
