@@ -341,7 +341,7 @@ def _simulation_inputs(args):
 
         model, pack_dir = load_model_for_bench(args.model, args.pack, need_pack=args.plan is None)
         trace = _record(model, args)
-        notes.append(f"trace recorded from {args.model} on {args.text}: {trace.num_layers} layers x "
+        notes.append(f"trace recorded from {_rel(args.model)} on {_rel(args.text)}: {trace.num_layers} layers x "
                      f"{trace.num_tokens} tokens ({args.sequences} x {args.seq_len}, teacher-forced = decode routing)")
         if args.record_trace:
             trace.save(args.record_trace)
@@ -386,6 +386,14 @@ def _simulation_inputs(args):
     return profile, shape, trace, plans, mapped, notes
 
 
+def _rel(path) -> str:
+    """A path relative to the repository when it lies inside it (for reports and plots)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def _record(model, args):
     from crisp_runtime.text import read_texts, sample_sequences
 
@@ -397,7 +405,9 @@ def _record(model, args):
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     print(f"recording routing of {args.sequences} x {args.seq_len} tokens ...", file=sys.stderr)
-    return tr.record_trace(model, seqs, source=str(args.text), progress=report.Progress("recording"))
+    trace = tr.record_trace(model, seqs, source=_rel(args.text), progress=report.Progress("recording"))
+    trace.meta["model"] = _rel(args.model)
+    return trace
 
 
 def _load_crisp_plan(spec, pack_dir, trace, notes):
@@ -428,7 +438,7 @@ def _load_crisp_plan(spec, pack_dir, trace, notes):
     if plan.policy.value != "crisp":
         raise CliError(f"{path}: is a {plan.policy.value!r} plan, not a CRISP plan")
     tw = plan.tier_widths
-    notes.append(f"crisp plan: {path} (hot/warm/cold aux widths {tw.hot}/{tw.warm}/{tw.cold} of "
+    notes.append(f"crisp plan: {_rel(path)} (hot/warm/cold aux widths {tw.hot}/{tw.warm}/{tw.cold} of "
                  f"{plan.intermediate_size}, unseen pairs -> {plan.unseen_tier.value})")
     return plan
 
