@@ -16,7 +16,11 @@ the *leading pair*, the two experts with the highest routing weights of a token.
 paper's case, where the pair is the whole combination; for wider routing the full k-sets are
 too many to count densely (C(64, 6) = 75M), while pairs stay countable (C(64, 2) = 2,016).
 Ranks within a token: the pair's dominant expert is rank 0, the other pair member rank 1,
-the remaining routed experts ranks 2..k-1 by decreasing routing weight. Ranks below
+the remaining routed experts ranks 2..k-1 by decreasing routing weight. A combination's
+dominant expert is either a fixed label (measured offline by masking each member) or, when the
+plan stores none for it (``null`` in JSON), the heavier expert of each token by routing weight:
+on the trained tiny Mixtral a fixed per-pair label lost to the per-token routing weight at
+every setting we measured (``crisp-profile --dominance`` chooses on calibration text). Ranks below
 ``num_dominant`` run full width; the others take the tier's width. Shared experts (Qwen2-MoE,
 DeepSeek) are dense MLPs outside this plan: they always run full width and stay resident.
 
@@ -100,7 +104,7 @@ class LayerPlan:
     """Tier and dominant expert of every combination (leading pair) seen in one layer."""
 
     tiers: Mapping[Pair, Tier]
-    dominant: Mapping[Pair, int]
+    dominant: Mapping[Pair, int]  # pairs absent here: the heavier expert of each token is dominant
     # Lookup tables built on first use; not part of equality.
     _tables: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -225,7 +229,7 @@ class CrispPlan:
                     if not isinstance(tier, Tier):
                         raise PlanError(f"plan: layer {layer_id} combination {(a, b)} has tier {tier!r}")
                     d = lp.dominant.get((a, b))
-                    if d not in (a, b):
+                    if d is not None and d not in (a, b):
                         raise PlanError(f"plan: layer {layer_id} combination {(a, b)}: dominant {d} is not a or b")
 
     def check_compatible(self, *, num_experts: int, top_k: int, intermediate_size: int, layer_ids) -> None:
@@ -379,7 +383,7 @@ class CrispPlan:
             out["unseen_tier"] = self.unseen_tier.value
             out["layers"] = {
                 str(layer_id): [
-                    {"experts": list(pair), "tier": tier.value, "dominant": lp.dominant[pair]}
+                    {"experts": list(pair), "tier": tier.value, "dominant": lp.dominant.get(pair)}
                     for pair, tier in sorted(lp.tiers.items())
                 ]
                 for layer_id, lp in sorted(self.layers.items())
@@ -419,7 +423,8 @@ class CrispPlan:
                 for entry in entries:
                     a, b = (int(e) for e in entry["experts"])
                     tiers[(a, b)] = Tier(entry["tier"])
-                    dominant[(a, b)] = int(entry["dominant"])
+                    if entry["dominant"] is not None:
+                        dominant[(a, b)] = int(entry["dominant"])
                 layers[int(layer_key)] = LayerPlan(tiers, dominant)
             return cls(
                 policy,

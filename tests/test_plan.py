@@ -22,7 +22,7 @@ FULL = 96
 
 def _crisp_plan(num_experts=8, top_k=2, num_dominant=1, unseen=Tier.WARM):
     tiers = {(0, 1): Tier.HOT, (2, 3): Tier.WARM, (1, 2): Tier.WARM, (4, 5): Tier.COLD, (0, 7): Tier.COLD}
-    dominant = {(0, 1): 1, (2, 3): 3, (1, 2): 2, (4, 5): 5, (0, 7): 7}
+    dominant = {(0, 1): 1, (2, 3): 3, (4, 5): 5, (0, 7): 7}  # (1, 2): no label, the heavier expert per token
     return CrispPlan.crisp(
         num_experts, top_k, FULL, {0: LayerPlan(tiers, dominant), 3: LayerPlan({}, {})}, TierWidths(FULL, 40, 0),
         unseen_tier=unseen, num_dominant=num_dominant,
@@ -68,17 +68,18 @@ def _widths_by_hand(plan: CrispPlan, index, weights):
 
 def test_crisp_widths_follow_tiers_and_dominance():
     plan = _crisp_plan()
-    index = torch.tensor([[0, 1], [3, 2], [1, 2], [5, 4], [6, 7], [7, 0], [2, 3]])
-    weights = torch.tensor([[.6, .4], [.7, .3], [.5, .5], [.9, .1], [.8, .2], [.55, .45], [.8, .2]])
+    index = torch.tensor([[0, 1], [3, 2], [1, 2], [5, 4], [6, 7], [7, 0], [2, 3], [2, 1]])
+    weights = torch.tensor([[.6, .4], [.7, .3], [.5, .5], [.9, .1], [.8, .2], [.55, .45], [.8, .2], [.4, .6]])
     widths = plan.token_widths(0, index, weights)
     expected = torch.tensor([
         [FULL, FULL],  # hot: both full
         [FULL, 40],  # warm, 3 dominant
-        [40, FULL],  # warm, 2 dominant although tied in weight
+        [FULL, 40],  # warm, no label: tied weights keep router order, 1 dominant
         [FULL, 0],  # cold: 5 dominant, 4 skipped
         [FULL, 40],  # unseen pair -> unseen tier (warm), heavier expert 6 dominant
         [FULL, 0],  # cold, 7 dominant
         [40, FULL],  # warm (2,3): the measured dominant 3 wins over the heavier 2
+        [40, FULL],  # warm (1,2), no label: the heavier 1 is dominant for this token
     ])
     assert torch.equal(widths, expected)
 
