@@ -209,8 +209,10 @@ class Evidence:
         combos.sort(key=lambda x: (-x[0], x[1], x[2]))
         rows = []
         for count, lid, p in combos[: self.top_pairs]:
-            lp = self.plan.layers[lid]
-            dom = lp.dominant[p]
+            # the labels measured by masking in calibration (pack.json), whatever rule the plan uses
+            dom = self.calib[lid][p].get("dominant")
+            if dom is None:
+                continue
             aux = p[0] if dom == p[1] else p[1]
             proxy = self.calib[lid][p].get("proxy_dominant", dom)
             rd = self._mask_member(lid, p, dom, codes, base_seq)
@@ -252,7 +254,6 @@ class Evidence:
     def _drop_expert(self, base, codes, index):
         rows = []
         for lid in self.layer_ids:
-            lp = self.plan.layers[lid]
             code = codes[lid][:, :-1]
             for x in range(self.E):
                 def widths_fn(layer, idx, w, lid=lid, x=x):
@@ -268,7 +269,7 @@ class Evidence:
                     if x not in p:
                         continue
                     sel = code == p[0] * self.E + p[1]
-                    dom = lp.dominant.get(p)
+                    dom = self.calib[lid].get(p, {}).get("dominant")
                     if dom is None:
                         continue
                     if dom == x:
