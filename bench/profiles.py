@@ -197,17 +197,27 @@ def get_profile(name: str, profile_file: str | os.PathLike | None = None) -> Har
 
 
 def fit_affine(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y = a + b x; intercept clamped at >= 0."""
-    if len(points) < 2:
-        (x, y), = points
-        return 0.0, y / x
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx > 0 else my / mx
-    intercept = my - slope * mx
-    if intercept < 0:
-        slope = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
-        intercept = 0.0
+    """(intercept, slope) of y = a + b x minimising the *relative* squared error sum ((a + b x - y) / y)^2.
+
+    Relative, so that points spanning orders of magnitude (a 50 kB and a 96 MB expert) all count:
+    the small ones fix the fixed latency, the large ones the bandwidth. Intercept clamped at >= 0.
+    """
+    pts = [(float(x), float(y)) for x, y in points if y > 0]
+    if not pts:
+        raise ValueError("fit_affine: no positive measurements")
+    if len(pts) < 2 or len({x for x, _ in pts}) < 2:
+        return 0.0, sum(y for _, y in pts) / sum(x for x, _ in pts)
+    # Weighted least squares with weights 1 / y^2.
+    w = [1.0 / (y * y) for _, y in pts]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, pts, strict=True))
+    sy = sum(wi * y for wi, (_, y) in zip(w, pts, strict=True))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, pts, strict=True))
+    sxy = sum(wi * x * y for wi, (x, y) in zip(w, pts, strict=True))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det
+    intercept = (sy - slope * sx) / sw
+    if intercept < 0 or slope <= 0:
+        # Proportional fit through the origin, still in relative error: b = sum(w x y) / sum(w x^2).
+        return 0.0, sxy / sxx
     return intercept, slope

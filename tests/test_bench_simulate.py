@@ -141,3 +141,12 @@ def test_widest_first_matches_the_runtime_scheduler():
         end, _ = schedule(jobs, "widest_first")
         assert end == scheduler.flow_shop_makespan(order, load, comp)
         assert end >= flow_shop_bound(jobs) and end <= schedule(jobs, "router")[0]
+
+
+def test_fit_affine_relative():
+    from crisp_bench.profiles import fit_affine
+
+    pts = [(x, 5e-5 + x / 1e9) for x in (5e4, 1e5, 1e7, 1e8)]
+    a, b = fit_affine(pts)
+    assert a == pytest.approx(5e-5, rel=1e-6) and b == pytest.approx(1e-9, rel=1e-6)
+    assert fit_affine([(2.0, 4.0)]) == (0.0, 2.0)
