@@ -145,9 +145,11 @@ def run(args) -> int:
 
         raise BudgetTooSmall(f"--budget {args.budget:g} = {budget:,} B is below one token's experts at full width "
                              f"({top_k} x {full_expert:,} B = {top_k * full_expert / total:.1%} of the expert bytes)")
+    from .cli import _rel
+
     what = "GPU" if device.type == "cuda" else "CPU (cache 'copies' are host memcpy; not an offloading measurement)"
-    print(f"e2e: {args.model} + pack {pack_dir} on {what}; budget {args.budget:.0%} of {total / 1e6:.2f} MB expert "
-          f"bytes = {budget / 1e6:.2f} MB; {args.tokens} tokens (+{warm} warm-up) of {args.text}")
+    print(f"e2e: {_rel(args.model)} + pack {_rel(pack_dir)} on {what}; budget {args.budget:.0%} of {total / 1e6:.2f} MB expert "
+          f"bytes = {budget / 1e6:.2f} MB; {args.tokens} tokens (+{warm} warm-up) of {_rel(args.text)}")
 
     # The reference: the unquantized model, and its routing on these tokens (to match uniform's bytes).
     ref = decode(model, ids, warm)
@@ -216,7 +218,7 @@ def run(args) -> int:
                          note=report.environment()["date"])
         print(f"wrote {args.plot}")
     if args.json:
-        report.write_json(args.json, "e2e", records, model=str(args.model), pack=str(pack_dir),
+        report.write_json(args.json, "e2e", records, model=_rel(args.model), pack=_rel(pack_dir),
                           plans={k: json.loads(json.dumps(v.to_dict()))["policy"] for k, v in plans.items()})
         print(f"wrote {args.json}")
     return 0
