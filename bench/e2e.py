@@ -148,8 +148,9 @@ def run(args) -> int:
     from .cli import _rel
 
     what = "GPU" if device.type == "cuda" else "CPU (cache 'copies' are host memcpy; not an offloading measurement)"
-    print(f"e2e: {_rel(args.model)} + pack {_rel(pack_dir)} on {what}; budget {args.budget:.0%} of {total / 1e6:.2f} MB expert "
-          f"bytes = {budget / 1e6:.2f} MB; {args.tokens} tokens (+{warm} warm-up) of {_rel(args.text)}")
+    print(f"e2e: {_rel(args.model)} + pack {_rel(pack_dir)} on {what}; budget {args.budget:.0%} of "
+          f"{total / 1e6:.2f} MB expert bytes = {budget / 1e6:.2f} MB; {args.tokens} tokens (+{warm} warm-up) "
+          f"of {_rel(args.text)}")
 
     # The reference: the unquantized model, and its routing on these tokens (to match uniform's bytes).
     ref = decode(model, ids, warm)
