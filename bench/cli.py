@@ -247,15 +247,15 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .traces import TraceError
 
     errors: list[type[BaseException]] = [PlanError, ProfileError, BudgetTooSmall, TraceError, report.OutputPathError]
-    try:
-        from crisp_runtime.models import UnsupportedModelError
+    from crisp_kernels import PackFormatError
+    from crisp_runtime.models import UnsupportedModelError
+    from crisp_runtime.pack import PackMismatchError
 
-        errors.append(UnsupportedModelError)
-    except ImportError:  # pragma: no cover
-        pass
+    errors += [UnsupportedModelError, PackMismatchError, PackFormatError]
     from .e2e import ModelInputError
+    from .transfer import TransferError
 
-    errors.append(ModelInputError)
+    errors += [ModelInputError, TransferError]
     return tuple(errors)
 
 

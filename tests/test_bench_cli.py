@@ -149,6 +149,8 @@ def test_kernels_subcommand_runs_or_says_why(tmp_path, capsys):
     (["simulate", "--trace", "TRACE", "--plan", "auto", "--plot", "/no/such/folder/x.png"], "does not exist"),
     (["e2e", "--model", "MODELDIR"], "no CRISP pack"),
     (["e2e", "--model", "/nonexistent"], "not a transformers checkpoint"),
+    (["transfer", "--shapes", "huge"], "unknown shape"),
+    (["layer", "--model", "MODELDIR"], "no CRISP pack"),
 ])
 def test_bad_input_exit_2(argv, needle, tmp_path, capsys, tiny_model):
     trace = tr.synthetic_trace(num_layers=2, num_tokens=24)
