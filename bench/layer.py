@@ -63,9 +63,10 @@ class LayerBench:
                 dt[expert, start:stop].copy_(ht[expert, start:stop], non_blocking=True)
 
     def compute(self, layer_id, expert, width, x):
-        from crisp_kernels import expert_mlp
+        from crisp_kernels import Backend, expert_mlp
 
-        return expert_mlp(x, self.dev[layer_id].expert(expert), width)
+        backend = Backend.TORCH if self.device.type == "cpu" else None  # as the runtime does on a CPU
+        return expert_mlp(x, self.dev[layer_id].expert(expert), width, backend=backend)
 
     def run_step(self, layer_id, jobs, x, order) -> float:
         """Execute one step's jobs = [(expert, resident, width)] in ``order``; wall seconds."""
