@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-scope", choices=("global", "layer"), default="global",
                    help="global: one LRU over all layers (CRISP's runtime, default); layer: the budget split into "
                    "one LRU per layer (mixtral-offloading's per-layer slots; needs >= top_k experts per layer)")
+    p.add_argument("--eviction", choices=("lru", "frequency"), default="lru",
+                   help="cache eviction of every policy: lru (default) or frequency (least used first, counts kept "
+                   "across evictions; crisp_runtime's FrequencyPolicy). With frequency, the full-width LRU "
+                   "baseline is simulated too, as policy full_lru")
     p.add_argument("--warmup", type=int, default=None,
                    help="tokens that fill the cache first, not counted (default: min(32, a quarter of the trace))")
     _outputs(p)
@@ -301,7 +305,12 @@ def _cmd_simulate(args) -> int:
             prog(keys.index(policy) * n + done, len(keys) * n)
 
         records += sim.simulate_policies(mapped, profile, shape, b, args.orders, args.warmup, progress=step,
-                                         cache_scope=args.cache_scope)
+                                         cache_scope=args.cache_scope, eviction=args.eviction)
+        if args.eviction != "lru" and "full" in mapped:
+            # the mixtral-offloading-style baseline keeps its LRU whatever the other policies use
+            records += [dict(r, policy="full_lru") for r in sim.simulate_policies(
+                {"full": mapped["full"]}, profile, shape, b, args.orders, args.warmup,
+                cache_scope=args.cache_scope, eviction="lru")]
     for r in records:
         r["profile"] = profile.name
         r["target"] = shape.name
@@ -466,9 +475,10 @@ def _headline(records, budgets) -> dict:
     out: dict = {"lines": []}
     for b in budgets:
         crisp = _pick(records, "crisp", "widest_first", b)
-        base_r = _pick(records, "full", "router", b)
-        base_s = _pick(records, "full", "serial", b)
-        base_w = _pick(records, "full", "widest_first", b)
+        lru = "full_lru" if _pick(records, "full_lru", "router", b) else "full"  # the full-width LRU baseline
+        base_r = _pick(records, lru, "router", b)
+        base_s = _pick(records, lru, "serial", b)
+        base_w = _pick(records, lru, "widest_first", b)
         if not crisp:
             continue
         entry = {}

@@ -44,6 +44,10 @@ from dataclasses import dataclass, field
 from .profiles import HardwareProfile, ModelShape
 
 ORDERS = ("serial", "router", "widest_first")
+# Eviction, as the runtime's policies (crisp_runtime/eviction.py): "lru" evicts the least recently
+# used entry; "frequency" the least often used one (use counts kept across evictions, ties LRU),
+# which suits decoding's cyclic walk over the layers, where LRU evicts what the next token needs.
+EVICTIONS = ("lru", "frequency")
 
 
 class BudgetTooSmall(ValueError):
@@ -136,14 +140,25 @@ class CacheStats:
 
 
 class PrefixCache:
-    """Expert prefixes on the device under a byte budget, LRU eviction of whole entries."""
+    """Expert prefixes on the device under a byte budget; whole entries evicted (LRU or least used)."""
 
-    def __init__(self, budget_bytes: int, neuron_nbytes: int):
+    def __init__(self, budget_bytes: int, neuron_nbytes: int, eviction: str = "lru"):
+        if eviction not in EVICTIONS:
+            raise ValueError(f"unknown eviction {eviction!r}; choose one of {', '.join(EVICTIONS)}")
         self.budget = int(budget_bytes)
         self.neuron_nbytes = int(neuron_nbytes)
+        self.eviction = eviction
         self.entries: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> resident width; LRU first
+        self.uses: dict[tuple[int, int], int] = {}  # accesses per key, kept across evictions
         self.used = 0
         self.stats = CacheStats()
+
+    def _victims(self):
+        """Resident keys in eviction order."""
+        if self.eviction == "lru":
+            return list(self.entries)
+        lru_rank = {key: i for i, key in enumerate(self.entries)}
+        return sorted(self.entries, key=lambda key: (self.uses.get(key, 0), lru_rank[key]))
 
     def resident(self, layer: int, expert: int) -> int:
         return self.entries.get((layer, expert), 0)
@@ -155,7 +170,7 @@ class PrefixCache:
         want = sum(missing.values())
         pinned = {(layer, e) for e in needed}
         if self.used + want > self.budget:
-            for key in list(self.entries):
+            for key in self._victims():
                 if self.used + want <= self.budget:
                     break
                 if key in pinned:
@@ -180,6 +195,7 @@ class PrefixCache:
                 self.entries[key] = w
                 self.used += (w - r) * nb
             self.entries.move_to_end(key)
+            self.uses[key] = self.uses.get(key, 0) + 1
         self.stats.bytes_copied += want
         return missing
 
@@ -259,6 +275,7 @@ def simulate_decode(
     warmup: int = 0,
     progress=None,
     cache_scope: str = "global",
+    eviction: str = "lru",
 ) -> SimResult:
     """Decode ``T`` tokens one at a time through ``L`` MoE layers.
 
@@ -283,10 +300,11 @@ def simulate_decode(
         raise ValueError(f"warmup ({warmup}) must be smaller than the number of tokens ({num_tokens})")
     stats = CacheStats()
     if cache_scope == "global":
-        shared = PrefixCache(budget_bytes, shape.neuron_nbytes)
+        shared = PrefixCache(budget_bytes, shape.neuron_nbytes, eviction)
         caches = [shared] * shape.num_layers
     else:
-        caches = [PrefixCache(budget_bytes // shape.num_layers, shape.neuron_nbytes) for _ in range(shape.num_layers)]
+        caches = [PrefixCache(budget_bytes // shape.num_layers, shape.neuron_nbytes, eviction)
+                  for _ in range(shape.num_layers)]
     for c in caches:
         c.stats = stats
     nb = shape.neuron_nbytes
@@ -338,6 +356,7 @@ def simulate_policies(
     warmup: int = 0,
     progress=None,
     cache_scope: str = "global",
+    eviction: str = "lru",
 ) -> list[dict]:
     """One record per (policy, order): ``mapped`` is policy -> (index, widths), each (T, L, k)."""
     budget = int(budget_fraction * shape.total_expert_nbytes)
@@ -345,9 +364,9 @@ def simulate_policies(
     for policy, (index, widths) in mapped.items():
         res = simulate_decode(index, widths, profile, shape, budget, orders, warmup,
                               progress=None if progress is None else (lambda d, n, p=policy: progress(p, d, n)),
-                              cache_scope=cache_scope)
+                              cache_scope=cache_scope, eviction=eviction)
         for o in orders:
             rec = {"policy": policy, "budget_fraction": budget_fraction, "budget_bytes": budget,
-                   "cache_scope": cache_scope, **res.summary(o)}
+                   "cache_scope": cache_scope, "eviction": eviction, **res.summary(o)}
             records.append(rec)
     return records

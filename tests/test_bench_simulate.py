@@ -150,3 +150,22 @@ def test_fit_affine_relative():
     a, b = fit_affine(pts)
     assert a == pytest.approx(5e-5, rel=1e-6) and b == pytest.approx(1e-9, rel=1e-6)
     assert fit_affine([(2.0, 4.0)]) == (0.0, 2.0)
+
+
+def test_prefix_cache_frequency_eviction():
+    # budget: 3 neurons; expert 0 used three times, expert 1 once, then expert 2 needs room.
+    cache = PrefixCache(budget_bytes=3 * 105, neuron_nbytes=105, eviction="frequency")
+    for _ in range(3):
+        cache.step(0, {0: 1})
+    cache.step(0, {1: 1})  # most recently used, but used once
+    cache.step(0, {3: 1})  # fills the budget: 0 (3 uses), 1 (1 use), 3 (1 use, newest)
+    missing = cache.step(0, {2: 1})
+    assert missing == {2: 105}
+    # LRU would evict expert 0 (least recent); frequency evicts the least used, oldest first: expert 1
+    assert set(cache.entries) == {(0, 0), (0, 3), (0, 2)}
+    lru = PrefixCache(budget_bytes=3 * 105, neuron_nbytes=105)
+    for need in ({0: 1}, {0: 1}, {0: 1}, {1: 1}, {3: 1}, {2: 1}):
+        lru.step(0, need)
+    assert set(lru.entries) == {(0, 1), (0, 3), (0, 2)}
+    with pytest.raises(ValueError, match="unknown eviction"):
+        PrefixCache(budget_bytes=105, neuron_nbytes=105, eviction="random")
