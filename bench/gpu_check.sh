@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the CRISP kernels: run on a CUDA machine from the repository root, with the
-# package importable (installed, or the repository root on PYTHONPATH).
+# The one GPU check of CRISP: tests compiled on CUDA and every benchmark, on a CUDA machine, with
+# the package importable (installed with `pip install --no-deps -e .`, or via PYTHONPATH, set below).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./gpu-check-out)
 #
@@ -9,6 +9,10 @@
 #    CRISP_TEST_DEVICES=cuda make the `device` fixture yield only cuda (tests/conftest.py).
 # 3. The kernel benchmark (Mixtral-8x7B, DeepSeek-MoE-16B, Qwen3-30B-A3B shapes), as a table
 #    and JSON.
+# 4. The runtime: planner overhead, pinned H2D prefix copies vs the measured pinned bandwidth,
+#    layer steps vs the flow-shop bound, end-to-end decode of the committed tiny Mixtral under
+#    every policy (its routing recorded), and the `measured` simulator profile checked against
+#    that e2e run (prediction error per policy).
 # Logs and JSON go to OUT_DIR; a summary of exit codes is printed last. Exit status: non-zero
 # when any step failed.
 set -u
@@ -37,10 +41,26 @@ rc_kernels=$?
 "$py" -m crisp_bench.kernels --device cuda --json "$out/kernels.json" >"$out/kernels.txt" 2>&1
 rc_bench=$?
 
+bench() {  # name, then the crisp-bench arguments
+  local name=$1; shift
+  "$py" -m crisp_bench.cli "$@" >"$out/$name.txt" 2>&1
+  echo "$name: rc=$?" >>"$out/bench-rc.txt"
+}
+: >"$out/bench-rc.txt"
+bench transfer transfer --shapes tiny,mixtral --profile-out "$out/measured-profile.json" --json "$out/transfer.json"
+bench layer layer --json "$out/layer.json"
+bench e2e e2e --tokens 128 --record-trace "$out/e2e-trace.npz" --json "$out/e2e.json" --plot "$out/e2e.png"
+bench simulate-measured simulate --profile "$out/measured-profile.json" --target native --trace "$out/e2e-trace.npz" \
+  --plan models/tiny-mixtral-crisp --compare "$out/e2e.json" --json "$out/simulate-measured.json"
+"$py" -c "import json; from crisp_bench.runtime import measure_planner_overhead as m; print(json.dumps(m(), indent=1))" \
+  >"$out/planner-overhead.json" 2>&1
+rc_runtime=$(grep -c -v "rc=0" "$out/bench-rc.txt")
+
 echo "pytest -m gpu:          rc=$rc_gpu  ($out/pytest-gpu.log)"
 echo "kernel tests on cuda:   rc=$rc_kernels  ($out/pytest-kernels-cuda.log)"
 echo "kernel benchmark:       rc=$rc_bench  ($out/kernels.txt, $out/kernels.json)"
+echo "runtime benchmarks:     $rc_runtime failed  ($out/bench-rc.txt)"; cat "$out/bench-rc.txt"
 tail -n 3 "$out/pytest-gpu.log" "$out/pytest-kernels-cuda.log"
 cat "$out/kernels.txt"
 [ "$rc_gpu" -eq 0 ] || [ "$rc_gpu" -eq 5 ] || exit 1  # 5: no gpu tests collected
-[ "$rc_kernels" -eq 0 ] && [ "$rc_bench" -eq 0 ]
+[ "$rc_kernels" -eq 0 ] && [ "$rc_bench" -eq 0 ] && [ "$rc_runtime" -eq 0 ]
