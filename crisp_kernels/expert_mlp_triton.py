@@ -301,6 +301,25 @@ def _write_out(out_ptr, rows_ptr, w_ptr, acc_e, acc_o, offs_t, t_mask, offs_b, b
         tl.store(out_ptr + o_off + 1, acc_o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _down_tile(
+    h_ptr, q_ptr, s_ptr, z_ptr, offs_t, t_mask, j0, j_hi, k, offs_b, b_mask, grp,
+    HB: tl.constexpr, G: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_J: tl.constexpr,
+):  # fmt: skip
+    """One step of stage 2 over neurons j0 .. j0 + BLOCK_J (masked at j_hi <= k): the intermediate
+    h (BLOCK_T, BLOCK_J) fp32 and the dequantized down rows, (even, odd) elements (BLOCK_J, BLOCK_H)."""
+    offs_j = j0 + tl.arange(0, BLOCK_J)
+    j_mask = offs_j < j_hi
+    h_off = offs_t.to(tl.int64)[:, None] * k + offs_j[None, :]
+    hv = tl.load(h_ptr + h_off, mask=t_mask[:, None] & j_mask[None, :], other=0.0)
+    w_mask = j_mask[:, None] & b_mask[None, :]
+    j64 = offs_j.to(tl.int64)[:, None]
+    s, z = _load_group_params(s_ptr, z_ptr, j64 * (3 * G) + 2 * G + grp[None, :], w_mask, SYMMETRIC)
+    q = tl.load(q_ptr + j64 * (3 * HB) + 2 * HB + offs_b[None, :], mask=w_mask, other=0)
+    lo, hi = _dequant_pair(q, s, z)
+    return hv, lo, hi
+
+
 @triton.jit(do_not_specialize=["T", "k", "chunk"])
 def _down_decode_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, out_ptr, rows_ptr, w_ptr,
@@ -323,16 +342,9 @@ def _down_decode_kernel(
     acc_e = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     acc_o = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     for j0 in range(j_lo, j_hi, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        j_mask = offs_j < j_hi
-        h_off = offs_t.to(tl.int64)[:, None] * k + offs_j[None, :]
-        hv = tl.load(h_ptr + h_off, mask=t_mask[:, None] & j_mask[None, :], other=0.0)
+        hv, lo, hi = _down_tile(h_ptr, q_ptr, s_ptr, z_ptr, offs_t, t_mask, j0, j_hi, k, offs_b, b_mask, grp,
+                                HB, G, SYMMETRIC, BLOCK_J)  # fmt: skip
         hv = hv[:, :, None]
-        w_mask = j_mask[:, None] & b_mask[None, :]
-        j64 = offs_j.to(tl.int64)[:, None]
-        s, z = _load_group_params(s_ptr, z_ptr, j64 * (3 * G) + 2 * G + grp[None, :], w_mask, SYMMETRIC)
-        q = tl.load(q_ptr + j64 * (3 * HB) + 2 * HB + offs_b[None, :], mask=w_mask, other=0)
-        lo, hi = _dequant_pair(q, s, z)
         acc_e += tl.sum(hv * lo[None, :, :], axis=1)
         acc_o += tl.sum(hv * hi[None, :, :], axis=1)
     _write_out(out_ptr, rows_ptr, w_ptr, acc_e, acc_o, offs_t, t_mask, offs_b, b_mask, stride_ot,
@@ -362,15 +374,8 @@ def _down_prefill_kernel(
     acc_e = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     acc_o = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     for j0 in range(j_lo, j_hi, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        j_mask = offs_j < j_hi
-        h_off = offs_t.to(tl.int64)[:, None] * k + offs_j[None, :]
-        hv = tl.load(h_ptr + h_off, mask=t_mask[:, None] & j_mask[None, :], other=0.0)
-        w_mask = j_mask[:, None] & b_mask[None, :]
-        j64 = offs_j.to(tl.int64)[:, None]
-        s, z = _load_group_params(s_ptr, z_ptr, j64 * (3 * G) + 2 * G + grp[None, :], w_mask, SYMMETRIC)
-        q = tl.load(q_ptr + j64 * (3 * HB) + 2 * HB + offs_b[None, :], mask=w_mask, other=0)
-        lo, hi = _dequant_pair(q, s, z)
+        hv, lo, hi = _down_tile(h_ptr, q_ptr, s_ptr, z_ptr, offs_t, t_mask, j0, j_hi, k, offs_b, b_mask, grp,
+                                HB, G, SYMMETRIC, BLOCK_J)  # fmt: skip
         acc_e = _dot(hv, lo, acc_e, DOT_DTYPE)
         acc_o = _dot(hv, hi, acc_o, DOT_DTYPE)
     _write_out(out_ptr, rows_ptr, w_ptr, acc_e, acc_o, offs_t, t_mask, offs_b, b_mask, stride_ot,

@@ -49,15 +49,9 @@ def atomic_write(path: str | os.PathLike, write) -> None:
         raise
 
 
-def save_packed(
-    path: str | os.PathLike,
-    layers: Mapping[int, PackedLayer],
-    *,
-    extra_metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Write ``{layer_index: PackedLayer}`` to ``path`` atomically."""
-    from safetensors.torch import save_file
-
+def check_uniform_layers(layers: Mapping[int, PackedLayer]) -> PackedLayer:
+    """Check that ``layers`` is a non-empty mapping of PackedLayers sharing E, I, H and the format;
+    returns the first layer."""
     if not layers:
         raise ValueError("layers: expected at least one packed layer")
     first = next(iter(layers.values()))
@@ -67,6 +61,19 @@ def save_packed(
         shape = (layer.num_experts, layer.intermediate_size, layer.hidden_size, layer.fmt)
         if shape != (first.num_experts, first.intermediate_size, first.hidden_size, first.fmt):
             raise ValueError(f"layers[{idx}]: all layers of one file must share E, I, H and the format")
+    return first
+
+
+def save_packed(
+    path: str | os.PathLike,
+    layers: Mapping[int, PackedLayer],
+    *,
+    extra_metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write ``{layer_index: PackedLayer}`` to ``path`` atomically."""
+    from safetensors.torch import save_file
+
+    first = check_uniform_layers(layers)
     tensors = {}
     for idx, layer in layers.items():
         for name, t in layer.tensors().items():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crisp_kernels import PackedLayer, PackFormatError, QuantFormat, load_packed, pack_layer, save_packed
-from crisp_kernels.io import atomic_write
+from crisp_kernels.io import atomic_write, check_uniform_layers
 
 from .models import find_moe_layers, model_top_k
 from .plan import CrispPlan, PlanError
@@ -89,13 +89,10 @@ def pack_model(model, fmt: QuantFormat | None = None, neuron_orders: Mapping[int
 def _layers_summary(layers: Mapping[int, PackedLayer]) -> dict:
     if not layers:
         raise ValueError("layers: expected at least one packed layer")
-    first = next(iter(layers.values()))
-    for idx, layer in layers.items():
-        if not isinstance(layer, PackedLayer):
-            raise TypeError(f"layers[{idx}]: expected PackedLayer, got {type(layer).__name__}")
-        if (layer.num_experts, layer.intermediate_size, layer.hidden_size, layer.fmt) != (
-                first.num_experts, first.intermediate_size, first.hidden_size, first.fmt):
-            raise PackMismatchError(f"layers[{idx}]: all layers of a pack must share E, I, H and the format")
+    try:
+        first = check_uniform_layers(layers)
+    except ValueError as exc:
+        raise PackMismatchError(str(exc)) from exc
     return {
         "hidden_size": first.hidden_size,
         "intermediate_size": first.intermediate_size,
