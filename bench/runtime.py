@@ -11,7 +11,7 @@ Functions return lists of JSON-friendly dicts (one per configuration) for ``cris
   prefix cache, GB/s against a plain pinned copy of the same bytes and of one large buffer.
 - :func:`measure_layer_step` (GPU-only): one layer step from a cold cache, async (copy stream)
   and sync, against the two-stage flow-shop bound from the measured load and compute times of
-  each expert; checks the async output equals the sync one.
+  each expert; checks the async output equals the sync one (to within the output's rounding).
 """
 
 from __future__ import annotations
@@ -245,7 +245,12 @@ def measure_layer_step(
 
         outs[mode] = step()
         records.append({"mode": mode, "measured_ms": _time_cuda(step, iters) * 1e3})
-    identical = bool(torch.equal(outs["async"], outs["sync"]))
+    # Not bitwise: with a stage-2 split > 1 the kernels add fp32 partial sums with atomics in no
+    # fixed order, so two runs of the same path may differ in the last bits. Equal here means
+    # within one rounding of the output dtype (a stream bug gives garbage, not one ulp).
+    diff = (outs["async"].double() - outs["sync"].double()).norm().item()
+    rel_diff = diff / max(outs["sync"].double().norm().item(), 1e-300)
+    identical = rel_diff <= torch.finfo(x.dtype).eps
 
     # Per-expert load and compute times, measured separately.
     runtime = CrispRuntime({0: layer}, plan, device=device, gpu_budget=budget, config=RuntimeConfig(pin_memory=True))
@@ -273,7 +278,8 @@ def measure_layer_step(
             "num_experts": num_experts, "top_k": top_k, "tokens": tokens, "widths": list(widths),
             "bound_ms": bound * 1e3, "serial_ms": serial * 1e3, "ratio": r["measured_ms"] / (bound * 1e3),
             "target": target, "load_ms": [t * 1e3 for t in load], "compute_ms": [t * 1e3 for t in compute],
-            "async_equals_sync": identical, "device": torch.cuda.get_device_name(device),
+            "async_equals_sync": identical, "async_vs_sync_rel_diff": rel_diff,
+            "device": torch.cuda.get_device_name(device),
         })
     return records
 
