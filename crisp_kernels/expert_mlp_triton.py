@@ -95,10 +95,14 @@ class LaunchPlan:
 
 
 # Decode tiles by padded token count: block_t * block_n * block_k (stage 1) and
-# block_t * block_j * block_h (stage 2) stay at 8K elements, 64 fp32 per thread at 4 warps.
+# block_t * block_j * block_h (stage 2) stay at or under 8K elements. Stage 2 keeps about four
+# tile-sized tensors live (bytes, scales, the two dequantized halves), so its tiles are halved
+# at T = 1 and 2: compiled for sm_90 with ptxas (tests/test_kernels_compile.py), 64x128 at T=1
+# used 255 registers and spilled 56-88 bytes per thread, 32x128 uses 167; at T=2, 2x32x128 used
+# 238-244 registers, 2x32x64 uses 128. Not yet timed on a GPU.
 DECODE_CONFIGS = {
-    1: KernelConfig("decode", 1, 16, 256, 64, 128),
-    2: KernelConfig("decode", 2, 16, 128, 32, 128),
+    1: KernelConfig("decode", 1, 16, 256, 32, 128),
+    2: KernelConfig("decode", 2, 16, 128, 32, 64),
     4: KernelConfig("decode", 4, 16, 64, 16, 128),
     8: KernelConfig("decode", 8, 16, 32, 16, 64),
     16: KernelConfig("decode", 16, 16, 32, 16, 32),
