@@ -13,14 +13,15 @@ still needs). Policies only order keys; the cache owns the bytes and the budget.
 
 from __future__ import annotations
 
+import abc
 from collections import OrderedDict
 from collections.abc import Container
 
 Key = tuple[int, int]
 
 
-class EvictionPolicy:
-    """Interface; subclasses override :meth:`victim` (and may use the hooks)."""
+class EvictionPolicy(abc.ABC):
+    """Interface; subclasses implement :meth:`victim` (and may use the hooks)."""
 
     name = "base"
 
@@ -40,8 +41,9 @@ class EvictionPolicy:
     def set_plan(self, plan) -> None:  # noqa: B027 - optional hook
         """Called when the handle switches plans (tier-aware policies re-read tiers)."""
 
+    @abc.abstractmethod
     def victim(self, protected: Container[Key]) -> Key | None:
-        raise NotImplementedError
+        """The key to evict next (never one in ``protected``), or None when nothing can go."""
 
     def _candidates(self, protected: Container[Key]):
         return (k for k in self._recency if k not in protected)
