@@ -104,3 +104,22 @@ def test_evidence_report_runs(setup, tmp_path, capsys):
     assert set(ev["uniform_50"]["all_layers"]) == {"hot", "medium", "cold"}
     assert len(ev["masking"]["combinations"]) <= 3
     assert "## 5. Dropping a whole expert" in capsys.readouterr().out
+
+
+def test_bf16_checkpoint_profiles_in_its_dtype_and_evaluates_in_float32(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_mixtral(tmp_path / "fp32")
+    bf16_dir = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(model_dir).to(torch.bfloat16).save_pretrained(bf16_dir)
+    model, _ = load_model(bf16_dir, "cpu", "auto")
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16  # auto: the checkpoint's dtype
+    text = write_text(tmp_path / "calib.txt")
+    out = tmp_path / "pack"
+    assert prof.main(["--model", str(bf16_dir), "--data", str(text), "--out", str(out), *PROFILE_ARGS]) == 0
+    # The pack identifies the weights, not the dtype they were loaded in: bf16 -> float32 is exact.
+    rc = ev.main(["--model", str(bf16_dir), "--crisp", str(out), "--data", str(text), "--seq-len", "32",
+                  "--samples", "8", "--dtype", "float32", "--quiet", "--threads", "1"])
+    assert rc == 0
+    with pytest.raises(ev.CliError, match="--dtype"):
+        load_model(bf16_dir, "cpu", "float64")

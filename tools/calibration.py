@@ -57,11 +57,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(path: str | os.PathLike, device: torch.device | str = "cpu"):
-    """A local transformers causal LM in float32, eval mode, with its supported MoE layers.
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: str = "float32"):
+    """A local transformers causal LM in ``dtype`` ("auto": the checkpoint's), eval mode, with its
+    supported MoE layers. The CRISP statistics and masked experts compute in float32 whatever the
+    model's dtype; a bf16 checkpoint kept in bf16 needs half the memory of float32.
 
     Returns (model, layers: list[MoeLayerRef]). Nothing is downloaded.
     """
+    if dtype not in DTYPES:
+        raise CliError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     path = Path(path)
     if not path.is_dir():
         raise CliError(f"--model {path}: not a directory (expected a local transformers checkpoint)")
@@ -72,7 +79,7 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu"):
     except ImportError as exc:  # pragma: no cover - transformers is a dev/hf extra
         raise CliError("transformers is needed to load a model: pip install 'crisp-moe[hf]'") from exc
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], local_files_only=True)
     except Exception as exc:  # transformers raises OSError / ValueError / KeyError for broken checkpoints
         raise CliError(f"--model {path}: cannot load the checkpoint ({type(exc).__name__}: {exc})") from exc
     model.to(device).eval()

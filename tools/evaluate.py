@@ -60,7 +60,7 @@ def _aux_weights(weights_list, num_dominant: int) -> torch.Tensor:
 
 class Evaluator:
     def __init__(self, model_dir, pack_dir, data, *, samples=None, seq_len=256, batch_size=16, device="cpu",
-                 engine="runtime", quiet=False):
+                 engine="runtime", quiet=False, dtype="auto"):
         self.t0 = time.time()
         self.quiet = quiet
         if engine not in ("runtime", "reference"):
@@ -70,7 +70,7 @@ class Evaluator:
         texts = load_texts(data)
         self.layers, self.plan, self.info = load_pack_dir(pack_dir)
         self.pack_dir = Path(pack_dir)
-        self.model, self.refs = load_model(model_dir, resolve_device(device))
+        self.model, self.refs = load_model(model_dir, resolve_device(device), dtype)
         check_seq_len(self.model, seq_len)
         from crisp_runtime.pack import PackMismatchError, check_layers_fit_model
 
@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
     p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="dtype the dense model is loaded in (auto: the checkpoint's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--engine", default="runtime", choices=("runtime", "reference"),
                    help="runtime: crisp_runtime.apply with the packed 4-bit experts; reference: dequantize + mask")
@@ -255,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CliError(f"--samples must be positive, got {args.samples}")
         with threads(args.threads):
             ev = Evaluator(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
-                           batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet)
+                           batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet,
+                           dtype=args.dtype)
             records = ev.run()
     except CliError as exc:
         print(f"crisp-eval: error: {exc}", file=sys.stderr)

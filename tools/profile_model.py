@@ -119,6 +119,7 @@ class ProfileConfig:
     batch_size: int = 16
     seed: int = 0
     device: str = "cpu"
+    dtype: str = "auto"
     group_size: int = 64
     symmetric: bool = False
     importance: str = "weighted"
@@ -295,7 +296,7 @@ class Profiler:
         self.device = resolve_device(cfg.device)
         # Cheap checks on the text before the (possibly slow) model load.
         texts = load_texts(cfg.data)
-        self.model, self.layers = load_model(cfg.model, self.device)
+        self.model, self.layers = load_model(cfg.model, self.device, cfg.dtype)
         check_seq_len(self.model, cfg.seq_len)
         ref = self.layers[0]
         self.num_experts, self.inter, self.hidden = ref.num_experts, ref.intermediate_size, ref.hidden_size
@@ -740,6 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass (and per checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="seed of the window sampling")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="dtype the model is loaded in (auto: the checkpoint's); statistics are float32 either way")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="4-bit quantization group along H")
     p.add_argument("--symmetric", action="store_true", help="symmetric 4-bit (no zero points)")
