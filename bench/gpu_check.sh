@@ -46,20 +46,25 @@ pytest_opts=(-p no:cacheprovider --continue-on-collection-errors)
   done
 } >"$out/env.txt" 2>&1
 
-"$py" -m pytest -q -m gpu "${pytest_opts[@]}" --junitxml="$out/pytest-gpu.xml" tests >"$out/pytest-gpu.log" 2>&1
+# Each step is bounded (STEP_TIMEOUT seconds, default 240) so one slow step cannot eat a lent
+# GPU's whole time: the kernel tests compile a few hundred Triton variants on first contact.
+step_timeout="${STEP_TIMEOUT:-240}"
+t() { timeout "$step_timeout" "$@"; }
+
+t "$py" -m pytest -q -m gpu "${pytest_opts[@]}" --junitxml="$out/pytest-gpu.xml" tests >"$out/pytest-gpu.log" 2>&1
 rc_gpu=$?
 
-"$py" -m pytest -q "${pytest_opts[@]}" --durations=15 --junitxml="$out/pytest-kernels-cuda.xml" \
+t "$py" -m pytest -q "${pytest_opts[@]}" --durations=15 --junitxml="$out/pytest-kernels-cuda.xml" \
   tests/test_expert_mlp.py tests/test_ops.py tests/test_experts_module.py tests/test_format.py tests/test_io.py \
   >"$out/pytest-kernels-cuda.log" 2>&1
 rc_kernels=$?
 
-"$py" -m crisp_bench.kernels --device cuda --json "$out/kernels.json" >"$out/kernels.txt" 2>&1
+t "$py" -m crisp_bench.kernels --device cuda --json "$out/kernels.json" >"$out/kernels.txt" 2>&1
 rc_bench=$?
 
 bench() {  # name, then the crisp-bench arguments
   local name=$1; shift
-  "$py" -m crisp_bench.cli "$@" >"$out/$name.txt" 2>&1
+  t "$py" -m crisp_bench.cli "$@" >"$out/$name.txt" 2>&1
   echo "$name: rc=$?" >>"$out/bench-rc.txt"
 }
 : >"$out/bench-rc.txt"
@@ -68,7 +73,7 @@ bench layer layer --json "$out/layer.json"
 bench e2e e2e --tokens 128 --record-trace "$out/e2e-trace.npz" --json "$out/e2e.json" --plot "$out/e2e.png"
 bench simulate-measured simulate --profile "$out/measured-profile.json" --target native --trace "$out/e2e-trace.npz" \
   --plan models/tiny-mixtral-crisp --compare "$out/e2e.json" --json "$out/simulate-measured.json"
-"$py" -c "import json; from crisp_bench.runtime import measure_planner_overhead as m; print(json.dumps(m(), indent=1))" \
+t "$py" -c "import json; from crisp_bench.runtime import measure_planner_overhead as m; print(json.dumps(m(), indent=1))" \
   >"$out/planner-overhead.json" 2>&1
 rc_runtime=$(grep -c -v "rc=0" "$out/bench-rc.txt")
 
