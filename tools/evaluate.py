@@ -32,6 +32,7 @@ import torch
 from crisp_runtime.plan import CrispPlan, PolicyKind
 
 from .calibration import (
+    DTYPES,
     CliError,
     MaskedExperts,
     check_seq_len,
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
     p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="dtype the dense model is loaded in (auto: the checkpoint's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--engine", default="runtime", choices=("runtime", "reference"),

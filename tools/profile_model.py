@@ -63,6 +63,7 @@ from crisp_runtime.plan import (
 )
 
 from .calibration import (
+    DTYPES,
     CliError,
     MaskedExperts,
     check_seq_len,
@@ -728,7 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="crisp-profile",
         description="Profile an MoE model on calibration text and write a CRISP pack (experts reordered by "
-        "importance, 4-bit, neuron-major) with its plan (Hot/Warm/Cold tiers, measured dominance).",
+        "importance, 4-bit, neuron-major) with its plan (Hot/Warm/Cold tiers; dominance measured by masking "
+        "or per token by routing weight).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", required=True, help="local transformers checkpoint folder (nothing is downloaded)")
@@ -741,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass (and per checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="seed of the window sampling")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="dtype the model is loaded in (auto: the checkpoint's); statistics are float32 either way")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="4-bit quantization group along H")
