@@ -36,9 +36,17 @@ def check_width(width: int | None, packed: PackedExpert) -> int:
     return _check_prefix_width(width, packed.width)
 
 
-def check_token_vector(t: torch.Tensor | None, name: str, length: int, device, dtypes) -> None:
-    """A (T,) per-token tensor: right length, dtype and device."""
+def check_token_vector(t: torch.Tensor | None, name: str, length: int, device, dtypes, *, required: bool = False
+                       ) -> None:
+    """A (T,) per-token tensor: right length, dtype, device and stride 1.
+
+    The kernels index per-token vectors as ``ptr + t`` (no stride argument: one more scalar per
+    launch for a case no caller needs), so a strided view would be read wrongly (token_widths)
+    or send writes out of bounds (rows, weights): refused here, at the public boundary.
+    """
     if t is None:
+        if required:
+            raise TypeError(f"{name}: expected a torch.Tensor of shape ({length},), got None")
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor of shape ({length},), got {type(t).__name__}")
@@ -49,6 +57,8 @@ def check_token_vector(t: torch.Tensor | None, name: str, length: int, device, d
         raise ValueError(f"{name}: expected dtype in ({names}), got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} like the activations")
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: must be contiguous (stride 1), got stride {t.stride(0)}; pass {name}.contiguous()")
 
 
 def check_accumulate_args(out, x, rows, weights) -> None:
@@ -62,5 +72,9 @@ def check_accumulate_args(out, x, rows, weights) -> None:
         raise ValueError(f"out is on {out.device}, expected {x.device} like x")
     if not out.is_contiguous():
         raise ValueError("out: must be contiguous")
-    check_token_vector(rows, "rows", rows.shape[0] if isinstance(rows, torch.Tensor) else -1, x.device, INDEX_DTYPES)
-    check_token_vector(weights, "weights", rows.shape[0], x.device, (torch.float32,))
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows: expected a torch.Tensor of token indices, shape (T,), got {type(rows).__name__}")
+    if rows.dim() != 1:
+        raise ValueError(f"rows: expected shape (T,), got {tuple(rows.shape)}")
+    check_token_vector(rows, "rows", rows.shape[0], x.device, INDEX_DTYPES, required=True)
+    check_token_vector(weights, "weights", rows.shape[0], x.device, (torch.float32,), required=True)

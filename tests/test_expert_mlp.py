@@ -432,3 +432,54 @@ def test_bad_accumulate_args(small, change, error, match):
     args = dict(out=torch.zeros(3, 256), rows=torch.arange(3), weights=torch.ones(3)) | change
     with pytest.raises(error, match=match):
         expert_mlp_accumulate_(args["out"], x, packed, rows=args["rows"], weights=args["weights"])
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """Same values, stride 2: a view into a buffer twice as long (the kernels index ptr + t)."""
+    base = torch.zeros(2 * t.shape[0], dtype=t.dtype, device=t.device)
+    base[::2] = t
+    return base[::2]
+
+
+@pytest.mark.parametrize("arg", ["token_widths", "rows", "weights"])
+@pytest.mark.parametrize("entry", ["function", "op"])
+def test_strided_token_vectors_refused(small, arg, entry):
+    """Issue 8: a strided token_widths gave wrong output and strided rows / weights wrote out of
+    bounds; every per-token vector must be refused unless its stride is 1."""
+    packed, x = small
+    vectors = dict(token_widths=torch.tensor([10, 64, 3]), rows=torch.arange(3), weights=torch.ones(3))
+    vectors[arg] = _strided(vectors[arg])
+    assert vectors[arg].stride(0) == 2
+    match = f"{arg}: must be contiguous \\(stride 1\\), got stride 2"
+    if arg == "token_widths":
+        with pytest.raises(ValueError, match=match):
+            if entry == "op":
+                torch.ops.crisp.expert_mlp(x, packed.qweight, packed.scales, packed.zeros, 64, 64, vectors[arg])
+            else:
+                expert_mlp(x, packed, token_widths=vectors[arg])
+    out = torch.zeros(3, 256)
+    with pytest.raises(ValueError, match=match):
+        if entry == "op":
+            torch.ops.crisp.expert_mlp_accumulate_(out, x, packed.qweight, packed.scales, packed.zeros, 64, 64,
+                                                   vectors["rows"], vectors["weights"], vectors["token_widths"])
+        else:
+            expert_mlp_accumulate_(out, x, packed, rows=vectors["rows"], weights=vectors["weights"],
+                                   token_widths=vectors["token_widths"])
+    assert torch.count_nonzero(out) == 0  # refused before anything was written
+
+
+def test_contiguous_copy_of_strided_vector_matches(small):
+    """The remedy the error names (``.contiguous()``) gives the reference result."""
+    packed, x = small
+    tw = _strided(torch.tensor([10, 64, 3]))
+    out = expert_mlp(x, packed, token_widths=tw.contiguous())
+    ref = expert_mlp_ref(x, packed, token_widths=tw, compute_dtype=torch.float64)
+    assert (out.double() - ref).norm() <= FP32_TOL * ref.norm()
+
+
+@pytest.mark.parametrize("arg", ["rows", "weights"])
+def test_accumulate_needs_rows_and_weights(small, arg):
+    packed, x = small
+    args = dict(rows=torch.arange(3), weights=torch.ones(3)) | {arg: None}
+    with pytest.raises(TypeError, match=f"{arg}: expected a .*torch.Tensor"):
+        expert_mlp_accumulate_(torch.zeros(3, 256), x, packed, **args)
