@@ -3,7 +3,7 @@
 Importing this package touches no GPU and does not import transformers.
 """
 
-from .device_cache import CacheBudgetError, PrefixCache, ResidentExperts
+from .device_cache import PrefixCache, ResidentExperts
 from .eviction import EvictionPolicy, FrequencyPolicy, LRUPolicy, TierAwarePolicy, make_policy
 from .executor import CrispRuntime, RuntimeConfig, min_budget_bytes
 from .hf import CrispHandle, apply, load_model, parse_budget
@@ -11,6 +11,7 @@ from .host_store import HostStore
 from .models import UnsupportedModelError
 from .pack import CrispPack, PackMismatchError, load_pack, model_info, pack_model, save_pack
 from .plan import CrispPlan, LayerPlan, PlanError, PolicyKind, Tier, TierCutoffs, TierWidths, assign_tiers
+from .residency import CacheBudgetError, Decision, LedgerCounters, ResidencyLedger
 from .scheduler import CostModel, ExpertTask, StepPlan, flow_shop_makespan, johnson_order, plan_step
 from .stats import LayerStats, RuntimeStats
 
@@ -21,6 +22,7 @@ __all__ = [
     "CrispPack",
     "CrispPlan",
     "CrispRuntime",
+    "Decision",
     "EvictionPolicy",
     "ExpertTask",
     "FrequencyPolicy",
@@ -28,10 +30,12 @@ __all__ = [
     "LRUPolicy",
     "LayerPlan",
     "LayerStats",
+    "LedgerCounters",
     "PackMismatchError",
     "PlanError",
     "PolicyKind",
     "PrefixCache",
+    "ResidencyLedger",
     "ResidentExperts",
     "RuntimeConfig",
     "RuntimeStats",

@@ -5,10 +5,12 @@ budget. Storage: one buffer set (qweight, scales, zeros) per resident prefix, ex
 ``width`` neurons long, so a prefix occupies ``nbytes(width)`` and the budget is accounted
 to the byte. A hit copies nothing; a prefix narrower than needed is widened by allocating a
 buffer of the new width, copying the resident rows device-to-device and only the missing rows
-``k..k'`` from the host store; a miss copies rows ``0..k``. Before any copy the eviction policy
-frees room until the new bytes fit. (Per-prefix buffers rather than one arena: simplest
-correct design; the cost is the allocator's fragmentation and, while widening, the old
-prefix living until its rows are copied: a transient of at most nbytes(old width).)
+``k..k'`` from the host store; a miss copies rows ``0..k``. What is resident, what is copied
+and what is evicted is decided by the tensor-free :class:`~crisp_runtime.residency.ResidencyLedger`
+(the one the simulator replays); this class only moves tensors as each decision says.
+(Per-prefix buffers rather than one arena: simplest correct design; the cost is the allocator's
+fragmentation and, while widening, the old prefix living until its rows are copied: a transient
+of at most nbytes(old width).)
 
 :class:`ResidentExperts` is the no-offload mode (``gpu_budget=None``): every packed layer
 sits on the device at full width, nothing is ever copied.
@@ -27,133 +29,146 @@ from crisp_kernels import PackedExpert, PackedLayer
 
 from .eviction import EvictionPolicy, Key, LRUPolicy
 from .host_store import HostStore
+from .residency import HIT, CacheBudgetError, Decision, ResidencyLedger
 
-
-class CacheBudgetError(RuntimeError):
-    """The prefixes one layer step needs at the same time do not fit in the budget."""
+__all__ = ["Acquired", "CacheBudgetError", "CacheEntry", "PrefixCache", "ResidentExperts"]
 
 
 @dataclass
 class CacheEntry:
-    width: int
-    tensors: tuple[torch.Tensor, ...]  # qweight (w, 3, H/2), scales (w, 3, H/g)[, zeros (w, 3, H/g)]
+    """The device buffers of one resident prefix (its width is the ledger's)."""
+
+    expert: PackedExpert  # qweight (w, 3, H/2), scales (w, 3, H/g)[, zeros]: exactly the resident width
     last_use: object = None  # GPU-only: CUDA event recorded after the last compute that read it
 
 
 @dataclass(frozen=True)
 class Acquired:
-    """The result of :meth:`PrefixCache.acquire`: the prefix to run and what it took."""
+    """The result of :meth:`PrefixCache.acquire`: the resident prefix and what it took.
 
-    expert: PackedExpert  # a view of exactly ``width`` neurons on the device
-    kind: str  # "hit", "miss" or "widen"
-    copied_bytes: int
-    evictions: int
+    ``resident`` holds the whole resident prefix (at least ``width`` neurons, built once per
+    copy, not per acquire); kernels take it with ``width``. ``expert`` is the exact
+    ``width``-neuron view (built on demand).
+    """
+
+    resident: PackedExpert
+    width: int
+    decision: Decision | None  # None for ResidentExperts (nothing is ever copied)
+
+    @property
+    def expert(self) -> PackedExpert:
+        return self.resident if self.resident.width == self.width else self.resident.prefix(self.width)
+
+    @property
+    def kind(self) -> str:
+        return HIT if self.decision is None else self.decision.kind
+
+    @property
+    def copied_bytes(self) -> int:
+        return 0 if self.decision is None else self.decision.copy_bytes
+
+    @property
+    def evictions(self) -> int:
+        return 0 if self.decision is None else self.decision.evictions
 
 
 class PrefixCache:
-    """Expert prefixes on ``device`` under ``budget_bytes`` (a hard limit on resident bytes)."""
+    """Expert prefixes on ``device`` under ``budget_bytes``: moves tensors as its :class:`ResidencyLedger` decides."""
 
     def __init__(self, store: HostStore, budget_bytes: int, device, policy: EvictionPolicy | None = None) -> None:
-        if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"PrefixCache: budget must be a positive number of bytes, got {budget_bytes!r}")
         self.store = store
-        self.budget = budget_bytes
         self.device = torch.device(device)
-        self.policy = policy if policy is not None else LRUPolicy()
-        self.entries: dict[Key, CacheEntry] = {}
-        self.used = 0  # bytes held by resident prefixes, Σ width * neuron_nbytes
-        self.peak = 0
-        self._nb = {i: store.neuron_nbytes(i) for i in store.layers}
+        self.ledger = ResidencyLedger(
+            budget_bytes,
+            {i: store.neuron_nbytes(i) for i in store.layers},
+            {i: store.full_width(i) for i in store.layers},
+            policy if policy is not None else LRUPolicy(),
+        )
+        self._entries: dict[Key, CacheEntry] = {}
 
-    # ------------------------------------------------------------------ queries
+    # ------------------------------------------------------------------ queries (the ledger's)
+
+    @property
+    def budget(self) -> int:
+        return self.ledger.budget
+
+    @property
+    def used(self) -> int:
+        return self.ledger.used
+
+    @property
+    def peak(self) -> int:
+        return self.ledger.peak
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.ledger.policy
 
     def resident_width(self, layer_id: int, expert: int) -> int:
-        entry = self.entries.get((layer_id, expert))
-        return 0 if entry is None else entry.width
+        return self.ledger.width(layer_id, expert)
 
     def resident(self) -> dict[Key, int]:
-        return {k: e.width for k, e in self.entries.items()}
+        return self.ledger.resident()
 
     def nbytes(self, layer_id: int, width: int) -> int:
-        return self._nb[layer_id] * width
+        return self.ledger.nbytes(layer_id, width)
 
     # ------------------------------------------------------------------ the work
 
     def acquire(self, layer_id: int, expert: int, width: int, *, protected=(), weak_protected=()) -> Acquired:
-        """Make ``(layer_id, expert)`` resident at ``width`` or wider and return its first ``width`` neurons.
+        """Make ``(layer_id, expert)`` resident at ``width`` or wider (see ``ResidencyLedger.request``)."""
+        decision = self.ledger.request(layer_id, expert, width, protected=protected, weak_protected=weak_protected)
+        if decision.kind != HIT:
+            self._apply(decision)
+        return Acquired(self._entries[decision.key].expert, width, decision)
 
-        protected: keys not to evict (the experts this step still needs); if nothing else can
-        go, keys in ``protected`` but not in ``weak_protected`` may be evicted after all (a
-        step whose experts do not fit at once runs as a stream). Never evicts the key itself.
-        """
-        key = (layer_id, expert)
-        full = self.store.full_width(layer_id)
-        if not 0 < width <= full:
-            raise ValueError(f"acquire: width {width} out of range (0, {full}] for layer {layer_id}")
-        entry = self.entries.get(key)
-        if entry is not None and entry.width >= width:
-            self.policy.on_use(key)
-            return Acquired(_view(self.store.layer(layer_id), entry.tensors, width), "hit", 0, 0)
+    def prefetch(self, layer_id: int, expert: int, width: int, *, protected=()) -> Decision | None:
+        """Copy ahead of demand if the ledger admits it (see ``ResidencyLedger.prefetch``)."""
+        decision = self.ledger.prefetch(layer_id, expert, width, protected=protected)
+        if decision is not None:
+            self._apply(decision)
+        return decision
 
-        old_width = 0 if entry is None else entry.width
-        extra = self.nbytes(layer_id, width - old_width)
-        evictions = self._make_room(extra, key, protected, weak_protected)
-        tensors = self._copy_in(layer_id, expert, entry, width)
-        if entry is None:
-            entry = CacheEntry(width, tensors)
-            self.entries[key] = entry
-            self.policy.on_insert(key)
-        else:
-            entry.width, entry.tensors = width, tensors
-        self.used += extra
-        self.peak = max(self.peak, self.used)
-        self.policy.on_use(key)
-        kind = "miss" if old_width == 0 else "widen"
-        return Acquired(_view(self.store.layer(layer_id), tensors, width), kind, extra, evictions)
+    def mark_used(self, layer_id: int, expert: int, event) -> None:
+        """GPU-only: the event after the last kernel reading this prefix; eviction waits on it."""
+        self._entries[(layer_id, expert)].last_use = event
 
-    def _make_room(self, extra: int, key: Key, protected, weak_protected) -> int:
-        if extra > self.budget:
-            raise CacheBudgetError(f"one prefix of {extra} bytes exceeds the whole budget of {self.budget} bytes")
-        evictions = 0
-        strong = set(protected) | {key}
-        weak = set(weak_protected) | {key}
-        while self.used + extra > self.budget:
-            victim = self.policy.victim(strong)
-            if victim is None:
-                victim = self.policy.victim(weak)
-            if victim is None:
-                raise CacheBudgetError(
-                    f"cannot fit {extra} more bytes: {self.used} of {self.budget} bytes are held by prefixes the "
-                    "current layer step is using"
-                )
-            self.evict(victim)
-            evictions += 1
-        return evictions
+    def _apply(self, decision: Decision) -> None:
+        for key, _ in decision.evicted:
+            self._drop(key)
+        self._entries[decision.key] = CacheEntry(self._copy_in(decision))
 
-    def evict(self, key: Key) -> None:
-        entry = self.entries.pop(key)
+    def _drop(self, key: Key) -> None:
+        entry = self._entries.pop(key)
         if entry.last_use is not None:  # GPU-only: a compute still queued may read it; keep the budget hard
             entry.last_use.synchronize()
-        self.used -= self.nbytes(key[0], entry.width)
-        self.policy.on_remove(key)
+
+    def evict(self, key: Key) -> None:
+        self.ledger.evict(key)
+        self._drop(key)
 
     def clear(self) -> None:
-        for key in list(self.entries):
-            self.evict(key)
+        for key in self.ledger.clear():
+            self._drop(key)
 
-    def _copy_in(self, layer_id: int, expert: int, entry: CacheEntry | None, width: int) -> tuple[torch.Tensor, ...]:
-        """New buffers of ``width`` rows: resident rows copied on the device, the rest from the host store."""
-        old = 0 if entry is None else entry.width
+    def _copy_in(self, decision: Decision) -> PackedExpert:
+        """New buffers of the new width: resident rows copied on the device, the rest from the host store."""
+        layer_id, expert = decision.key
+        old, width = decision.old_width, decision.new_width
+        entry = self._entries.get(decision.key) if old else None
         host = self.store.rows(layer_id, expert, old, width)
         non_blocking = self.device.type == "cuda" and self.store.pinned
         out = []
         for i, src in enumerate(host):
             buf = torch.empty((width, *src.shape[1:]), dtype=src.dtype, device=self.device)
             if old:
-                buf[:old].copy_(entry.tensors[i])
+                buf[:old].copy_(entry.expert.tensors()[i])
             buf[old:].copy_(src, non_blocking=non_blocking)
             out.append(buf)
-        return tuple(out)
+        fmt = self.store.layer(layer_id).fmt
+        return PackedExpert(fmt, out[0], out[1], out[2] if len(out) > 2 else None)
 
 
 class ResidentExperts:
@@ -165,20 +180,24 @@ class ResidentExperts:
         self.used = sum(layer.nbytes() for layer in self.layers.values())
         self.budget = None
         self.peak = self.used
+        self._views: dict[Key, PackedExpert] = {}
 
     def resident_width(self, layer_id: int, expert: int) -> int:
         return self.layers[layer_id].intermediate_size
 
     def acquire(self, layer_id: int, expert: int, width: int, **_) -> Acquired:
-        return Acquired(self.layers[layer_id].expert(expert).prefix(width), "hit", 0, 0)
+        return Acquired(self._expert(layer_id, expert), width, None)
+
+    def _expert(self, layer_id: int, expert: int) -> PackedExpert:
+        """Full-width expert views, built (and validated) once."""
+        key = (layer_id, expert)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.layers[layer_id].expert(expert)
+        return view
 
     def clear(self) -> None:
         """Nothing to drop: every expert stays resident."""
-
-
-def _view(layer: PackedLayer, tensors, width: int) -> PackedExpert:
-    zeros = tensors[2][:width] if len(tensors) > 2 else None
-    return PackedExpert(layer.fmt, tensors[0][:width], tensors[1][:width], zeros)
 
 
 def _layer_to(layer: PackedLayer, device: torch.device) -> PackedLayer:

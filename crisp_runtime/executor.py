@@ -183,7 +183,7 @@ class CrispRuntime:
                         copied.record(copy_stream)
                 if got.copied_bytes:
                     compute_stream.wait_event(copied)
-                    for t in got.expert.tensors():
+                    for t in got.resident.tensors():
                         t.record_stream(compute_stream)
             pending.discard(key)
             stats.bytes_h2d += got.copied_bytes
@@ -197,13 +197,13 @@ class CrispRuntime:
             stats.expert_runs += 1
             s = slice(task.start, task.stop)
             expert_mlp_accumulate_(
-                out, x, got.expert, task.width, rows=rows[s], weights=weights[s], token_widths=flat_widths[s],
+                out, x, got.resident, task.width, rows=rows[s], weights=weights[s], token_widths=flat_widths[s],
                 backend=self.backend,
             )
             if copy_stream is not None and isinstance(self.cache, PrefixCache):  # GPU-only
                 used = torch.cuda.Event()
                 used.record(compute_stream)
-                self.cache.entries[key].last_use = used
+                self.cache.mark_used(layer_id, task.expert, used)
 
     def _get_copy_stream(self):  # GPU-only
         if self._copy_stream is None:
