@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from crisp_runtime.baselines import equal_bytes_plans
 from crisp_runtime.plan import CrispPlan, LayerPlan, TierCutoffs, TierWidths, assign_tiers, pair_key
 
 TRACE_FORMAT = "crisp-routing-trace"
@@ -199,42 +200,37 @@ def token_widths(trace: Trace, plan: CrispPlan) -> np.ndarray:
     return out
 
 
-def matched_uniform_width(trace: Trace, plan: CrispPlan) -> int:
-    """The uniform width (source neurons) whose bytes per token equal ``plan``'s on this trace."""
-    mean = float(token_widths(trace, plan).sum(axis=-1).mean())
-    return max(1, min(trace.intermediate_size, int(round(mean / trace.top_k))))
-
-
-def matched_skip_threshold(trace: Trace, plan: CrispPlan) -> float | None:
-    """Routing-weight threshold under which skip_aux drops a non-dominant expert, chosen so that its
-    bytes per token on this trace match ``plan``'s (crisp-eval's matching); None = always skip."""
-    mean_experts = float(token_widths(trace, plan).sum(axis=-1).mean()) / trace.intermediate_size
-    keep = (mean_experts - 1.0) / max(1, trace.top_k - 1)  # share of auxiliary slots kept
-    if keep <= 0:
-        return None
-    if keep >= 1:
-        return 0.0
-    aux = -np.sort(-trace.weights, axis=-1)[..., 1:].ravel()  # every non-leading routing weight
-    return float(np.quantile(aux, 1.0 - keep))
+def routing(trace: Trace) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The trace as ``crisp_runtime.baselines.Routing``: {layer_id: ((T, k) index, (T, k) weights)}."""
+    return {layer_id: (torch.from_numpy(trace.index[li]), torch.from_numpy(trace.weights[li]))
+            for li, layer_id in enumerate(trace.layer_ids)}
 
 
 def policy_plans(trace: Trace, crisp: CrispPlan | None, uniform_width: int | None = None,
                  skip_threshold: float | None | str = "match") -> dict[str, CrispPlan]:
     """The four policies over the trace's model: full, uniform, skip_aux, crisp.
 
-    Defaults match crisp-eval: uniform at the width giving CRISP's bytes per token, skip_aux with the
-    routing-weight threshold giving CRISP's bytes per token (always skip without a CRISP plan).
+    Defaults match crisp-eval (one implementation: ``crisp_runtime.baselines.equal_bytes_plans``):
+    uniform at the width giving CRISP's bytes per token on this trace, skip_aux keeping CRISP's
+    ``num_dominant`` experts full and the rest above the routing-weight threshold giving CRISP's bytes.
+    Without a CRISP plan: uniform at half width, skip_aux skipping every non-leading expert.
     """
     e, k, inter, ids = trace.num_experts, trace.top_k, trace.intermediate_size, trace.layer_ids
-    plans = {"full": CrispPlan.full(e, k, inter, ids)}
-    if uniform_width is None:
-        uniform_width = matched_uniform_width(trace, crisp) if crisp is not None else inter // 2
-    plans["uniform"] = CrispPlan.uniform(e, k, inter, ids, uniform_width)
-    if skip_threshold == "match":
-        skip_threshold = matched_skip_threshold(trace, crisp) if crisp is not None else None
-    plans["skip_aux"] = CrispPlan.skip_aux(e, k, inter, ids, threshold=skip_threshold)
     if crisp is not None:
         crisp.check_compatible(num_experts=e, top_k=k, intermediate_size=inter, layer_ids=ids)
+        matched = equal_bytes_plans(crisp, routing(trace))
+        num_dominant = crisp.num_dominant
+    else:
+        matched = {"full": CrispPlan.full(e, k, inter, ids)}
+        num_dominant = 1
+    plans = {"full": matched["full"]}
+    if uniform_width is None:
+        uniform_width = matched["uniform"].uniform_width if crisp is not None else inter // 2
+    plans["uniform"] = CrispPlan.uniform(e, k, inter, ids, uniform_width)
+    if skip_threshold == "match":
+        skip_threshold = matched["skip_aux"].skip_threshold if crisp is not None else None
+    plans["skip_aux"] = CrispPlan.skip_aux(e, k, inter, ids, threshold=skip_threshold, num_dominant=num_dominant)
+    if crisp is not None:
         plans["crisp"] = crisp
     return plans
 

@@ -6,9 +6,9 @@ Policies, all on the same windows of the given text (non-overlapping, spread eve
 - ``full``: the pack at full width (4-bit);
 - ``crisp``: the pack's plan (Hot / Warm / Cold tiers, measured dominance);
 - ``uniform``: every routed expert at one width, the width whose bytes per token are closest to CRISP's;
-- ``skip_aux``: the heavier expert (by routing weight) at full width, the other run only when its
-  routing weight is at least a threshold, chosen as the quantile of the auxiliary routing weights
-  (recorded in the ``full`` run) that makes its bytes per token match CRISP's;
+- ``skip_aux``: the plan's ``num_dominant`` heaviest experts (by routing weight) at full width, the
+  others run only when their routing weight is at least a threshold, the one whose bytes per token on
+  the routing of the ``full`` run are closest to CRISP's (both matched by ``crisp_runtime.baselines``);
 - ``skip_aux_all``: the auxiliary expert always skipped (for reference).
 
 ``bytes_per_token`` = expert weight bytes read per token, summed over the MoE layers: for every
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from crisp_runtime.baselines import equal_bytes_plans
 from crisp_runtime.plan import CrispPlan, PolicyKind
 
 from .calibration import (
@@ -48,15 +49,6 @@ from .calibration import (
     threads,
 )
 from .profile_model import _stored_weights, load_pack_dir
-
-
-def _aux_weights(weights_list, num_dominant: int) -> torch.Tensor:
-    """Routing weights of the non-dominant (by weight) experts of every token, all layers: (N,)."""
-    out = []
-    for weights in weights_list:
-        w = weights.float().sort(dim=1, descending=True).values
-        out.append(w[:, num_dominant:].reshape(-1))
-    return torch.cat(out) if out else torch.zeros(0)
 
 
 class Evaluator:
@@ -100,8 +92,6 @@ class Evaluator:
         args = (self.plan.num_experts, self.top_k, self.inter, self.layer_ids)
         if kind == "full":
             return CrispPlan.full(*args)
-        if kind == "uniform":
-            return CrispPlan.uniform(*args, width=kw["width"])
         return CrispPlan.skip_aux(*args, threshold=kw.get("threshold"), num_dominant=self.plan.num_dominant)
 
     def run(self) -> list[dict]:
@@ -123,22 +113,17 @@ class Evaluator:
             records.append(self._record("full", "4-bit full width", full[1], full[0], n_tok))
             crisp = run(self.plan)
             records.append(self._record("crisp", "CRISP (pack plan)", crisp[1], crisp[0], n_tok))
-            target = crisp[1]
-            # uniform: the width whose bytes per token are closest to CRISP's
-            width = min(self.inter, max(0, round(target / self.full_bpt * self.inter)))
-            uni = run(self._plan("uniform", width=width))
+            # uniform and skip-aux matched to CRISP's measured bytes per token on the full-width run's routing
+            routing = {i: trace.layer(i) for i in self.layer_ids}
+            plans = equal_bytes_plans(self.plan, routing, target=crisp[1] / self.neuron_bytes)
+            width = plans["uniform"].uniform_width
+            uni = run(plans["uniform"])
             records.append(self._record("uniform", f"uniform width {width}/{self.inter}", uni[1], uni[0], n_tok,
                                         uniform_width=width))
-            # skip-aux: threshold = quantile of the auxiliary routing weights giving CRISP's bytes
-            nd = self.plan.num_dominant
-            aux = _aux_weights([torch.cat(trace.weights[i]) for i in self.layer_ids], nd)
-            keep = (target / self.full_bpt * self.top_k - nd) / max(1, self.top_k - nd)
-            keep = min(1.0, max(0.0, keep))
-            threshold = float(torch.quantile(aux.double(), 1.0 - keep)) if aux.numel() else 0.0
-            threshold = min(1.0, max(0.0, threshold))
-            sk = run(self._plan("skip_aux", threshold=threshold))
-            records.append(self._record("skip_aux", f"skip auxiliary if weight < {threshold:.3f}", sk[1], sk[0],
-                                        n_tok, skip_threshold=threshold))
+            threshold = plans["skip_aux"].skip_threshold
+            label = "skip auxiliary always" if threshold is None else f"skip auxiliary if weight < {threshold:.3f}"
+            sk = run(plans["skip_aux"])
+            records.append(self._record("skip_aux", label, sk[1], sk[0], n_tok, skip_threshold=threshold))
             ska = run(self._plan("skip_aux"))
             records.append(self._record("skip_aux_all", "skip auxiliary always", ska[1], ska[0], n_tok))
         full_acc = records[1]["accuracy"]
