@@ -57,6 +57,10 @@ class QuantFormat:
     symmetric: bool = False
 
     def __post_init__(self) -> None:
+        for name, kind in (("bits", int), ("group_size", int), ("symmetric", bool)):
+            value = getattr(self, name)
+            if type(value) is not kind:  # True is not a group size, "64" is not 64
+                raise TypeError(f"QuantFormat.{name}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
         if self.bits != BITS:
             raise ValueError(f"QuantFormat.bits: only {BITS}-bit is supported, got {self.bits}")
         if self.group_size not in GROUP_SIZES:
@@ -73,6 +77,15 @@ class QuantFormat:
         groups = hidden_size // self.group_size
         per_proj = hidden_size // 2 + groups * SCALE_DTYPE.itemsize + (0 if self.symmetric else groups)
         return NUM_PROJ * per_proj
+
+
+def check_format(fmt, what: str = "fmt") -> QuantFormat:
+    """``fmt`` itself if it is a QuantFormat; a TypeError naming the argument otherwise (a string
+    such as "int4-g64" is not parsed: the dataclass is the one spelling of a format)."""
+    if not isinstance(fmt, QuantFormat):
+        raise TypeError(f"{what}: expected a crisp_kernels.QuantFormat, e.g. QuantFormat(group_size=64, "
+                        f"symmetric=False), got {type(fmt).__name__} {fmt!r}")
+    return fmt
 
 
 # ----------------------------------------------------------------------------- quantization
@@ -262,7 +275,27 @@ class PackedLayer:
         )
 
 
+def check_layer_values(layer: PackedLayer, what: str = "layer") -> None:
+    """Cheap value checks on a packed layer (one pass over scales and zero points, ~1/10 of its
+    bytes): every scale finite and > 0 (the quantizer stores at least 2**-24) and every zero point
+    <= 15. A NaN / inf scale or an out-of-range zero point (a flipped bit) would otherwise reach
+    the logits. Raises ValueError naming the tensor."""
+    scales = layer.scales
+    good = (scales > 0) & (scales < float("inf"))  # NaN fails both comparisons
+    if not bool(good.all()):
+        bad = int((~good).sum())
+        raise ValueError(f"{what}.scales: {bad} value(s) are NaN, infinite or <= 0 (a scale must be a positive, "
+                         f"finite fp16)")
+    if layer.zeros is not None and layer.zeros.numel() and int(layer.zeros.max()) > QMAX:
+        raise ValueError(f"{what}.zeros: zero point {int(layer.zeros.max())} is above {QMAX} (4-bit zero points lie "
+                         f"in [0, {QMAX}])")
+
+
 def _check_packed_tensors(fmt, qweight, scales, zeros, *, leading: int, what: str) -> None:
+    check_format(fmt, f"{what}.fmt")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}.{name}: expected a torch.Tensor, got {type(t).__name__}")
     if qweight.dtype != torch.uint8 or qweight.dim() != leading + 2 or qweight.shape[-2] != NUM_PROJ:
         raise ValueError(
             f"{what}.qweight: expected uint8 of shape ({'E, ' if leading == 2 else ''}W, 3, H/2), "
@@ -300,7 +333,17 @@ def _check_expert_weights(gate: torch.Tensor, up: torch.Tensor, down: torch.Tens
     for name, t in (("gate", gate), ("up", up), ("down", down)):
         if not t.is_floating_point():
             raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        _check_finite(t, name)
     return inter, hidden
+
+
+def _check_finite(t: torch.Tensor, name: str) -> None:
+    """NaN / inf weights would quantize to NaN scales (or clip to garbage) without a word."""
+    if t.is_meta:
+        raise ValueError(f"{name}: the weights are not loaded (meta tensor)")
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        raise ValueError(f"{name}: {int((~finite).sum())} weight(s) are NaN or infinite; cannot quantize them")
 
 
 def pack_expert(
@@ -310,6 +353,7 @@ def pack_expert(
 
     gate, up: (I, H) as ``nn.Linear(H, I).weight``; down: (H, I) as ``nn.Linear(I, H).weight``.
     """
+    fmt = check_format(fmt)
     _, hidden = _check_expert_weights(gate, up, down)
     fmt.check_hidden_size(hidden)
     rows = torch.stack((gate.detach(), up.detach(), down.detach().t()), dim=1)  # (I, 3, H)
@@ -329,6 +373,10 @@ def pack_layer(
     neuron_order: (E, I) permutation per expert; stored neuron j of expert e is original
     neuron ``neuron_order[e, j]``. None keeps the present order.
     """
+    fmt = check_format(fmt)
+    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
         raise ValueError(f"gate_up_proj: expected (E, 2I, H), got shape {tuple(gate_up_proj.shape)}")
     num_experts, two_inter, hidden = gate_up_proj.shape
@@ -338,6 +386,8 @@ def pack_layer(
             f"down_proj: expected (E, H, I) = {(num_experts, hidden, inter)}, got {tuple(down_proj.shape)}"
         )
     fmt.check_hidden_size(hidden)
+    _check_finite(gate_up_proj, "gate_up_proj")
+    _check_finite(down_proj, "down_proj")
     if neuron_order is None:
         neuron_order = torch.arange(inter).expand(num_experts, inter)
     neuron_order = check_permutations(neuron_order, num_experts, inter)

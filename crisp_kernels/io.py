@@ -7,29 +7,80 @@ One file holds any number of MoE layers of one model:
     layers.{L}.zeros         (E, I, 3, H/g) uint8     (asymmetric format only)
     layers.{L}.neuron_order  (E, I) int64             original index of stored neuron j
 
-and string metadata: format name and version, bits, group size, symmetric, H, I, E and the
-layer indices. Writes are atomic: a temporary file in the same folder, fsync, then rename, so
+and string metadata: format name and version, bits, group size, symmetric, H, I, E, the layer
+indices and ``tensor_sha256`` (JSON ``{tensor name: sha256 of its bytes}``).
+
+Writing: the file is laid out here rather than by ``safetensors.save_file`` so that the same
+layers give the same bytes (safetensors keeps metadata in a hash map: its order changed from run
+to run). Header keys are sorted, tensors are laid out by (alignment, name) as safetensors does,
+and the file is written atomically: a temporary file in the same folder, fsync, then rename, so
 an interrupted save leaves the old file or none, never half a file.
+
+Reading: the file is read into process memory (one ``readinto``), never memory-mapped: a mapped
+file rewritten in place kills the process with SIGBUS. Every header field is checked (dtype,
+shape, offsets covering the data exactly), then shapes against the metadata, then the cheap value
+checks of :func:`crisp_kernels.format.check_layer_values` (finite positive scales, zero points
+<= 15, permutations). The per-tensor digests are compared only on request
+(``PackCheck.DIGESTS``): hashing costs about as much as reading the file again. Files written
+before the digests existed (same format version) load; their digest check reports
+``DigestStatus.UNAVAILABLE``.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import json
 import os
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .format import PackedLayer, QuantFormat, check_permutations
+from .format import PackedLayer, QuantFormat, check_layer_values, check_permutations
 
 FORMAT_NAME = "crisp-packed-experts"
 FORMAT_VERSION = 1
+DIGESTS_KEY = "tensor_sha256"
+# A pack header is a few KB per layer; a length field beyond this is corruption, not a pack.
+_MAX_HEADER_BYTES = 100 * 2**20
+
+_DTYPE_NAMES = {
+    torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+    torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64", torch.bool: "BOOL",
+}
+_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 
 class PackFormatError(ValueError):
     """A packed file that is not ours, of another version, truncated or inconsistent."""
+
+
+class PackIntegrityError(PackFormatError):
+    """A packed file whose contents fail a value check or disagree with its recorded digests."""
+
+
+class PackCheck(enum.Enum):
+    VALUES = "values"  # header, shapes, dtypes and value ranges (always done)
+    DIGESTS = "digests"  # also each tensor's sha256 against the digest recorded at save
+
+
+class DigestStatus(enum.Enum):
+    NOT_CHECKED = "not checked"
+    VERIFIED = "verified"
+    UNAVAILABLE = "unavailable (file written before digests were recorded)"
+
+
+@dataclass(frozen=True)
+class PackedFile:
+    """What :func:`read_packed` returns: the layers and what was learnt reading them."""
+
+    layers: dict[int, PackedLayer]
+    metadata: dict[str, str]
+    header_sha256: str  # sha256 of the 8-byte length + header: binds metadata, digests and layout
+    digests: DigestStatus
 
 
 def atomic_write(path: str | os.PathLike, write) -> None:
@@ -64,18 +115,149 @@ def check_uniform_layers(layers: Mapping[int, PackedLayer]) -> PackedLayer:
     return first
 
 
+# ----------------------------------------------------------------------------- raw safetensors
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (little-endian, as safetensors)."""
+    flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(_tensor_bytes(t.detach().cpu().contiguous())).hexdigest()
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str]) -> None:
+    """Write a safetensors file whose bytes depend only on ``tensors`` and ``metadata`` (not atomic:
+    callers go through :func:`atomic_write`)."""
+    cpu = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    for name, t in cpu.items():
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} cannot be stored")
+    # Largest alignment first, then by name (safetensors' own layout): every tensor starts on a
+    # multiple of its item size once the header is padded to 8 bytes.
+    order = sorted(cpu, key=lambda n: (-cpu[n].element_size(), n))
+    header: dict = {"__metadata__": dict(sorted((str(k), str(v)) for k, v in metadata.items()))}
+    offset = 0
+    for name in order:
+        nbytes = cpu[name].numel() * cpu[name].element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[cpu[name].dtype], "shape": list(cpu[name].shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name in order:
+            f.write(_tensor_bytes(cpu[name]))
+
+
+def _read_header(path: Path, f, size: int) -> tuple[dict, bytes]:
+    if size < 8:
+        raise PackFormatError(f"{path}: not a readable safetensors file ({size} bytes; the file may be truncated)")
+    prefix = f.read(8)
+    length = int.from_bytes(prefix, "little")
+    if length > min(size - 8, _MAX_HEADER_BYTES):
+        raise PackFormatError(f"{path}: not a readable safetensors file (header length {length} for a file of "
+                              f"{size} bytes; the file may be truncated)")
+    raw = f.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise PackFormatError(f"{path}: not a readable safetensors file (header is not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise PackFormatError(f"{path}: not a readable safetensors file (header is {type(header).__name__})")
+    return header, prefix + raw
+
+
+def _check_metadata_field(path: Path, metadata) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise PackFormatError(f"{path}: header field __metadata__ must map strings to strings")
+    return metadata
+
+
+def _entry_layout(path: Path, name: str, entry) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    where = f"{path}: header field {name!r}"
+    if not isinstance(entry, dict):
+        raise PackFormatError(f"{where}: expected an object, got {type(entry).__name__}")
+    dtype = _DTYPES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    if dtype is None:
+        raise PackFormatError(f"{where}.dtype: {entry.get('dtype')!r} is not one of {sorted(_DTYPES)}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise PackFormatError(f"{where}.shape: expected a list of non-negative integers, got {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise PackFormatError(f"{where}.data_offsets: expected [begin, end] with 0 <= begin <= end, got {offsets!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if offsets[1] - offsets[0] != numel * itemsize:
+        raise PackFormatError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
+                              f"shape {shape} of {entry['dtype']} needs {numel * itemsize}")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, str], dict[str, torch.Tensor], str]:
+    """(metadata, tensors, sha256 of the header) of a safetensors file, read into memory (no mmap).
+
+    Every header field is validated; any defect is a :class:`PackFormatError` naming the file
+    and the field.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header, header_bytes = _read_header(path, f, size)
+        metadata = _check_metadata_field(path, header.pop("__metadata__", None))
+        layout = {name: _entry_layout(path, name, entry) for name, entry in header.items()}
+        data_len = size - len(header_bytes)
+        end = 0
+        for name, (_, _, begin, stop) in sorted(layout.items(), key=lambda item: item[1][2:]):
+            if begin != end:
+                raise PackFormatError(f"{path}: header field {name!r}.data_offsets: starts at {begin}, expected "
+                                      f"{end} (tensors must tile the data without gaps or overlaps)")
+            end = stop
+        if end != data_len:
+            raise PackFormatError(f"{path}: the tensors describe {end} bytes of data, the file holds {data_len} "
+                                  f"(the file may be truncated)")
+        buf = bytearray(data_len)
+        if f.readinto(buf) != data_len:
+            raise PackFormatError(f"{path}: cannot read tensors, the file may be truncated (changed while read)")
+    tensors = {}
+    for name, (dtype, shape, begin, stop) in layout.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if stop == begin:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        elif begin % itemsize:  # misaligned (not written by us or safetensors): copy to aligned memory
+            tensors[name] = torch.frombuffer(buf, dtype=torch.uint8, count=stop - begin, offset=begin
+                                             ).clone().view(dtype).reshape(shape)
+        else:
+            tensors[name] = torch.frombuffer(buf, dtype=dtype, count=(stop - begin) // itemsize, offset=begin
+                                             ).reshape(shape)
+    return metadata, tensors, hashlib.sha256(header_bytes).hexdigest()
+
+
+# ----------------------------------------------------------------------------- packed layers
+
+
 def save_packed(
     path: str | os.PathLike,
     layers: Mapping[int, PackedLayer],
     *,
     extra_metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Write ``{layer_index: PackedLayer}`` to ``path`` atomically."""
-    from safetensors.torch import save_file
-
+) -> str:
+    """Write ``{layer_index: PackedLayer}`` to ``path`` atomically; returns the header's sha256
+    (what a pack folder records to bind its other files to this one)."""
     first = check_uniform_layers(layers)
     tensors = {}
     for idx, layer in layers.items():
+        check_layer_values(layer, f"layers[{idx}]")
         for name, t in layer.tensors().items():
             tensors[f"layers.{int(idx)}.{name}"] = t.detach().cpu().contiguous()
     metadata = {
@@ -88,26 +270,25 @@ def save_packed(
         "intermediate_size": str(first.intermediate_size),
         "num_experts": str(first.num_experts),
         "layers": json.dumps(sorted(int(i) for i in layers)),
+        DIGESTS_KEY: json.dumps({name: tensor_sha256(t) for name, t in sorted(tensors.items())}, sort_keys=True),
     }
     for key, value in (extra_metadata or {}).items():
         if key in metadata:
             raise ValueError(f"extra_metadata: key {key!r} is reserved")
         metadata[key] = str(value)
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+    return header_sha256(path)
 
 
-def read_packed_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The metadata of a packed file, validated for format name and version, without the tensors."""
-    from safetensors import safe_open
-
+def header_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a safetensors file's length field and header (cheap: a few KB are read)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"packed experts file not found: {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
-        raise PackFormatError(f"{path}: not a readable safetensors file ({exc})") from exc
+    with open(path, "rb") as f:
+        _, header_bytes = _read_header(path, f, os.fstat(f.fileno()).st_size)
+    return hashlib.sha256(header_bytes).hexdigest()
+
+
+def _check_metadata(path: Path, metadata: Mapping[str, str]) -> None:
     if metadata.get("format") != FORMAT_NAME:
         raise PackFormatError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT_NAME!r}")
     if metadata.get("format_version") != str(FORMAT_VERSION):
@@ -115,32 +296,86 @@ def read_packed_metadata(path: str | os.PathLike) -> dict[str, str]:
             f"{path}: format version {metadata.get('format_version')!r} is not supported "
             f"(this CRISP reads version {FORMAT_VERSION})"
         )
+
+
+def read_packed_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The metadata of a packed file, validated for format name and version, without the tensors."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"packed experts file not found: {path}")
+    with open(path, "rb") as f:
+        header, _ = _read_header(path, f, os.fstat(f.fileno()).st_size)
+    metadata = _check_metadata_field(path, header.get("__metadata__"))
+    _check_metadata(path, metadata)
     return metadata
 
 
-def load_packed(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[int, PackedLayer]:
-    """Read a file written by :func:`save_packed`; every shape is checked against the metadata."""
-    from safetensors.torch import load_file
+def _strict_int(value: str, field: str, path: Path, minimum: int = 1) -> int:
+    if not isinstance(value, str) or not value.isascii() or not value.isdigit() or int(value) < minimum:
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid ({field}={value!r}: expected an integer "
+                              f">= {minimum})")
+    return int(value)
 
+
+def _parse_metadata(path: Path, metadata: Mapping[str, str]):
+    missing = [k for k in ("bits", "group_size", "symmetric", "hidden_size", "intermediate_size", "num_experts",
+                           "layers") if k not in metadata]
+    if missing:
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid (missing {missing})")
+    try:
+        symmetric = json.loads(metadata["symmetric"])
+        layer_ids = json.loads(metadata["layers"])
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid (symmetric / layers: {exc})") from None
+    if type(symmetric) is not bool:
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid (symmetric={symmetric!r}: expected "
+                              f"true or false)")
+    if (not isinstance(layer_ids, list) or not layer_ids or not all(type(i) is int and i >= 0 for i in layer_ids)
+            or len(set(layer_ids)) != len(layer_ids)):
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid (layers={metadata['layers']!r}: expected "
+                              f"a non-empty list of distinct non-negative integers)")
+    try:
+        fmt = QuantFormat(bits=_strict_int(metadata["bits"], "bits", path),
+                          group_size=_strict_int(metadata["group_size"], "group_size", path), symmetric=symmetric)
+    except ValueError as exc:
+        if isinstance(exc, PackFormatError):
+            raise
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid ({exc})") from None
+    hidden = _strict_int(metadata["hidden_size"], "hidden_size", path)
+    try:
+        fmt.check_hidden_size(hidden)
+    except ValueError as exc:
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid ({exc})") from None
+    inter = _strict_int(metadata["intermediate_size"], "intermediate_size", path)
+    num_experts = _strict_int(metadata["num_experts"], "num_experts", path)
+    return fmt, hidden, inter, num_experts, layer_ids
+
+
+def _recorded_digests(path: Path, metadata: Mapping[str, str]) -> dict[str, str] | None:
+    if DIGESTS_KEY not in metadata:
+        return None
+    try:
+        digests = json.loads(metadata[DIGESTS_KEY])
+    except (json.JSONDecodeError, RecursionError):
+        digests = None
+    if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+        raise PackFormatError(f"{path}: metadata field {DIGESTS_KEY} is not a JSON object of hex digests")
+    return digests
+
+
+def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+                check: PackCheck = PackCheck.VALUES) -> PackedFile:
+    """Read a file written by :func:`save_packed`: the layers, the metadata, the header digest and
+    whether the tensor digests were verified (see the module docstring)."""
     path = Path(path)
-    metadata = read_packed_metadata(path)
-    try:
-        fmt = QuantFormat(
-            bits=int(metadata["bits"]),
-            group_size=int(metadata["group_size"]),
-            symmetric=bool(json.loads(metadata["symmetric"])),
-        )
-        hidden = int(metadata["hidden_size"])
-        inter = int(metadata["intermediate_size"])
-        num_experts = int(metadata["num_experts"])
-        layer_ids = [int(i) for i in json.loads(metadata["layers"])]
-    except (KeyError, ValueError, TypeError) as exc:
-        raise PackFormatError(f"{path}: metadata is incomplete or invalid ({exc})") from exc
-    try:
-        tensors = load_file(str(path), device=str(device))
-    except Exception as exc:
-        raise PackFormatError(f"{path}: cannot read tensors, the file may be truncated ({exc})") from exc
-
+    if not isinstance(check, PackCheck):
+        raise TypeError(f"check: expected a PackCheck ({', '.join(c.name for c in PackCheck)}), got {check!r}")
+    if not path.is_file():
+        raise FileNotFoundError(f"packed experts file not found: {path}")
+    metadata, tensors, header_digest = read_safetensors(path)
+    all_tensors = dict(tensors)  # the loop below pops from ``tensors``
+    _check_metadata(path, metadata)
+    fmt, hidden, inter, num_experts, layer_ids = _parse_metadata(path, metadata)
     groups = hidden // fmt.group_size
     expected = {
         "qweight": ((num_experts, inter, 3, hidden // 2), torch.uint8),
@@ -166,9 +401,33 @@ def load_packed(path: str | os.PathLike, device: str | torch.device = "cpu") -> 
             check_permutations(found["neuron_order"], num_experts, inter)
         except ValueError as exc:
             raise PackFormatError(f"{path}: layers.{idx}.{exc}") from exc
-        layers[idx] = PackedLayer(
-            fmt, found["qweight"], found["scales"], found.get("zeros"), found["neuron_order"]
-        )
+        layer = PackedLayer(fmt, found["qweight"], found["scales"], found.get("zeros"), found["neuron_order"])
+        try:
+            check_layer_values(layer, f"layers.{idx}")
+        except ValueError as exc:
+            raise PackIntegrityError(f"{path}: {exc}") from None
+        layers[idx] = layer
     if tensors:
         raise PackFormatError(f"{path}: unexpected tensors not described by the metadata: {sorted(tensors)[:5]}")
-    return layers
+    digests = _recorded_digests(path, metadata)
+    if digests is not None and set(digests) != set(all_tensors):
+        raise PackFormatError(f"{path}: metadata field {DIGESTS_KEY} does not list exactly the file's tensors "
+                              f"(differences: {sorted(set(digests) ^ set(all_tensors))[:5]})")
+    status = DigestStatus.NOT_CHECKED
+    if check is PackCheck.DIGESTS:
+        status = DigestStatus.UNAVAILABLE if digests is None else DigestStatus.VERIFIED
+        for name in sorted(digests or {}):
+            if tensor_sha256(all_tensors[name]) != digests[name]:
+                raise PackIntegrityError(f"{path}: tensor {name}: sha256 differs from the digest recorded at "
+                                         f"save; the file is corrupt")
+    if torch.device(device).type != "cpu":
+        layers = {idx: PackedLayer(lay.fmt, *(None if t is None else t.to(device) for t in
+                                              (lay.qweight, lay.scales, lay.zeros)), lay.neuron_order.to(device))
+                  for idx, lay in layers.items()}
+    return PackedFile(layers, dict(metadata), header_digest, status)
+
+
+def load_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+                check: PackCheck = PackCheck.VALUES) -> dict[int, PackedLayer]:
+    """Read a file written by :func:`save_packed`; every shape is checked against the metadata."""
+    return read_packed(path, device, check=check).layers

@@ -7,6 +7,7 @@ import pytest
 import safetensors.torch
 import torch
 
+import crisp_kernels.io
 from crisp_kernels import PackFormatError, QuantFormat, load_packed, pack_layer, read_packed_metadata, save_packed
 from crisp_kernels.io import FORMAT_NAME, FORMAT_VERSION
 
@@ -69,12 +70,12 @@ def test_interrupted_save_keeps_old_file(tmp_path, monkeypatch):
     save_packed(path, old)
     old_bytes = path.read_bytes()
 
-    def crashing_save_file(tensors, filename, metadata=None):
+    def crashing_write(filename, tensors, metadata):
         with open(filename, "wb") as f:
             f.write(b"partial write")
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crashing_save_file)
+    monkeypatch.setattr(crisp_kernels.io, "write_safetensors", crashing_write)
     with pytest.raises(OSError, match="disk full"):
         save_packed(path, {0: _layer(1, fmt)})
     assert path.read_bytes() == old_bytes
