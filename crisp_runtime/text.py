@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -57,6 +58,8 @@ def _read_jsonl_lines(path: str, lines: Iterable[str]) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+        except RecursionError as e:  # ~100k nested brackets exhaust the parser's stack
+            raise ValueError(f"{path}:{lineno}: JSON nested too deeply to read") from e
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise ValueError(f"{path}:{lineno}: expected a JSON object with a string 'text' field")
         texts.append(record["text"])
@@ -91,7 +94,7 @@ def read_texts(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[s
                 raise ValueError(
                     f"{path}: unsupported file type; expected .txt, .jsonl, .jsonl.gz or .json.gz"
                 )
-        except (OSError, UnicodeDecodeError, EOFError) as e:
+        except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:  # zlib.error: corrupt .gz data
             raise ValueError(f"{path}: cannot read text ({type(e).__name__}: {e})") from e
     return texts
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import sys
@@ -50,10 +49,17 @@ def log(msg: str, *, quiet: bool = False) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """cpu, cuda, cuda:N or auto (cuda when there is one); anything else (meta, foo, a missing GPU) is a CliError."""
+    import argparse
+
+    from crisp_runtime.cli_args import device_name
+
+    try:
+        name = device_name(name)
+    except argparse.ArgumentTypeError as exc:
+        raise CliError(f"--device {exc}") from exc
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CliError(f"--device {name}: no CUDA device is available (use --device cpu)")
     return torch.device(name)
 
 
@@ -405,8 +411,8 @@ def threads(n: int | None) -> Iterator[None]:
 
 
 def dump_json(path: str | os.PathLike, data) -> None:
-    from crisp_kernels.io import atomic_write
+    """JSON written atomically into an existing folder (checked up front with ``check_outputs``).
+    NaN / inf stay as JavaScript literals: a diverged perplexity is a result, not an error."""
+    from crisp_runtime.outputs import write_json
 
-    text = json.dumps(data, indent=1, sort_keys=False) + "\n"
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    write_json(path, data, allow_nan=True)

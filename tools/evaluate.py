@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
+from crisp_runtime import cli_args as ca
 from crisp_runtime.baselines import equal_bytes_plans
+from crisp_runtime.outputs import OutputPathError, check_outputs
 from crisp_runtime.plan import CrispPlan, PolicyKind
 
 from .calibration import (
@@ -212,26 +214,30 @@ def verdict(records: list[dict], max_bytes=0.55, max_loss=0.036) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ca.Parser(
         prog="crisp-eval",
         description="Perplexity and next-token accuracy of a CRISP pack against dense, 4-bit full width, uniform "
         "width and skip-auxiliary at equal expert bytes per token.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="local transformers checkpoint folder")
-    p.add_argument("--crisp", required=True, help="CRISP pack folder (from crisp-profile) with its plan")
-    p.add_argument("--data", required=True, nargs="+", help="evaluation text (.txt, .jsonl, .jsonl.gz, .json.gz)")
-    p.add_argument("--samples", type=int, default=None,
+    p.add_argument("--model", required=True, type=ca.nonempty_path, help="local transformers checkpoint folder")
+    p.add_argument("--crisp", required=True, type=ca.nonempty_path,
+                   help="CRISP pack folder (from crisp-profile) with its plan")
+    p.add_argument("--data", required=True, nargs="+", type=ca.nonempty_path,
+                   help="evaluation text (.txt, .jsonl, .jsonl.gz, .json.gz)")
+    p.add_argument("--samples", type=ca.positive_int, default=None,
                    help="non-overlapping windows spread over the text (default: all that fit)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--seq-len", type=ca.int_in(2), default=256, help="tokens per window")
+    p.add_argument("--batch-size", type=ca.positive_int, default=16, help="windows per forward pass")
+    p.add_argument("--device", type=ca.device_name, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="dtype the dense model is loaded in (auto: the checkpoint's)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads")
     p.add_argument("--engine", default="runtime", choices=("runtime", "reference"),
                    help="runtime: crisp_runtime.apply with the packed 4-bit experts; reference: dequantize + mask")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the records as JSON")
+    p.add_argument("--json", default=None, metavar="PATH", type=ca.nonempty_path,
+                   help="also write the records as JSON (atomically; never onto an input or into the pack or model "
+                        "folder)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -239,16 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.samples is not None and args.samples < 1:
-            raise CliError(f"--samples must be positive, got {args.samples}")
+        check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data})
         with threads(args.threads):
             ev = Evaluator(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
                            batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet,
                            dtype=args.dtype)
             records = ev.run()
-    except CliError as exc:
+    except (CliError, OutputPathError) as exc:
         print(f"crisp-eval: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return ca.interrupted("crisp-eval", resumable=False)
     print(format_table(records))
     v = verdict(records)
     print(

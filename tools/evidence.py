@@ -28,6 +28,10 @@ import time
 
 import torch
 
+from crisp_runtime import cli_args as ca
+from crisp_runtime.outputs import OutputPathError, check_outputs, write_text
+from crisp_runtime.pairs import pair_codes, pair_skew
+
 from .calibration import (
     CliError,
     MaskedExperts,
@@ -38,18 +42,11 @@ from .calibration import (
     load_model,
     load_texts,
     log,
+    model_fingerprint,
     score_windows,
     threads,
 )
-from .profile_model import _stored_weights, load_pack_dir, pair_codes
-
-
-def _share(counts_sorted: list[int], frac: float, top: bool) -> float:
-    n = len(counts_sorted)
-    k = max(1, round(frac * n))
-    total = sum(counts_sorted) or 1
-    part = counts_sorted[:k] if top else counts_sorted[n - k :]
-    return sum(part) / total
+from .profile_model import _stored_weights, load_pack_dir
 
 
 class Evidence:
@@ -64,6 +61,9 @@ class Evidence:
         if self.plan is None or "combinations" not in self.info:
             raise CliError(f"--crisp {pack_dir}: needs a pack written by crisp-profile (plan + calibration statistics)")
         self.model, self.refs = load_model(model_dir)
+        recorded = (self.info.get("model") or {}).get("weights_sha256")
+        if recorded and recorded != model_fingerprint(self.model, self.refs)["weights_sha256"]:
+            raise CliError(f"--crisp {pack_dir}: the pack was made from other weights than --model {model_dir}")
         check_seq_len(self.model, seq_len)
         self.windows = contiguous_windows(texts, samples, seq_len)
         check_vocab(self.model, self.windows)
@@ -108,13 +108,15 @@ class Evidence:
     def _skew(self, codes):
         res = {}
         for lid in self.layer_ids:
-            c = torch.bincount(codes[lid].reshape(-1), minlength=self.E * self.E)
-            counts = sorted((int(c[a * self.E + b]) for a, b in self.pairs), reverse=True)
-            cal = sorted((self.calib[lid][p]["count"] for p in self.pairs), reverse=True)
-            res[str(lid)] = {"top25_share": _share(counts, 0.25, True), "bottom29_share": _share(counts, 0.29, False),
-                             "calibration_top25_share": _share(cal, 0.25, True),
-                             "calibration_bottom29_share": _share(cal, 0.29, False),
-                             "pairs_seen": sum(x > 0 for x in counts), "pairs_possible": len(counts)}
+            here = pair_skew(torch.bincount(codes[lid].reshape(-1), minlength=self.E * self.E).view(self.E, self.E))
+            cal_counts = torch.zeros(self.E, self.E, dtype=torch.int64)
+            for (a, b), row in self.calib[lid].items():
+                cal_counts[a, b] = row["count"]
+            cal = pair_skew(cal_counts)
+            res[str(lid)] = {"top25_share": here.top_share, "bottom29_share": here.bottom_share,
+                             "calibration_top25_share": cal.top_share,
+                             "calibration_bottom29_share": cal.bottom_share,
+                             "pairs_seen": here.seen, "pairs_possible": here.possible}
         self.log("skew done")
         return res
 
@@ -353,18 +355,20 @@ def to_markdown(ev: dict, title: str) -> str:
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m crisp_tools.evidence", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="local transformers checkpoint folder")
-    p.add_argument("--crisp", required=True, help="CRISP pack folder written by crisp-profile")
-    p.add_argument("--data", required=True, nargs="+", help="text to measure on")
-    p.add_argument("--samples", type=int, default=64, help="non-overlapping windows")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
-    p.add_argument("--top-pairs", type=int, default=20, help="combinations in the masking comparison")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--json", default=None, help="write the measurements as JSON")
-    p.add_argument("--markdown", default=None, help="write the report as Markdown")
+    p = ca.Parser(prog="python -m crisp_tools.evidence", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, type=ca.nonempty_path, help="local transformers checkpoint folder")
+    p.add_argument("--crisp", required=True, type=ca.nonempty_path, help="CRISP pack folder written by crisp-profile")
+    p.add_argument("--data", required=True, nargs="+", type=ca.nonempty_path, help="text to measure on")
+    p.add_argument("--samples", type=ca.positive_int, default=64, help="non-overlapping windows")
+    p.add_argument("--seq-len", type=ca.int_in(2), default=256, help="tokens per window")
+    p.add_argument("--batch-size", type=ca.positive_int, default=16, help="windows per forward pass")
+    p.add_argument("--top-pairs", type=ca.positive_int, default=20, help="combinations in the masking comparison")
+    p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads")
+    p.add_argument("--json", default=None, type=ca.nonempty_path,
+                   help="write the measurements as JSON (atomically, never onto an input)")
+    p.add_argument("--markdown", default=None, type=ca.nonempty_path,
+                   help="write the report as Markdown (atomically, never onto an input)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -372,21 +376,22 @@ def build_parser():
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_outputs({"--json": args.json, "--markdown": args.markdown},
+                      {"--model": args.model, "--crisp": args.crisp, "--data": args.data})
         with threads(args.threads):
             ev = Evidence(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
                           batch_size=args.batch_size, top_pairs=args.top_pairs, quiet=args.quiet).run()
-    except CliError as exc:
+    except (CliError, OutputPathError) as exc:
         print(f"evidence: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return ca.interrupted("evidence", resumable=False)
     md = to_markdown(ev, f"The paper's evidence on {args.model}")
     print(md)
     if args.json:
         dump_json(args.json, ev)
     if args.markdown:
-        from pathlib import Path
-
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(md + "\n")
+        write_text(args.markdown, md + "\n")
     return 0
 
 

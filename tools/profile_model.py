@@ -31,9 +31,12 @@ Steps (all measured on the calibration text; nothing is downloaded):
    with the plan and a ``pack.json`` describing the model and the profiling.
 
 Output is written atomically: built in a temporary folder next to ``--out`` and renamed onto it.
-An ``--out`` that holds another model's pack (or anything that is not a CRISP pack) is refused.
-Statistics are checkpointed in a work folder after every batch; rerunning the same command
-resumes from there, and the result equals that of an uninterrupted run.
+An ``--out`` that holds another model's pack, anything besides a pack's own files (pack.json,
+plan.json, experts.safetensors), or that is, contains or lies inside ``--model`` / ``--data`` is
+refused before any work. Statistics are checkpointed after every batch in a run-keyed folder of
+the work folder (``tools.workdir``: only files the run wrote are ever deleted); rerunning the same
+command (also after Ctrl-C, exit code 130) resumes from there, and the result equals that of an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ from pathlib import Path
 import torch
 
 from crisp_kernels.format import QuantFormat, dequantize_layer, pack_layer
+from crisp_runtime import cli_args as ca
+from crisp_runtime.outputs import OutputPathError, check_not_input_folder
+from crisp_runtime.pairs import leading_pairs, pair_codes, pair_counts, pair_skew
 from crisp_runtime.plan import (
     CrispPlan,
     LayerPlan,
@@ -78,6 +84,7 @@ from .calibration import (
     split_texts,
     threads,
 )
+from .workdir import WorkFolder
 
 STATS_FILE = "stats.safetensors"
 PROFILE_VERSION = 1
@@ -144,20 +151,6 @@ class ProfileConfig:
 # ----------------------------------------------------------------------------- helpers
 
 
-def leading_pairs(index: torch.Tensor, weights: torch.Tensor):
-    """(first, second) expert of each token's leading pair, by routing weight: two (T,) int64."""
-    order = weights.float().argsort(dim=1, descending=True, stable=True)
-    top2 = index.long().gather(1, order[:, :2])
-    return top2[:, 0], top2[:, 1]
-
-
-def pair_codes(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Code a*E+b (a<b) of each token's leading pair: (T,) int64."""
-    first, second = leading_pairs(index, weights)
-    a, b = torch.minimum(first, second), torch.maximum(first, second)
-    return a * num_experts + b
-
-
 def bytes_fraction(plan: CrispPlan, routing: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean expert bytes per token under ``plan`` over recorded routing, as a fraction of full width."""
     used = total = 0
@@ -189,8 +182,15 @@ def _pack_json_model(path: Path) -> dict | None:
     return None
 
 
+def pack_file_names() -> tuple[str, ...]:
+    """The files a pack folder consists of: the only ones crisp-profile ever replaces in --out."""
+    from crisp_runtime.pack import EXPERTS_FILE, INFO_FILE, PLAN_FILE
+
+    return (EXPERTS_FILE, PLAN_FILE, INFO_FILE)
+
+
 def check_out_dir(out: Path, fingerprint: dict) -> None:
-    """Refuse an --out that holds something other than an older pack of this same model."""
+    """Refuse an --out that holds something other than an older pack of this same model (and only that)."""
     if not out.exists():
         if not out.parent.is_dir():
             raise CliError(f"--out {out}: its parent folder {out.parent} does not exist")
@@ -202,6 +202,11 @@ def check_out_dir(out: Path, fingerprint: dict) -> None:
     existing = _pack_json_model(out)
     if existing is None:
         raise CliError(f"--out {out}: the folder is not empty and holds no CRISP pack; refusing to replace it")
+    others = sorted(p.name for p in out.iterdir() if p.name not in pack_file_names())
+    if others:
+        listed = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise CliError(f"--out {out}: beside the CRISP pack the folder holds other files ({listed}); refusing to "
+                       f"replace it (give an empty or new folder)")
     if existing.get("weights_sha256") != fingerprint["weights_sha256"] or any(
         existing.get(k) != fingerprint[k] for k in ("hidden_size", "intermediate_size", "num_experts", "layer_ids")
     ):
@@ -294,6 +299,14 @@ class Profiler:
         except ValueError as exc:
             raise CliError(str(exc)) from exc
         self.out = Path(cfg.out).absolute()
+        inputs = {"--model": cfg.model, "--data": list(cfg.data)}
+        try:
+            check_not_input_folder("--out", self.out, inputs)
+            work_root = (Path(cfg.work_dir).absolute() if cfg.work_dir
+                         else self.out.parent / f".{self.out.name}.crisp-work")
+            check_not_input_folder("--work-dir", work_root, {**inputs, "--out": str(self.out)})
+        except OutputPathError as exc:
+            raise CliError(str(exc)) from exc
         self.device = resolve_device(cfg.device)
         # Cheap checks on the text before the (possibly slow) model load.
         texts = load_texts(cfg.data)
@@ -333,16 +346,30 @@ class Profiler:
             json.dumps(self.fingerprint, sort_keys=True).encode(), data_digest.encode(),
             json.dumps([cfg.batch_size, cfg.dominance_min_tokens, cfg.dominance_max_windows]).encode(),
         )
-        self.work = Path(cfg.work_dir).absolute() if cfg.work_dir else self.out.parent / f".{self.out.name}.crisp-work"
+        self.work = WorkFolder(work_root, self.run_key, STATS_FILE)
+        self.work.check()
 
     def log(self, msg: str) -> None:
         log(f"[crisp-profile {time.time() - self.t0:6.1f}s] {msg}", quiet=self.cfg.quiet)
 
     # -- main flow
     def run(self, interrupt_after: int | None = None) -> dict:
+        self.work.open()
+        try:
+            info = self._run(interrupt_after)
+        except BaseException:
+            self.work.release()  # the checkpoint stays: rerunning resumes from it
+            raise
+        if self.cfg.keep_work:
+            self.work.release()
+        else:
+            self.work.remove()
+        self.log(f"wrote {self.out} in {time.time() - self.t0:.1f} s")
+        return info
+
+    def _run(self, interrupt_after: int | None) -> dict:
         cfg = self.cfg
-        self.work.mkdir(parents=True, exist_ok=True)
-        ckpt = self.work / STATS_FILE
+        ckpt = self.work.checkpoint
         shape = (len(self.layers), self.num_experts, self.inter)
         stats = Stats.load(ckpt, self.run_key, shape) if ckpt.exists() else None
         if stats is None:
@@ -368,9 +395,6 @@ class Profiler:
                         stats, packed, rules)
         info = self._info(stats, plan, plan_info, search)
         self._write(packed, plan, info)
-        if not cfg.keep_work:
-            shutil.rmtree(self.work, ignore_errors=True)
-        self.log(f"wrote {self.out} in {time.time() - self.t0:.1f} s")
         return info
 
     def _statistics(self, stats: Stats, ckpt: Path, interrupt_after: int | None) -> None:
@@ -398,9 +422,8 @@ class Profiler:
                     i = slot[layer_id]
                     index = torch.cat(inst.trace.index[layer_id]).long()
                     weights = torch.cat(inst.trace.weights[layer_id])
+                    stats.pair_counts[i] += pair_counts(index, weights, E)
                     first, second = leading_pairs(index, weights)
-                    a, bb = torch.minimum(first, second), torch.maximum(first, second)
-                    stats.pair_counts[i].view(-1).index_add_(0, a * E + bb, torch.ones_like(a))
                     w_first = (weights * (index == first.unsqueeze(1))).sum(1).double()
                     w_second = (weights * (index == second.unsqueeze(1))).sum(1).double()
                     stats.pair_weight[i].view(-1).index_add_(0, first * E + second, w_first)
@@ -633,17 +656,11 @@ class Profiler:
 
     def _info(self, stats: Stats, plan: CrispPlan, plan_info: dict, search: dict | None) -> dict:
         cfg = self.cfg
-        E = self.num_experts
         skew = {}
         for i, layer_id in enumerate(self.layer_ids):
-            counts = sorted((int(stats.pair_counts[i, a, b]) for a in range(E) for b in range(a + 1, E)), reverse=True)
-            total = sum(counts) or 1
-            n = len(counts)
-            skew[str(layer_id)] = {
-                "top25_share": sum(counts[: max(1, round(0.25 * n))]) / total,
-                "bottom29_share": sum(counts[n - max(1, round(0.29 * n)) :]) / total,
-                "seen_pairs": sum(c > 0 for c in counts), "possible_pairs": n,
-            }
+            s = pair_skew(stats.pair_counts[i], 0.25, 0.29)
+            skew[str(layer_id)] = {"top25_share": s.top_share, "bottom29_share": s.bottom_share,
+                                   "seen_pairs": s.seen, "possible_pairs": s.possible}
         return {
             "tool": "crisp-profile",
             "profile_version": PROFILE_VERSION,
@@ -678,10 +695,18 @@ class Profiler:
             for f in tmp.iterdir():
                 os.chmod(f, 0o644)
             if out.exists():
+                # Swap the folders, then delete the old pack's own files only (check_out_dir made sure
+                # there was nothing else; anything that appeared since is left in place, and said so).
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
                 os.replace(out, old / "pack")
                 os.replace(tmp, out)
-                shutil.rmtree(old, ignore_errors=True)
+                for name in pack_file_names():
+                    (old / "pack" / name).unlink(missing_ok=True)
+                try:
+                    (old / "pack").rmdir()
+                    old.rmdir()
+                except OSError:
+                    self.log(f"the old --out held files written during this run; they were kept in {old / 'pack'}")
             else:
                 os.replace(tmp, out)
         except BaseException:
@@ -726,53 +751,62 @@ def load_pack_dir(directory: str | os.PathLike):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ca.Parser(
         prog="crisp-profile",
         description="Profile an MoE model on calibration text and write a CRISP pack (experts reordered by "
         "importance, 4-bit, neuron-major) with its plan (Hot/Warm/Cold tiers; dominance measured by masking "
         "or per token by routing weight).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="local transformers checkpoint folder (nothing is downloaded)")
-    p.add_argument("--data", required=True, nargs="+",
+    p.add_argument("--model", required=True, type=ca.nonempty_path,
+                   help="local transformers checkpoint folder (nothing is downloaded)")
+    p.add_argument("--data", required=True, nargs="+", type=ca.nonempty_path,
                    help="calibration text: .txt, .jsonl/.jsonl.gz/.json.gz with a 'text' field, or a saved "
                         "`datasets` folder (byte-level tokens)")
-    p.add_argument("--out", required=True, help="output pack folder (written atomically)")
-    p.add_argument("--samples", type=int, default=2048, help="calibration windows for the statistics (the paper: 2048)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass (and per checkpoint)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the window sampling")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--out", required=True, type=ca.nonempty_path,
+                   help="output pack folder (written atomically; refused if it holds anything but a pack of this "
+                        "model)")
+    p.add_argument("--samples", type=ca.positive_int, default=2048,
+                   help="calibration windows for the statistics (the paper: 2048)")
+    p.add_argument("--seq-len", type=ca.int_in(2), default=256, help="tokens per window")
+    p.add_argument("--batch-size", type=ca.positive_int, default=16,
+                   help="windows per forward pass (and per checkpoint)")
+    p.add_argument("--seed", type=ca.seed_int, default=0, help="seed of the window sampling")
+    p.add_argument("--device", type=ca.device_name, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="dtype the model is loaded in (auto: the checkpoint's); statistics are float32 either way")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="4-bit quantization group along H")
     p.add_argument("--symmetric", action="store_true", help="symmetric 4-bit (no zero points)")
     p.add_argument("--importance", default="weighted", choices=("weighted", "mean-abs"),
                    help="neuron score: sum of routing_weight*|act|*||down col|| (weighted) or without the weight")
-    p.add_argument("--hot-mass", type=float, default=DEFAULT_HOT_MASS,
+    p.add_argument("--hot-mass", type=ca.float_in(0.0, 1.0), default=DEFAULT_HOT_MASS,
                    help="Hot = most frequent combinations carrying this share of activations")
-    p.add_argument("--cold-mass", type=float, default=DEFAULT_COLD_MASS,
+    p.add_argument("--cold-mass", type=ca.float_in(0.0, 1.0), default=DEFAULT_COLD_MASS,
                    help="Cold = least frequent combinations carrying at most this share")
-    p.add_argument("--warm-width", type=float, default=DEFAULT_WARM_WIDTH,
+    p.add_argument("--warm-width", type=ca.float_in(0.0, 1.0), default=DEFAULT_WARM_WIDTH,
                    help="width of the auxiliary expert in Warm combinations, as a fraction of full width")
-    p.add_argument("--holdout-fraction", type=float, default=0.1,
+    p.add_argument("--holdout-fraction", type=ca.float_in(0.0, 1.0, low_open=True, high_open=True), default=0.1,
                    help="last share of the calibration text kept out of the statistics, for --search-target-bytes")
-    p.add_argument("--dominance-samples", type=int, default=64, help="calibration windows for measuring dominance")
-    p.add_argument("--dominance-min-tokens", type=int, default=32,
+    p.add_argument("--dominance-samples", type=ca.positive_int, default=64,
+                   help="calibration windows for measuring dominance")
+    p.add_argument("--dominance-min-tokens", type=ca.positive_int, default=32,
                    help="pairs seen on fewer tokens (in the dominance windows) use the routing-weight proxy")
-    p.add_argument("--dominance-max-windows", type=int, default=8, help="windows per pair in each masking run")
+    p.add_argument("--dominance-max-windows", type=ca.positive_int, default=8,
+                   help="windows per pair in each masking run")
     p.add_argument("--dominance", default="auto", choices=DOMINANCE_RULES,
                    help="dominant expert of a combination: a per-pair label measured by masking (measured), the "
                         "heavier expert of each token (routing-weight), or whichever has the lower loss on held-out "
                         "calibration windows (auto, default)")
-    p.add_argument("--search-target-bytes", type=float, default=None, metavar="FRACTION",
+    p.add_argument("--search-target-bytes", type=ca.float_in(0.0, 1.0, low_open=True), default=None, metavar="FRACTION",
                    help="search tier cut-offs and Warm width for <= FRACTION of full-width bytes per token "
                         "(lowest loss on held-out calibration windows); overrides --hot-mass/--cold-mass/--warm-width")
-    p.add_argument("--search-samples", type=int, default=32, help="held-out calibration windows for the search")
-    p.add_argument("--work-dir", default=None,
-                   help="checkpoint folder for resuming (default: .<out>.crisp-work next to --out)")
-    p.add_argument("--keep-work", action="store_true", help="keep the checkpoint folder after success")
+    p.add_argument("--search-samples", type=ca.positive_int, default=32,
+                   help="held-out calibration windows for the search")
+    p.add_argument("--work-dir", default=None, type=ca.nonempty_path,
+                   help="checkpoint folder for resuming (default: .<out>.crisp-work next to --out); the run keeps "
+                        "its files in a run-<key> folder inside it and deletes only those")
+    p.add_argument("--keep-work", action="store_true", help="keep the run's checkpoint after success")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -786,9 +820,11 @@ def main(argv: list[str] | None = None, *, interrupt_after: int | None = None) -
     args = build_parser().parse_args(argv)
     try:
         info = Profiler(config_from_args(args)).run(interrupt_after=interrupt_after)
-    except CliError as exc:
+    except (CliError, OutputPathError) as exc:
         print(f"crisp-profile: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return ca.interrupted("crisp-profile", resumable=True)
     if not args.quiet:
         summary = {k: info[k] for k in ("dominance_measured_pairs", "dominance_proxy_agreement", "skew")}
         print(json.dumps(summary, indent=1))
