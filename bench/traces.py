@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from crisp_runtime.baselines import equal_bytes_plans
+from crisp_runtime.pairs import counts_by_pair, leading_pairs, pair_counts
 from crisp_runtime.plan import CrispPlan, LayerPlan, TierCutoffs, TierWidths, assign_tiers, pair_key
 
 TRACE_FORMAT = "crisp-routing-trace"
@@ -175,14 +176,12 @@ def plan_from_trace(trace: Trace, cutoffs: TierCutoffs | None = None, warm_fract
     inter = trace.intermediate_size
     layers = {}
     for li, layer_id in enumerate(trace.layer_ids):
-        counts: Counter = Counter()
+        index, weights = torch.from_numpy(trace.index[li]), torch.from_numpy(trace.weights[li])
+        counts = counts_by_pair(pair_counts(index, weights, trace.num_experts))
         heavier: dict = {}
-        for t in range(trace.num_tokens):
-            order = np.argsort(-trace.weights[li, t], kind="stable")
-            a, b = int(trace.index[li, t, order[0]]), int(trace.index[li, t, order[1]])
-            key = pair_key(a, b)
-            counts[key] += 1
-            heavier.setdefault(key, Counter())[a] += 1
+        first, second = leading_pairs(index, weights)
+        for a, b in zip(first.tolist(), second.tolist(), strict=True):
+            heavier.setdefault(pair_key(a, b), Counter())[a] += 1
         tiers = assign_tiers(counts, cutoffs)
         dominant = {k: heavier[k].most_common(1)[0][0] for k in tiers}
         layers[layer_id] = LayerPlan(tiers, dominant)

@@ -22,7 +22,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -40,6 +39,8 @@ sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from crisp_runtime import pairs  # noqa: E402
+from crisp_runtime.models import find_moe_layers, record_routing  # noqa: E402
 from crisp_runtime.text import VOCAB_SIZE, read_texts, sample_sequences  # noqa: E402
 
 
@@ -105,55 +106,35 @@ def evaluate(model, seqs: torch.Tensor, batch_size: int = 16) -> dict[str, float
 @torch.no_grad()
 def pair_skew(model, seqs: torch.Tensor, top_fraction: float = 0.25, bottom_fraction: float = 0.29,
               batch_size: int = 16) -> list[dict]:
-    """Per layer: how concentrated the routed expert combinations (unordered top-k sets) are.
+    """Per layer: how concentrated the routed expert combinations (leading pairs) are.
 
-    For each layer, counts every token's routed expert set on ``seqs`` (N, L) and reports the
-    share of activations carried by the most frequent ``top_fraction`` of all C(E, k) possible
-    combinations, and by the least frequent ``bottom_fraction`` (cf. the paper's 25% / 29%).
+    Counts every token's leading pair on ``seqs`` (N, L) and reports ``crisp_runtime.pairs.pair_skew``:
+    the share of activations carried by the most frequent ``top_fraction`` of all C(E, 2) possible
+    pairs, and by the least frequent ``bottom_fraction`` (cf. the paper's 25% / 29%). For this top-2
+    model the leading pair is the whole routed set.
     """
-    cfg = model.config
-    combos = list(itertools.combinations(range(cfg.num_local_experts), cfg.num_experts_per_tok))
-    index = {c: i for i, c in enumerate(combos)}
-    counts = [torch.zeros(len(combos), dtype=torch.long) for _ in model.model.layers]
-    handles = []
-
-    def hook_for(layer_idx):
-        def hook(module, inputs, output):
-            router_indices = output[2]  # (tokens, top_k)
-            keys = router_indices.sort(dim=-1).values.tolist()
-            ids = torch.tensor([index[tuple(k)] for k in keys])
-            counts[layer_idx] += torch.bincount(ids, minlength=len(combos))
-        return hook
-
-    for i, layer in enumerate(model.model.layers):
-        handles.append(layer.mlp.gate.register_forward_hook(hook_for(i)))
-    try:
-        model.eval()
+    refs = find_moe_layers(model)
+    model.eval()
+    with record_routing(model, refs) as routing:
         for i in range(0, len(seqs), batch_size):
             model(input_ids=seqs[i : i + batch_size], use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-
-    n_top = max(1, round(top_fraction * len(combos)))
-    n_bottom = max(1, round(bottom_fraction * len(combos)))
     report = []
-    for i, c in enumerate(counts):
-        ordered = c.sort(descending=True).values
-        total = ordered.sum().item()
-        expert_load = torch.zeros(cfg.num_local_experts)
-        for combo, n in zip(combos, c.tolist(), strict=True):
-            for e in combo:
-                expert_load[e] += n
+    for i, ref in enumerate(refs):
+        index, weights = routing.layer(ref.layer_id)
+        counts = pairs.pair_counts(index, weights, ref.num_experts)
+        s = pairs.pair_skew(counts, top_fraction, bottom_fraction)
+        n_top, n_bottom = max(1, round(top_fraction * s.possible)), max(1, round(bottom_fraction * s.possible))
+        ranked = sorted(pairs.counts_by_pair(counts).items(), key=lambda item: (-item[1], item[0]))
+        load = torch.bincount(index.reshape(-1), minlength=ref.num_experts).double()
         report.append({
             "layer": i,
-            "tokens": total,
-            "combinations": len(combos),
-            f"top_{n_top}_share": ordered[:n_top].sum().item() / total,
-            f"bottom_{n_bottom}_share": ordered[-n_bottom:].sum().item() / total,
-            "unused_combinations": int((c == 0).sum().item()),
-            "top_combinations": [[list(combos[j]), c[j].item()] for j in c.argsort(descending=True)[:n_top].tolist()],
-            "expert_share": [round(v, 4) for v in (expert_load / expert_load.sum()).tolist()],
+            "tokens": s.tokens,
+            "combinations": s.possible,
+            f"top_{n_top}_share": s.top_share,
+            f"bottom_{n_bottom}_share": s.bottom_share,
+            "unused_combinations": s.possible - s.seen,
+            "top_combinations": [[list(pair), n] for pair, n in ranked[:n_top]],
+            "expert_share": [round(v, 4) for v in (load / load.sum()).tolist()],
         })
     return report
 

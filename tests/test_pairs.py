@@ -1,0 +1,82 @@
+"""Leading-pair codes, counts and skew (crisp_runtime.pairs) against plain-Python definitions."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from crisp_runtime.pairs import counts_by_pair, leading_pairs, pair_codes, pair_counts, pair_skew
+from crisp_runtime.plan import CrispPlan, LayerPlan, Tier, TierWidths, pair_key
+
+
+def _routing(tokens, num_experts, top_k, seed, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g).softmax(dim=1)
+    if ties:
+        weights = (weights * 4).round() / 4
+    return index, weights
+
+
+@pytest.mark.parametrize("top_k,ties", [(2, False), (2, True), (6, False), (6, True)])
+def test_pairs_match_plain_python(top_k, ties):
+    E = 12
+    index, weights = _routing(200, E, top_k, seed=top_k, ties=ties)
+    first, second = leading_pairs(index, weights)
+    expect_counts = {}
+    for t in range(index.shape[0]):
+        # heaviest two by weight, ties in router order
+        order = sorted(range(top_k), key=lambda j: -float(weights[t, j]))
+        a, b = int(index[t, order[0]]), int(index[t, order[1]])
+        assert (int(first[t]), int(second[t])) == (a, b)
+        assert int(pair_codes(index[t : t + 1], weights[t : t + 1], E)) == min(a, b) * E + max(a, b)
+        expect_counts[pair_key(a, b)] = expect_counts.get(pair_key(a, b), 0) + 1
+    counts = pair_counts(index, weights, E)
+    assert counts_by_pair(counts) == expect_counts
+    assert int(counts.tril().sum()) == 0 and int(counts.sum()) == index.shape[0]
+
+
+@pytest.mark.parametrize("top_k", [2, 6])
+def test_leading_pair_is_what_the_plan_keys_on(top_k):
+    """A plan with one Hot pair per layer: exactly the tokens whose leading pair it is run the auxiliary full."""
+    E, inter = 12, 8
+    index, weights = _routing(100, E, top_k, seed=5)
+    codes = pair_codes(index, weights, E)
+    hot = int(codes.mode().values)
+    a, b = divmod(hot, E)
+    tiers = {pair_key(x, y): Tier.COLD for x, y in itertools.combinations(range(E), 2)}
+    tiers[(a, b)] = Tier.HOT
+    plan = CrispPlan.crisp(E, top_k, inter, {0: LayerPlan(tiers, {})}, TierWidths(inter, 4, 0))
+    widths = plan.token_widths(0, index, weights)
+    hot_tokens = (widths == inter).sum(dim=1) == top_k
+    assert torch.equal(hot_tokens, codes == hot)
+
+
+def test_skew_definition():
+    E = 5  # C(5, 2) = 10 pairs: top 25% = round(2.5) = 2 pairs, bottom 29% = round(2.9) = 3 pairs
+    counts = torch.zeros(E, E, dtype=torch.int64)
+    values = [40, 20, 10, 10, 8, 6, 4, 2, 0, 0]
+    for (a, b), v in zip(itertools.combinations(range(E), 2), values, strict=True):
+        counts[a, b] = v
+    s = pair_skew(counts)
+    assert s.possible == 10 and s.seen == 8 and s.tokens == 100
+    assert s.top_share == pytest.approx((40 + 20) / 100)
+    assert s.bottom_share == pytest.approx((2 + 0 + 0) / 100)
+    uniform = torch.triu(torch.ones(E, E, dtype=torch.int64), diagonal=1)
+    u = pair_skew(uniform, 0.5, 0.5)
+    assert u.top_share == pytest.approx(0.5) and u.bottom_share == pytest.approx(0.5)
+    assert pair_skew(torch.zeros(E, E, dtype=torch.int64)).top_share == 0.0
+
+
+@pytest.mark.parametrize("bad", [dict(counts=torch.zeros(3, 4)), dict(counts=torch.zeros(4, 4), top_fraction=0.0),
+                                 dict(counts=torch.zeros(4, 4), bottom_fraction=1.5)])
+def test_skew_refuses_bad_input(bad):
+    with pytest.raises(ValueError):
+        pair_skew(**bad)
+
+
+def test_leading_pairs_refuses_top1():
+    with pytest.raises(ValueError, match="k >= 2"):
+        leading_pairs(torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
