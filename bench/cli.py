@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from crisp_runtime import cli_args as ca
+
 from . import report
 from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, TARGETS
 
@@ -48,25 +50,36 @@ def _fraction(text: str) -> float:
         v = float(text.rstrip("%")) / (100.0 if text.endswith("%") else 1.0)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 < v <= 1.0:
+    if not 0.0 < v <= 1.0:  # also refuses nan; inf is > 1
         raise argparse.ArgumentTypeError(f"must lie in (0, 1] (or 0-100%), got {text!r}")
     return v
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+_positive_int = ca.positive_int
+
+
+def _fractions(text: str) -> list[float]:
+    """Comma-separated fractions in (0, 1] (or percentages)."""
+    return [_fraction(v) for v in _items(text)]
+
+
+def _int_list(text: str) -> list[int]:
+    return [ca.positive_int(v) for v in _items(text)]
+
+
+def _items(text: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return items
 
 
 def _outputs(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="PATH", help="write the records as JSON to PATH")
-    p.add_argument("--plot", metavar="PATH.png", help="write a plot to PATH.png (matplotlib)")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
+                   help="write the records as JSON to PATH (atomically; never onto an input or into a pack)")
+    p.add_argument("--plot", metavar="PATH.png", type=ca.nonempty_path,
+                   help="write a plot to PATH.png (matplotlib; atomically)")
+    p.add_argument("--threads", type=ca.threads_int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a busy shared CPU)")
 
 
@@ -109,12 +122,12 @@ policies (CrispPlan): full = every routed expert full width (full + LRU = the
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ca.Parser(
         prog="crisp-bench",
         description="Benchmarks for CRISP (kernels, transfers, layer steps, end to end) and a decoding simulator. "
         "Without a subcommand, runs a quick default suite (~1 minute on a 2-core CPU) on the committed model.",
     )
-    parser.add_argument("--threads", type=_positive_int, default=None,
+    parser.add_argument("--threads", type=ca.threads_int, default=None,
                         help="torch CPU threads for the default suite (default: 1 on machines with <= 2 cores)")
     parser.add_argument("--model", metavar="DIR", default=None,
                         help="checkpoint for the default suite (default: the committed models/tiny-mixtral)")
@@ -124,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="The kernels sweep (widths x token counts x model shapes): us, GB/s of prefix "
                        "bytes, % of measured copy bandwidth; every variant is checked against the reference first.")
     p.add_argument("--shapes", default="tiny", help="model shapes, comma separated (e.g. tiny,mixtral)")
-    p.add_argument("--widths", default="0.25,0.5,1.0", help="width fractions, comma separated")
-    p.add_argument("--tokens", default="1,4", help="token counts, comma separated")
+    p.add_argument("--widths", type=_fractions, default="0.25,0.5,1.0",
+                   help="width fractions in (0, 1], comma separated")
+    p.add_argument("--tokens", type=_int_list, default="1,4", help="token counts (>= 1), comma separated")
     p.add_argument("--quick", action="store_true", help="fewest repetitions")
     _outputs(p)
 
@@ -138,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL),
                    help="model whose shape is 'tiny' and whose router/other time goes into --profile-out "
                    "(default: the committed models/tiny-mixtral)")
-    p.add_argument("--profile-out", metavar="PATH.json", nargs="?", const=MEASURED_PROFILE_FILE,
+    p.add_argument("--profile-out", metavar="PATH.json", nargs="?", const=MEASURED_PROFILE_FILE, type=ca.nonempty_path,
                    help=f"also measure expert compute and write a 'measured' simulator profile "
                    f"(default path {MEASURED_PROFILE_FILE})")
     _outputs(p)
@@ -160,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--budget", type=_fraction, default=0.25, help="GPU budget, fraction of expert bytes")
     p.add_argument("--tokens", type=_positive_int, default=128, help="tokens to decode per policy")
-    p.add_argument("--record-trace", metavar="PATH.npz",
+    p.add_argument("--record-trace", metavar="PATH.npz", type=ca.nonempty_path,
                    help="save the routing of the decoded tokens (for `simulate --trace PATH.npz --compare E2E.json`)")
     p.add_argument("--policies", type=_csv(POLICIES), default=list(POLICIES))
     _outputs(p)
@@ -175,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-file", metavar="PATH", default=None,
                    help=f"file of the 'measured' profile (default {MEASURED_PROFILE_FILE})")
     p.add_argument("--trace", metavar="PATH.npz", help="routing trace to replay (default: record one from --model)")
-    p.add_argument("--record-trace", metavar="PATH.npz", help="save the recorded trace here")
+    p.add_argument("--record-trace", metavar="PATH.npz", type=ca.nonempty_path, help="save the recorded trace here")
     _model_args(p)
     p.add_argument("--sequences", type=_positive_int, default=8, help="sequences to record (default 8)")
     p.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per recorded sequence (default 256)")
@@ -202,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache eviction of every policy: lru (default) or frequency (least used first, counts kept "
                    "across evictions; crisp_runtime's FrequencyPolicy). With frequency, the full-width LRU "
                    "baseline is simulated too, as policy full_lru")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--warmup", type=ca.nonnegative_int, default=None,
                    help="tokens that fill the cache first, not counted (default: min(32, a quarter of the trace))")
     _outputs(p)
     return parser
@@ -215,10 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        for name in ("json", "plot"):
-            report.check_output_path(getattr(args, name, None), f"--{name}")
         if getattr(args, "plot", None) and not str(args.plot).lower().endswith(".png"):
             raise CliError(f"--plot {args.plot}: expected a .png path")
+        _check_paths(args)
         if args.command is None:
             return _default_suite(args)
         if getattr(args, "threads", None):
@@ -229,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                    "simulate": _cmd_simulate}[args.command]
         return handler(args)
     except KeyboardInterrupt:
-        print("crisp-bench: interrupted", file=sys.stderr)
-        return 130
+        return ca.interrupted("crisp-bench", resumable=False)
     except Exception as exc:  # noqa: BLE001 - bad input must not end in a traceback
         if os.environ.get("CRISP_BENCH_DEBUG"):
             raise
@@ -238,9 +250,46 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, (CliError, *known)):
             print(f"crisp-bench {args.command or ''}: error: {exc}".replace("  ", " "), file=sys.stderr)
             return 2
-        print(f"crisp-bench {args.command or ''}: internal error: {type(exc).__name__}: {exc} "
+        print(f"crisp-bench {args.command or ''}: internal error at {_where(exc)}: {type(exc).__name__}: {exc} "
               f"(set CRISP_BENCH_DEBUG=1 for the traceback)", file=sys.stderr)
         return 1
+
+
+def _where(exc: BaseException) -> str:
+    """file:line (function) of the innermost frame that raised ``exc``."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{Path(f.filename).name}:{f.lineno} ({f.name})"
+
+
+def _check_paths(args) -> None:
+    """Every output option checked before any work (``crisp_runtime.outputs``): writable, not a folder,
+    not an input, not inside an input folder (model, pack) nor inside any CRISP pack."""
+    from crisp_runtime.outputs import check_outputs
+
+    from .e2e import pack_dir_for
+
+    outputs = {f"--{n.replace('_', '-')}": getattr(args, n, None)
+               for n in ("json", "plot", "record_trace", "profile_out")}
+    if not any(outputs.values()):
+        return
+    inputs: dict = {}
+    for name in ("model", "pack", "text", "trace", "plan", "profile_file", "compare"):
+        value = getattr(args, name, None)
+        if value is not None and value != "auto":
+            inputs[f"--{name.replace('_', '-')}"] = value
+    profile = getattr(args, "profile", None)
+    if profile is not None and Path(profile).exists():
+        inputs["--profile"] = profile
+    if getattr(args, "model", None) is not None:
+        pack = pack_dir_for(args.model, getattr(args, "pack", None))  # the pack the command will read
+        if pack is not None:
+            inputs["the model's pack"] = pack
+    check_outputs(outputs, inputs)
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -250,7 +299,8 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .simulate import BudgetTooSmall
     from .traces import TraceError
 
-    errors: list[type[BaseException]] = [PlanError, ProfileError, BudgetTooSmall, TraceError, report.OutputPathError]
+    errors: list[type[BaseException]] = [PlanError, ProfileError, BudgetTooSmall, TraceError, report.OutputPathError,
+                                         ca.JsonInputError]
     from crisp_kernels import PackFormatError
     from crisp_runtime.models import UnsupportedModelError
     from crisp_runtime.pack import PackMismatchError
@@ -264,6 +314,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 
 def _emit(args, command: str, records: list[dict], **extra) -> None:
+    """The --json document, written atomically (``report.write_json``)."""
     if getattr(args, "json", None):
         report.write_json(args.json, command, records, **extra)
         print(f"wrote {args.json}")
@@ -334,6 +385,8 @@ def _cmd_simulate(args) -> int:
 
 def _simulation_inputs(args):
     """(profile, target shape, trace, plans, mapped widths, notes) for ``simulate``."""
+    from crisp_runtime.outputs import write_atomic
+
     from . import traces as tr
     from .profiles import ModelShape, get_profile
 
@@ -353,7 +406,7 @@ def _simulation_inputs(args):
         notes.append(f"trace recorded from {_rel(args.model)} on {_rel(args.text)}: {trace.num_layers} layers x "
                      f"{trace.num_tokens} tokens ({args.sequences} x {args.seq_len}, teacher-forced = decode routing)")
         if args.record_trace:
-            trace.save(args.record_trace)
+            write_atomic(args.record_trace, trace.save)
             notes.append(f"trace saved to {args.record_trace}")
     if args.tokens:
         trace = trace.head(args.tokens)
@@ -404,10 +457,14 @@ def _rel(path) -> str:
 
 
 def _record(model, args):
+    from crisp_runtime.models import max_positions
     from crisp_runtime.text import read_texts, sample_sequences
 
     from . import traces as tr
 
+    limit = max_positions(model)
+    if limit is not None and args.seq_len > limit:
+        raise CliError(f"--seq-len {args.seq_len} is beyond the model's max_position_embeddings ({limit})")
     try:
         texts = read_texts(args.text)
         seqs = sample_sequences(texts, args.sequences, args.seq_len, seed=0)
@@ -495,16 +552,22 @@ def _headline(records, budgets) -> dict:
 
 def _compare_e2e(path, records, budget) -> list[dict]:
     """Predicted vs measured tokens/s per policy, from an ``e2e --json`` document."""
-    import json
 
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CliError(f"--compare {path}: not a readable JSON file ({exc})") from exc
+    doc = ca.read_json(path, "--compare")
     if not isinstance(doc, dict) or doc.get("command") != "e2e":
         raise CliError(f"--compare {path}: not the --json output of `crisp-bench e2e`")
+    measured = doc.get("records")
+    if not isinstance(measured, list):
+        raise CliError(f"--compare {path}: field 'records' must be a list, got {type(measured).__name__}")
+    for i, m in enumerate(measured):
+        if not isinstance(m, dict) or not isinstance(m.get("policy"), str):
+            raise CliError(f"--compare {path}: records[{i}] must be an object with a string 'policy'")
+        for key in ("tokens_per_s", "bytes_per_token"):
+            v = m.get(key)
+            if m["policy"] in POLICIES and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise CliError(f"--compare {path}: records[{i}].{key} must be a positive number, got {v!r}")
     rows = []
-    for m in doc["records"]:
+    for m in measured:
         order = "widest_first" if str(m.get("device", "cpu")).startswith("cuda") else "serial"
         p = _pick(records, m["policy"], order, budget)
         if p is None:
@@ -572,15 +635,8 @@ def _cmd_kernels(args) -> int:
     if sweep is None:
         raise CliError("crisp_bench.kernels has no run_kernel_sweep()")
 
-    def floats(text, what):
-        try:
-            return [float(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise CliError(f"--{what} {text!r}: expected comma-separated numbers") from None
-
     wanted = {"shapes": [s.strip() for s in args.shapes.split(",") if s.strip()],
-              "widths": floats(args.widths, "widths"),
-              "tokens": [int(v) for v in floats(args.tokens, "tokens")],
+              "widths": args.widths, "tokens": args.tokens,
               "quick": args.quick, "progress": report.Progress("kernels")}
     params = inspect.signature(sweep).parameters
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

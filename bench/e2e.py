@@ -62,7 +62,10 @@ def load_model_for_bench(model_dir, pack_dir=None, *, need_pack: bool = True, de
         from transformers import AutoModelForCausalLM
     except ImportError as exc:  # pragma: no cover
         raise ModelInputError("transformers is not installed (pip install 'crisp-moe[hf]')") from exc
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:  # transformers' errors for a broken checkpoint
+        raise ModelInputError(f"{model_dir}: cannot load the checkpoint ({type(exc).__name__}: {exc})") from exc
     model.eval().to(device)
     return model, pack
 
@@ -167,10 +170,11 @@ def run(args) -> int:
         {"num_experts": first.num_experts, "top_k": top_k, "intermediate_size": first.intermediate_size},
     )
     if getattr(args, "record_trace", None):
-        report.check_output_path(args.record_trace, "--record-trace")
+        from crisp_runtime.outputs import write_atomic
+
         trace.meta.update(model=str(args.model), source=f"{args.text} (the e2e tokens; warm-up {warm})",
                           hidden_size=first.hidden_size, warmup=warm)
-        trace.save(args.record_trace)
+        write_atomic(args.record_trace, trace.save)  # never in place: a reader may have the old file mapped
         print(f"routing of the decoded tokens saved to {args.record_trace} (simulate it with --warmup {warm})")
     plans = tr.policy_plans(trace, pack.plan if pack.plan is not None and pack.plan.policy.value == "crisp" else None)
     plans = {k: v for k, v in plans.items() if k in args.policies}

@@ -148,15 +148,18 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> HardwareProfile:
+        from crisp_runtime.cli_args import JsonInputError, read_json
+
+        if not Path(path).exists():
+            raise ProfileError(f"{path}: no such profile file (make one with `crisp-bench transfer --profile-out`)")
         try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError as exc:
-            raise ProfileError(
-                f"{path}: no such profile file (make one with `crisp-bench transfer --profile-out`)"
-            ) from exc
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ProfileError(f"{path}: not a readable JSON profile ({exc})") from exc
-        return cls.from_dict(data)
+            data = read_json(path, "profile")
+        except JsonInputError as exc:
+            raise ProfileError(str(exc)) from exc
+        try:
+            return cls.from_dict(data)
+        except ProfileError as exc:
+            raise ProfileError(f"{path}: {exc}") from exc
 
 
 def _rtx4090() -> HardwareProfile:

@@ -1,31 +1,29 @@
-"""Terminal tables, JSON documents and plots for crisp-bench."""
+"""Terminal tables, JSON documents and plots for crisp-bench (files written atomically)."""
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import os
 import platform
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+
+from crisp_runtime.outputs import (
+    OutputPathError,  # noqa: F401 - re-exported: crisp_bench's callers catch it
+    check_output,
+    write_atomic,
+)
+from crisp_runtime.outputs import write_json as _write_json
 
 JSON_FORMAT = "crisp-bench"
 JSON_VERSION = 1
 
 
-class OutputPathError(ValueError):
-    """An output path whose folder does not exist."""
-
-
 def check_output_path(path: str | os.PathLike | None, what: str) -> None:
-    """Fail early (before a long run) when ``path``'s folder is missing."""
-    if path is None:
-        return
-    parent = Path(path).expanduser().resolve().parent
-    if not parent.is_dir():
-        raise OutputPathError(f"{what} {path}: folder {parent} does not exist")
+    """Fail early (before a long run) when ``path`` cannot be written (``crisp_runtime.outputs.check_output``)."""
+    if path is not None:
+        check_output(what, path)
 
 
 def environment() -> dict:
@@ -105,7 +103,7 @@ def write_json(path: str | os.PathLike, command: str, records: list[dict], **ext
     """Write ``{"format", "version", "command", "environment", "records", ...extra}`` (strict JSON)."""
     doc = _clean({"format": JSON_FORMAT, "version": JSON_VERSION, "command": command,
                   "environment": environment(), **extra, "records": records})
-    Path(path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    _write_json(path, doc, allow_nan=False)  # atomically: temp file beside it, then rename
     return doc
 
 
@@ -129,7 +127,7 @@ def plot_lines(path, series: dict[str, list[tuple[float, float]]], *, xlabel: st
     if note:
         fig.text(0.01, 0.01, note, fontsize=6, color="0.35")
     fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
-    fig.savefig(path)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
 
 
@@ -155,7 +153,7 @@ def plot_bars(path, groups: dict[str, dict[str, float]], *, ylabel: str, title: 
     if note:
         fig.text(0.01, 0.01, note, fontsize=6, color="0.35")
     fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
-    fig.savefig(path)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
 
 

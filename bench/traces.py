@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,8 +115,9 @@ class Trace:
                            [int(i) for i in z["layer_ids"]], meta, [int(s) for s in z["seq_starts"]])
         except TraceError:
             raise
-        except (OSError, ValueError, KeyError) as exc:
-            raise TraceError(f"{path}: not a readable trace ({exc})") from exc
+        except (OSError, ValueError, KeyError, RecursionError, zipfile.BadZipFile, zlib.error) as exc:
+            # BadZipFile / zlib.error: a truncated or corrupt .npz; RecursionError: meta JSON nested too deep
+            raise TraceError(f"{path}: not a readable trace ({type(exc).__name__}: {exc})") from exc
 
 
 # ---------------------------------------------------------------------------- recording

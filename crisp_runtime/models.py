@@ -135,6 +135,14 @@ def model_top_k(model: nn.Module) -> int:
     raise UnsupportedModelError(f"{type(model).__name__}: config has no num_experts_per_tok")
 
 
+def max_positions(model: nn.Module) -> int | None:
+    """The model's ``max_position_embeddings`` (the longest sequence it takes), or None if it has none."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 @dataclass
 class RoutingTrace:
     """Routing decisions recorded per MoE layer: lists of (T, k) tensors, one per forward call."""

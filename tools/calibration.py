@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from crisp_runtime.models import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
+from crisp_runtime.models import MoeLayerRef, UnsupportedModelError, find_moe_layers, max_positions, model_top_k
 
 # Windows may overlap (they are drawn at random), but asking for more than this many times the
 # text's bytes means the "samples" are mostly repeats: refuse rather than pretend.
@@ -95,12 +95,6 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
     except UnsupportedModelError as exc:
         raise CliError(f"--model {path}: {exc}") from exc
     return model, layers
-
-
-def max_positions(model) -> int | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    value = getattr(config, "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def check_seq_len(model, seq_len: int) -> None:
