@@ -39,6 +39,8 @@ import torch.nn.functional as F
 
 from crisp_kernels import Backend, PackedExpert, QuantFormat, dequantize_expert, expert_mlp, expert_mlp_ref
 from crisp_kernels.expert_mlp import select_backend
+from crisp_runtime import cli_args as ca
+from crisp_runtime.outputs import OutputPathError, check_output, write_json
 
 
 @dataclass(frozen=True)
@@ -298,24 +300,29 @@ def format_table(records: Sequence[dict]) -> str:
 
 
 def _csv_floats(text: str) -> list[float]:
+    """Width fractions in (0, 1], or percentages."""
     try:
         values = [float(v.rstrip("%")) / (100 if v.endswith("%") else 1) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one value")
+    bad = [v for v in values if not 0.0 < v <= 1.0]  # also nan; inf is > 1
+    if bad:
+        raise argparse.ArgumentTypeError(f"width fractions must lie in (0, 1], got {bad[0]:g}")
     return values
 
 
 def _csv_ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    """Token counts >= 1."""
+    values = [ca.positive_int(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ca.Parser(
         prog="python -m crisp_bench.kernels",
         description="Time the CRISP expert kernel against dequantize+F.linear and fp16 F.linear over widths, token "
         "counts and model shapes; every variant is validated against a float64 reference first.",
@@ -327,28 +334,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="width fractions of I, e.g. 0.25,0.5,0.75,1 or 25%%,50%% (default: 25/50/75/100%%)")
     p.add_argument("--tokens", type=_csv_ints, default=list(DEFAULT_TOKENS),
                    help="token counts T (default: 1,4,16,128)")  # fmt: skip
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--device", default=None, type=ca.device_name, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp16", help="activation dtype (default: fp16)")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="quantization group size")
     p.add_argument("--symmetric", action="store_true", help="symmetric format (no zero points)")
     p.add_argument("--backend", choices=[b.value for b in Backend], default=None,
                    help="backend of the crisp variant (default: chosen from the device)")  # fmt: skip
-    p.add_argument("--warmup", type=int, default=None, help="warmup calls per variant (default: 10, quick: 2)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per variant (default: 50 on CUDA, 20 CPU)")
+    p.add_argument("--warmup", type=ca.nonnegative_int, default=None,
+                   help="warmup calls per variant (default: 10, quick: 2)")
+    p.add_argument("--iters", type=ca.positive_int, default=None,
+                   help="timed calls per variant (default: 50 on CUDA, 20 CPU)")
     p.add_argument("--quick", action="store_true", help="few repetitions; on a CPU a smoke run of seconds")
-    p.add_argument("--json", metavar="PATH", help="write one JSON record per table row to PATH")
+    p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
+                   help="write one JSON record per table row to PATH (atomically)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but CUDA is not available", file=sys.stderr)
-        return 2
+    auto = args.device in (None, "auto")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if auto else args.device)
     shapes = args.shapes.split(",") if args.shapes else (list(GPU_SHAPES) if device.type == "cuda" else ["tiny"])
-    if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
-        print(f"error: --json {args.json}: folder does not exist", file=sys.stderr)
+    try:
+        if args.json:
+            check_output("--json", args.json)
+    except OutputPathError as exc:
+        print(f"python -m crisp_bench.kernels: error: {exc}", file=sys.stderr)
         return 2
     try:
         records = run_kernel_sweep(
@@ -356,15 +367,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             symmetric=args.symmetric, warmup=args.warmup, iters=args.iters, quick=args.quick, backend=args.backend,
         )  # fmt: skip
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"python -m crisp_bench.kernels: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return ca.interrupted("python -m crisp_bench.kernels", resumable=False)
     if records:
         r = records[0]
         print(f"device {r['device']}, backend {r['backend']}, activations {r['dtype']}, "
               f"copy bandwidth {r['copy_gb_per_s']:.1f} GB/s (read + write)")  # fmt: skip
     print(format_table(records))
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: _jsonable(v) for k, v in r.items()} for r in records], indent=1))
+        write_json(args.json, [{k: _jsonable(v) for k, v in r.items()} for r in records])
         print(f"wrote {len(records)} records to {args.json}")
     return 0
 

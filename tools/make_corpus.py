@@ -29,6 +29,12 @@ import platform
 import sys
 import sysconfig
 
+# Run as a script: make the repository root importable (crisp_runtime) without an install.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from crisp_runtime import cli_args as ca  # noqa: E402
+from crisp_runtime.outputs import write_text  # noqa: E402
+
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 GENERATED_MARKER = "Python Character Mapping Codec"  # header of gencodec.py's output
 SPLITS = ("train", "calib", "heldout")
@@ -86,22 +92,28 @@ def build(root: str, out_dir: str, cap_bytes: int) -> dict[str, dict[str, int]]:
         stats[split]["files"] += 1
         stats[split]["bytes"] += size
     os.makedirs(out_dir, exist_ok=True)
-    for split in SPLITS:
-        with open(os.path.join(out_dir, f"stdlib-{split}.txt"), "w", encoding="utf-8", newline="\n") as f:
-            f.write("\n".join(chunks[split]))
+    for split in SPLITS:  # atomically: a reader (or an interrupted run) never sees half a file
+        write_text(os.path.join(out_dir, f"stdlib-{split}.txt"), "\n".join(chunks[split]))
     return stats
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = ca.Parser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--out", default="data", help="output directory (default: data)")
-    parser.add_argument("--cap-bytes", type=int, default=400_000,
+    parser.add_argument("--cap-bytes", type=ca.positive_int, default=400_000,
                         help="size cap of the calib and held-out files, whole files only (default: 400000)")
     parser.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"],
                         help="standard library root (default: this interpreter's)")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.stdlib):
+        parser.error(f"argument --stdlib: {args.stdlib} is not a folder")
+    out, src = os.path.realpath(args.out), os.path.realpath(args.stdlib)
+    if out == src or out.startswith(src + os.sep):
+        parser.error(f"argument --out: {args.out} lies inside --stdlib {args.stdlib}; refusing to write there")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"argument --out: {args.out} exists and is not a folder")
     stats = build(args.stdlib, args.out, args.cap_bytes)
     print(f"python {platform.python_version()} stdlib at {args.stdlib}")
     for split, s in stats.items():

@@ -28,6 +28,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 # Run as a script, Python puts tools/ first on sys.path, where a sibling module could shadow a
 # standard-library one (a tools/profile.py once broke transformers' cProfile import); put the
@@ -39,8 +40,10 @@ sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from crisp_runtime import cli_args as ca  # noqa: E402
 from crisp_runtime import pairs  # noqa: E402
 from crisp_runtime.models import find_moe_layers, record_routing  # noqa: E402
+from crisp_runtime.outputs import write_text  # noqa: E402
 from crisp_runtime.text import VOCAB_SIZE, read_texts, sample_sequences  # noqa: E402
 
 
@@ -167,38 +170,55 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = ca.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                  epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--data-dir", default="data", help="directory with stdlib-{train,calib,heldout}.txt")
     p.add_argument("--out", default="models/tiny-mixtral", help="output directory for the checkpoint")
-    p.add_argument("--steps", type=int, default=2400)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--intermediate-size", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--max-positions", type=int, default=512)
-    p.add_argument("--aux-coef", type=float, default=0.01,
+    p.add_argument("--steps", type=ca.positive_int, default=2400)
+    p.add_argument("--seed", type=ca.seed_int, default=0)
+    p.add_argument("--batch-size", type=ca.positive_int, default=16)
+    p.add_argument("--seq-len", type=ca.int_in(2), default=256)
+    p.add_argument("--lr", type=ca.float_in(0.0, None, low_open=True), default=3e-3)
+    p.add_argument("--min-lr-ratio", type=ca.float_in(0.0, 1.0), default=0.1)
+    p.add_argument("--warmup", type=ca.nonnegative_int, default=100)
+    p.add_argument("--weight-decay", type=ca.float_in(0.0), default=0.1)
+    p.add_argument("--grad-clip", type=ca.float_in(0.0, None, low_open=True), default=1.0)
+    p.add_argument("--hidden-size", type=ca.positive_int, default=128)
+    p.add_argument("--intermediate-size", type=ca.positive_int, default=256)
+    p.add_argument("--layers", type=ca.positive_int, default=4)
+    p.add_argument("--experts", type=ca.int_in(2), default=8)
+    p.add_argument("--top-k", type=ca.positive_int, default=2)
+    p.add_argument("--heads", type=ca.positive_int, default=4)
+    p.add_argument("--kv-heads", type=ca.positive_int, default=2)
+    p.add_argument("--max-positions", type=ca.int_in(2), default=512)
+    p.add_argument("--aux-coef", type=ca.float_in(0.0), default=0.01,
                    help="coefficient of the per-layer router load-balancing loss (1.0 = balanced)")
-    p.add_argument("--eval-samples", type=int, default=128, help="held-out / calib windows for metrics")
-    p.add_argument("--eval-seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--eval-samples", type=ca.positive_int, default=128, help="held-out / calib windows for metrics")
+    p.add_argument("--eval-seed", type=ca.seed_int, default=1234)
+    p.add_argument("--threads", type=ca.threads_int, default=2)
     p.add_argument("--train-experts-impl", default="eager",
                    help="experts implementation used while training only (not saved in the config)")
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--log-every", type=ca.positive_int, default=25)
     p.add_argument("--no-save", action="store_true", help="train and evaluate without writing a checkpoint")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problems = []
+    if args.heads % args.kv_heads or args.hidden_size % args.heads:
+        problems.append(f"--heads {args.heads} must divide --hidden-size {args.hidden_size} and be a multiple of "
+                        f"--kv-heads {args.kv_heads}")
+    if args.top_k > args.experts:
+        problems.append(f"--top-k {args.top_k} is more than --experts {args.experts}")
+    if args.seq_len > args.max_positions:
+        problems.append(f"--seq-len {args.seq_len} is beyond --max-positions {args.max_positions}")
+    out = Path(args.out)
+    if not args.no_save and (out.exists() and not out.is_dir()):
+        problems.append(f"--out {args.out}: exists and is not a folder")
+    elif not args.no_save and (out / "pack.json").exists():
+        problems.append(f"--out {args.out}: holds a CRISP pack; write the checkpoint elsewhere")
+    elif not args.no_save and not out.exists() and not out.parent.is_dir():
+        problems.append(f"--out {args.out}: its parent folder does not exist")
+    if problems:
+        p.error(problems[0])
+    return args
 
 
 def main(argv=None) -> int:
@@ -312,9 +332,7 @@ def main(argv=None) -> int:
         "calib": {**calib_metrics, "file": "stdlib-calib.txt"},
         "combination_skew_calib": skew,
     }
-    with open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
+    write_text(os.path.join(args.out, "training.json"), json.dumps(record, indent=1) + "\n")
     print(f"saved {args.out} ({os.path.getsize(os.path.join(args.out, 'model.safetensors')) / 1e6:.1f} MB)")
     return 0
 
