@@ -9,7 +9,16 @@ from .executor import CrispRuntime, RuntimeConfig, min_budget_bytes
 from .hf import CrispHandle, apply, load_model, parse_budget
 from .host_store import HostStore
 from .models import UnsupportedModelError
-from .pack import CrispPack, PackMismatchError, load_pack, model_info, pack_model, save_pack
+from .pack import (
+    CrispPack,
+    PackMismatchError,
+    check_weights_fingerprint,
+    load_pack,
+    model_info,
+    pack_model,
+    save_pack,
+    verify_pack,
+)
 from .plan import CrispPlan, LayerPlan, PlanError, PolicyKind, Tier, TierCutoffs, TierWidths, assign_tiers
 from .residency import CacheBudgetError, Decision, LedgerCounters, ResidencyLedger
 from .scheduler import CostModel, ExpertTask, StepPlan, flow_shop_makespan, johnson_order, plan_step
@@ -47,6 +56,7 @@ __all__ = [
     "UnsupportedModelError",
     "apply",
     "assign_tiers",
+    "check_weights_fingerprint",
     "flow_shop_makespan",
     "johnson_order",
     "load_model",
@@ -58,4 +68,5 @@ __all__ = [
     "parse_budget",
     "plan_step",
     "save_pack",
+    "verify_pack",
 ]

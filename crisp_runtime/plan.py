@@ -258,6 +258,16 @@ class CrispPlan:
         top_k_index (T, k) int, top_k_weights (T, k) float, as a transformers router returns
         them. Index values outside [0, E) (padding sentinels) get width 0.
         """
+        return self.token_widths_and_roles(layer_id, top_k_index, top_k_weights, roles=False)[0]
+
+    def token_widths_and_roles(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                               roles: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``token_widths`` and, beside it, each slot's role: (T, k) bool, True = dominant.
+
+        The dominant slots are the ranks below ``num_dominant`` (for every policy, FULL and
+        UNIFORM included: the heaviest routed experts), the others auxiliary; invalid slots are
+        False. Serving policies (``crisp_runtime.serving``) treat the two roles differently.
+        """
         if layer_id not in self.layer_ids:
             raise PlanError(f"plan has no layer {layer_id}; it covers layers {list(self.layer_ids)}")
         if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape:
@@ -268,13 +278,17 @@ class CrispPlan:
         index = top_k_index.detach().to("cpu", torch.int64)
         weights = top_k_weights.detach().to("cpu", torch.float32)
         if index.numel() <= _SMALL_STEP_SLOTS:
-            return torch.tensor(self._token_widths_small(layer_id, index.tolist(), weights.tolist()),
-                                dtype=torch.int64).reshape(index.shape)
-        return self._token_widths_tensor(layer_id, index, weights)
+            role_rows = [] if roles else None
+            widths = self._token_widths_small(layer_id, index.tolist(), weights.tolist(), role_rows)
+            return (torch.tensor(widths, dtype=torch.int64).reshape(index.shape),
+                    None if role_rows is None else torch.tensor(role_rows, dtype=torch.bool).reshape(index.shape))
+        return self._token_widths_tensor(layer_id, index, weights, roles)
 
-    def _token_widths_small(self, layer_id: int, index: list[list[int]], weights: list[list[float]]):
+    def _token_widths_small(self, layer_id: int, index: list[list[int]], weights: list[list[float]],
+                            roles: list | None = None):
         """The per-token rules in plain Python: a decode step is a handful of slots, and ~25 small
-        tensor ops would cost ~100 us where this costs a few (measured: bench/runtime.py)."""
+        tensor ops would cost ~100 us where this costs a few (measured: bench/runtime.py).
+        ``roles``: a list to append each token's dominant flags to (None = not wanted)."""
         full = self.intermediate_size
         policy = self.policy
         out = []
@@ -283,6 +297,10 @@ class CrispPlan:
             if policy is PolicyKind.FULL or policy is PolicyKind.UNIFORM:
                 width = full if policy is PolicyKind.FULL else self.uniform_width
                 out.append([width if 0 <= e < self.num_experts else 0 for e in experts])
+                if roles is not None:
+                    valid = [pos for pos in range(k) if 0 <= experts[pos] < self.num_experts]
+                    dom = set(sorted(valid, key=lambda pos: -w[pos])[:self.num_dominant])
+                    roles.append([pos in dom for pos in range(k)])
                 continue
             valid = [pos for pos in range(k) if 0 <= experts[pos] < self.num_experts]
             by_weight = sorted(valid, key=lambda pos: -w[pos])  # stable: ties keep router order
@@ -299,6 +317,8 @@ class CrispPlan:
             for pos in valid:
                 row[pos] = full if ranks[pos] < self.num_dominant else aux[pos]
             out.append(row)
+            if roles is not None:
+                roles.append([pos in ranks and ranks[pos] < self.num_dominant for pos in range(k)])
         return out
 
     def _pair_tier(self, layer_id: int, pair: list[int]) -> tuple[Tier, bool]:
@@ -312,16 +332,17 @@ class CrispPlan:
             return self.unseen_tier, False
         return tier, lp.dominant.get(key) == pair[1] and pair[0] != pair[1]
 
-    def _token_widths_tensor(self, layer_id: int, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _token_widths_tensor(self, layer_id: int, index: torch.Tensor, weights: torch.Tensor, roles: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same rules as :meth:`_token_widths_small`, vectorized for prefill-sized steps."""
         num_tokens, k = index.shape
         full = self.intermediate_size
         valid = (index >= 0) & (index < self.num_experts)
-        if self.policy is PolicyKind.FULL:
-            widths = torch.full_like(index, full)
-        elif self.policy is PolicyKind.UNIFORM:
-            widths = torch.full_like(index, self.uniform_width)
-        else:
+        flat = self.policy is PolicyKind.FULL or self.policy is PolicyKind.UNIFORM
+        dominant = None
+        if flat:
+            widths = torch.full_like(index, full if self.policy is PolicyKind.FULL else self.uniform_width)
+        if not flat or roles:
             # Sort each token's experts by routing weight; invalid slots sink to the end.
             key = torch.where(valid, weights, torch.full_like(weights, -float("inf")))
             order = key.argsort(dim=1, descending=True, stable=True)  # (T, k)
@@ -332,11 +353,14 @@ class CrispPlan:
                 aux_width = torch.zeros_like(sorted_index)
                 if self.skip_threshold is not None:
                     aux_width = torch.where(sorted_weights >= self.skip_threshold, full, 0)
-            else:
+            elif not flat:
                 aux_width, rank = self._crisp_sorted(layer_id, sorted_index, rank)
-            sorted_widths = torch.where(rank < self.num_dominant, torch.full_like(aux_width, full), aux_width)
-            widths = torch.empty_like(sorted_widths).scatter_(1, order, sorted_widths)
-        return torch.where(valid, widths, torch.zeros_like(widths))
+            if not flat:
+                sorted_widths = torch.where(rank < self.num_dominant, torch.full_like(aux_width, full), aux_width)
+                widths = torch.empty_like(sorted_widths).scatter_(1, order, sorted_widths)
+            if roles:
+                dominant = torch.empty_like(valid).scatter_(1, order, rank < self.num_dominant) & valid
+        return torch.where(valid, widths, torch.zeros_like(widths)), dominant
 
     def _crisp_sorted(self, layer_id: int, sorted_index: torch.Tensor, rank: torch.Tensor):
         num_tokens, k = sorted_index.shape
@@ -392,51 +416,73 @@ class CrispPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CrispPlan:
+        """Parse a plan strictly: integers must be JSON integers (not ``true``, ``40.9`` or ``"40"``),
+        no unknown fields, no duplicate combination, every CRISP layer present in ``layers``.
+        Every defect is a PlanError naming the field."""
         if not isinstance(data, Mapping) or data.get("format") != PLAN_FORMAT:
             got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
             raise PlanError(f"not a CRISP plan: format is {got!r}, expected {PLAN_FORMAT!r}")
-        if data.get("version") != PLAN_VERSION:
+        if type(data.get("version")) is not int or data["version"] != PLAN_VERSION:
             raise PlanError(f"plan version {data.get('version')!r} is not supported (this CRISP reads {PLAN_VERSION})")
-        try:
-            policy = PolicyKind(data["policy"])
-            common = dict(
-                num_experts=int(data["num_experts"]),
-                top_k=int(data["top_k"]),
-                intermediate_size=int(data["intermediate_size"]),
-                layer_ids=tuple(int(i) for i in data["layer_ids"]),
-                num_dominant=int(data.get("num_dominant", 1)),
-                description=str(data.get("description", "")),
-            )
-            if policy is PolicyKind.UNIFORM:
-                return cls(policy, uniform_width=int(data["uniform_width"]), **common)
-            if policy is PolicyKind.SKIP_AUX:
-                threshold = data.get("skip_threshold")
-                return cls(policy, skip_threshold=None if threshold is None else float(threshold), **common)
-            if policy is PolicyKind.FULL:
-                return cls(policy, **common)
-            if data.get("combination_key") != COMBINATION_KEY:
-                raise PlanError(f"plan: unknown combination_key {data.get('combination_key')!r}")
-            tw = data["tier_widths"]
-            layers = {}
-            for layer_key, entries in data["layers"].items():
-                tiers, dominant = {}, {}
-                for entry in entries:
-                    a, b = (int(e) for e in entry["experts"])
-                    tiers[(a, b)] = Tier(entry["tier"])
-                    if entry["dominant"] is not None:
-                        dominant[(a, b)] = int(entry["dominant"])
-                layers[int(layer_key)] = LayerPlan(tiers, dominant)
-            return cls(
-                policy,
-                tier_widths=TierWidths(int(tw["hot"]), int(tw["warm"]), int(tw["cold"])),
-                layers=layers,
-                unseen_tier=Tier(data["unseen_tier"]),
-                **common,
-            )
-        except PlanError:
-            raise
-        except (KeyError, ValueError, TypeError) as exc:
-            raise PlanError(f"plan is malformed: {exc!r}") from exc
+        policy = _json_enum(data, "policy", PolicyKind)
+        allowed = set(_PLAN_FIELDS) | set(_POLICY_FIELDS[policy])
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise PlanError(f"plan is malformed: unknown field(s) {unknown} for policy {policy.value!r} "
+                            f"(allowed: {sorted(allowed)})")
+        layer_ids = _json_list(data, "layer_ids")
+        ids = tuple(_json_int(layer_ids, i, f"layer_ids[{i}]", minimum=0) for i in range(len(layer_ids)))
+        if len(set(ids)) != len(ids):
+            raise PlanError(f"plan is malformed: field layer_ids: duplicate layer ids in {list(ids)}")
+        description = data.get("description", "")
+        if not isinstance(description, str):
+            raise PlanError(f"plan is malformed: field description: expected a string, "
+                            f"got {type(description).__name__}")
+        common = dict(
+            num_experts=_json_int(data, "num_experts", minimum=1),
+            top_k=_json_int(data, "top_k", minimum=1),
+            intermediate_size=_json_int(data, "intermediate_size", minimum=1),
+            layer_ids=ids,
+            num_dominant=_json_int(data, "num_dominant", minimum=1) if "num_dominant" in data else 1,
+            description=description,
+        )
+        if policy is PolicyKind.UNIFORM:
+            return cls(policy, uniform_width=_json_int(data, "uniform_width", minimum=0), **common)
+        if policy is PolicyKind.SKIP_AUX:
+            threshold = data.get("skip_threshold")
+            if threshold is not None and (type(threshold) not in (int, float) or not 0.0 <= threshold <= 1.0):
+                raise PlanError(f"plan is malformed: field skip_threshold: expected null or a number in [0, 1], "
+                                f"got {threshold!r}")
+            return cls(policy, skip_threshold=None if threshold is None else float(threshold), **common)
+        if policy is PolicyKind.FULL:
+            return cls(policy, **common)
+        if data.get("combination_key") != COMBINATION_KEY:
+            raise PlanError(f"plan is malformed: field combination_key: {data.get('combination_key')!r} is unknown "
+                            f"(expected {COMBINATION_KEY!r})")
+        tw = data.get("tier_widths")
+        if not isinstance(tw, Mapping) or set(tw) != {"hot", "warm", "cold"}:
+            raise PlanError(f"plan is malformed: field tier_widths: expected {{'hot': int, 'warm': int, "
+                            f"'cold': int}}, got {tw!r}")
+        tier_widths = TierWidths(*(_json_int(tw, name, f"tier_widths.{name}", minimum=0)
+                                   for name in ("hot", "warm", "cold")))
+        layers_data = data.get("layers")
+        if not isinstance(layers_data, Mapping):
+            raise PlanError(f"plan is malformed: field layers: expected an object {{layer id: [combinations]}}, got "
+                            f"{type(layers_data).__name__}")
+        layers = {}
+        for layer_key, entries in layers_data.items():
+            if not (isinstance(layer_key, str) and layer_key.isascii() and layer_key.isdigit()
+                    and str(int(layer_key)) == layer_key):
+                raise PlanError(f"plan is malformed: field layers: key {layer_key!r} is not a layer id "
+                                f"(a decimal integer)")
+            layers[int(layer_key)] = _json_layer_plan(entries, f"layers.{layer_key}")
+        missing = sorted(set(ids) - set(layers))
+        if missing:
+            raise PlanError(f"plan is malformed: field layers: no entry for layers {missing} of layer_ids "
+                            f"(a CRISP plan lists "
+                            f"every layer, with [] for one whose combinations are all unseen)")
+        return cls(policy, tier_widths=tier_widths, layers=layers,
+                   unseen_tier=_json_enum(data, "unseen_tier", Tier), **common)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, atomically."""
@@ -447,17 +493,87 @@ class CrispPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CrispPlan:
+        """Read a plan file (strict, see :meth:`from_dict`). A missing file is FileNotFoundError;
+        a folder, a dangling link or unreadable JSON is a PlanError: never silently no plan."""
         path = Path(path)
+        if os.path.lexists(path) and not path.is_file():
+            what = "a dangling symbolic link" if path.is_symlink() and not path.exists() else "not a regular file"
+            raise PlanError(f"{path}: {what}; expected a JSON plan file")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PlanError(f"{path}: not a readable JSON plan ({exc})") from exc
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON or not UTF-8
+            raise PlanError(f"{path}: not a readable JSON plan ({type(exc).__name__}: {exc})") from None
         try:
             return cls.from_dict(data)
         except PlanError as exc:
             raise PlanError(f"{path}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------- strict JSON fields
+
+_PLAN_FIELDS = ("format", "version", "policy", "num_experts", "top_k", "intermediate_size", "layer_ids",
+                "num_dominant", "description")
+_POLICY_FIELDS = {
+    PolicyKind.FULL: (),
+    PolicyKind.UNIFORM: ("uniform_width",),
+    PolicyKind.SKIP_AUX: ("skip_threshold",),
+    PolicyKind.CRISP: ("combination_key", "tier_widths", "unseen_tier", "layers"),
+}
+
+
+def _json_int(data, key, name: str | None = None, *, minimum: int) -> int:
+    """``data[key]`` if it is a JSON integer >= minimum (``true`` and ``40.0`` are not)."""
+    name = key if name is None else name
+    try:
+        value = data[key]
+    except (KeyError, IndexError):
+        raise PlanError(f"plan is malformed: field {name}: missing") from None
+    if type(value) is not int:
+        raise PlanError(f"plan is malformed: field {name}: expected an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise PlanError(f"plan is malformed: field {name}: expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def _json_list(data: Mapping, key: str) -> list:
+    value = data.get(key)
+    if not isinstance(value, list):
+        raise PlanError(f"plan is malformed: field {key}: expected a list, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _json_enum(data: Mapping, key: str, kind: type[enum.Enum], name: str | None = None):
+    value = data.get(key)
+    choices = [m.value for m in kind]
+    if not isinstance(value, str) or value not in choices:
+        raise PlanError(f"plan is malformed: field {key if name is None else name}: {value!r} is not one of {choices}")
+    return kind(value)
+
+
+def _json_layer_plan(entries, where: str) -> LayerPlan:
+    if not isinstance(entries, list):
+        raise PlanError(f"plan is malformed: field {where}: expected a list of combinations, "
+                        f"got {type(entries).__name__}")
+    tiers, dominant = {}, {}
+    for i, entry in enumerate(entries):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, Mapping) or set(entry) != {"experts", "tier", "dominant"}:
+            raise PlanError(f"plan is malformed: field {at}: expected {{'experts': [a, b], 'tier': ..., "
+                            f"'dominant': int or null}}, "
+                            f"got {entry!r}"[:300])
+        experts = entry["experts"]
+        if not isinstance(experts, list) or len(experts) != 2:
+            raise PlanError(f"plan is malformed: field {at}.experts: expected a pair [a, b], got {experts!r}")
+        pair = (_json_int(experts, 0, f"{at}.experts[0]", minimum=0), _json_int(experts, 1, f"{at}.experts[1]",
+                                                                                 minimum=0))
+        if pair in tiers:
+            raise PlanError(f"plan is malformed: field {at}.experts: combination {list(pair)} is listed twice")
+        tiers[pair] = _json_enum(entry, "tier", Tier, f"{at}.tier")
+        if entry["dominant"] is not None:
+            dominant[pair] = _json_int(entry, "dominant", f"{at}.dominant", minimum=0)
+    return LayerPlan(tiers, dominant)
 
 
 # ---------------------------------------------------------------------- tiers from statistics
