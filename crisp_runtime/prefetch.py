@@ -1,0 +1,182 @@
+"""Predicting the next MoE layer's routed experts, for prefetching them while this layer computes.
+
+What is available when the experts of layer l run is their input: the MoE input of layer l, i.e.
+the residual stream after layer l's attention and its post-attention RMSNorm (the ``hidden_states``
+the experts forward receives). Layer l+1's router sees ``norm_{l+1}(h + attn_{l+1}(h) + moe_l(h))``
+instead; we apply layer l+1's router to layer l's MoE input as is. The residual stream changes
+little from one layer to the next, so the ranking of l+1's router logits mostly survives (the
+measured precision / recall per layer are in docs/profile-and-eval.md; Pre-gated MoE and ProMoE
+use the same idea).
+
+The router of each MoE layer is found through the model's public modules: the experts module that
+``crisp_runtime.models.find_moe_layers`` finds sits in a sparse-MoE block whose ``gate`` is the router,
+and every transformers (v5) family CRISP runs (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) calls it as
+``router_logits, top_k_weights, top_k_index = block.gate(hidden_states)``.
+
+A prediction of ``n`` experts per token is the router's own top-k (its routing rule, with its
+grouping and biases where the family has them) followed by the next ``n - k`` experts by router
+logit. Nothing here touches a device beyond the one the hidden state is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from .models import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
+
+
+@dataclass(frozen=True)
+class RouterRef:
+    """The router (``gate``) of one MoE layer."""
+
+    layer_id: int
+    name: str
+    module: nn.Module = field(compare=False, repr=False)
+
+
+def find_routers(model: nn.Module, refs: Sequence[MoeLayerRef] | None = None) -> dict[int, RouterRef]:
+    """{layer_id: router} for every supported MoE layer of ``model`` (the ``gate`` beside its experts)."""
+    refs = find_moe_layers(model) if refs is None else refs
+    routers = {}
+    for ref in refs:
+        block_name = ref.name.rpartition(".")[0]
+        block = model.get_submodule(block_name) if block_name else model
+        gate = getattr(block, "gate", None)
+        if not isinstance(gate, nn.Module) or gate is ref.module:
+            raise UnsupportedModelError(f"{type(block).__name__} at {block_name!r} has no router module 'gate' beside "
+                                        f"its experts; next-layer prediction needs one")
+        routers[ref.layer_id] = RouterRef(ref.layer_id, f"{block_name}.gate" if block_name else "gate", gate)
+    return routers
+
+
+class NextLayerPredictor:
+    """Predicts layer l+1's routed experts from layer l's MoE input (see the module docstring).
+
+    experts: experts predicted per token (``top_k`` = the router's own choice; ``top_k + 1`` adds
+    the next expert by router logit, trading precision for recall).
+    """
+
+    def __init__(self, model: nn.Module, *, experts: int | None = None,
+                 refs: Sequence[MoeLayerRef] | None = None) -> None:
+        refs = find_moe_layers(model) if refs is None else list(refs)
+        self.routers = find_routers(model, refs)
+        self.layer_ids = [r.layer_id for r in refs]
+        self.num_experts = refs[0].num_experts
+        self.top_k = model_top_k(model)
+        self.experts = self.top_k if experts is None else experts
+        if not self.top_k <= self.experts <= self.num_experts:
+            raise ValueError(f"experts: expected a count in [top_k={self.top_k}, num_experts={self.num_experts}], "
+                             f"got {experts}")
+        self._next = dict(zip(self.layer_ids[:-1], self.layer_ids[1:], strict=True))
+
+    def next_layer(self, layer_id: int) -> int | None:
+        """The MoE layer after ``layer_id``, or None for the last one."""
+        if layer_id not in self.routers:
+            raise KeyError(f"layer {layer_id} is not a MoE layer of this model ({self.layer_ids})")
+        return self._next.get(layer_id)
+
+    @torch.no_grad()
+    def predict(self, layer_id: int, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """(T, experts) int64 predicted experts of the next MoE layer (router's top-k first), or None
+        when ``layer_id`` is the last MoE layer. hidden_states: layer ``layer_id``'s MoE input (T, H)."""
+        nxt = self.next_layer(layer_id)
+        if nxt is None:
+            return None
+        logits, _, index = self.routers[nxt].module(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        index = index.long()
+        extra = self.experts - index.shape[1]
+        if extra <= 0:
+            return index[:, : self.experts]
+        rest = logits.float().scatter(1, index, -float("inf"))  # the router's choice first, then by logit
+        return torch.cat([index, rest.topk(extra, dim=1).indices], dim=1)
+
+    @torch.no_grad()
+    def predict_routing(self, layer_id: int, hidden_states: torch.Tensor):
+        """(next layer id, (T, k) index, (T, k) weights) the next layer's router gives layer ``layer_id``'s
+        MoE input (None for the last layer): what a plan needs to give predicted experts a width."""
+        nxt = self.next_layer(layer_id)
+        if nxt is None:
+            return None
+        _, weights, index = self.routers[nxt].module(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        return nxt, index.long(), weights.float()
+
+
+@dataclass(frozen=True)
+class PredictionAccuracy:
+    """Precision and recall of next-layer predictions for one layer pair, micro-averaged over tokens."""
+
+    layer_id: int  # the layer whose MoE input predicts
+    next_layer_id: int
+    predicted_per_token: int
+    tokens: int
+    hits: int  # predicted (token, expert) slots that the next layer routed
+    precision: float  # hits / predicted slots
+    recall: float  # hits / routed slots of the next layer
+
+
+def prediction_accuracy(index: np.ndarray | torch.Tensor, predicted: np.ndarray | torch.Tensor,
+                        layer_ids: Sequence[int], experts: int | None = None) -> list[PredictionAccuracy]:
+    """Per layer pair (l, l+1): precision and recall of ``predicted[l]`` against the routing ``index[l + 1]``.
+
+    index: (L, T, k) routed experts; predicted: (L, T, n) predicted experts of the next layer (the last
+    layer's row is unused); experts: use the first ``experts`` predictions (default all n). A token's
+    predicted experts are a set: a duplicate counts once.
+    """
+    index = torch.as_tensor(np.asarray(index)).long()
+    predicted = torch.as_tensor(np.asarray(predicted)).long()
+    if index.dim() != 3 or predicted.dim() != 3 or index.shape[:2] != predicted.shape[:2]:
+        raise ValueError(f"index (L, T, k) and predicted (L, T, n) must share L and T, got {tuple(index.shape)} and "
+                         f"{tuple(predicted.shape)}")
+    n = predicted.shape[2] if experts is None else experts
+    if not 1 <= n <= predicted.shape[2]:
+        raise ValueError(f"experts: expected 1..{predicted.shape[2]}, got {experts}")
+    num_experts = int(max(index.max(), predicted.max())) + 1
+    out = []
+    for li in range(index.shape[0] - 1):
+        slots = predicted[li, :, :n]
+        slots = torch.where(slots >= 0, slots, num_experts)  # a negative sentinel predicts nothing: a spare column
+        pred = torch.zeros(index.shape[1], num_experts + 1, dtype=torch.bool).scatter_(1, slots, True)[:, :-1]
+        routed = torch.zeros_like(pred).scatter_(1, index[li + 1], True)
+        hits = int((pred & routed).sum())
+        npred, nrouted = int(pred.sum()), int(routed.sum())
+        out.append(PredictionAccuracy(int(layer_ids[li]), int(layer_ids[li + 1]), n, index.shape[1], hits,
+                                      hits / npred if npred else 0.0, hits / nrouted if nrouted else 0.0))
+    return out
+
+
+@contextlib.contextmanager
+def record_predictions(model: nn.Module, predictor: NextLayerPredictor,
+                       refs: Sequence[MoeLayerRef] | None = None) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Record ``predictor``'s next-layer prediction at every experts call: {layer_id: [(T, n) int64 CPU]}.
+
+    Hooks the experts modules' inputs (like ``models.record_routing``), so it works with any experts
+    implementation; the last MoE layer records rows of -1.
+    """
+    refs = find_moe_layers(model) if refs is None else refs
+    out: dict[int, list[torch.Tensor]] = {}
+    handles = []
+
+    def make_hook(layer_id):
+        def hook(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            pred = predictor.predict(layer_id, hidden)
+            if pred is None:
+                pred = torch.full((hidden.reshape(-1, hidden.shape[-1]).shape[0], predictor.experts), -1,
+                                  dtype=torch.int64)
+            out.setdefault(layer_id, []).append(pred.detach().to("cpu", torch.int64))
+
+        return hook
+
+    for ref in refs:
+        handles.append(ref.module.register_forward_pre_hook(make_hook(ref.layer_id), with_kwargs=True))
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
