@@ -6,6 +6,10 @@ File format (``.npz``, read with ``allow_pickle=False``; no pickle anywhere):
     weights  (L, T, k) float32  their routing weights
     layer_ids (L,) int64        decoder-layer index of each MoE layer (plan keys)
     seq_starts (S,) int64       first token of each recorded sequence
+    predicted (L, T, n) int16   optional: experts of the *next* MoE layer predicted per layer and token
+                                from this layer's MoE input (crisp_runtime.prefetch; router's top-k
+                                first, then by router logit; the last layer's row is -1). Files
+                                without it load with ``predicted=None``.
     meta     0-d str            JSON: format "crisp-routing-trace", version, model, num_experts,
                                 top_k, hidden_size, intermediate_size, source, ...
 
@@ -22,6 +26,7 @@ top_k must match). The caller states this mapping in every report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zipfile
@@ -52,8 +57,13 @@ class Trace:
     layer_ids: list[int]
     meta: dict = field(default_factory=dict)
     seq_starts: list[int] = field(default_factory=lambda: [0])
+    predicted: np.ndarray | None = None  # (L, T, n) int: next-layer experts predicted (see the module docstring)
 
     def __post_init__(self) -> None:
+        pred = self.predicted
+        if pred is not None and (pred.ndim != 3 or pred.shape[:2] != self.index.shape[:2]):
+            raise TraceError(f"trace: predicted must be (L, T, n) with the index's L and T, "
+                             f"got {self.predicted.shape} for index {self.index.shape}")
         if self.index.ndim != 3 or self.index.shape != self.weights.shape:
             raise TraceError(f"trace: index and weights must have equal (L, T, k) shapes, "
                              f"got {self.index.shape} and {self.weights.shape}")
@@ -87,16 +97,19 @@ class Trace:
         """The first ``num_tokens`` tokens."""
         n = min(num_tokens, self.num_tokens)
         return Trace(self.index[:, :n], self.weights[:, :n], list(self.layer_ids), dict(self.meta),
-                     [s for s in self.seq_starts if s < n] or [0])
+                     [s for s in self.seq_starts if s < n] or [0],
+                     None if self.predicted is None else self.predicted[:, :n])
 
     def save(self, path: str | os.PathLike) -> None:
         meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **self.meta}
+        optional = {} if self.predicted is None else {"predicted": self.predicted.astype(np.int16)}
         path = Path(path)
         with open(path, "wb") as f:
             np.savez_compressed(
                 f, index=self.index.astype(np.int16), weights=self.weights.astype(np.float32),
                 layer_ids=np.asarray(self.layer_ids, dtype=np.int64),
                 seq_starts=np.asarray(self.seq_starts, dtype=np.int64), meta=np.asarray(json.dumps(meta)),
+                **optional,
             )
 
     @classmethod
@@ -111,8 +124,9 @@ class Trace:
                     raise TraceError(f"{path}: not a routing trace (format {meta.get('format')!r})")
                 if meta.get("version") != TRACE_VERSION:
                     raise TraceError(f"{path}: trace version {meta.get('version')!r} is not supported")
+                predicted = z["predicted"].astype(np.int64) if "predicted" in z.files else None
                 return cls(z["index"].astype(np.int64), z["weights"].astype(np.float32),
-                           [int(i) for i in z["layer_ids"]], meta, [int(s) for s in z["seq_starts"]])
+                           [int(i) for i in z["layer_ids"]], meta, [int(s) for s in z["seq_starts"]], predicted)
         except TraceError:
             raise
         except (OSError, ValueError, KeyError, RecursionError, zipfile.BadZipFile, zlib.error) as exc:
@@ -124,28 +138,50 @@ class Trace:
 
 
 @torch.no_grad()
-def record_trace(model, sequences: torch.Tensor, *, source: str = "", progress=None) -> Trace:
-    """Run ``model`` over each row of ``sequences`` (S, N) and record every MoE layer's routing."""
+def record_trace(model, sequences: torch.Tensor, *, source: str = "", progress=None,
+                 predict_extra: int | None = 1) -> Trace:
+    """Run ``model`` over each row of ``sequences`` (S, N) and record every MoE layer's routing.
+
+    predict_extra: also record the next layer's experts predicted from each layer's MoE input
+    (``crisp_runtime.prefetch``), top_k + predict_extra per token; None records no prediction.
+    """
     from crisp_runtime.models import find_moe_layers, model_top_k, record_routing
+    from crisp_runtime.prefetch import NextLayerPredictor, record_predictions
 
     layers = find_moe_layers(model)
     ref = layers[0]
     device = next(model.parameters()).device
-    with record_routing(model, layers) as routing:
+    top_k = model_top_k(model)
+    predictor = None
+    if predict_extra is not None:
+        predictor = NextLayerPredictor(model, experts=min(ref.num_experts, top_k + predict_extra), refs=layers)
+    with contextlib.ExitStack() as stack:
+        routing = stack.enter_context(record_routing(model, layers))
+        predictions = stack.enter_context(record_predictions(model, predictor, layers)) if predictor else None
         for i, seq in enumerate(sequences):
             model(input_ids=seq.unsqueeze(0).to(device), use_cache=False)
             if progress is not None:
                 progress(i + 1, len(sequences))
     index = np.stack([routing.layer(r.layer_id)[0].numpy() for r in layers])
     weights = np.stack([routing.layer(r.layer_id)[1].numpy() for r in layers])
+    predicted = None
+    if predictions is not None:
+        predicted = np.stack([torch.cat(predictions[r.layer_id]).numpy() for r in layers])
     meta = {
         "model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
         "num_experts": ref.num_experts, "top_k": model_top_k(model), "hidden_size": ref.hidden_size,
         "intermediate_size": ref.intermediate_size, "source": source,
         "recording": "teacher-forced forward per sequence (= decode routing in a causal model)",
     }
+    if predictor is not None:
+        meta["prediction"] = {
+            "experts_per_token": predictor.experts,
+            "rule": "next MoE layer's router applied to this layer's MoE input (after its post-attention norm); "
+                    "the router's top-k first, then by router logit; last layer -1 (crisp_runtime.prefetch)",
+        }
     n = sequences.shape[1]
-    return Trace(index, weights, [r.layer_id for r in layers], meta, [i * n for i in range(len(sequences))])
+    return Trace(index, weights, [r.layer_id for r in layers], meta, [i * n for i in range(len(sequences))],
+                 predicted)
 
 
 def synthetic_trace(num_layers=4, num_tokens=256, num_experts=8, top_k=2, intermediate_size=256, seed=0) -> Trace:
