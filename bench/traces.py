@@ -64,14 +64,43 @@ class Trace:
         if pred is not None and (pred.ndim != 3 or pred.shape[:2] != self.index.shape[:2]):
             raise TraceError(f"trace: predicted must be (L, T, n) with the index's L and T, "
                              f"got {self.predicted.shape} for index {self.index.shape}")
+        self._check_fields()
+
+    def _check_fields(self) -> None:
+        """Types, shapes and ranges of every field (a TraceError naming it), so that a bad trace
+        fails here and not deep inside the simulator or with a silently wrong replay."""
+        for name, kinds in (("index", "iu"), ("weights", "f")):
+            value = getattr(self, name)
+            if not isinstance(value, np.ndarray) or value.dtype.kind not in kinds:
+                what = f"{value.dtype}" if isinstance(value, np.ndarray) else type(value).__name__
+                raise TraceError(f"trace: {name} must be a numpy array of {'integers' if kinds == 'iu' else 'floats'}, "
+                                 f"got {what}")
         if self.index.ndim != 3 or self.index.shape != self.weights.shape:
             raise TraceError(f"trace: index and weights must have equal (L, T, k) shapes, "
                              f"got {self.index.shape} and {self.weights.shape}")
-        if len(self.layer_ids) != self.index.shape[0]:
-            raise TraceError(f"trace: {len(self.layer_ids)} layer ids for {self.index.shape[0]} layers")
+        if not np.isfinite(self.weights).all():
+            raise TraceError("trace: weights hold NaN or infinite routing weights")
+        if not isinstance(self.meta, dict):
+            raise TraceError(f"trace metadata must be a JSON object, got {type(self.meta).__name__}")
         for key in ("num_experts", "top_k", "intermediate_size"):
             if key not in self.meta:
                 raise TraceError(f"trace metadata lacks {key!r}")
+            if type(self.meta[key]) is not int or self.meta[key] < 1:
+                raise TraceError(f"trace metadata {key!r} must be a positive integer, got {self.meta[key]!r}")
+        if self.index.shape[2] != self.meta["top_k"]:
+            raise TraceError(f"trace: {self.index.shape[2]} routed slots per token, metadata top_k is "
+                             f"{self.meta['top_k']}")
+        _check_int_list(self.layer_ids, "layer_ids")
+        if len(self.layer_ids) != self.index.shape[0]:
+            raise TraceError(f"trace: {len(self.layer_ids)} layer ids for {self.index.shape[0]} layers")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise TraceError(f"trace: layer_ids {list(self.layer_ids)} repeat a layer")
+        _check_int_list(self.seq_starts, "seq_starts")
+        last = max(self.num_tokens - 1, 0)
+        if (not self.seq_starts or self.seq_starts[0] != 0 or self.seq_starts[-1] > last
+                or any(b <= a for a, b in zip(self.seq_starts, self.seq_starts[1:], strict=False))):
+            raise TraceError(f"trace: seq_starts must increase strictly from 0 and stay below the {self.num_tokens} "
+                             f"tokens, got {list(self.seq_starts)[:8]}")
 
     @property
     def num_layers(self) -> int:
@@ -120,18 +149,38 @@ class Trace:
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
-                if meta.get("format") != TRACE_FORMAT:
-                    raise TraceError(f"{path}: not a routing trace (format {meta.get('format')!r})")
+                if not isinstance(meta, dict) or meta.get("format") != TRACE_FORMAT:
+                    raise TraceError(f"{path}: not a routing trace (format "
+                                     f"{meta.get('format') if isinstance(meta, dict) else meta!r})")
                 if meta.get("version") != TRACE_VERSION:
                     raise TraceError(f"{path}: trace version {meta.get('version')!r} is not supported")
                 predicted = z["predicted"].astype(np.int64) if "predicted" in z.files else None
-                return cls(z["index"].astype(np.int64), z["weights"].astype(np.float32),
-                           [int(i) for i in z["layer_ids"]], meta, [int(s) for s in z["seq_starts"]], predicted)
-        except TraceError:
-            raise
+                index, weights = z["index"], z["weights"]
+                if index.dtype.kind not in "iu" or weights.dtype.kind != "f":
+                    raise TraceError(f"{path}: index must hold integers and weights floats, got {index.dtype} and "
+                                     f"{weights.dtype}")
+                return cls(index.astype(np.int64), weights.astype(np.float32), _int_array(z, "layer_ids", path),
+                           meta, _int_array(z, "seq_starts", path), predicted)
+        except TraceError as exc:
+            if str(exc).startswith(str(path)):
+                raise
+            raise TraceError(f"{path}: {exc}") from None
         except (OSError, ValueError, KeyError, RecursionError, zipfile.BadZipFile, zlib.error) as exc:
             # BadZipFile / zlib.error: a truncated or corrupt .npz; RecursionError: meta JSON nested too deep
             raise TraceError(f"{path}: not a readable trace ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_int_list(values, name: str) -> None:
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TraceError(f"trace: {name} must be a list of integers, got {values!r}"[:200])
+
+
+def _int_array(z, name: str, path: Path) -> list[int]:
+    """A 1-D integer array of a trace file as a list (a float array is refused, not truncated)."""
+    a = z[name]
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise TraceError(f"{path}: {name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")
+    return [int(v) for v in a]
 
 
 # ---------------------------------------------------------------------------- recording

@@ -17,7 +17,6 @@ a pack's dequantized weights in stored (importance) order, width k is the pack's
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import sys
@@ -106,17 +105,12 @@ def check_seq_len(model, seq_len: int) -> None:
 
 
 def model_fingerprint(model, layers: Sequence[MoeLayerRef]) -> dict:
-    """What identifies a model for a pack: its shape and a digest of (a sample of) its expert weights.
-
-    The digest reads a few rows of every MoE layer (cheap even for Mixtral-8x7B) and the router
-    weights when the router is found next to the experts module.
+    """What identifies a model for a pack: its shape and a digest of (a sample of) its expert weights
+    (``crisp_runtime.pack.weights_sha256``: the first rows of every MoE layer, cheap even for
+    Mixtral-8x7B; ``check_weights_fingerprint`` compares it).
     """
-    h = hashlib.sha256()
-    for ref in layers:
-        gu = ref.module.gate_up_proj.detach()
-        down = ref.module.down_proj.detach()
-        for t in (gu[:, :4].float().cpu(), down[:, :, :4].float().cpu()):
-            h.update(t.contiguous().numpy().tobytes())
+    from crisp_runtime.pack import weights_sha256
+
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return {
         "model_type": getattr(config, "model_type", type(model).__name__),
@@ -125,7 +119,7 @@ def model_fingerprint(model, layers: Sequence[MoeLayerRef]) -> dict:
         "num_experts": layers[0].num_experts,
         "top_k": model_top_k(model),
         "layer_ids": [r.layer_id for r in layers],
-        "weights_sha256": h.hexdigest(),
+        "weights_sha256": weights_sha256(layers),
     }
 
 
