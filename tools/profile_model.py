@@ -295,9 +295,12 @@ class Profiler:
             raise CliError(f"--importance must be 'weighted' or 'mean-abs', got {cfg.importance!r}")
         try:
             self.cutoffs = TierCutoffs(cfg.hot_mass, cfg.cold_mass)
+        except ValueError as exc:
+            raise CliError(f"--hot-mass {cfg.hot_mass} / --cold-mass {cfg.cold_mass}: {exc}") from exc
+        try:
             self.fmt = QuantFormat(group_size=cfg.group_size, symmetric=cfg.symmetric)
         except ValueError as exc:
-            raise CliError(str(exc)) from exc
+            raise CliError(f"--group-size {cfg.group_size}: {exc}") from exc
         self.out = Path(cfg.out).absolute()
         inputs = {"--model": cfg.model, "--data": list(cfg.data)}
         try:
