@@ -14,16 +14,34 @@ them); the originals are kept in host memory for ``restore()`` (or dropped with
 ``RuntimeConfig(keep_original=False)``; ``load_model`` never has them). Shared experts
 (Qwen2-MoE, DeepSeek) are ordinary dense MLPs outside the experts module: untouched, resident.
 
-Every check (supported model, pack and plan fit, budget) runs before the model is modified.
+Every check (supported model, pack, plan and weights fit, budget) runs before the model is modified.
+
+Guards, per experts module, installed by ``apply`` with torch's public hooks (no class is patched):
+
+- a forward pre-hook refuses to run the experts when CRISP is applied but the experts
+  implementation was switched away from ``"crisp"`` (``model.set_experts_implementation("eager")``
+  would compute with the empty placeholders), or when the expert weights are placeholders that
+  ``restore()`` could not bring back (``load_model``, ``keep_original=False``);
+- a state-dict post-hook puts the kept originals into ``state_dict()`` (so ``save_pretrained``
+  writes a complete checkpoint), and refuses when they were not kept, instead of a checkpoint
+  without experts.
+
+``restore()`` removes both when the originals came back; without originals they stay. One hook on
+the model itself records the attention mask of each forward call, so that ``stats()["tokens"]``
+counts real tokens, not padding. Gradients through CRISP experts are refused at ``backward()``
+(the router would get none; the kernels have no backward).
 """
 
 from __future__ import annotations
 
+import functools
+import numbers
 import os
 import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import replace
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import torch
@@ -32,22 +50,86 @@ from crisp_kernels import PackedLayer, QuantFormat
 
 from .executor import CrispRuntime, RuntimeConfig, min_budget_bytes
 from .models import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
-from .pack import CrispPack, check_layers_fit_model, load_pack, pack_model
+from .pack import (
+    CrispPack,
+    FingerprintStatus,
+    PackMismatchError,
+    check_layers_fit_model,
+    check_weights_fingerprint,
+    load_pack,
+    pack_model,
+)
 from .plan import CrispPlan, PlanError
 
 IMPLEMENTATION_NAME = "crisp"
 _STATE_ATTR = "_crisp_state"
+_GUARD_ATTR = "_crisp_guard"  # the experts module's hook handles (forward pre-hook, state-dict post-hook)
 _WEIGHT_NAMES = ("gate_up_proj", "down_proj")
+
+
+class _TokenMask:
+    """The attention mask of the model's current forward call, to count real tokens (not padding).
+
+    Set by a forward pre-hook on the model, read by the experts of that call: ``positions`` is
+    the number of (batch, position) rows the experts see, ``padding`` how many of them the mask
+    marks as padding (computed once per forward, at the first MoE layer, where the runtime syncs
+    with the host anyway).
+    """
+
+    __slots__ = ("mask", "padding")
+
+    def __init__(self) -> None:
+        self.mask = None
+        self.padding = None
+
+    def set(self, mask) -> None:
+        self.mask, self.padding = mask, None
+
+    def padding_of(self, num_rows: int) -> int:
+        mask = self.mask
+        if mask is None or mask.numel() != num_rows:
+            return 0  # no mask, or a call whose rows are not this forward's (e.g. the experts called directly)
+        if self.padding is None:
+            self.padding = int(num_rows - int(torch.count_nonzero(mask)))
+        return self.padding
 
 
 class _ExpertsState:
     """What the ``crisp`` experts function needs on one experts module."""
 
-    __slots__ = ("layer_id", "runtime")
+    __slots__ = ("layer_id", "name", "previous_impl", "runtime", "tokens")
 
-    def __init__(self, runtime: CrispRuntime, layer_id: int) -> None:
+    def __init__(self, runtime: CrispRuntime, layer_id: int, name: str, previous_impl, tokens: _TokenMask) -> None:
         self.runtime = runtime
         self.layer_id = layer_id
+        self.name = name
+        self.previous_impl = previous_impl
+        self.tokens = tokens
+
+
+class _NoBackward(torch.autograd.Function):
+    """The experts' output with a backward that refuses: the kernels have no backward, and the router
+    weights enter them detached, so autograd would silently give the router no gradient."""
+
+    @staticmethod
+    def forward(ctx, state, hidden_states, top_k_index, top_k_weights):
+        ctx.name = state.name
+        return _run_experts(state, hidden_states, top_k_index, top_k_weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            f"CRISP experts ({ctx.name}) do not support gradients: the 4-bit kernels have no backward and the "
+            "router would get no gradient. Run inference under torch.no_grad() / torch.inference_mode(), or "
+            "restore() the model (handle.restore()) before training it")
+
+
+def _run_experts(state: _ExpertsState, hidden_states, top_k_index, top_k_weights):
+    out = state.runtime.forward(state.layer_id, hidden_states, top_k_index, top_k_weights)
+    padding = state.tokens.padding_of(hidden_states.shape[0])
+    if padding:
+        state.runtime.stats.layers[state.layer_id].padding += padding
+    return out
 
 
 def crisp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -62,7 +144,9 @@ def crisp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
             raise RuntimeError(f"{type(self).__name__}: experts implementation is 'crisp' but CRISP is not applied "
                                "to this module (call crisp_runtime.apply(model))")
         return eager(self, hidden_states, top_k_index, top_k_weights)
-    return state.runtime.forward(state.layer_id, hidden_states, top_k_index, top_k_weights)
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+        return _NoBackward.apply(state, hidden_states, top_k_index, top_k_weights)
+    return _run_experts(state, hidden_states, top_k_index, top_k_weights)
 
 
 def register() -> None:
@@ -78,25 +162,76 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+# Budgets are byte counts compared and summed as Python ints, but torch's allocator and the CUDA
+# APIs count in signed 64-bit: a larger number is an overflow (or a typo), not a budget.
+MAX_BUDGET_BYTES = 2**63 - 1
+_BUDGET_TEXT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
+_BUDGET_HINT = "bytes (an int) or a string like '2GiB', '512 MB', '1.5GB'"
+
+
 def parse_budget(budget) -> int | None:
-    """Bytes from an int or a string such as ``"2GiB"``, ``"512 MB"``, ``"1.5GB"``; None stays None."""
+    """Bytes from an int or a string such as ``"2GiB"``, ``"512 MB"``, ``"1.5GB"``; None stays None.
+
+    Raises TypeError (bool, float, other types) or ValueError (unreadable text, unknown unit,
+    not positive, beyond ``MAX_BUDGET_BYTES``), each naming ``gpu_budget``.
+    """
     if budget is None:
         return None
     if isinstance(budget, bool):
-        raise TypeError("gpu_budget: expected bytes (int) or a string like '2GiB', got a bool")
-    if isinstance(budget, int):
-        value = budget
+        raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got a bool")
+    if isinstance(budget, numbers.Integral):  # int, numpy integers
+        value = int(budget)
     elif isinstance(budget, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"gpu_budget: cannot read {budget!r}; use bytes or e.g. '2GiB', '512MB'")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        m = _BUDGET_TEXT.fullmatch(budget)
+        if not m:
+            raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}")
+        unit = m.group(2).lower()
+        if unit not in _UNITS:
+            raise ValueError(f"gpu_budget: unknown unit {m.group(2)!r} in {budget!r}; use one of "
+                             "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
+        try:  # Decimal: "1.1GB" is exactly 1_100_000_000 bytes (a float gives 1_100_000_000.0000002)
+            value = int(Decimal(m.group(1)) * _UNITS[unit])
+        except InvalidOperation as exc:  # pragma: no cover - the pattern admits only plain decimals
+            raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}") from exc
+    elif isinstance(budget, numbers.Real):
+        hint = " (fractions of GPU memory are not accepted: say how many bytes)" if 0 < budget < 1 else ""
+        raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got {type(budget).__name__} {budget!r}{hint}")
     else:
-        raise TypeError(f"gpu_budget: expected bytes (int) or a string like '2GiB', got {type(budget).__name__} "
-                        f"{budget!r} (fractions of GPU memory are not accepted: say how many bytes)")
+        raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got {type(budget).__name__} {budget!r}")
     if value <= 0:
         raise ValueError(f"gpu_budget must be positive, got {budget!r}")
+    if value > MAX_BUDGET_BYTES:
+        raise ValueError(f"gpu_budget {budget!r} is {value} bytes, beyond any device (at most {MAX_BUDGET_BYTES})")
     return value
+
+
+def _check_budget_fits_device(budget: int, device: torch.device) -> None:
+    """A budget larger than the device is a typo that would end in an out-of-memory error mid-run."""
+    if device.type != "cuda":  # host memory for cpu; nothing to compare against
+        return
+    total = torch.cuda.get_device_properties(device).total_memory  # GPU-only
+    if budget > total:
+        raise ValueError(f"gpu_budget of {budget} bytes is more than {device} has ({total} bytes)")
+
+
+def _check_device(value, what: str) -> torch.device:
+    """A torch.device from ``value`` (str or torch.device), with an error naming ``what``."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"{what}: expected a device name such as 'cpu' or 'cuda:0', got {type(value).__name__}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"{what}: {value!r} is not a device (expected e.g. 'cpu', 'cuda', 'cuda:0')") from exc
+    if device.type == "meta":
+        raise ValueError(f"{what}: 'meta' holds no data; expected e.g. 'cpu' or 'cuda:0'")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{what}: {value!r} but no CUDA device is available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():  # GPU-only
+            raise ValueError(f"{what}: {value!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif device.type != "cpu":
+        raise ValueError(f"{what}: {value!r}; CRISP runs on 'cpu' or 'cuda' devices")
+    return device
 
 
 # ---------------------------------------------------------------------- the handle
@@ -112,6 +247,7 @@ class CrispHandle:
         self.runtime = runtime
         self._previous_impl = previous_impl
         self._stash = stash  # name of module -> [(weight name, "param" | "attr", object, device)]
+        self._model_hooks: list = []  # the attention-mask hooks on the model (removed by restore)
         self.active = True
 
     # ---- the public surface
@@ -153,24 +289,28 @@ class CrispHandle:
             module.__dict__.pop(_STATE_ATTR, None)
             if ref.name not in self._stash:
                 continue
+            module_kept = True
             for name, where, obj, device in self._stash[ref.name]:
-                module.__dict__.pop(name, None)
-                if where == "param":
-                    if obj is None:
-                        kept = False
-                        continue
+                if where == "param" and obj is not None:
+                    module.__dict__.pop(name, None)
                     if device is not None and obj.device != device:
                         obj.data = obj.data.to(device)
                     module._parameters[name] = obj
-                else:  # load_model: there never were full-precision experts
-                    module.__dict__[name] = obj
-                    kept = False
+                else:  # not kept, or load_model (there never were full-precision experts): the placeholder stays
+                    module_kept = False
             _reorder_parameters(module, self._stash[ref.name])
+            if module_kept:
+                _remove_guard(module)
+            kept &= module_kept
+        for hook in self._model_hooks:
+            hook.remove()
+        self._model_hooks.clear()
         self.model.set_experts_implementation(self._previous_impl)
         self.active = False
         if not kept:
             warnings.warn("CRISP restore: the original expert weights were not kept (keep_original=False or "
-                          "load_model); the experts are empty placeholders", stacklevel=2)
+                          "load_model); the experts stay empty placeholders and running or saving the model "
+                          "raises an error: reload the checkpoint, or apply a CRISP pack again", stacklevel=2)
 
     def __enter__(self) -> CrispHandle:
         return self
@@ -195,11 +335,90 @@ def _reorder_parameters(module, entries) -> None:
     del module.__dict__["_crisp_param_order"]
 
 
+# ---------------------------------------------------------------------- guards (per module, torch's public hooks)
+
+
+def _placeholders(module) -> list[str]:
+    """Names of the expert weights that are meta placeholders (CRISP applied, or dropped)."""
+    return [n for n in _WEIGHT_NAMES
+            if isinstance(module.__dict__.get(n), torch.Tensor) and module.__dict__[n].is_meta]
+
+
+def _guard_forward(name: str, module, args) -> None:
+    """Forward pre-hook of the experts module at ``name``: refuse to compute with placeholder weights."""
+    state = module.__dict__.get(_STATE_ATTR)
+    if state is not None:
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        if impl != IMPLEMENTATION_NAME:
+            previous = state.previous_impl.get("") if isinstance(state.previous_impl, dict) else state.previous_impl
+            raise RuntimeError(
+                f"{name}: CRISP is applied to this model but its experts implementation is now {impl!r} "
+                f"(model.set_experts_implementation?): the experts' weights are empty placeholders while CRISP holds "
+                f"them, so {impl!r} would compute garbage. Call handle.restore() first (it brings the weights and "
+                f"the implementation {previous!r} back), or set_experts_implementation('crisp') again")
+        return
+    if _placeholders(module):
+        raise RuntimeError(
+            f"{name}: the expert weights of this model are not loaded: CRISP's load_model (or "
+            "apply with RuntimeConfig(keep_original=False)) dropped them and restore() cannot bring them back. "
+            "Reload the checkpoint with from_pretrained, or apply a CRISP pack to the model again")
+
+
+def _guard_state_dict(originals, module, state_dict, prefix, local_metadata) -> None:
+    """State-dict post-hook of an experts module: the kept originals in place of the placeholders.
+
+    ``originals``: ``((weight name, tensor or None), ...)``; None = not kept, so refuse rather than
+    let ``save_pretrained`` write a checkpoint without experts.
+    """
+    missing = _placeholders(module)
+    if not missing:
+        return  # real parameters again (restored): they are in state_dict already
+    for name, original in originals:
+        if name not in missing:
+            continue
+        if original is None:
+            raise RuntimeError(
+                f"state_dict() / save_pretrained(): the expert weights at {prefix + name!r} were not kept (CRISP's "
+                "load_model, or apply with RuntimeConfig(keep_original=False)), so the checkpoint would have no "
+                "experts. Save from a model loaded with from_pretrained (apply keeps the originals by default)")
+        state_dict[prefix + name] = original.detach()
+
+
+def _install_guard(module, name: str, originals) -> None:
+    _remove_guard(module)  # a second apply after a restore without originals: replace, don't stack
+    module.__dict__[_GUARD_ATTR] = (
+        module.register_forward_pre_hook(functools.partial(_guard_forward, name)),
+        module.register_state_dict_post_hook(functools.partial(_guard_state_dict, tuple(originals))),
+    )
+
+
+def _remove_guard(module) -> None:
+    for hook in module.__dict__.pop(_GUARD_ATTR, ()):
+        hook.remove()
+
+
+def _record_attention_mask(tokens: _TokenMask, module, args, kwargs) -> None:
+    """Forward pre-hook of the model: the mask rows of this call's positions (None: count every position)."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(inputs, torch.Tensor) or (
+            inputs.dim() < 2 or mask.shape[0] != inputs.shape[0] or mask.shape[1] < inputs.shape[1]):
+        tokens.set(None)  # no mask, or a 4-D / custom one: every position counts
+        return
+    tokens.set(mask[:, mask.shape[1] - inputs.shape[1]:])  # with a KV cache the mask covers past positions too
+
+
+def _clear_attention_mask(tokens: _TokenMask, module, args, kwargs, output=None) -> None:
+    tokens.set(None)
+
+
 # ---------------------------------------------------------------------- apply
 
 
 def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None, fmt: QuantFormat | None = None,
-          config: RuntimeConfig | None = None) -> CrispHandle:
+          config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False) -> CrispHandle:
     """Run ``model``'s MoE experts through CRISP; returns a :class:`CrispHandle`.
 
     source: None packs the model's current expert weights in their present order (4-bit,
@@ -208,10 +427,20 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     plan: None = the pack's plan, else full width everywhere.
     gpu_budget: bytes (int or "2GiB") of the device prefix cache, experts streamed from host
     memory; None = every packed expert resident on the device, no offload.
+    allow_weights_mismatch: use a pack whose recorded weights fingerprint differs from the
+    model's expert weights (or cannot be checked because they are not loaded). By default that
+    is refused: the same architecture with other weights would run without a word, wrongly.
     """
     config = RuntimeConfig() if config is None else config
     if not isinstance(config, RuntimeConfig):
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
+    if fmt is not None and not isinstance(fmt, QuantFormat):
+        raise TypeError(f"fmt: expected a QuantFormat (e.g. QuantFormat(group_size=64, symmetric=False)), got "
+                        f"{type(fmt).__name__} {fmt!r}")
+    if plan is not None and not isinstance(plan, CrispPlan):
+        raise TypeError(f"plan: expected CrispPlan (e.g. CrispPlan.load(path)), got {type(plan).__name__}")
+    if not isinstance(allow_weights_mismatch, bool):
+        raise TypeError(f"allow_weights_mismatch: expected True or False, got {type(allow_weights_mismatch).__name__}")
     if not (hasattr(model, "set_experts_implementation") and hasattr(model, "get_experts_implementation")):
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers v5 PreTrainedModel with "
                                     "set_experts_implementation()")
@@ -220,13 +449,13 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
         if _STATE_ATTR in ref.module.__dict__:
             raise RuntimeError(f"CRISP is already applied to {ref.name}; call handle.restore() first")
     budget = parse_budget(gpu_budget)
+    device = (_check_device(config.device, "config.device") if config.device is not None
+              else _model_device(model, refs))
     top_k = model_top_k(model)
 
     # ---- the packed layers
     pack_plan = None
     if source is None:
-        if fmt is not None and not isinstance(fmt, QuantFormat):
-            raise TypeError(f"fmt: expected QuantFormat, got {type(fmt).__name__}")
         layers = pack_model(model, fmt)
     else:
         if fmt is not None:
@@ -235,6 +464,8 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
             source = load_pack(Path(source))
         if isinstance(source, CrispPack):
             source.check_model(model)
+            if not allow_weights_mismatch:
+                check_pack_weights(source, model)
             layers, pack_plan = dict(source.layers), source.plan
         elif isinstance(source, Mapping):
             layers = {int(k): v for k, v in source.items()}
@@ -253,21 +484,19 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
         plan = pack_plan
     if plan is None:
         plan = CrispPlan.full(first.num_experts, top_k, first.intermediate_size, layer_ids)
-    if not isinstance(plan, CrispPlan):
-        raise TypeError(f"plan: expected CrispPlan, got {type(plan).__name__}")
     try:
         plan.check_compatible(num_experts=first.num_experts, top_k=top_k, intermediate_size=first.intermediate_size,
                               layer_ids=layer_ids)
     except PlanError as exc:
         raise PlanError(f"{exc} (the plan was made for another pack or model)") from exc
 
-    # ---- the device and the budget
-    device = torch.device(config.device) if config.device is not None else _model_device(model, refs)
+    # ---- the budget
     if budget is not None:
         need = min_budget_bytes(layers, top_k)
         if budget < need:
             raise ValueError(f"gpu_budget of {budget} bytes is too small: one token needs up to {top_k} experts at "
                              f"full width, {need} bytes")
+        _check_budget_fits_device(budget, device)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
 
     # ---- only now modify the model
@@ -275,15 +504,42 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     previous_impl = model.get_experts_implementation()
     stash: dict = {}
     handle = CrispHandle(model, refs, runtime, previous_impl, stash)
+    tokens = _TokenMask()
     try:
         for ref in refs:
-            stash[ref.name] = _detach_weights(ref.module, keep=config.keep_original)
-            ref.module.__dict__[_STATE_ATTR] = _ExpertsState(runtime, ref.layer_id)
+            entries = stash[ref.name] = _detach_weights(ref.module, keep=config.keep_original)
+            originals = [(name, obj if where == "param" else None) for name, where, obj, _ in entries]
+            _install_guard(ref.module, ref.name, originals)
+            ref.module.__dict__[_STATE_ATTR] = _ExpertsState(runtime, ref.layer_id, ref.name, previous_impl, tokens)
+        handle._model_hooks += [
+            model.register_forward_pre_hook(functools.partial(_record_attention_mask, tokens), with_kwargs=True),
+            model.register_forward_hook(functools.partial(_clear_attention_mask, tokens), with_kwargs=True,
+                                        always_call=True),
+        ]
         model.set_experts_implementation(IMPLEMENTATION_NAME)
     except BaseException:
         handle.restore()
         raise
     return handle
+
+
+def check_pack_weights(pack: CrispPack, model) -> None:
+    """Refuse a pack whose recorded weights fingerprint is not ``model``'s (PackMismatchError).
+
+    A pack without a recorded fingerprint (``save_pack`` without one) is accepted; a model whose
+    expert weights are not loaded cannot be checked, which is refused too: the caller says
+    ``allow_weights_mismatch=True`` when it knows the pack is right.
+    """
+    try:
+        status = check_weights_fingerprint(pack, model)
+    except PackMismatchError as exc:
+        raise PackMismatchError("this CRISP pack was made from other weights than this model (the weights "
+                                "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to use it "
+                                "anyway") from exc
+    if status is FingerprintStatus.UNAVAILABLE:
+        raise PackMismatchError("cannot check that this CRISP pack was made from this model's weights: its expert "
+                                "weights are not loaded (placeholders); pass allow_weights_mismatch=True if the pack "
+                                "was made from this model's checkpoint")
 
 
 def _model_device(model, refs) -> torch.device:
@@ -320,23 +576,61 @@ def drop_expert_weights(model) -> None:
                 ref.module.__dict__[name] = torch.empty(param.shape, dtype=param.dtype, device="meta")
 
 
+def _local_checkpoint(checkpoint_dir) -> Path:
+    """The checkpoint folder, checked up front: load_model never downloads (a hub name fails at once)."""
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir: expected a local folder (str or path), got {type(checkpoint_dir).__name__}")
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint_dir: {os.fspath(checkpoint_dir)!r} is not a local folder; load_model reads local checkpoints "
+            "only and never downloads: fetch it first (e.g. `hf download NAME --local-dir DIR`) and pass DIR")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"checkpoint_dir: {path} has no config.json; expected a transformers checkpoint "
+                                "folder (config.json and *.safetensors)")
+    return path
+
+
+def _check_dtype(dtype):
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype) and (
+            getattr(torch, dtype).is_floating_point):
+        return getattr(torch, dtype)
+    raise TypeError(f"dtype: expected None (the checkpoint's) or a floating torch.dtype such as torch.bfloat16, got "
+                    f"{dtype!r}")
+
+
 def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: CrispPlan | None = None,
-               gpu_budget=None, config: RuntimeConfig | None = None):
+               gpu_budget=None, config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False):
     """Load a causal LM from a local checkpoint plus a CRISP pack: ``(model, handle)``.
 
-    The checkpoint is read on the CPU; its expert weights are dropped there, only then is the
+    The checkpoint is read on the CPU; its expert weights are checked against the pack's recorded
+    fingerprint (``allow_weights_mismatch=True`` skips that) and dropped there, only then is the
     rest moved to ``device`` and CRISP applied with the pack's experts. Full-precision experts
-    never reach the GPU.
+    never reach the GPU. Nothing is downloaded: ``checkpoint_dir`` must be a local folder.
     """
     from transformers import AutoModelForCausalLM
 
+    path = _local_checkpoint(checkpoint_dir)
+    if config is not None and not isinstance(config, RuntimeConfig):
+        raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
+    if plan is not None and not isinstance(plan, CrispPlan):
+        raise TypeError(f"plan: expected CrispPlan (e.g. CrispPlan.load(path)), got {type(plan).__name__}")
+    device = _check_device(device, "device")
+    dtype = _check_dtype(dtype)
+    if not isinstance(allow_weights_mismatch, bool):
+        raise TypeError(f"allow_weights_mismatch: expected True or False, got {type(allow_weights_mismatch).__name__}")
     pack = load_pack(pack_dir)  # fail on a bad pack before reading the checkpoint
     budget = parse_budget(gpu_budget)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, **kwargs)  # on the CPU (no device_map)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)  # on the CPU (no device_map)
     pack.check_model(model)
+    if not allow_weights_mismatch:
+        check_pack_weights(pack, model)
     drop_expert_weights(model)
     model.to(device)
     config = RuntimeConfig() if config is None else config
-    handle = apply(model, pack, plan=plan, gpu_budget=budget, config=replace(config, keep_original=False))
+    handle = apply(model, pack, plan=plan, gpu_budget=budget, config=replace(config, keep_original=False),
+                   allow_weights_mismatch=True)  # checked above, while the weights were there
     return model, handle

@@ -2,7 +2,13 @@
 
 Definitions (all JSON-friendly ints/floats):
 
-- ``tokens``: tokens that went through the layer (each MoE layer sees every token once).
+- ``tokens``: real tokens that went through the layer (each MoE layer sees every token once):
+  ``positions - padding``.
+- ``positions``: every (batch row, position) the layer computed, padding included (the experts
+  run on padding positions too: their outputs are discarded by the model, not skipped).
+- ``padding``: positions that the ``attention_mask`` passed to the applied model's forward marks
+  as padding (0). Without a 2-D mask (or when the experts are called directly) it stays 0 and
+  ``tokens == positions``.
 - ``steps``: calls of the layer (one per forward pass).
 - ``bytes_h2d``: bytes copied host-to-device into the prefix cache (missing prefixes and
   widenings), exactly ``rows_copied * neuron_nbytes``.
@@ -16,6 +22,10 @@ Definitions (all JSON-friendly ints/floats):
 - ``evictions``: prefixes dropped from the cache to make room.
 - ``expert_runs``: experts run (width > 0), ``skipped``: routed (token, expert) slots of width 0.
 - ``copy_ms`` / ``step_ms``: optional CUDA event timings (``RuntimeConfig(record_timings=True)``).
+
+The per-token figures (``bytes_h2d_per_token``, ``bytes_read_per_token``) divide by real tokens.
+``LayerStats.tokens`` is what the executor counts, every position; ``as_dict`` reports it as
+``positions`` and subtracts ``LayerStats.padding`` (set by the transformers drop-in) for ``tokens``.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass
 class LayerStats:
-    tokens: int = 0
+    tokens: int = 0  # positions computed, padding included (reported as "positions")
+    padding: int = 0  # of those, positions the attention mask marks as padding
     steps: int = 0
     bytes_h2d: int = 0
     bytes_read: int = 0
@@ -60,16 +71,25 @@ class RuntimeStats:
             self.layers[i] = LayerStats()
 
     def as_dict(self) -> dict:
-        per_layer = {str(i): asdict(s) for i, s in self.layers.items()}
+        per_layer = {str(i): _layer_dict(s) for i, s in self.layers.items()}
         totals = {name: sum(getattr(s, name) for s in self.layers.values()) for name in _SUMMED}
-        # Every MoE layer sees every token, so the model's token count is the largest per-layer count.
-        tokens = max((s.tokens for s in self.layers.values()), default=0)
+        # Every MoE layer sees every token, so the model's count is the largest per-layer count.
+        positions = max((s.tokens for s in self.layers.values()), default=0)
+        tokens = max((s.tokens - s.padding for s in self.layers.values()), default=0)
         lookups = totals["hits"] + totals["misses"] + totals["widenings"]
         return {
             "tokens": tokens,
+            "positions": positions,
+            "padding": positions - tokens,
             **totals,
             "bytes_h2d_per_token": totals["bytes_h2d"] / tokens if tokens else 0.0,
             "bytes_read_per_token": totals["bytes_read"] / tokens if tokens else 0.0,
             "hit_rate": totals["hits"] / lookups if lookups else 0.0,
             "layers": per_layer,
         }
+
+
+def _layer_dict(s: LayerStats) -> dict:
+    out = asdict(s)
+    out["positions"] = out.pop("tokens")
+    return {"tokens": s.tokens - s.padding, **out}

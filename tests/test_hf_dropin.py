@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from crisp_kernels import PackFormatError, QuantFormat, dequantize_layer  # noqa: E402
+from crisp_kernels.io import PackIntegrityError  # noqa: E402
 from crisp_runtime import (  # noqa: E402
     CrispPlan,
     PackMismatchError,
@@ -310,8 +311,8 @@ def test_pack_folder_round_trip_and_errors(tmp_path):
     with pytest.raises(PackFormatError, match="version"):
         load_pack(tmp_path / "p")
     info_path.write_text(json.dumps(record))
-    CrispPlan.full(8, 4, 32, [0, 1, 5]).save(tmp_path / "p" / "plan.json")
-    with pytest.raises(PlanError, match="layers"):
+    CrispPlan.full(8, 4, 32, [0, 1, 5]).save(tmp_path / "p" / "plan.json")  # not the plan pack.json records
+    with pytest.raises(PackIntegrityError, match="plan.json is present"):
         load_pack(tmp_path / "p")
     (tmp_path / "p" / "plan.json").unlink()
     (tmp_path / "p" / "experts.safetensors").unlink()
