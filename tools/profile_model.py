@@ -189,16 +189,17 @@ def pack_file_names() -> tuple[str, ...]:
     return (EXPERTS_FILE, PLAN_FILE, INFO_FILE)
 
 
-def check_out_dir(out: Path, fingerprint: dict) -> None:
-    """Refuse an --out that holds something other than an older pack of this same model (and only that)."""
+def check_out_files(out: Path) -> dict | None:
+    """Refuse an --out that is not a folder or holds anything besides a pack's own files (no model needed,
+    so this runs before the model is loaded). Returns the model fingerprint of the pack found there, if any."""
     if not out.exists():
         if not out.parent.is_dir():
             raise CliError(f"--out {out}: its parent folder {out.parent} does not exist")
-        return
+        return None
     if not out.is_dir():
         raise CliError(f"--out {out}: exists and is not a folder")
     if not any(out.iterdir()):
-        return
+        return None
     existing = _pack_json_model(out)
     if existing is None:
         raise CliError(f"--out {out}: the folder is not empty and holds no CRISP pack; refusing to replace it")
@@ -207,6 +208,14 @@ def check_out_dir(out: Path, fingerprint: dict) -> None:
         listed = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
         raise CliError(f"--out {out}: beside the CRISP pack the folder holds other files ({listed}); refusing to "
                        f"replace it (give an empty or new folder)")
+    return existing
+
+
+def check_out_dir(out: Path, fingerprint: dict) -> None:
+    """Refuse an --out that holds something other than an older pack of this same model (and only that)."""
+    existing = check_out_files(out)
+    if existing is None:
+        return
     if existing.get("weights_sha256") != fingerprint["weights_sha256"] or any(
         existing.get(k) != fingerprint[k] for k in ("hidden_size", "intermediate_size", "num_experts", "layer_ids")
     ):
@@ -310,6 +319,7 @@ class Profiler:
             check_not_input_folder("--work-dir", work_root, {**inputs, "--out": str(self.out)})
         except OutputPathError as exc:
             raise CliError(str(exc)) from exc
+        check_out_files(self.out)  # before the (possibly slow) model load; the model is checked below
         self.device = resolve_device(cfg.device)
         # Cheap checks on the text before the (possibly slow) model load.
         texts = load_texts(cfg.data)

@@ -1,0 +1,412 @@
+"""Nothing a user owns is deleted or overwritten by the command-line tools (issue 8 reproducers).
+
+Each test is one of the issue's examples: the work folder of crisp-profile, its --out, output
+options aimed at inputs, outputs that cannot be written, Ctrl-C, corrupt inputs. Most are refused
+before any model is loaded; three run crisp-profile for real on the tiny random Mixtral.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from crisp_bench import cli as bench_cli  # noqa: E402
+from crisp_bench import traces as tr  # noqa: E402
+from crisp_tools import evaluate, evidence  # noqa: E402
+from crisp_tools import profile_model as prof  # noqa: E402
+from crisp_tools.workdir import MARKER, WorkFolder  # noqa: E402
+from profile_helpers import make_tiny_mixtral, write_text  # noqa: E402
+
+from crisp_runtime import outputs  # noqa: E402
+
+# Fewer windows than tests/test_profile.py, no search: a run takes ~1 s on a 2-core CPU.
+FAST = ["--samples", "8", "--seq-len", "32", "--batch-size", "4", "--dominance-samples", "8",
+        "--dominance-min-tokens", "8", "--search-samples", "4", "--dominance", "routing-weight", "--threads", "1",
+        "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("safety")
+    model = make_tiny_mixtral(root / "model")
+    (root / "data").mkdir()
+    text = write_text(root / "data" / "calib.txt")
+    pack = root / "pack"
+    assert prof.main(["--model", str(model), "--data", str(text), "--out", str(pack), *FAST]) == 0
+    return root, model, text, pack
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run(fn, argv, capsys) -> tuple[int, str]:
+    try:
+        rc = fn(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+def one_line_error(err: str, *needles: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error:" in lines[0], err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+# ----------------------------------------------------------------------------- crisp-profile --work-dir
+
+
+@pytest.mark.parametrize("where, needle", [
+    ("model", "is the input --model"),
+    ("data folder", "contains the input --data"),
+    ("out parent", "contains the input --out"),
+    ("inside model", "lies inside the input --model"),
+    ("out", "is the input --out"),
+])
+def test_work_dir_overlapping_an_input_is_refused(tiny, tmp_path, capsys, where, needle):
+    root, model, text, _ = tiny
+    out = tmp_path / "out"
+    work = {"model": model, "data folder": text.parent, "out parent": tmp_path, "inside model": model / "w",
+            "out": out}[where]
+    before = snapshot(root)
+    rc, err = run(prof.main, ["--model", str(model), "--data", str(text), "--out", str(out), "--work-dir",
+                              str(work), *FAST], capsys)
+    assert rc == 2
+    one_line_error(err, "--work-dir", needle)
+    assert snapshot(root) == before and not out.exists()
+
+
+def test_work_dir_of_user_files_keeps_them(tiny, tmp_path, capsys):
+    """A work dir holding the user's files: the run writes its own run-<key> folder, removes only that."""
+    _, model, text, pack = tiny
+    work = tmp_path / "mine"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    (work / "sub").mkdir()
+    (work / "sub" / "data.bin").write_bytes(b"\x00\x01")
+    out = tmp_path / "out"
+    rc, _ = run(prof.main, ["--model", str(model), "--data", str(text), "--out", str(out), "--work-dir", str(work),
+                            *FAST], capsys)
+    assert rc == 0
+    assert snapshot(work) == {"notes.txt": b"mine", "sub/data.bin": b"\x00\x01"}
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt", "sub"]  # no marker: the folder was not ours
+    assert (out / "plan.json").read_text() == (pack / "plan.json").read_text()
+
+
+def test_two_runs_with_other_settings_keep_each_others_checkpoint(tiny, tmp_path, monkeypatch, capsys):
+    """Run A is interrupted (Ctrl-C) after a batch; run B (another seed, same --out) completes; A resumes."""
+    _, model, text, _ = tiny
+    out = tmp_path / "out"
+    argv_a = ["--model", str(model), "--data", str(text), "--out", str(out), *FAST]
+    real_save = prof.Stats.save
+
+    def save_then_ctrl_c(self, path, run_key):
+        real_save(self, path, run_key)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prof.Stats, "save", save_then_ctrl_c)
+    rc, err = run(prof.main, argv_a, capsys)
+    assert rc == 130 and "interrupted; rerun the same command to resume" in err and "Traceback" not in err
+    monkeypatch.setattr(prof.Stats, "save", real_save)
+    work = tmp_path / ".out.crisp-work"
+    (run_a,) = [p for p in work.iterdir() if p.name.startswith("run-")]
+    assert (run_a / prof.STATS_FILE).is_file() and (work / MARKER).is_file() and not out.exists()
+    assert run(prof.main, [*argv_a, "--seed", "7"], capsys)[0] == 0  # run B, other key
+    assert (run_a / prof.STATS_FILE).is_file()  # A's checkpoint survived B's clean-up
+    rc, err = run(prof.main, [a for a in argv_a if a != "--quiet"], capsys)
+    assert rc == 0 and "resuming from" in err
+    assert not work.exists()  # created by the runs, empty again: removed
+
+
+def test_same_run_twice_at_once_is_refused(tmp_path):
+    a = WorkFolder(tmp_path / "w", "k" * 64, "stats.safetensors")
+    b = WorkFolder(tmp_path / "w", "k" * 64, "stats.safetensors")
+    a.open()
+    try:
+        with pytest.raises(prof.CliError, match="another crisp-profile run"):
+            b.open()
+    finally:
+        a.remove()
+    assert not (tmp_path / "w").exists()
+
+
+# ----------------------------------------------------------------------------- crisp-profile --out
+
+
+def test_out_holding_the_model_and_its_pack_is_refused(tiny, tmp_path, capsys):
+    """The layout crisp-bench documents: pack files inside the model folder. The checkpoint must survive."""
+    _, model, text, pack = tiny
+    both = tmp_path / "model-with-pack"
+    shutil.copytree(model, both)
+    for f in pack.iterdir():
+        shutil.copy(f, both / f.name)
+    before = snapshot(both)
+    for out in (both, both / "pack"):
+        rc, err = run(prof.main, ["--model", str(both), "--data", str(text), "--out", str(out), *FAST], capsys)
+        assert rc == 2
+        one_line_error(err, "--out", "--model")
+    assert snapshot(both) == before
+
+
+def test_out_with_a_user_file_beside_the_pack_is_refused(tiny, tmp_path, capsys):
+    _, model, text, pack = tiny
+    out = tmp_path / "out"
+    shutil.copytree(pack, out)
+    (out / "README.md").write_text("my notes")
+    before = snapshot(out)
+    rc, err = run(prof.main, ["--model", str(model), "--data", str(text), "--out", str(out), *FAST], capsys)
+    assert rc == 2
+    one_line_error(err, "--out", "README.md")
+    assert snapshot(out) == before
+
+
+def test_out_is_the_data_file_or_the_folder_holding_it(tiny, capsys):
+    root, model, text, _ = tiny
+    before = snapshot(root)
+    for out in (text, text.parent):
+        rc, err = run(prof.main, ["--model", str(model), "--data", str(text), "--out", str(out), *FAST], capsys)
+        assert rc == 2
+        one_line_error(err, "--out", "--data")
+    assert snapshot(root) == before
+
+
+# ----------------------------------------------------------------------------- output options onto inputs
+
+
+def _eval(model, pack, text, *extra):
+    return ["--model", str(model), "--crisp", str(pack), "--data", str(text), "--quiet", *extra]
+
+
+@pytest.mark.parametrize("tool, option, target", [
+    ("eval", "--json", "pack.json"), ("eval", "--json", "DATA"), ("eval", "--json", "MODEL/config.json"),
+    ("evidence", "--markdown", "plan.json"), ("evidence", "--json", "DATA"),
+    ("evidence", "--json", "experts.safetensors"),
+])
+def test_tool_outputs_never_overwrite_inputs(tiny, capsys, tool, option, target):
+    root, model, text, pack = tiny
+    path = {"DATA": text, "MODEL/config.json": model / "config.json"}.get(target, pack / target)
+    before = snapshot(root)
+    fn = evaluate.main if tool == "eval" else evidence.main
+    rc, err = run(fn, _eval(model, pack, text, option, str(path)), capsys)
+    assert rc == 2
+    one_line_error(err, option)
+    assert snapshot(root) == before
+
+
+@pytest.mark.parametrize("argv", [
+    ["e2e", "--json", "PACK/plan.json"],
+    ["e2e", "--record-trace", "PACK/experts.safetensors"],
+    ["e2e", "--json", "MODEL/config.json"],
+    ["transfer", "--profile-out", "PACK/plan.json"],
+    ["simulate", "--record-trace", "PACK/pack.json", "--plan", "auto"],
+    ["simulate", "--trace", "TRACE", "--json", "TRACE", "--plan", "auto"],
+    ["layer", "--plot", "PACK/plot.png"],
+])
+def test_bench_outputs_never_overwrite_inputs(tiny, tmp_path, capsys, argv):
+    root, model, text, pack = tiny
+    tr.synthetic_trace(num_layers=2, num_tokens=24).save(tmp_path / "t.npz")
+    subs = {"PACK": str(pack), "MODEL": str(model), "TRACE": str(tmp_path / "t.npz")}
+    argv = [next((a.replace(k, v) for k, v in subs.items() if a.startswith(k)), a) for a in argv]
+    before = snapshot(root), (tmp_path / "t.npz").read_bytes()
+    rc, err = run(bench_cli.main, [*argv, "--model", str(model), "--pack", str(pack)], capsys)
+    assert rc == 2
+    one_line_error(err, "error:")
+    assert (snapshot(root), (tmp_path / "t.npz").read_bytes()) == before
+
+
+def test_outputs_that_cannot_be_written_are_found_before_the_work(tiny, tmp_path, capsys):
+    root, model, text, pack = tiny
+    ro = tmp_path / "ro.json"
+    ro.write_text("{}")
+    ro.chmod(0o444)
+    (tmp_path / "d.json").mkdir()
+    cases = [(ro, "read-only"), (tmp_path / "d.json", "is a folder"), (tmp_path / "none" / "x.json", "does not exist")]
+    for path, needle in cases:
+        rc, err = run(evaluate.main, _eval(model, pack, text, "--json", str(path)), capsys)
+        assert rc == 2
+        one_line_error(err, "--json", needle)
+    assert ro.read_text() == "{}"
+
+
+# ----------------------------------------------------------------------------- the output module
+
+
+def test_check_outputs_follows_links_and_refuses_duplicates(tmp_path):
+    data = tmp_path / "in.txt"
+    data.write_text("input")
+    (tmp_path / "link.json").symlink_to(data)
+    os.link(data, tmp_path / "hard.json")
+    for out in ("link.json", "hard.json"):
+        with pytest.raises(outputs.OutputPathError, match="is the input --data"):
+            outputs.check_outputs({"--json": tmp_path / out}, {"--data": [data]})
+    with pytest.raises(outputs.OutputPathError, match="same file as --json"):
+        outputs.check_outputs({"--json": tmp_path / "a.json", "--markdown": tmp_path / "a.json"})
+    assert data.read_text() == "input"
+
+
+def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path):
+    path = tmp_path / "out.json"
+    outputs.write_json(path, {"a": 1})
+    assert (path.stat().st_mode & 0o777) == outputs.NEW_FILE_MODE
+
+    def fail(tmp):
+        Path(tmp).write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        outputs.write_atomic(path, fail)
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left
+    with pytest.raises(ValueError):
+        outputs.write_json(path, {"x": float("nan")})  # strict JSON by default
+    assert json.loads(path.read_text()) == {"a": 1}
+
+
+def test_atomic_rewrite_keeps_a_reader_of_the_old_file(tmp_path):
+    """A reader holding the old file (as a memory map) keeps its bytes: the new file is a new inode."""
+    import mmap
+
+    path = tmp_path / "trace.bin"
+    outputs.write_bytes(path, b"old" * 1000)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        outputs.write_bytes(path, b"new")
+        assert m[:6] == b"oldold"
+    assert path.read_bytes() == b"new"
+
+
+# ----------------------------------------------------------------------------- Ctrl-C and corrupt inputs
+
+
+def test_ctrl_c_in_crisp_eval_exits_130_without_traceback(tiny, monkeypatch, capsys):
+    _, model, text, pack = tiny
+
+    class Interrupted:
+        def __init__(self, *a, **k):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate, "Evaluator", Interrupted)
+    rc, err = run(evaluate.main, _eval(model, pack, text), capsys)
+    assert rc == 130 and "crisp-eval: interrupted; rerun the same command" in err and "Traceback" not in err
+
+
+def test_ctrl_c_in_crisp_bench_exits_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_cli, "_cmd_simulate", interrupted)
+    rc, err = run(bench_cli.main, ["simulate"], capsys)
+    assert rc == 130 and "crisp-bench: interrupted" in err and "Traceback" not in err
+
+
+def test_bench_internal_error_names_file_and_line(monkeypatch, capsys):
+    def broken(args):
+        return {}["field"]
+
+    monkeypatch.setattr(bench_cli, "_cmd_simulate", broken)
+    rc, err = run(bench_cli.main, ["simulate"], capsys)
+    assert rc == 1 and "internal error at test_cli_safety.py:" in err and "'field'" in err
+
+
+def test_simulate_seq_len_beyond_the_models_positions(tiny, capsys):
+    _, model, text, _ = tiny  # max_position_embeddings 64
+    rc, err = run(bench_cli.main, ["simulate", "--model", str(model), "--text", str(text), "--plan", "auto",
+                                   "--seq-len", "100000", "--sequences", "1"], capsys)
+    assert rc == 2
+    assert "--seq-len 100000" in err and "max_position_embeddings (64)" in err and "Traceback" not in err
+
+
+def _corrupt_npz(path: Path) -> None:
+    tr.synthetic_trace(num_layers=2, num_tokens=64).save(path)
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 3
+    data[mid:mid + 64] = bytes(64)  # zero a stretch of compressed data
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["zlib", "truncated", "not utf-8 json", "deep json", "records not a list",
+                                  "record field"])
+def test_corrupt_inputs_are_clear_errors(tmp_path, kind):
+    if kind in ("zlib", "truncated"):
+        path = tmp_path / "t.npz"
+        _corrupt_npz(path)
+        if kind == "truncated":
+            path.write_bytes(path.read_bytes()[:200])
+        with pytest.raises(tr.TraceError, match="not a readable trace"):
+            tr.Trace.load(path)
+        return
+    path = tmp_path / "e2e.json"
+    content = {"not utf-8 json": b"\xff\xfe{}", "deep json": b"[" * 100_000 + b"]" * 100_000,
+               "records not a list": json.dumps({"command": "e2e", "records": {"a": 1}}).encode(),
+               "record field": json.dumps({"command": "e2e", "records": [{"policy": "full",
+                                                                          "tokens_per_s": "fast"}]}).encode()}[kind]
+    path.write_bytes(content)
+    needle = {"not utf-8 json": "not UTF-8", "deep json": "nested too deeply", "records not a list": "'records'",
+              "record field": "records[0].tokens_per_s"}[kind]
+    with pytest.raises((bench_cli.CliError, ValueError), match="--compare") as exc:
+        bench_cli._compare_e2e(path, [], 0.25)
+    assert needle in str(exc.value) and str(path) in str(exc.value)
+
+
+def test_corrupt_trace_through_simulate_exits_2(tmp_path, capsys):
+    _corrupt_npz(tmp_path / "t.npz")
+    rc, err = run(bench_cli.main, ["simulate", "--trace", str(tmp_path / "t.npz"), "--plan", "auto"], capsys)
+    assert rc == 2
+    one_line_error(err, "t.npz", "not a readable trace")
+
+
+@pytest.mark.parametrize("kind", ["corrupt gzip", "deep jsonl", "not utf-8 jsonl"])
+def test_corrupt_text_inputs_exit_2(tiny, tmp_path, capsys, kind):
+    _, model, _, _ = tiny
+    if kind == "corrupt gzip":
+        path = tmp_path / "c4.jsonl.gz"
+        raw = bytearray(gzip.compress(b'{"text": "hello world"}\n' * 200))
+        raw[30:60] = bytes(30)
+        path.write_bytes(bytes(raw))
+    elif kind == "deep jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_bytes(b"[" * 100_000 + b"]" * 100_000 + b"\n")
+    else:
+        path = tmp_path / "u.jsonl"
+        path.write_bytes(b'{"text": "\xff\xfe"}\n')
+    rc, err = run(prof.main, ["--model", str(model), "--data", str(path), "--out", str(tmp_path / "o"), *FAST],
+                  capsys)
+    assert rc == 2
+    one_line_error(err, "--data", str(path))
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # a subprocess: ~7 s of CPU importing torch and transformers on a 2-core VM
+def test_sigint_to_a_running_crisp_profile_exits_130_and_keeps_its_checkpoint(tiny, tmp_path):
+    """End to end, a real SIGINT (Ctrl-C) to the process during the statistics pass."""
+    import signal
+    import subprocess
+    import sys
+
+    _, model, text, _ = tiny
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "crisp_tools.profile_model", "--model", str(model), "--data", str(text),
+            "--out", str(out), *[a for a in FAST if a != "--quiet"], "--samples", "64", "--batch-size", "2"]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "statistics: batch 2/" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    rc = proc.wait(timeout=120)
+    assert rc == 130, "".join(seen) + rest
+    assert "crisp-profile: interrupted; rerun the same command to resume" in rest and "Traceback" not in rest
+    assert not out.exists()
+    checkpoints = list((tmp_path / ".out.crisp-work").glob(f"run-*/{prof.STATS_FILE}"))
+    assert len(checkpoints) == 1
