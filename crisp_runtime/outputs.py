@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 PathLike = str | os.PathLike
@@ -68,6 +68,15 @@ def _read_only_fs(folder: Path) -> bool:
         return False
 
 
+def check_writable_folder(option: str, folder: PathLike) -> None:
+    """Refuse a folder that cannot take new files (missing, not writable, on a read-only file system)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise OutputPathError(f"{option}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or _read_only_fs(folder):
+        raise OutputPathError(f"{option}: folder {folder} is not writable")
+
+
 def check_output(option: str, path: PathLike) -> Path:
     """The resolved path of one output, checked to be writable (see the module docstring)."""
     given = Path(path).expanduser()
@@ -79,10 +88,7 @@ def check_output(option: str, path: PathLike) -> Path:
     if resolved.is_dir():
         raise OutputPathError(f"{option} {path}: is (a link to) a folder; give a file path")
     parent = resolved.parent
-    if not parent.is_dir():
-        raise OutputPathError(f"{option} {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or _read_only_fs(parent):
-        raise OutputPathError(f"{option} {path}: folder {parent} is not writable")
+    check_writable_folder(f"{option} {path}", parent)
     if resolved.exists():
         mode = resolved.stat().st_mode
         if not stat.S_ISREG(mode):
@@ -176,11 +182,5 @@ def write_json(path: PathLike, data, *, indent: int = 1, allow_nan: bool = False
     write_text(path, json.dumps(data, indent=indent, allow_nan=allow_nan) + "\n")
 
 
-def remove_files(paths: Iterable[Path]) -> None:
-    """Remove the given files (ones the run wrote itself); a file already gone is fine."""
-    for p in paths:
-        Path(p).unlink(missing_ok=True)
-
-
-__all__ = ["OutputPathError", "check_output", "check_outputs", "check_not_input_folder", "write_atomic",
-           "write_bytes", "write_text", "write_json", "remove_files", "NEW_FILE_MODE"]
+__all__ = ["OutputPathError", "check_writable_folder", "check_output", "check_outputs", "check_not_input_folder",
+           "write_atomic", "write_bytes", "write_text", "write_json", "NEW_FILE_MODE"]

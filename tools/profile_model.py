@@ -46,9 +46,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +55,7 @@ import torch
 
 from crisp_kernels.format import QuantFormat, dequantize_layer, pack_layer
 from crisp_runtime import cli_args as ca
-from crisp_runtime.outputs import OutputPathError, check_not_input_folder
+from crisp_runtime.outputs import OutputPathError, check_not_input_folder, check_writable_folder
 from crisp_runtime.pairs import leading_pairs, pair_codes, pair_counts, pair_skew
 from crisp_runtime.plan import (
     CrispPlan,
@@ -184,17 +182,19 @@ def _pack_json_model(path: Path) -> dict | None:
 
 def pack_file_names() -> tuple[str, ...]:
     """The files a pack folder consists of: the only ones crisp-profile ever replaces in --out."""
-    from crisp_runtime.pack import EXPERTS_FILE, INFO_FILE, PLAN_FILE
+    from crisp_runtime.pack import PACK_FILES
 
-    return (EXPERTS_FILE, PLAN_FILE, INFO_FILE)
+    return PACK_FILES
 
 
 def check_out_files(out: Path) -> dict | None:
     """Refuse an --out that is not a folder or holds anything besides a pack's own files (no model needed,
     so this runs before the model is loaded). Returns the model fingerprint of the pack found there, if any."""
+    try:  # the pack is staged beside --out and swapped in: its parent must take new files
+        check_writable_folder(f"--out {out}", out.parent)
+    except OutputPathError as exc:
+        raise CliError(str(exc)) from exc
     if not out.exists():
-        if not out.parent.is_dir():
-            raise CliError(f"--out {out}: its parent folder {out.parent} does not exist")
         return None
     if not out.is_dir():
         raise CliError(f"--out {out}: exists and is not a folder")
@@ -698,33 +698,10 @@ class Profiler:
         }
 
     def _write(self, packed, plan: CrispPlan, info: dict) -> None:
-        out = self.out
-        check_out_dir(out, self.fingerprint)  # again: something may have appeared meanwhile
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        try:
-            save_pack_dir(tmp, packed, plan, info)
-            # mkdtemp / mkstemp create 0700 / 0600: give the pack ordinary permissions
-            os.chmod(tmp, 0o755)
-            for f in tmp.iterdir():
-                os.chmod(f, 0o644)
-            if out.exists():
-                # Swap the folders, then delete the old pack's own files only (check_out_dir made sure
-                # there was nothing else; anything that appeared since is left in place, and said so).
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-                os.replace(out, old / "pack")
-                os.replace(tmp, out)
-                for name in pack_file_names():
-                    (old / "pack" / name).unlink(missing_ok=True)
-                try:
-                    (old / "pack").rmdir()
-                    old.rmdir()
-                except OSError:
-                    self.log(f"the old --out held files written during this run; they were kept in {old / 'pack'}")
-            else:
-                os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        """The pack into --out as one change (``crisp_runtime.pack.save_pack``: a staging folder beside it,
+        swapped in; only the pack's own files are ever replaced)."""
+        check_out_dir(self.out, self.fingerprint)  # again: something may have appeared meanwhile
+        save_pack_dir(self.out, packed, plan, info)
 
 
 def _stored_weights(layer):

@@ -20,6 +20,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from crisp_runtime.outputs import OutputPathError, check_writable_folder
+
 from .calibration import CliError
 
 MARKER = ".crisp-work"
@@ -38,8 +40,10 @@ class WorkFolder:
         for p in (self.root, self.run_dir):
             if p.exists() and not p.is_dir():
                 raise CliError(f"--work-dir {self.root}: {p} exists and is not a folder")
-        if not self.root.exists() and not self.root.parent.is_dir():
-            raise CliError(f"--work-dir {self.root}: its parent folder {self.root.parent} does not exist")
+        try:
+            check_writable_folder(f"--work-dir {self.root}", self.root if self.root.is_dir() else self.root.parent)
+        except OutputPathError as exc:
+            raise CliError(str(exc)) from exc
 
     def open(self) -> None:
         """Create what is missing (marking a root created here) and take the run's lock."""
