@@ -125,13 +125,14 @@ class NextUsePolicy(EvictionPolicy):
 
     where ``n`` is the number of layers in the cycle, ``d`` in 1..n the layer steps until
     ``layer`` comes next (0 counts as n: the current layer's other experts wait a whole
-    cycle), and ``p`` the estimated chance that ``expert`` is routed at one visit of ``layer``
-    (uses / visits, with ``prior_weight`` pseudo-visits at ``prior_rate``; a geometric wait of
-    1/p - 1 further cycles). The frequency table is what admission needs: a one-off cold
-    auxiliary gets p ~ prior / visits, so it becomes the first victim after its use and the
-    room it took is recycled by the next one-off instead of a hot dominant's (measured with
-    the simulator on the project's trace: +9% tokens/s over LRU at a 25% budget,
-    /work/shared/PERF-BOUNDS.md; the table here keeps counts forever: routing is stationary).
+    cycle), and ``p`` the estimated chance that ``expert`` is routed at the next visit of
+    ``layer`` (a geometric wait of 1/p - 1 further cycles). ``p`` is a moving average over the
+    layer's visits, ``p <- (1 - decay) p + decay [used]``, starting from ``prior_rate``: with
+    ``decay`` near 0 it is the long-run reuse frequency, near 1 "was it used at the last visit".
+    Routing is correlated from one token to the next, so recent visits predict best (measured on
+    the project's trace: docs/bench-results.md). The table is also the admission rule: a one-off
+    cold auxiliary keeps a low ``p``, becomes the first victim after its use, and the room it took
+    is recycled by the next one-off instead of a hot dominant's.
 
     The current layer is the one of the last use, or of the keys the ledger protects when a
     new step begins (the ledger asks for a victim before it reports the step's first use).
@@ -140,16 +141,17 @@ class NextUsePolicy(EvictionPolicy):
 
     name = "next_use"
 
-    def __init__(self, prior_rate: float = 0.25, prior_weight: float = 4.0) -> None:
+    def __init__(self, decay: float = 0.5, prior_rate: float = 0.25) -> None:
         super().__init__()
-        if not 0.0 < prior_rate <= 1.0 or prior_weight <= 0:
-            raise ValueError(f"NextUsePolicy: prior_rate must lie in (0, 1] and prior_weight be > 0, got "
-                             f"{prior_rate} and {prior_weight}")
-        self.prior_uses = prior_rate * prior_weight
-        self.prior_visits = float(prior_weight)
-        self.uses: dict[Key, int] = {}
+        if not 0.0 < decay <= 1.0 or not 0.0 < prior_rate <= 1.0:
+            raise ValueError(f"NextUsePolicy: decay and prior_rate must lie in (0, 1], got {decay} and {prior_rate}")
+        self.decay = decay
+        self.prior_rate = prior_rate
+        self._keep = 1.0 - decay
+        self.rate: dict[Key, tuple[float, int]] = {}  # key -> (p after its last use, layer visit of that use)
         self.visits: dict[int, int] = {}
         self._layers: list[int] = []  # the cycle, sorted layer ids seen so far
+        self._pos: dict[int, int] = {}  # layer id -> position in the cycle
         self._last_layer: int | None = None
 
     def on_use(self, key: Key) -> None:
@@ -158,9 +160,19 @@ class NextUsePolicy(EvictionPolicy):
         if layer != self._last_layer:  # a new layer step begins
             self.visits[layer] = self.visits.get(layer, 0) + 1
             self._last_layer = layer
-            if layer not in self._layers:
-                bisect.insort(self._layers, layer)
-        self.uses[key] = self.uses.get(key, 0) + 1
+            if layer not in self._pos:
+                self._layers.append(layer)
+                self._layers.sort()
+                self._pos = {lay: i for i, lay in enumerate(self._layers)}
+        visit = self.visits[layer]
+        p = self.probability(key, visit - 1)  # decayed through the visits it was not used at
+        self.rate[key] = (self._keep * p + self.decay, visit)
+
+    def probability(self, key: Key, visit: int | None = None) -> float:
+        """Estimated chance that ``key`` is used at the next visit of its layer (after ``visit``)."""
+        p, at = self.rate.get(key, (self.prior_rate, 0))
+        now = self.visits.get(key[0], 0) if visit is None else visit
+        return p * self._keep ** max(0, now - at)
 
     def _current_layer(self, protected: Container[Key]) -> int | None:
         last = self._last_layer
@@ -170,29 +182,44 @@ class NextUsePolicy(EvictionPolicy):
         return min(layers, key=lambda lay: self._distance(last, lay, zero_is_cycle=False))
 
     def _distance(self, current: int, layer: int, *, zero_is_cycle: bool = True) -> int:
-        cycle = self._layers
-        n = len(cycle)
-        if current not in cycle or layer not in cycle:
+        n = len(self._layers)
+        if current not in self._pos or layer not in self._pos:
             return n if n else 1
-        d = (cycle.index(layer) - cycle.index(current)) % n
+        d = (self._pos[layer] - self._pos[current]) % n
         return n if d == 0 and zero_is_cycle else d
 
     def expected_steps(self, key: Key, current: int | None) -> float:
         """Predicted layer steps until ``key`` is used again, seen from layer ``current``."""
         n = max(1, len(self._layers))
-        p = (self.uses.get(key, 0) + self.prior_uses) / (self.visits.get(key[0], 0) + self.prior_visits)
-        p = min(1.0, p)
+        p = max(self.probability(key), _MIN_RATE)
         d = n if current is None else self._distance(current, key[0])
         return d + n * (1.0 / p - 1.0)
 
     def victim(self, protected: Container[Key]) -> Key | None:
+        # expected_steps inlined: this runs once per resident key per eviction (~70 keys for
+        # Mixtral at a 25% budget), the planner's hot loop.
         current = self._current_layer(protected)
+        pos, rate, visits, keep = self._pos, self.rate, self.visits, self._keep
+        n = max(1, len(self._layers))
+        cur = pos.get(current)
+        prior = (self.prior_rate, 0)
         best, best_steps = None, -1.0
-        for key in self._candidates(protected):  # least recent first: strict > keeps the older on ties
-            steps = self.expected_steps(key, current)
+        for key in self._recency:  # least recent first: strict > keeps the older on ties
+            if key in protected:
+                continue
+            layer = key[0]
+            lp = pos.get(layer)
+            d = n if cur is None or lp is None else ((lp - cur) % n or n)
+            p, at = rate.get(key, prior)
+            gap = visits.get(layer, 0) - at
+            p = max(p * keep ** gap if gap > 0 else p, _MIN_RATE)
+            steps = d + n * (1.0 / p - 1.0)
             if steps > best_steps:
                 best, best_steps = key, steps
         return best
+
+
+_MIN_RATE = 1e-6  # a key whose estimate decayed to ~0: the furthest, without dividing by zero
 
 
 class PinnedPolicy(EvictionPolicy):
@@ -276,6 +303,7 @@ class BeladyPolicy(EvictionPolicy):
                 flat += 1
             self.step_end.append(flat - 1)
         self.cursor = -1  # the step of the last use
+        self._next: dict[Key, float] = {}  # cached next_use (valid while ahead of the cursor's step)
         self._used_here: set[Key] = set()  # keys used at the cursor's step
 
     def on_use(self, key: Key) -> None:
@@ -301,11 +329,15 @@ class BeladyPolicy(EvictionPolicy):
         Slots count through the steps in the order given, so two keys next used in the same
         step are ordered by their slot in it (MIN on the flattened sequence needs that tie-break).
         """
+        bound = self.step_end[self.cursor] if self.cursor >= 0 else -1
+        cached = self._next.get(key)
+        if cached is not None and cached > bound:  # still ahead: valid until the replay passes it
+            return cached
         pos = self.positions.get(key)
-        if not pos:
-            return math.inf
-        j = bisect.bisect_right(pos, self.step_end[self.cursor] if self.cursor >= 0 else -1)
-        return pos[j] if j < len(pos) else math.inf
+        j = bisect.bisect_right(pos, bound) if pos else 0
+        nxt = pos[j] if pos and j < len(pos) else math.inf
+        self._next[key] = nxt
+        return nxt
 
     def victim(self, protected: Container[Key]) -> Key | None:
         best, best_next = None, -1.0
@@ -316,7 +348,6 @@ class BeladyPolicy(EvictionPolicy):
                 if nxt == math.inf:
                     break
         return best
-
 
 POLICIES = {"lru": LRUPolicy, "frequency": FrequencyPolicy, "tier": TierAwarePolicy, "next_use": NextUsePolicy}
 

@@ -47,7 +47,7 @@ def test_next_use_keeps_the_hot_experts_where_lru_cycles_them_out(seed, num_laye
     # Room for every layer's hot expert plus one: LRU evicts the oldest, i.e. the hot expert the
     # next layer needs first; next-use evicts the one-off auxiliary of the previous step.
     steps = cyclic_steps(num_layers, tokens=20, seed=seed, one_off_rate=0.5)
-    warm, rest = steps[:2 * num_layers], steps[2 * num_layers:]  # two tokens to learn the reuse table
+    warm, rest = steps[:4 * num_layers], steps[4 * num_layers:]  # four tokens to learn the reuse rates
     lru, nxt = (ledger(num_layers + 1, range(num_layers), p) for p in (LRUPolicy(), NextUsePolicy()))
     run(lru, warm)
     run(nxt, warm)
@@ -55,7 +55,9 @@ def test_next_use_keeps_the_hot_experts_where_lru_cycles_them_out(seed, num_laye
     run(lru, rest)
     evicted = run(nxt, rest)
     assert all(e != 0 for _, e in evicted)  # the hot experts stay
-    assert nxt.counters.misses - nxt_before == sum(len(e) - 1 for _, e in rest)  # only the one-offs miss
+    one_offs = sum(len(e) - 1 for _, e in rest)
+    # the one-offs miss, plus at most one reload of each hot expert evicted while the rates were learned
+    assert one_offs <= nxt.counters.misses - nxt_before <= one_offs + num_layers
     assert lru.counters.misses - lru_before > nxt.counters.misses - nxt_before
 
 
@@ -76,7 +78,9 @@ def test_current_layer_experts_not_needed_wait_a_whole_cycle():
     run(led, [(0, [0]), (1, [3]), (2, [0])] * 3)
     run(led, [(0, [0])])
     assert led.request(1, 4, WIDTH, protected={(1, 4)}).evicted == (((1, 3), WIDTH),)
-    assert policy.expected_steps((2, 0), current=1) == pytest.approx(1 + 3 * (7 / 4 - 1))  # p = (3 + 1) / (3 + 4)
+    # (2, 0) used at each of layer 2's 3 visits: p = 0.25 -> 0.625 -> 0.8125 -> 0.90625 (decay 0.5)
+    assert policy.probability((2, 0)) == pytest.approx(0.90625)
+    assert policy.expected_steps((2, 0), current=1) == pytest.approx(1 + 3 * (1 / 0.90625 - 1))
 
 
 @pytest.mark.parametrize("inner", ["lru", "next_use"])
@@ -90,7 +94,7 @@ def test_pinned_keys_go_only_when_nothing_else_can(inner):
 
 
 def test_bad_policy_arguments():
-    with pytest.raises(ValueError, match="prior_rate"):
+    with pytest.raises(ValueError, match="decay and prior_rate"):
         NextUsePolicy(prior_rate=0.0)
     with pytest.raises(TypeError, match="inner must be an EvictionPolicy"):
         PinnedPolicy("lru", [])
