@@ -21,7 +21,8 @@ from .pack import (
 )
 from .plan import CrispPlan, LayerPlan, PlanError, PolicyKind, Tier, TierCutoffs, TierWidths, assign_tiers
 from .residency import CacheBudgetError, Decision, LedgerCounters, ResidencyLedger
-from .scheduler import CostModel, ExpertTask, StepPlan, flow_shop_makespan, johnson_order, plan_step
+from .scheduler import CostModel, ExpertTask, StepPlan, TaskOrder, flow_shop_makespan, johnson_order, plan_step
+from .serving import SERVING_POLICIES, ServedSlots, ServingPolicy, make_serving, plan_served_step
 from .stats import LayerStats, RuntimeStats
 
 __all__ = [
@@ -48,7 +49,11 @@ __all__ = [
     "ResidentExperts",
     "RuntimeConfig",
     "RuntimeStats",
+    "SERVING_POLICIES",
+    "ServedSlots",
+    "ServingPolicy",
     "StepPlan",
+    "TaskOrder",
     "Tier",
     "TierAwarePolicy",
     "TierCutoffs",
@@ -62,10 +67,12 @@ __all__ = [
     "load_model",
     "load_pack",
     "make_policy",
+    "make_serving",
     "min_budget_bytes",
     "model_info",
     "pack_model",
     "parse_budget",
+    "plan_served_step",
     "plan_step",
     "save_pack",
     "verify_pack",

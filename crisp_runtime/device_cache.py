@@ -40,6 +40,7 @@ class CacheEntry:
 
     expert: PackedExpert  # qweight (w, 3, H/2), scales (w, 3, H/g)[, zeros]: exactly the resident width
     last_use: object = None  # GPU-only: CUDA event recorded after the last compute that read it
+    ready: object = None  # GPU-only: CUDA event after a prefetch's copy, until a step waits on it
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,16 @@ class PrefixCache:
     def mark_used(self, layer_id: int, expert: int, event) -> None:
         """GPU-only: the event after the last kernel reading this prefix; eviction waits on it."""
         self._entries[(layer_id, expert)].last_use = event
+
+    def set_ready(self, layer_id: int, expert: int, event) -> None:
+        """GPU-only: the event after a prefetch's copy; the first step using the prefix waits on it."""
+        self._entries[(layer_id, expert)].ready = event
+
+    def take_ready(self, layer_id: int, expert: int):
+        """GPU-only: the pending prefetch event of a prefix (None if none), cleared."""
+        entry = self._entries[(layer_id, expert)]
+        event, entry.ready = entry.ready, None
+        return event
 
     def _apply(self, decision: Decision) -> None:
         for key, _ in decision.evicted:

@@ -1,7 +1,13 @@
 """Issuing a layer step: make each expert's prefix resident and run its kernels, in the scheduler's order.
 
+Per layer step: the plan's wanted widths and roles, the serving policy's served widths and the
+scheduler's order come from one pure function (``serving.plan_served_step``, also what the
+simulator runs); the executor then moves tensors and launches kernels. Inputs are checked once
+per step here (activations, routing shapes); the kernels are called through their unchecked
+entry with a backend resolved once and expert views cached by the prefix cache.
+
 CPU (and ``RuntimeConfig(async_copies=False)``): the synchronous path. For each expert in
-order: copy what is missing, then run ``expert_mlp_accumulate_`` with the per-token widths.
+order: copy what is missing, then run the expert's kernel with the per-token served widths.
 
 CUDA (``async_copies=True``, the default there), GPU-only code marked below:
 
@@ -18,24 +24,31 @@ CUDA (``async_copies=True``, the default there), GPU-only code marked below:
   waits on it first, so that freed bytes are really free and the budget stays a hard limit.
 
 A hit needs no wait: the step that copied (or widened) a prefix waited on its copy before its
-first kernel, and every later kernel is behind that one on the same compute stream.
+first kernel, and every later kernel is behind that one on the same compute stream. The one
+exception is a prefetched prefix (:meth:`CrispRuntime.prefetch`): its copy was issued on the
+copy stream with an event, and the first step that uses it waits on that event.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from crisp_kernels import Backend, PackedLayer, expert_mlp_accumulate_
+from crisp_kernels import Backend, PackedLayer
+from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_, resolve_backend
 
 from .device_cache import PrefixCache, ResidentExperts
 from .eviction import make_policy
 from .host_store import HostStore
 from .plan import CrispPlan
-from .scheduler import CostModel, StepPlan, plan_step
+from .residency import Decision
+from .scheduler import CostModel, StepPlan, TaskOrder
+from .serving import ServedSlots, ServingPolicy, make_serving, plan_served_step
 from .stats import LayerStats, RuntimeStats
+
+_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,10 @@ class RuntimeConfig:
     kernel_backend: None = the pure-torch kernels on CPU tensors (fast in tests, even when
     ``TRITON_INTERPRET=1``) and automatic selection (compiled Triton) on CUDA.
     eviction: "lru" (default), "frequency", "tier", or an EvictionPolicy class.
+    serving: how routed slots are served from what is resident (``crisp_runtime.serving``): a
+    ServingPolicy, a name ("plan" = default, every slot at the plan's width; "resident";
+    "resident-floor75") or its dict form.
+    order: the order of a step's experts (Johnson's rule by default; ROUTER for benchmarks).
     async_copies: on CUDA, copy stream + events (False = the synchronous path, for checking).
     pin_memory: pin the host store (None = when CUDA is available).
     keep_original: ``apply`` keeps the original expert weights in host memory so ``restore``
@@ -61,6 +78,16 @@ class RuntimeConfig:
     record_timings: bool = False
     cost: CostModel = field(default_factory=CostModel)
     device: str | None = None
+    serving: ServingPolicy | str | Mapping = field(default_factory=ServingPolicy)
+    order: TaskOrder | str = TaskOrder.JOHNSON
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "serving", make_serving(self.serving))
+        try:
+            object.__setattr__(self, "order", TaskOrder(self.order))
+        except ValueError:
+            raise ValueError(f"RuntimeConfig.order: expected one of {[o.value for o in TaskOrder]}, "
+                             f"got {self.order!r}") from None
 
 
 def min_budget_bytes(layers: Mapping[int, PackedLayer], top_k: int) -> int:
@@ -89,12 +116,13 @@ class CrispRuntime:
         if self.device.type == "cuda" and self.device.index is None:  # GPU-only: "cuda" == the tensors' "cuda:N"
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = config
+        self.serving = config.serving
         self.plan = plan
         self.layer_ids = tuple(sorted(int(i) for i in layers))
         if self.device.type == "cpu" and config.kernel_backend is None:
             self.backend = Backend.TORCH
         else:
-            self.backend = None if config.kernel_backend is None else Backend(config.kernel_backend)
+            self.backend = resolve_backend(config.kernel_backend, self.device)
         if gpu_budget is None:
             self.cache = ResidentExperts(dict(layers), self.device)
             self.store = None
@@ -107,10 +135,14 @@ class CrispRuntime:
         first = self.layers[self.layer_ids[0]]
         self.num_experts = first.num_experts
         self._nb = {i: layer.fmt.neuron_nbytes(layer.hidden_size) for i, layer in self.layers.items()}
+        self._hidden = {i: layer.hidden_size for i, layer in self.layers.items()}
         self.stats = RuntimeStats(self.layer_ids)
         self.last_step: dict[int, StepPlan] = {}
+        self.last_served: dict[int, ServedSlots] = {}  # per layer: the widths its last step served, per slot
+        self._step_keys: frozenset = frozenset()  # keys of the last planned step: a prefetch never evicts them
         self._copy_stream = None  # GPU-only, created on first use
-        self._async = config.async_copies and self.device.type == "cuda"
+        # GPU-only: with no offload (ResidentExperts) nothing is ever copied, so there is nothing to overlap.
+        self._async = config.async_copies and self.device.type == "cuda" and isinstance(self.cache, PrefixCache)
 
     def set_plan(self, plan: CrispPlan) -> None:
         first = self.layers[self.layer_ids[0]]
@@ -122,33 +154,37 @@ class CrispRuntime:
 
     # ------------------------------------------------------------------ one layer step
 
-    def plan_step(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> StepPlan:
-        """Widths from the plan, then grouping and order from the scheduler (all on the CPU)."""
+    def plan_served(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                    ) -> tuple[ServedSlots, StepPlan]:
+        """Served widths and the ordered step plan (all on the CPU): ``serving.plan_served_step``."""
         index = top_k_index.detach().to("cpu", torch.int64)
         weights = top_k_weights.detach().to("cpu", torch.float32)
-        widths = self.plan.token_widths(layer_id, index, weights)
         cache = self.cache
-        return plan_step(
-            index, widths, num_experts=self.num_experts, neuron_nbytes=self._nb[layer_id],
-            resident_width=lambda e: cache.resident_width(layer_id, e), cost=self.config.cost,
+        return plan_served_step(
+            self.serving, self.plan, layer_id, index, weights, num_experts=self.num_experts,
+            neuron_nbytes=self._nb[layer_id], resident_width=lambda e: cache.resident_width(layer_id, e),
+            cost=self.config.cost, order=self.config.order,
         )
+
+    def plan_step(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> StepPlan:
+        """The ordered step plan of :meth:`plan_served` (widths as served)."""
+        return self.plan_served(layer_id, top_k_index, top_k_weights)[1]
 
     def forward(self, layer_id: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' output for ``hidden_states`` (T, H), in its dtype."""
-        if layer_id not in self.layers:
-            raise KeyError(f"CRISP runtime has no layer {layer_id}; it holds {list(self.layer_ids)}")
-        if hidden_states.device != self.device:
-            raise RuntimeError(f"layer {layer_id}: activations are on {hidden_states.device}, CRISP experts on "
-                               f"{self.device}")
-        step = self.plan_step(layer_id, top_k_index, top_k_weights)
+        self._check_step(layer_id, hidden_states, top_k_index, top_k_weights)
+        served, step = self.plan_served(layer_id, top_k_index, top_k_weights)
         self.last_step[layer_id] = step
+        self.last_served[layer_id] = served
+        self._step_keys = frozenset((layer_id, t.expert) for t in step.tasks)
         stats = self.stats.layers[layer_id]
         stats.tokens += step.num_tokens
         stats.steps += 1
         stats.bytes_read += step.bytes_read
         stats.bytes_routed += step.bytes_routed
         stats.skipped += step.skipped
+        _add_served(stats, served)
         x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
         out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
         if step.tasks:
@@ -158,6 +194,23 @@ class CrispRuntime:
                 stats.step_ms += timer.stop()
         return out.to(hidden_states.dtype)
 
+    def _check_step(self, layer_id, x, top_k_index, top_k_weights) -> None:
+        """The boundary checks of a layer step: the kernels below are called unchecked."""
+        hidden = self._hidden.get(layer_id)
+        if hidden is None:
+            raise KeyError(f"CRISP runtime has no layer {layer_id}; it holds {list(self.layer_ids)}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != hidden:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"layer {layer_id}: hidden_states must be (T, H={hidden}), got {shape}")
+        if x.dtype not in _ACTIVATION_DTYPES:
+            raise ValueError(f"layer {layer_id}: hidden_states must be fp16, bf16 or fp32, got {x.dtype}")
+        if x.device != self.device:
+            raise RuntimeError(f"layer {layer_id}: activations are on {x.device}, CRISP experts on {self.device}")
+        if (top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape
+                or top_k_index.shape[0] != x.shape[0]):
+            raise ValueError(f"layer {layer_id}: top_k_index and top_k_weights must both be (T={x.shape[0]}, k), "
+                             f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
+
     def _run(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats) -> None:
         device = self.device
         flat = torch.stack((step.flat_pos, step.flat_widths))
@@ -166,18 +219,22 @@ class CrispRuntime:
         rows = torch.div(flat_pos, step.top_k, rounding_mode="floor")
         weights = top_k_weights.detach().reshape(-1)[flat_pos].to(torch.float32)
         tasks = step.tasks
+        # One split per tensor per step, not a slice per expert (each slice is a ~1 us dispatch).
+        counts = [t.stop - t.start for t in tasks]
+        rows_s, weights_s, widths_s = rows.split(counts), weights.split(counts), flat_widths.split(counts)
         pending = {(layer_id, t.expert) for t in tasks}
+        cache, backend = self.cache, self.backend
         compute_stream = copy_stream = None
         if self._async:  # GPU-only
             compute_stream = torch.cuda.current_stream(device)
             copy_stream = self._get_copy_stream()
-        for task in tasks:
+        for i, task in enumerate(tasks):
             key = (layer_id, task.expert)
             if copy_stream is None:
-                got = self.cache.acquire(layer_id, task.expert, task.width, protected=pending)
+                got = cache.acquire(layer_id, task.expert, task.width, protected=pending)
             else:  # GPU-only: copy on the copy stream, the compute stream waits on this expert's event only
                 with torch.cuda.stream(copy_stream):
-                    got = self.cache.acquire(layer_id, task.expert, task.width, protected=pending)
+                    got = cache.acquire(layer_id, task.expert, task.width, protected=pending)
                     if got.copied_bytes:
                         copied = torch.cuda.Event()
                         copied.record(copy_stream)
@@ -185,30 +242,101 @@ class CrispRuntime:
                     compute_stream.wait_event(copied)
                     for t in got.resident.tensors():
                         t.record_stream(compute_stream)
+                else:
+                    ready = cache.take_ready(layer_id, task.expert)  # a prefetch's copy, not yet waited on
+                    if ready is not None:
+                        compute_stream.wait_event(ready)
+                        for t in got.resident.tensors():
+                            t.record_stream(compute_stream)
             pending.discard(key)
-            stats.bytes_h2d += got.copied_bytes
-            stats.evictions += got.evictions
-            if got.kind == "hit":
+            decision = got.decision
+            if decision is None or decision.kind == "hit":
                 stats.hits += 1
-            elif got.kind == "miss":
-                stats.misses += 1
+                if decision is not None and decision.from_prefetch:
+                    stats.prefetch_hits += 1
             else:
-                stats.widenings += 1
+                stats.bytes_h2d += decision.copy_bytes
+                stats.evictions += len(decision.evicted)
+                if decision.kind == "miss":
+                    stats.misses += 1
+                else:
+                    stats.widenings += 1
             stats.expert_runs += 1
-            s = slice(task.start, task.stop)
-            expert_mlp_accumulate_(
-                out, x, got.resident, task.width, rows=rows[s], weights=weights[s], token_widths=flat_widths[s],
-                backend=self.backend,
-            )
-            if copy_stream is not None and isinstance(self.cache, PrefixCache):  # GPU-only
+            expert_mlp_accumulate_unchecked_(out, x, got.resident, task.width, rows_s[i], weights_s[i], widths_s[i],
+                                             backend)
+            if copy_stream is not None:  # GPU-only
                 used = torch.cuda.Event()
                 used.record(compute_stream)
-                self.cache.mark_used(layer_id, task.expert, used)
+                cache.mark_used(layer_id, task.expert, used)
+
+    # ------------------------------------------------------------------ prefetch
+
+    def prefetch(self, layer_id: int, requests: Iterable[tuple[int, int]]) -> list[Decision]:
+        """Copy experts of ``layer_id`` ahead of demand: ``requests`` = [(expert, width), ...].
+
+        Counted in the same budget through the ledger: a request is admitted only if it fits
+        after evicting prefixes that neither the last planned step nor this batch needs (see
+        ``ResidencyLedger.prefetch``); a rejected or already resident request copies nothing.
+        On CUDA the copies go on the copy stream behind every copy already issued, so they
+        never delay a demanded copy of the step in flight; the step that first uses a
+        prefetched prefix waits on its event. Returns the admitted decisions, in order.
+        With ``gpu_budget=None`` everything is resident and nothing is done.
+        """
+        if layer_id not in self._hidden:
+            raise KeyError(f"prefetch: CRISP runtime has no layer {layer_id}; it holds {list(self.layer_ids)}")
+        full = self.layers[layer_id].intermediate_size
+        wanted: dict[int, int] = {}
+        for item in requests:
+            try:
+                e, w = (int(v) for v in item)
+            except (TypeError, ValueError):
+                raise ValueError(f"prefetch: expected (expert, width) pairs, got {item!r}") from None
+            if not 0 <= e < self.num_experts or not 0 < w <= full:
+                raise ValueError(f"prefetch: expert {e} must lie in [0, {self.num_experts}) and width {w} in "
+                                 f"(0, {full}]")
+            wanted[e] = max(w, wanted.get(e, 0))
+        if not isinstance(self.cache, PrefixCache):
+            return []
+        cache = self.cache
+        stats = self.stats.layers[layer_id]
+        protected = set(self._step_keys) | {(layer_id, e) for e in wanted}
+        out = []
+        copy_stream = self._get_copy_stream() if self._async else None
+        for e, w in wanted.items():
+            if cache.resident_width(layer_id, e) >= w:
+                continue
+            if copy_stream is None:
+                decision = cache.prefetch(layer_id, e, w, protected=protected)
+            else:  # GPU-only: behind every copy already issued on the copy stream
+                with torch.cuda.stream(copy_stream):
+                    decision = cache.prefetch(layer_id, e, w, protected=protected)
+                    if decision is not None:
+                        ready = torch.cuda.Event()
+                        ready.record(copy_stream)
+                        cache.set_ready(layer_id, e, ready)
+            if decision is None:
+                stats.prefetch_rejected += 1
+                continue
+            stats.prefetches += 1
+            stats.prefetch_bytes += decision.copy_bytes
+            stats.evictions += len(decision.evicted)
+            out.append(decision)
+        return out
 
     def _get_copy_stream(self):  # GPU-only
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         return self._copy_stream
+
+
+def _add_served(stats: LayerStats, served: ServedSlots) -> None:
+    stats.fallbacks += served.fallbacks
+    stats.serving_skips += served.skips
+    stats.served_wider += served.wider
+    stats.served_dominant_slots += served.dominant_slots
+    stats.served_dominant_neurons += served.dominant_neurons
+    stats.served_aux_slots += served.aux_slots
+    stats.served_aux_neurons += served.aux_neurons
 
 
 class _StepTimer:  # GPU-only

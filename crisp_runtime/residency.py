@@ -61,7 +61,8 @@ class Decision:
     new_width: int  # resident width after (>= width)
     copy_bytes: int  # bytes of rows old_width..new_width (0 for a hit)
     evicted: tuple[tuple[Key, int], ...] = ()  # (key, width it had), in eviction order
-    prefetch: bool = False
+    prefetch: bool = False  # this decision is a prefetch (not a demand)
+    from_prefetch: bool = False  # a demand hit on a prefetched prefix not used before
 
     @property
     def evictions(self) -> int:
@@ -146,6 +147,7 @@ class ResidencyLedger:
             if key in self._prefetched:
                 self._prefetched.discard(key)
                 c.prefetch_hits += 1
+                return Decision(key, HIT, width, old, old, 0, from_prefetch=True)
             return Decision(key, HIT, width, old, old, 0)
         self._prefetched.discard(key)
         extra = self._nb[layer_id] * (width - old)

@@ -17,6 +17,7 @@ the result is "resident experts first, then widest first".
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,13 @@ import torch
 # Above this many routed (token, expert) slots the grouping runs as tensor ops; below, plain Python
 # (decode steps), which is several times faster for a handful of slots.
 _PYTHON_PATH_MAX_SLOTS = 64
+
+
+class TaskOrder(enum.Enum):
+    """The order a layer step's experts are issued in."""
+
+    JOHNSON = "widest_first"  # Johnson's rule: resident first, then widest first (minimal makespan)
+    ROUTER = "router"  # first appearance in the routing (token-major, slot order): the naive order
 
 
 @dataclass(frozen=True)
@@ -110,12 +118,14 @@ def plan_step(
     neuron_nbytes: int,
     resident_width: Callable[[int], int],
     cost: CostModel = CostModel(),
+    order: TaskOrder = TaskOrder.JOHNSON,
 ) -> StepPlan:
     """Group the routed slots of one layer step by expert and order the experts.
 
     top_k_index: (T, k) expert ids (CPU); widths: (T, k) width each slot needs (CPU int64,
     ``CrispPlan.token_widths``); ids outside [0, E) and widths of 0 are skipped.
     resident_width(e): width of expert e's prefix resident now (0 if none).
+    order: Johnson's rule (default) or router order (for benchmarks comparing the two).
     """
     if top_k_index.shape != widths.shape or top_k_index.dim() != 2:
         raise ValueError(
@@ -127,32 +137,37 @@ def plan_step(
         groups = _group_python(top_k_index, widths, num_experts, k)
     else:
         groups = _group_tensor(top_k_index, widths, num_experts)
-    # groups: list of (expert, required width, positions list/tensor, widths list/tensor, routed width sum)
-    experts, required, counts, width_sums, pos_parts, w_parts = groups
+    # groups: experts (ascending ids), required width, slot count, routed width sum, positions, widths, first slot
+    experts, required, counts, width_sums, pos_parts, w_parts, first = groups
     active = sum(counts)
     skipped = num_tokens * k - active
     residents = [resident_width(e) for e in experts]
     copy_bytes = [max(0, w - r) * neuron_nbytes for w, r in zip(required, residents, strict=True)]
     load = [cost.load_time(b) for b in copy_bytes]
     compute = [cost.compute_time(w * neuron_nbytes, n) for w, n in zip(required, counts, strict=True)]
-    order = johnson_order(load, compute)
+    if order is TaskOrder.JOHNSON:
+        seq = johnson_order(load, compute)
+    elif order is TaskOrder.ROUTER:
+        seq = sorted(range(len(experts)), key=first.__getitem__)
+    else:
+        raise ValueError(f"plan_step: order must be a TaskOrder, got {order!r}")
 
     tasks = []
     start = 0
-    for i in order:
+    for i in seq:
         stop = start + counts[i]
         tasks.append(ExpertTask(experts[i], required[i], residents[i], copy_bytes[i], counts[i], start, stop,
                                 load[i], compute[i]))
         start = stop
     if isinstance(pos_parts, list):  # python path: flat lists per expert
-        flat_pos = torch.tensor([p for i in order for p in pos_parts[i]], dtype=torch.int64)
-        flat_widths = torch.tensor([w for i in order for w in w_parts[i]], dtype=torch.int64)
+        flat_pos = torch.tensor([p for i in seq for p in pos_parts[i]], dtype=torch.int64)
+        flat_widths = torch.tensor([w for i in seq for w in w_parts[i]], dtype=torch.int64)
     else:  # tensor path: one permutation of the expert-sorted slots
         flat_pos, flat_widths, seg_start = pos_parts
-        if order == list(range(len(order))):
+        if seq == list(range(len(seq))):
             perm = None
         else:
-            perm = torch.cat([torch.arange(seg_start[i], seg_start[i] + counts[i]) for i in order])
+            perm = torch.cat([torch.arange(seg_start[i], seg_start[i] + counts[i]) for i in seq])
         if perm is not None:
             flat_pos, flat_widths = flat_pos[perm], flat_widths[perm]
     return StepPlan(
@@ -185,7 +200,9 @@ def _group_python(top_k_index, widths, num_experts, k):
     required = [max(w_by_e[e]) for e in experts]
     counts = [len(pos_by_e[e]) for e in experts]
     width_sums = [sum(w_by_e[e]) for e in experts]
-    return experts, required, counts, width_sums, [pos_by_e[e] for e in experts], [w_by_e[e] for e in experts]
+    first = [pos_by_e[e][0] for e in experts]
+    return (experts, required, counts, width_sums, [pos_by_e[e] for e in experts], [w_by_e[e] for e in experts],
+            first)
 
 
 def _group_tensor(top_k_index, widths, num_experts):
@@ -208,4 +225,6 @@ def _group_tensor(top_k_index, widths, num_experts):
     seg_start = [0]
     for c in counts[:-1]:
         seg_start.append(seg_start[-1] + c)
-    return experts, required, counts, width_sums, (pos_sorted, w_sorted, seg_start), None
+    # The stable sort keeps each expert's slots in position order: its first slot opens its segment.
+    first = pos_sorted[seg_start].tolist() if counts else []
+    return experts, required, counts, width_sums, (pos_sorted, w_sorted, seg_start), None, first

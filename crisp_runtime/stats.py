@@ -22,6 +22,14 @@ Definitions (all JSON-friendly ints/floats):
 - ``evictions``: prefixes dropped from the cache to make room.
 - ``expert_runs``: experts run (width > 0), ``skipped``: routed (token, expert) slots of width 0.
 - ``copy_ms`` / ``step_ms``: optional CUDA event timings (``RuntimeConfig(record_timings=True)``).
+- Serving (``crisp_runtime.serving``; zero under the default policy, which serves the plan's
+  widths): ``fallbacks`` slots served narrower than the plan wanted, ``serving_skips`` slots the
+  plan wanted but the policy skipped, ``served_wider`` slots served wider than wanted (free,
+  from a wider resident prefix); ``served_{dominant,aux}_{slots,neurons}`` served slots and
+  their summed widths per role (``served_width_mean`` in ``as_dict``).
+- Prefetch (``CrispRuntime.prefetch``): ``prefetches`` admitted, ``prefetch_bytes`` copied,
+  ``prefetch_rejected`` (did not fit without evicting what the step needs), ``prefetch_hits``
+  demands served without a copy by a prefetch not used before.
 
 The per-token figures (``bytes_h2d_per_token``, ``bytes_read_per_token``) divide by real tokens.
 ``LayerStats.tokens`` is what the executor counts, every position; ``as_dict`` reports it as
@@ -49,6 +57,17 @@ class LayerStats:
     skipped: int = 0
     copy_ms: float = 0.0
     step_ms: float = 0.0
+    fallbacks: int = 0
+    serving_skips: int = 0
+    served_wider: int = 0
+    served_dominant_slots: int = 0
+    served_dominant_neurons: int = 0
+    served_aux_slots: int = 0
+    served_aux_neurons: int = 0
+    prefetches: int = 0
+    prefetch_bytes: int = 0
+    prefetch_rejected: int = 0
+    prefetch_hits: int = 0
 
     def add(self, other: LayerStats) -> None:
         for f in fields(self):
@@ -56,7 +75,9 @@ class LayerStats:
 
 
 _SUMMED = ("bytes_h2d", "bytes_read", "bytes_routed", "hits", "misses", "widenings", "evictions", "expert_runs",
-           "skipped", "copy_ms", "step_ms")
+           "skipped", "copy_ms", "step_ms", "fallbacks", "serving_skips", "served_wider", "served_dominant_slots",
+           "served_dominant_neurons", "served_aux_slots", "served_aux_neurons", "prefetches", "prefetch_bytes",
+           "prefetch_rejected", "prefetch_hits")
 
 
 class RuntimeStats:
@@ -85,6 +106,9 @@ class RuntimeStats:
             "bytes_h2d_per_token": totals["bytes_h2d"] / tokens if tokens else 0.0,
             "bytes_read_per_token": totals["bytes_read"] / tokens if tokens else 0.0,
             "hit_rate": totals["hits"] / lookups if lookups else 0.0,
+            "served_width_mean": {
+                role: totals[f"served_{role}_neurons"] / totals[f"served_{role}_slots"]
+                if totals[f"served_{role}_slots"] else None for role in ("dominant", "aux")},
             "layers": per_layer,
         }
 

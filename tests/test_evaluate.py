@@ -123,3 +123,83 @@ def test_bf16_checkpoint_profiles_in_its_dtype_and_evaluates_in_float32(tmp_path
     assert rc == 0
     with pytest.raises(ev.CliError, match="--dtype"):
         load_model(bf16_dir, "cpu", "float64")
+
+
+# ---------------------------------------------------------------- runtime in the loop (teacher-forced decode)
+
+
+def _decode_setup(setup, samples=3, seq_len=24):
+    from crisp_tools.calibration import load_texts
+
+    _, model_dir, held, out = setup
+    model, _ = load_model(model_dir)
+    pack = load_pack(out)
+    windows = contiguous_windows(load_texts([held]), samples, seq_len)
+    return model, pack, windows
+
+
+def test_decode_through_runtime_equals_batch_evaluation(setup):
+    """Exact serving (the default policy) at a tight budget: the decode mode gives the batch figures."""
+    from crisp_tools.serving_eval import ServingCase, run_case, total_expert_bytes
+
+    model, pack, windows = _decode_setup(setup)
+    with apply(model, pack), record_routing(model) as trace:
+        batch = score_windows(model, windows)
+    layer = next(iter(pack.layers.values()))
+    n, length = windows.shape
+    batch_bytes = 0  # the positions the decode feeds: all but each window's last
+    for lid in pack.layers:
+        index, weights = (x.view(n, length, -1)[:, :-1].reshape(n * (length - 1), -1) for x in trace.layer(lid))
+        batch_bytes += int(pack.plan.token_widths(lid, index, weights).sum()) * layer.fmt.neuron_nbytes(
+            layer.hidden_size)
+    budget = int(0.25 * total_expert_bytes(pack.layers))
+    decoded, stats = run_case(model, pack, pack.plan, windows, budget, ServingCase("crisp-exact"))
+    # fp tolerance: one position at a time through the KV cache vs whole windows (other matmul shapes);
+    # float32 logits of O(10) differ by ~1e-6, so 1e-4 in nll is two decades above that noise.
+    assert decoded.nll.shape == batch.nll.shape
+    assert torch.allclose(decoded.nll, batch.nll, atol=1e-4, rtol=0)
+    assert torch.equal(decoded.correct, batch.correct)
+    assert stats["bytes_routed"] == batch_bytes  # the same widths for the same tokens
+    assert stats["bytes_h2d"] > 0 and stats["cache"]["budget_bytes"] == budget  # it really streamed
+
+
+def test_decode_exact_serving_is_independent_of_the_budget(setup):
+    from crisp_tools.serving_eval import ServingCase, run_case, total_expert_bytes
+
+    model, pack, windows = _decode_setup(setup, samples=2, seq_len=16)
+    total = total_expert_bytes(pack.layers)
+    # this pack has 8 experts in all: 30% holds two full experts, the least a top-2 token needs
+    tight, st_tight = run_case(model, pack, pack.plan, windows, int(0.3 * total), ServingCase("crisp-exact"))
+    loose, st_loose = run_case(model, pack, pack.plan, windows, None, ServingCase("crisp-exact"))
+    assert torch.equal(tight.nll, loose.nll)
+    assert st_tight["bytes_h2d"] > st_loose["bytes_h2d"] == 0
+
+
+def test_serving_sweep_records(setup, tmp_path):
+    from crisp_tools.serving_eval import ServingCase, serving_sweep, write_serving_json
+
+    model, pack, windows = _decode_setup(setup, samples=2, seq_len=16)
+    cases = [ServingCase("crisp-exact"), ServingCase("uniform-exact", "uniform"),
+             ServingCase("skip_aux-exact", "skip_aux")]
+    records, meta = serving_sweep(model, pack, windows, [0.3, 0.5], cases)
+    assert [(r["policy"], r["budget_fraction"]) for r in records] == [
+        ("full-exact", 0.5), ("crisp-exact", 0.3), ("crisp-exact", 0.5), ("uniform-exact", 0.5),
+        ("skip_aux-exact", 0.5)]
+    by = {(r["policy"], r["budget_fraction"]): r for r in records}
+    full_acc = by[("full-exact", 0.5)]["accuracy"]
+    assert by[("full-exact", 0.5)]["accuracy_loss"] == (0.0 if full_acc else None)
+    assert by[("crisp-exact", 0.3)]["accuracy"] == by[("crisp-exact", 0.5)]["accuracy"]
+    assert by[("crisp-exact", 0.3)]["bytes_h2d_per_token"] >= by[("crisp-exact", 0.5)]["bytes_h2d_per_token"]
+    crisp_bpt = by[("crisp-exact", 0.3)]["bytes_routed_per_token"]
+    full_bpt = by[("full-exact", 0.5)]["bytes_routed_per_token"]
+    assert crisp_bpt < full_bpt
+    # uniform matched to CRISP's bytes on the same tokens: within half a width step (top_k x layers neurons)
+    step = full_bpt / pack.plan.intermediate_size
+    assert abs(by[("uniform-exact", 0.5)]["bytes_routed_per_token"] - crisp_bpt) <= step / 2 + 1e-6
+    for r in records:
+        assert r["tokens_evaluated"] == meta["tokens_evaluated"] == 2 * 15
+        assert r["serving"]["exact"] is True
+    path = tmp_path / "serving.json"
+    write_serving_json(path, records, {"model": "m", **meta})
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "crisp-eval-serving" and len(doc["records"]) == 5

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crisp_runtime.scheduler import CostModel, flow_shop_makespan, johnson_order, plan_step
+from crisp_runtime.scheduler import CostModel, TaskOrder, flow_shop_makespan, johnson_order, plan_step
 
 times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False, allow_infinity=False)
 
@@ -109,6 +109,29 @@ def test_plan_step_cached_first_then_widest():
     step = plan_step(index, widths, num_experts=4, neuron_nbytes=100, resident_width=resident.get)
     assert [t.expert for t in step.tasks] == [1, 2, 0, 3]
     assert [t.copy_bytes for t in step.tasks] == [0, 1600, 800, 200]
+
+
+@settings(max_examples=80, deadline=None)
+@given(routings())
+def test_router_order_is_first_appearance(routing):
+    num_experts, index, widths, resident = routing
+    kw = dict(num_experts=num_experts, neuron_nbytes=3, resident_width=lambda e: resident[e])
+    johnson = plan_step(index, widths, **kw)
+    router = plan_step(index, widths, order=TaskOrder.ROUTER, **kw)
+    first = []
+    for e, w in zip(index.reshape(-1).tolist(), widths.reshape(-1).tolist(), strict=True):
+        if w > 0 and 0 <= e < num_experts and e not in first:
+            first.append(e)
+    assert [t.expert for t in router.tasks] == first
+    # Same tasks and slots, only the order differs.
+    assert sorted(johnson.tasks, key=lambda t: t.expert) == sorted(
+        (t.__class__(**{**t.__dict__, "start": s.start, "stop": s.stop}) for t, s in zip(
+            sorted(router.tasks, key=lambda t: t.expert), sorted(johnson.tasks, key=lambda t: t.expert),
+            strict=True)), key=lambda t: t.expert)
+    for t in router.tasks:
+        assert sorted(router.flat_pos[t.start:t.stop].tolist()) == router.flat_pos[t.start:t.stop].tolist()
+    with pytest.raises(ValueError, match="TaskOrder"):
+        plan_step(index, widths, order="router", **kw)
 
 
 def test_plan_step_rejects_bad_shapes():

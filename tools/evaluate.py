@@ -34,6 +34,7 @@ from crisp_runtime.baselines import equal_bytes_plans
 from crisp_runtime.outputs import OutputPathError, check_outputs
 from crisp_runtime.plan import CrispPlan, PolicyKind
 
+from . import serving_eval
 from .calibration import (
     DTYPES,
     CliError,
@@ -89,6 +90,15 @@ class Evaluator:
 
     def log(self, msg):
         log(f"[crisp-eval {time.time() - self.t0:6.1f}s] {msg}", quiet=self.quiet)
+
+    def run_decode(self, budgets) -> tuple[list[dict], dict]:
+        """Runtime in the loop (``crisp_tools.serving_eval``): every default case at every budget fraction."""
+        from crisp_runtime.pack import CrispPack
+
+        self.log(f"decode: {self.windows.shape[0]} windows x {self.windows.shape[1]} tokens, budgets {budgets}")
+        pack = CrispPack(self.layers, self.plan, self.info)
+        return serving_eval.serving_sweep(self.model, pack, self.windows, budgets, serving_eval.default_cases(),
+                                          log=self.log)
 
     def _plan(self, kind, **kw) -> CrispPlan:
         args = (self.plan.num_experts, self.top_k, self.inter, self.layer_ids)
@@ -233,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="dtype the dense model is loaded in (auto: the checkpoint's)")
     p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads")
+    p.add_argument("--mode", default="batch", choices=("batch", "decode"),
+                   help="batch: whole windows per forward, no cache budget (equal-bytes table); decode: teacher-forced "
+                        "decode through the runtime's expert cache at each --budgets fraction, one token per forward "
+                        "(runtime in the loop; serving policies and prefetch)")
+    p.add_argument("--budgets", nargs="+", type=ca.float_in(0.0, 1.0, low_open=True), default=[0.1, 0.25, 0.5],
+                   metavar="F",
+                   help="--mode decode: GPU expert-cache budgets as fractions of all expert bytes of the pack")
     p.add_argument("--engine", default="runtime", choices=("runtime", "reference"),
                    help="runtime: crisp_runtime.apply with the packed 4-bit experts; reference: dequantize + mask")
     p.add_argument("--json", default=None, metavar="PATH", type=ca.nonempty_path,
@@ -250,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             ev = Evaluator(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
                            batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet,
                            dtype=args.dtype)
+            if args.mode == "decode":
+                return _decode_main(ev, args)
             records = ev.run()
     except (CliError, OutputPathError) as exc:
         print(f"crisp-eval: error: {exc}", file=sys.stderr)
@@ -270,6 +289,15 @@ def main(argv: list[str] | None = None) -> int:
                               "full_width_bytes_per_token": ev.full_bpt, "records": records, "verdict": v,
                               "plan_description": ev.plan.description,
                               "elapsed_s": round(time.time() - ev.t0, 1)})
+    return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
+
+
+def _decode_main(ev: Evaluator, args) -> int:
+    records, meta = ev.run_decode(args.budgets)
+    print(serving_eval.format_table(records))
+    if args.json:
+        serving_eval.write_serving_json(args.json, records, {"model": args.model, "crisp": args.crisp,
+                                                             "data": args.data, **meta})
     return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
 
 

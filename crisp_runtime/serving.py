@@ -1,0 +1,234 @@
+"""Serving policies: at which width each routed (token, expert) slot runs, given what is resident.
+
+The plan gives every routed slot a *wanted* width and a role (dominant: the heaviest
+``num_dominant`` experts of the token; auxiliary: the others). A :class:`ServingPolicy` then
+decides the *served* width from the resident prefix width ``r`` of the slot's expert at the
+start of the layer step (CRISP's prefix format makes every narrower width free to serve from a
+wider resident copy):
+
+==========================  =================================================================
+slot                        width it needs resident
+==========================  =================================================================
+wanted 0 (the plan skips)   none: skipped, whatever is resident
+``r >= wanted``             ``wanted`` (a hit)
+auxiliary, ``0 < r < w``    ``r`` if ``aux_narrower`` is RESIDENT (no copy), else ``wanted``
+auxiliary, ``r == 0``       ``wanted`` if ``aux_missing`` is LOAD, none (skip) if SKIP
+dominant, ``r < wanted``    ``max(r, floor)``, ``floor = min(wanted, ceil(dominant_floor * full))``:
+                            a missed dominant loads only the floor prefix, never less
+==========================  =================================================================
+
+Then each slot is served from its expert's width *available* after the step's copies
+(``a = max(r, widths needed by the step's slots of that expert)``): at ``min(wanted, a)``,
+or at ``a`` ("wider for free": no extra bytes, more accuracy) when ``hit_width`` is RESIDENT;
+a slot with ``a == 0`` is skipped. So a slot never costs a copy the table did not ask for.
+
+The default policy (``ServingPolicy()``, named "plan") serves every slot at the plan's width:
+today's behaviour, outputs independent of the cache and the budget. Everything here is pure
+and deterministic for a given sequence of steps (the resident widths come in as a function);
+:func:`plan_served_step` is the one planning function of a layer step, used by the runtime's
+executor and by the simulator: serving decisions -> per-slot served widths -> the scheduler's
+ordered :class:`~crisp_runtime.scheduler.ExpertTask` list.
+
+Why these knobs (docs PERF-BOUNDS, simulated RTX 4090, 25% budget): serving an auxiliary at
+its wider resident width costs no bytes and lowered the accuracy loss 1.32% -> 0.98%; a missed
+dominant at a 75% prefix was +29% tokens/s for ~0.8 point of loss (62.5% passed 2% loss).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .scheduler import CostModel, StepPlan, TaskOrder, plan_step
+
+
+class HitWidth(enum.Enum):
+    """A slot whose expert is resident at least as wide as wanted runs at..."""
+
+    WANTED = "wanted"  # ... the plan's width
+    RESIDENT = "resident"  # ... the resident width (more accuracy, no extra bytes)
+
+
+class AuxNarrower(enum.Enum):
+    """An auxiliary resident narrower than wanted..."""
+
+    WIDEN = "widen"  # ... is widened (rows r..wanted copied)
+    RESIDENT = "resident"  # ... runs at the resident width (no copy)
+
+
+class AuxMissing(enum.Enum):
+    """An auxiliary not resident at all..."""
+
+    LOAD = "load"  # ... is loaded at the wanted width
+    SKIP = "skip"  # ... is skipped
+
+
+@dataclass(frozen=True)
+class ServingPolicy:
+    """How routed slots are served from the resident prefixes (see the module docstring)."""
+
+    name: str = "plan"
+    hit_width: HitWidth = HitWidth.WANTED
+    aux_narrower: AuxNarrower = AuxNarrower.WIDEN
+    aux_missing: AuxMissing = AuxMissing.LOAD
+    dominant_floor: float = 1.0  # fraction of the full width a dominant never goes below
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ServingPolicy: name must be a non-empty string, got {self.name!r}")
+        for attr, kind in (("hit_width", HitWidth), ("aux_narrower", AuxNarrower), ("aux_missing", AuxMissing)):
+            value = getattr(self, attr)
+            if not isinstance(value, kind):
+                try:
+                    object.__setattr__(self, attr, kind(value))
+                except ValueError:
+                    choices = ", ".join(m.value for m in kind)
+                    raise ValueError(f"ServingPolicy: {attr} must be one of {choices}, got {value!r}") from None
+        floor = self.dominant_floor
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 < floor <= 1.0:
+            raise ValueError(f"ServingPolicy: dominant_floor must be a fraction in (0, 1], got {floor!r}")
+
+    @property
+    def follows_plan(self) -> bool:
+        """True when every slot is served at the plan's width whatever is resident (the default)."""
+        return (self.hit_width is HitWidth.WANTED and self.aux_narrower is AuxNarrower.WIDEN
+                and self.aux_missing is AuxMissing.LOAD and self.dominant_floor == 1.0)
+
+    def floor_width(self, wanted: int, full: int) -> int:
+        return min(wanted, math.ceil(self.dominant_floor * full))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "hit_width": self.hit_width.value, "aux_narrower": self.aux_narrower.value,
+                "aux_missing": self.aux_missing.value, "dominant_floor": self.dominant_floor}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> ServingPolicy:
+        unknown = set(data) - {"name", "hit_width", "aux_narrower", "aux_missing", "dominant_floor"}
+        if unknown:
+            raise ValueError(f"ServingPolicy: unknown keys {sorted(unknown)}")
+        return cls(**data)
+
+
+# Named policies: "plan" (default, residency-blind), "resident" (auxiliaries served from what is
+# resident, never below it), "resident-floor75" (and a missed dominant loads a 75% prefix).
+SERVING_POLICIES: dict[str, ServingPolicy] = {
+    "plan": ServingPolicy(),
+    "resident": ServingPolicy("resident", HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD, 1.0),
+    "resident-floor75": ServingPolicy("resident-floor75", HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD,
+                                      0.75),
+}
+
+
+def make_serving(spec) -> ServingPolicy:
+    """A policy from a name in :data:`SERVING_POLICIES`, a dict (``to_dict`` form) or an instance."""
+    if isinstance(spec, ServingPolicy):
+        return spec
+    if isinstance(spec, str) and spec in SERVING_POLICIES:
+        return SERVING_POLICIES[spec]
+    if isinstance(spec, Mapping):
+        return ServingPolicy.from_dict(spec)
+    raise ValueError(f"serving: expected one of {sorted(SERVING_POLICIES)}, a dict or a ServingPolicy, got {spec!r}")
+
+
+@dataclass(frozen=True)
+class ServedSlots:
+    """Served widths of one layer step, (T, k) int64 like the plan's, and what serving changed."""
+
+    widths: torch.Tensor  # served width per slot (0 = not run)
+    wanted: torch.Tensor  # the plan's width per slot
+    dominant: torch.Tensor | None  # (T, k) bool; None when the policy follows the plan (roles not computed)
+    fallbacks: int  # slots served narrower than wanted (> 0)
+    skips: int  # slots wanted > 0 served 0
+    wider: int  # slots served wider than wanted
+    # Served slots and neurons per role (zeros when the roles were not computed: the default policy).
+    dominant_slots: int = 0
+    dominant_neurons: int = 0
+    aux_slots: int = 0
+    aux_neurons: int = 0
+
+
+def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor, dominant: torch.Tensor | None, *,
+                num_experts: int, full_width: int, resident_width: Callable[[int], int]) -> ServedSlots:
+    """Served widths of one step's slots (see the module docstring); all CPU, pure."""
+    if policy.follows_plan and dominant is None:  # the default's fast path: no residency lookups, no roles
+        return ServedSlots(wanted, wanted, None, 0, 0, 0)
+    if dominant is None:
+        raise ValueError(f"serve_slots: serving policy {policy.name!r} needs the slots' roles (dominant mask)")
+    shape = wanted.shape
+    flat_e = index.reshape(-1).tolist()
+    flat_w = wanted.reshape(-1).tolist()
+    flat_d = dominant.reshape(-1).tolist()
+    resident: dict[int, int] = {}
+    served = [0] * len(flat_w)
+    for p, (e, w, dom) in enumerate(zip(flat_e, flat_w, flat_d, strict=True)):
+        if w <= 0 or not 0 <= e < num_experts:
+            continue
+        r = resident.get(e)
+        if r is None:
+            r = resident[e] = resident_width(e)
+        served[p] = _serve_one(policy, w, dom, r, full_width)
+    # A slot served below what its expert will hold after the step's copies gets those rows for free.
+    available = dict(resident)
+    for e, s in zip(flat_e, served, strict=True):
+        if s > available.get(e, 0):
+            available[e] = s
+    fallbacks = skips = wider = dom_slots = dom_neurons = aux_slots = aux_neurons = 0
+    free = policy.hit_width is HitWidth.RESIDENT
+    for p, (e, w) in enumerate(zip(flat_e, flat_w, strict=True)):
+        if w <= 0 or not 0 <= e < num_experts:
+            continue
+        a = available.get(e, 0)
+        s = served[p]
+        if free:
+            s = a
+        elif s < w:
+            s = min(w, a)
+        served[p] = s
+        if s == 0:
+            skips += 1
+            continue
+        if s < w:
+            fallbacks += 1
+        elif s > w:
+            wider += 1
+        if flat_d[p]:
+            dom_slots += 1
+            dom_neurons += s
+        else:
+            aux_slots += 1
+            aux_neurons += s
+    widths = torch.tensor(served, dtype=torch.int64).reshape(shape)
+    return ServedSlots(widths, wanted, dominant, fallbacks, skips, wider, dom_slots, dom_neurons, aux_slots,
+                       aux_neurons)
+
+
+def _serve_one(policy: ServingPolicy, wanted: int, dominant: bool, resident: int, full: int) -> int:
+    if resident >= wanted:
+        return wanted
+    if dominant:
+        return max(resident, policy.floor_width(wanted, full))
+    if resident > 0:
+        return resident if policy.aux_narrower is AuxNarrower.RESIDENT else wanted
+    return wanted if policy.aux_missing is AuxMissing.LOAD else 0
+
+
+def plan_served_step(policy: ServingPolicy, plan, layer_id: int, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor, *, num_experts: int, neuron_nbytes: int,
+                     resident_width: Callable[[int], int], cost: CostModel | None = None,
+                     order: TaskOrder = TaskOrder.JOHNSON) -> tuple[ServedSlots, StepPlan]:
+    """One layer step's plan: the plan's wanted widths and roles, the served widths, the ordered tasks.
+
+    top_k_index / top_k_weights: (T, k) CPU tensors (int64 / float32) as the router returns them.
+    resident_width(e): expert e's resident prefix width in this layer now (0 = none).
+    """
+    wanted, dominant = plan.token_widths_and_roles(layer_id, top_k_index, top_k_weights,
+                                                   roles=not policy.follows_plan)
+    served = serve_slots(policy, top_k_index, wanted, dominant, num_experts=num_experts,
+                         full_width=plan.intermediate_size, resident_width=resident_width)
+    step = plan_step(top_k_index, served.widths, num_experts=num_experts, neuron_nbytes=neuron_nbytes,
+                     resident_width=resident_width, cost=CostModel() if cost is None else cost, order=order)
+    return served, step

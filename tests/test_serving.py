@@ -1,0 +1,268 @@
+"""Serving policies: the rules against a brute force, the runtime's outputs against a reference at the widths
+it served, the dominant floor, the budget with prefetch on, and the default policy's independence of the budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from runtime_helpers import random_layers
+
+from crisp_kernels import dequantize_expert
+from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths, min_budget_bytes
+from crisp_runtime.serving import (
+    SERVING_POLICIES,
+    AuxMissing,
+    AuxNarrower,
+    HitWidth,
+    ServingPolicy,
+    make_serving,
+    serve_slots,
+)
+
+E, INTER, TOP_K = 6, 16, 2
+LAYER_IDS = (1, 2)
+LAYERS = random_layers(layer_ids=LAYER_IDS, num_experts=E, inter=INTER, seed=3)
+NB = LAYERS[1].fmt.neuron_nbytes(LAYERS[1].hidden_size)
+DEQ = {i: [dequantize_expert(layer.expert(e), dtype=torch.float64) for e in range(E)] for i, layer in LAYERS.items()}
+
+policies = st.builds(ServingPolicy, st.just("p"), st.sampled_from(list(HitWidth)), st.sampled_from(list(AuxNarrower)),
+                     st.sampled_from(list(AuxMissing)), st.sampled_from([1.0, 0.75, 0.5, 0.0625]))
+
+
+def reference(layer_id, x, index, weights, widths):
+    """out[t] = sum_s weights[t, s] * expert_{index[t, s]}(x[t]) over its first widths[t, s] neurons, float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for s in range(index.shape[1]):
+            e, w = int(index[t, s]), int(widths[t, s])
+            if w == 0:
+                continue
+            gate, up, down = DEQ[layer_id][e]
+            xt = x[t].double()
+            out[t] += float(weights[t, s]) * (down[:, :w] @ (torch.nn.functional.silu(gate[:w] @ xt) * (up[:w] @ xt)))
+    return out
+
+
+def brute_serve(policy, index, wanted, dominant, resident, full):
+    """The module docstring's table, written out slot by slot with no shared code."""
+    slots = [(int(e), int(w), bool(d)) for e, w, d in zip(index.reshape(-1), wanted.reshape(-1),
+                                                          dominant.reshape(-1), strict=True)]
+    need = []
+    for e, w, d in slots:
+        r = resident.get(e, 0)
+        if w == 0:
+            need.append(0)
+        elif r >= w:
+            need.append(w)
+        elif d:
+            need.append(max(r, min(w, math.ceil(policy.dominant_floor * full))))
+        elif r > 0:
+            need.append(r if policy.aux_narrower is AuxNarrower.RESIDENT else w)
+        else:
+            need.append(w if policy.aux_missing is AuxMissing.LOAD else 0)
+    available = {}
+    for (e, _, _), n in zip(slots, need, strict=True):
+        available[e] = max(available.get(e, resident.get(e, 0)), n)
+    served = []
+    for e, w, _ in slots:
+        a = available[e]
+        served.append(0 if w == 0 else a if policy.hit_width is HitWidth.RESIDENT else min(w, a))
+    return torch.tensor(served).reshape(wanted.shape)
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies, st.integers(1, 6), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_serve_slots_equals_brute_force(policy, tokens, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, 5, (tokens, k), generator=g)
+    wanted = torch.randint(0, INTER + 1, (tokens, k), generator=g) * (torch.rand(tokens, k, generator=g) < 0.8)
+    dominant = torch.rand(tokens, k, generator=g) < 0.4
+    resident = {e: int(torch.randint(0, INTER + 1, (1,), generator=g)) for e in range(5)}
+    got = serve_slots(policy, index, wanted, dominant, num_experts=5, full_width=INTER,
+                      resident_width=resident.__getitem__)
+    want = brute_serve(policy, index, wanted, dominant, resident, INTER)
+    assert torch.equal(got.widths, want)
+    active = wanted > 0
+    assert got.fallbacks == int(((want < wanted) & (want > 0)).sum())
+    assert got.skips == int((active & (want == 0)).sum())
+    assert got.wider == int((want > wanted).sum())
+    assert got.dominant_slots + got.aux_slots == int((want > 0).sum())
+    assert got.dominant_neurons == int(want[dominant].sum()) and got.aux_neurons == int(want[~dominant].sum())
+    floor = torch.clamp(wanted, max=math.ceil(policy.dominant_floor * INTER))
+    assert bool((want[dominant & active] >= floor[dominant & active]).all())  # the dominant floor
+
+
+def test_default_policy_serves_the_plan_whatever_is_resident():
+    index = torch.tensor([[0, 1], [2, 1]])
+    wanted = torch.tensor([[16, 8], [0, 4]])
+    for resident in ({}, {0: 3, 1: 16, 2: 1}):
+        got = serve_slots(ServingPolicy(), index, wanted, None, num_experts=E, full_width=INTER,
+                          resident_width=lambda e, r=resident: r.get(e, 0))
+        assert torch.equal(got.widths, wanted) and (got.fallbacks, got.skips, got.wider) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dominant_floor": 0.0}, "dominant_floor"), ({"dominant_floor": 1.5}, "dominant_floor"),
+    ({"dominant_floor": True}, "dominant_floor"), ({"hit_width": "sometimes"}, "hit_width"),
+    ({"aux_missing": "maybe"}, "aux_missing"), ({"name": ""}, "name"),
+])
+def test_policy_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ServingPolicy(**kwargs)
+
+
+def test_policy_names_and_dict_round_trip():
+    assert ServingPolicy().follows_plan and not SERVING_POLICIES["resident"].follows_plan
+    for name, policy in SERVING_POLICIES.items():
+        assert make_serving(name) is policy and make_serving(policy.to_dict()) == policy
+    assert ServingPolicy(hit_width="resident").hit_width is HitWidth.RESIDENT
+    assert RuntimeConfig(serving="resident-floor75").serving.dominant_floor == 0.75
+    with pytest.raises(ValueError, match="serving"):
+        RuntimeConfig(serving="fastest")
+    with pytest.raises(ValueError, match="unknown keys"):
+        ServingPolicy.from_dict({"name": "x", "floor": 1})
+
+
+# ---------------------------------------------------------------------------- through the runtime
+
+
+@st.composite
+def plans(draw):
+    kind = draw(st.sampled_from(["full", "uniform", "skip_threshold", "crisp"]))
+    if kind == "full":
+        return CrispPlan.full(E, TOP_K, INTER, LAYER_IDS)
+    if kind == "uniform":
+        return CrispPlan.uniform(E, TOP_K, INTER, LAYER_IDS, draw(st.integers(1, INTER)))
+    if kind == "skip_threshold":
+        return CrispPlan.skip_aux(E, TOP_K, INTER, LAYER_IDS, threshold=draw(st.floats(0.0, 0.6)))
+    layers = {}
+    for layer_id in LAYER_IDS:
+        pairs = draw(st.lists(st.tuples(st.integers(0, E - 1), st.integers(0, E - 1)).filter(lambda p: p[0] < p[1]),
+                              max_size=8, unique=True))
+        layers[layer_id] = LayerPlan({p: draw(st.sampled_from(list(Tier))) for p in pairs},
+                                     {p: draw(st.sampled_from(p)) for p in pairs})
+    widths = TierWidths(INTER, draw(st.integers(0, INTER)), draw(st.integers(0, INTER)))
+    return CrispPlan.crisp(E, TOP_K, INTER, layers, widths, unseen_tier=draw(st.sampled_from(list(Tier))))
+
+
+@st.composite
+def sequences(draw):
+    """Layer steps, each followed by an optional prefetch batch for the other layer."""
+    out = []
+    for _ in range(draw(st.integers(1, 8))):
+        layer_id = draw(st.sampled_from(LAYER_IDS))
+        prefetch = draw(st.lists(st.tuples(st.integers(0, E - 1), st.integers(1, INTER)), max_size=3))
+        out.append((layer_id, draw(st.integers(1, 12)), draw(st.integers(0, 2**31 - 1)), prefetch))
+    return out
+
+
+def make_step(tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=g)
+    index = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, TOP_K, generator=g) * 2, dim=-1)
+    return x, index, weights
+
+
+def close(out, ref):
+    err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+    return err < 1e-5 or ref.norm() == 0 and out.abs().max() == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(plans(), policies, sequences(), st.integers(0, 5 * INTER))
+def test_residency_aware_runtime_matches_reference_at_served_widths(plan, policy, steps, extra_neurons):
+    budget = min_budget_bytes(LAYERS, TOP_K) + extra_neurons * NB
+    runtime = CrispRuntime(LAYERS, plan, device="cpu", gpu_budget=budget, config=RuntimeConfig(serving=policy))
+    floor = math.ceil(policy.dominant_floor * INTER)
+    prefetched = 0
+    changed = [0, 0, 0]  # fallbacks, skips, wider: counted here from the served widths
+    for layer_id, tokens, seed, prefetch in steps:
+        x, index, weights = make_step(tokens, seed)
+        out = runtime.forward(layer_id, x, index, weights)
+        served = runtime.last_served[layer_id]
+        w, s = served.wanted, served.widths
+        changed[0] += int(((s < w) & (s > 0)).sum())
+        changed[1] += int(((w > 0) & (s == 0)).sum())
+        changed[2] += int((s > w).sum())
+        assert close(out, reference(layer_id, x, index, weights, served.widths))
+        wanted, dominant = plan.token_widths_and_roles(layer_id, index, weights)
+        assert torch.equal(served.wanted, wanted)
+        dom = dominant & (wanted > 0)
+        assert bool((served.widths[dom] >= wanted[dom].clamp(max=floor)).all())  # the floor, never below
+        assert runtime.cache.used <= budget
+        other = LAYER_IDS[1 - LAYER_IDS.index(layer_id)]
+        step_keys = {(layer_id, t.expert): runtime.cache.resident_width(layer_id, t.expert)
+                     for t in runtime.last_step[layer_id].tasks}
+        prefetched += sum(d.copy_bytes for d in runtime.prefetch(other, prefetch))
+        # a prefetch never evicts (nor narrows) what the step just planned uses
+        assert all(runtime.cache.resident_width(*key) == w for key, w in step_keys.items())
+        assert runtime.cache.used <= budget
+    stats = runtime.stats.as_dict()
+    assert runtime.cache.peak <= budget
+    assert stats["prefetch_bytes"] == prefetched
+    assert stats["prefetch_hits"] <= stats["prefetches"]
+    assert (stats["fallbacks"], stats["serving_skips"], stats["served_wider"]) == tuple(changed)
+
+
+@settings(max_examples=12, deadline=None)
+@given(plans(), sequences(), st.integers(0, 5 * INTER))
+def test_default_policy_outputs_do_not_depend_on_the_budget(plan, steps, extra_neurons):
+    runtimes = [CrispRuntime(LAYERS, plan, device="cpu", gpu_budget=b)
+                for b in (None, min_budget_bytes(LAYERS, TOP_K), min_budget_bytes(LAYERS, TOP_K) + extra_neurons * NB)]
+    for layer_id, tokens, seed, prefetch in steps:
+        x, index, weights = make_step(tokens, seed)
+        outs = [rt.forward(layer_id, x, index, weights) for rt in runtimes]
+        ref = reference(layer_id, x, index, weights, plan.token_widths(layer_id, index, weights))
+        assert all(close(out, ref) for out in outs)
+        for rt in runtimes[1:]:
+            assert torch.equal(rt.last_served[layer_id].widths, runtimes[0].last_served[layer_id].widths)
+            rt.prefetch(LAYER_IDS[1 - LAYER_IDS.index(layer_id)], prefetch)
+
+
+def test_prefetch_counts_hits_and_respects_the_step():
+    plan = CrispPlan.full(E, TOP_K, INTER, LAYER_IDS)
+    budget = 3 * INTER * NB
+    runtime = CrispRuntime(LAYERS, plan, device="cpu", gpu_budget=budget)
+    x, _, _ = make_step(1, 0)
+    index, weights = torch.tensor([[0, 1]]), torch.tensor([[0.7, 0.3]])
+    runtime.forward(1, x, index, weights)
+    # Room for one more full expert; the step's experts (1, 0) and (1, 1) are protected.
+    got = runtime.prefetch(2, [(3, INTER), (4, INTER)])
+    assert [d.key for d in got] == [(2, 3)]
+    assert runtime.cache.resident_width(1, 0) == runtime.cache.resident_width(1, 1) == INTER
+    runtime.forward(2, x, torch.tensor([[3, 5]]), weights)
+    stats = runtime.stats.layers[2]
+    assert (stats.prefetches, stats.prefetch_rejected, stats.prefetch_hits) == (1, 1, 1)
+    assert stats.prefetch_bytes == INTER * NB
+    assert runtime.prefetch(2, [(3, 4)]) == []  # already resident
+    with pytest.raises(ValueError, match="width"):
+        runtime.prefetch(2, [(3, INTER + 1)])
+    with pytest.raises(KeyError, match="no layer 7"):
+        runtime.prefetch(7, [(3, 1)])
+    no_offload = CrispRuntime(LAYERS, plan, device="cpu", gpu_budget=None)
+    assert no_offload.prefetch(1, [(0, INTER)]) == []
+
+
+@pytest.mark.parametrize("kind", ["full", "uniform", "skip", "crisp"])
+def test_roles_agree_between_small_and_tensor_paths(kind):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(100, E, generator=g)
+    weights, index = torch.softmax(logits, -1).topk(TOP_K, dim=-1)
+    index[::7, 1] = E  # padding sentinels get no role
+    plan = {"full": CrispPlan.full(E, TOP_K, INTER, LAYER_IDS),
+            "uniform": CrispPlan.uniform(E, TOP_K, INTER, LAYER_IDS, 5),
+            "skip": CrispPlan.skip_aux(E, TOP_K, INTER, LAYER_IDS),
+            "crisp": CrispPlan.crisp(E, TOP_K, INTER, {1: LayerPlan({(0, 1): Tier.HOT, (2, 3): Tier.COLD},
+                                                                    {(0, 1): 1, (2, 3): 3})},
+                                     TierWidths(INTER, 8, 4), unseen_tier=Tier.WARM)}[kind]
+    big_w, big_r = plan.token_widths_and_roles(1, index, weights)  # 200 slots: the tensor path
+    parts = [plan.token_widths_and_roles(1, index[i:i + 4], weights[i:i + 4]) for i in range(0, 100, 4)]
+    assert torch.equal(big_w, torch.cat([p[0] for p in parts])) and torch.equal(big_r, torch.cat([p[1] for p in parts]))
+    assert torch.equal(big_w, plan.token_widths(1, index, weights))
+    valid = index < E
+    assert torch.equal(big_r.sum(1), valid.sum(1).clamp(max=plan.num_dominant))

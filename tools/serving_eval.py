@@ -1,0 +1,286 @@
+"""Accuracy with the runtime in the loop: teacher-forced decoding through CRISP's device cache.
+
+Once serving depends on what is resident, a batch forward over whole windows (``score_windows``)
+no longer measures what a user gets: the widths served depend on the cache state, which depends
+on every token before. Here every window is decoded *in order, one new token per forward with
+the model's KV cache*, through one applied model whose expert cache (``gpu_budget``) is carried
+across tokens and across windows, exactly as a server decoding that text would run. The next
+token is the text's (teacher forcing), so the figures compare with the batch evaluation: for the
+default serving policy (``"plan"``, outputs independent of the cache) they are equal to floating
+point tolerance (tests/test_evaluate.py checks it).
+
+A run is one :class:`ServingCase` (plan, serving policy, prefetch) at one budget (fraction of the
+pack's total expert bytes). :func:`write_serving_json` documents the JSON records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from crisp_runtime.baselines import equal_bytes_plans, full_plan
+from crisp_runtime.models import record_routing
+from crisp_runtime.plan import CrispPlan
+
+from .calibration import TokenScores, dump_json
+
+SERVING_EVAL_FORMAT = "crisp-eval-serving"
+SERVING_EVAL_VERSION = 1
+
+
+@torch.no_grad()
+def decode_windows(model, windows: torch.Tensor, progress: Callable | None = None) -> TokenScores:
+    """Teacher-forced decoding of each window (N, L): position t is fed alone, with the KV cache of
+    positions < t, and predicts t+1. Same :class:`TokenScores` as ``score_windows`` ((N, L-1))."""
+    device = next(p for p in model.parameters() if not p.is_meta).device
+    nll = torch.zeros(windows.shape[0], windows.shape[1] - 1)
+    correct = torch.zeros(windows.shape[0], windows.shape[1] - 1, dtype=torch.bool)
+    for n, window in enumerate(windows):
+        past = None
+        ids = window.to(device)
+        for t in range(windows.shape[1] - 1):
+            out = model(input_ids=ids[t : t + 1].view(1, 1), cache=past)  # transformers 5: a DynamicCache
+            past = out.cache
+            logits = out.logits[0, -1].float()
+            nll[n, t] = F.cross_entropy(logits.unsqueeze(0), ids[t + 1 : t + 2]).cpu()
+            correct[n, t] = bool(logits.argmax() == ids[t + 1])
+        if progress is not None:
+            progress(n + 1, windows.shape[0])
+    return TokenScores(nll, correct)
+
+
+def total_expert_bytes(layers: Mapping) -> int:
+    """Bytes of every expert of a pack at full width (what a budget fraction is a fraction of)."""
+    return sum(layer.num_experts * layer.intermediate_size * layer.fmt.neuron_nbytes(layer.hidden_size)
+               for layer in layers.values())
+
+
+@dataclass(frozen=True)
+class ServingCase:
+    """One evaluated configuration: which plan, how it is served, whether it prefetches.
+
+    plan: "crisp" (the pack's plan), "uniform" / "skip_aux" (matched to CRISP's bytes, exact
+    serving), "full" (4-bit full width). serving: a ``crisp_runtime.serving`` policy spec (name, dict
+    or instance) or None for the runtime's default (exact: the plan's widths). prefetch: a
+    ``crisp_runtime.prefetch.PrefetchPolicy`` or None.
+    """
+
+    name: str
+    plan: str = "crisp"
+    serving: object = None
+    prefetch: object = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.plan not in ("crisp", "uniform", "skip_aux", "full"):
+            raise ValueError(f"ServingCase {self.name!r}: plan must be crisp, uniform, skip_aux or full, "
+                             f"got {self.plan!r}")
+
+
+def default_cases() -> list[ServingCase]:
+    """What ``crisp-eval --mode decode`` evaluates: CRISP exact first (the baselines match its bytes),
+    then uniform and skip-aux exact at CRISP's bytes."""
+    return [ServingCase("crisp-exact"), ServingCase("uniform-exact", "uniform"),
+            ServingCase("skip_aux-exact", "skip_aux")]
+
+
+def format_table(records: Sequence[dict]) -> str:
+    head = (f"{'policy':<36} {'budget':>6} {'accuracy':>9} {'acc. loss':>9} {'perplexity':>10} {'h2d kB/tok':>10} "
+            f"{'hit rate':>8}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        loss = "" if r["accuracy_loss"] is None else f"{r['accuracy_loss']:.2%}"
+        hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        lines.append(f"{r['policy']:<36} {r['budget_fraction']:>6.0%} {r['accuracy']:>9.4f} {loss:>9} "
+                     f"{r['perplexity']:>10.4f} {r['bytes_h2d_per_token'] / 1e3:>10.1f} {hit:>8}")
+    return "\n".join(lines)
+
+
+def _serving_dict(spec) -> dict:
+    if spec is None:
+        return {"name": "plan", "exact": True}
+    from crisp_runtime.serving import make_serving
+
+    policy = make_serving(spec)
+    return {**policy.to_dict(), "exact": policy.follows_plan}
+
+
+def _runtime_config(case: ServingCase):
+    from crisp_runtime.executor import RuntimeConfig
+
+    if case.serving is None:
+        return RuntimeConfig()
+    return RuntimeConfig(serving=case.serving)
+
+
+@contextlib.contextmanager
+def applied(model, pack, plan: CrispPlan, budget_bytes: int | None, case: ServingCase):
+    """``crisp_runtime.apply`` for one case (restored on exit)."""
+    from crisp_runtime.hf import apply
+
+    kwargs = {}
+    if case.prefetch is not None:
+        kwargs["prefetch"] = case.prefetch
+    handle = apply(model, pack, plan=plan, gpu_budget=budget_bytes, config=_runtime_config(case), **kwargs)
+    try:
+        yield handle
+    finally:
+        handle.restore()
+
+
+def run_case(model, pack, plan: CrispPlan, windows: torch.Tensor, budget_bytes: int | None,
+             case: ServingCase) -> tuple[TokenScores, dict]:
+    """Decode ``windows`` through CRISP at ``budget_bytes`` under ``case``: (scores, handle.stats())."""
+    with applied(model, pack, plan, budget_bytes, case) as handle:
+        scores = decode_windows(model, windows)
+        return scores, handle.stats()
+
+
+def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int | None, scores: TokenScores,
+           stats: dict, full: TokenScores, plan: CrispPlan, seconds: float) -> dict:
+    """One JSON record (see :func:`write_serving_json`)."""
+    tokens = max(1, stats.get("tokens", 0))
+    served = {k: stats[k] for k in ("fallbacks", "serving_skips", "served_wider", "served_dominant_slots",
+                                    "served_dominant_neurons", "served_aux_slots", "served_aux_neurons")
+              if k in stats}
+    for role in ("dominant", "aux"):
+        slots = served.get(f"served_{role}_slots", 0)
+        if slots:
+            served[f"{role}_width_mean"] = served[f"served_{role}_neurons"] / slots
+    prefetch = {k: stats[k] for k in ("prefetches", "prefetch_bytes", "prefetch_rejected", "prefetch_hits")
+                if k in stats}
+    runs = stats.get("hits", 0) + stats.get("misses", 0) + stats.get("widenings", 0)
+    return {
+        "policy": case.name,
+        "plan": case.plan,
+        "plan_detail": {"uniform_width": plan.uniform_width, "skip_threshold": plan.skip_threshold,
+                        "num_dominant": plan.num_dominant},
+        "budget_fraction": budget_fraction,
+        "budget_bytes": budget_bytes,
+        "serving": _serving_dict(case.serving),
+        "prefetch": None if case.prefetch is None else _prefetch_dict(case.prefetch),
+        "accuracy": scores.accuracy,
+        "perplexity": scores.perplexity,
+        "loss": scores.loss,
+        "accuracy_loss": (full.accuracy - scores.accuracy) / full.accuracy if full.accuracy else None,
+        "tokens_evaluated": int(scores.nll.numel()),
+        "bytes_routed_per_token": stats.get("bytes_routed", 0) / tokens,
+        "bytes_h2d_per_token": stats.get("bytes_h2d", 0) / tokens,
+        "hit_rate": stats.get("hits", 0) / runs if runs else None,
+        "served": served,
+        "prefetch_stats": prefetch,
+        "elapsed_s": round(seconds, 1),
+        **case.extra,
+    }
+
+
+def _prefetch_dict(policy) -> dict:
+    to_dict = getattr(policy, "to_dict", None)
+    return to_dict() if to_dict is not None else {"policy": repr(policy)}
+
+
+def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
+    """Write the runtime-in-the-loop evaluation (atomically) as::
+
+        {"format": "crisp-eval-serving", "version": 1,
+         ... meta: model, crisp (pack folder), data, windows [N, L], tokens_evaluated, full_width
+             {accuracy, perplexity} (the 4-bit full-width reference of every accuracy_loss), budgets,
+             notes ...,
+         "records": [ one per (policy, budget):
+           {"policy": str            case name, e.g. "crisp-exact", "crisp-resident-floor0.75+prefetch",
+            "plan": str              crisp | uniform | skip_aux | full (uniform/skip_aux matched to CRISP's bytes),
+            "plan_detail": {uniform_width, skip_threshold, num_dominant},
+            "budget_fraction": float  GPU expert-cache budget / all expert bytes of the pack,
+            "budget_bytes": int,
+            "serving": {name, hit_width, aux_narrower, aux_missing, dominant_floor, exact: bool}
+                                     (crisp_runtime.serving.ServingPolicy.to_dict; exact = plan's widths),
+            "prefetch": dict | null  the prefetch policy (crisp_runtime.prefetch.PrefetchPolicy.to_dict),
+            "accuracy": float        next-token accuracy, teacher-forced decode through the runtime,
+            "perplexity": float, "loss": float (mean nll, nats),
+            "accuracy_loss": float   (full-width accuracy - accuracy) / full-width accuracy (a fraction),
+            "tokens_evaluated": int  predictions scored (N x (L - 1)),
+            "bytes_routed_per_token", "bytes_h2d_per_token": float, "hit_rate": float,
+            "served": {fallbacks, serving_skips, served_wider, served_{dominant,aux}_{slots,neurons},
+                       {dominant,aux}_width_mean}   (handle.stats(); absent keys: runtime without them),
+            "prefetch_stats": {prefetches, prefetch_bytes, prefetch_rejected, prefetch_hits},
+            "elapsed_s": float}, ...]}
+    """
+    dump_json(path, {"format": SERVING_EVAL_FORMAT, "version": SERVING_EVAL_VERSION, **meta,
+                     "records": list(records)})
+
+
+def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], cases: Sequence[ServingCase], *,
+                  log: Callable[[str], None] = lambda msg: None) -> tuple[list[dict], dict]:
+    """Every case at every budget fraction: (records, meta) for :func:`write_serving_json`.
+
+    The 4-bit full-width reference and the exact uniform / skip-aux baselines are served at the
+    plan's widths, so their outputs do not depend on the budget: they are decoded once, at the
+    middle budget. CRISP exact is decoded at every budget (its figures must agree: a check of
+    that independence). Uniform and skip-aux are matched to the bytes per token CRISP exact routed
+    (``crisp_runtime.baselines``) on the routing of the full-width decode.
+    """
+    if not budgets:
+        raise ValueError("budgets: expected at least one fraction")
+    for b in budgets:
+        if not 0.0 < b <= 1.0:
+            raise ValueError(f"budgets: fractions of the expert bytes must lie in (0, 1], got {b}")
+    plan = pack.plan
+    total = total_expert_bytes(pack.layers)
+    nb = next(iter(pack.layers.values())).fmt.neuron_nbytes(next(iter(pack.layers.values())).hidden_size)
+    mid = sorted(budgets)[len(budgets) // 2]
+
+    def budget_bytes(fraction):
+        return int(fraction * total)
+
+    t0 = time.time()
+    with record_routing(model) as routing:
+        (full, full_stats), secs = _timed(run_case, model, pack, full_plan(plan), windows, budget_bytes(mid),
+                                          ServingCase("full-exact", "full"))
+    log(f"full width: acc {full.accuracy:.4f} ppl {full.perplexity:.4f} ({secs:.0f} s)")
+    records = [record(ServingCase("full-exact", "full"), mid, budget_bytes(mid), full, full_stats, full,
+                      full_plan(plan), secs)]
+    route = {layer_id: routing.layer(layer_id) for layer_id in plan.layer_ids}
+    matched = None
+    for fraction in budgets:
+        for case in cases:
+            if case.plan != "crisp":
+                if case.serving is not None or case.prefetch is not None:
+                    raise ValueError(f"case {case.name!r}: only the CRISP plan is evaluated with a serving policy or "
+                                     "prefetch here")
+                if fraction != mid:
+                    continue
+            if case.plan == "crisp":
+                case_plan = plan
+            else:
+                if matched is None:
+                    raise ValueError(f"case {case.name!r}: put an exact 'crisp' case first (the baselines match its "
+                                     "bytes)")
+                case_plan = matched[case.plan]
+            (scores, stats), secs = _timed(run_case, model, pack, case_plan, windows, budget_bytes(fraction), case)
+            rec = record(case, fraction, budget_bytes(fraction), scores, stats, full, case_plan, secs)
+            records.append(rec)
+            rel = "n/a" if rec["accuracy_loss"] is None else f"{rec['accuracy_loss']:.2%}"
+            log(f"{case.name} @ {fraction:.0%}: acc {scores.accuracy:.4f} ppl {scores.perplexity:.4f} "
+                f"accuracy loss {rel} h2d/token {rec['bytes_h2d_per_token']:,.0f} ({secs:.0f} s)")
+            if matched is None and case.plan == "crisp" and _serving_dict(case.serving)["exact"]:
+                target = stats["bytes_routed"] / max(1, stats["tokens"]) / nb
+                matched = equal_bytes_plans(plan, route, target=target)
+    meta = {"windows": list(windows.shape), "tokens_evaluated": int(full.nll.numel()),
+            "full_width": {"accuracy": full.accuracy, "perplexity": full.perplexity},
+            "budgets": list(budgets), "total_expert_bytes": total, "elapsed_s": round(time.time() - t0, 1),
+            "notes": ["teacher-forced decode through crisp_runtime.apply: one token per forward with the KV cache; "
+                      "the expert cache is carried across tokens and windows (one applied model per record)",
+                      f"full width, uniform and skip_aux are exact (outputs independent of the budget): decoded once, "
+                      f"at the {mid:.0%} budget"]}
+    return records, meta
+
+
+def _timed(fn, *args):
+    t0 = time.time()
+    out = fn(*args)
+    return out, time.time() - t0
