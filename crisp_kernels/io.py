@@ -176,8 +176,13 @@ def _read_header(path: Path, f, size: int) -> tuple[dict, bytes]:
 def _check_metadata_field(path: Path, metadata) -> dict[str, str]:
     if metadata is None:
         return {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise PackFormatError(f"{path}: header field __metadata__ must map strings to strings")
+    if not isinstance(metadata, dict):
+        raise PackFormatError(f"{path}: header field __metadata__ must map strings to strings, got "
+                              f"{type(metadata).__name__}")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise PackFormatError(f"{path}: header field __metadata__.{key}: expected a string, got "
+                                  f"{type(value).__name__} {value!r}"[:300])
     return metadata
 
 
@@ -293,8 +298,8 @@ def _check_metadata(path: Path, metadata: Mapping[str, str]) -> None:
         raise PackFormatError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT_NAME!r}")
     if metadata.get("format_version") != str(FORMAT_VERSION):
         raise PackFormatError(
-            f"{path}: format version {metadata.get('format_version')!r} is not supported "
-            f"(this CRISP reads version {FORMAT_VERSION})"
+            f"{path}: format version {metadata.get('format_version')!r} is not supported (metadata field "
+            f"format_version; this CRISP reads version {FORMAT_VERSION})"
         )
 
 
@@ -343,7 +348,7 @@ def _parse_metadata(path: Path, metadata: Mapping[str, str]):
         raise PackFormatError(f"{path}: metadata is incomplete or invalid ({exc})") from None
     hidden = _strict_int(metadata["hidden_size"], "hidden_size", path)
     try:
-        fmt.check_hidden_size(hidden)
+        fmt.check_hidden_size(hidden, "hidden_size")
     except ValueError as exc:
         raise PackFormatError(f"{path}: metadata is incomplete or invalid ({exc})") from None
     inter = _strict_int(metadata["intermediate_size"], "intermediate_size", path)
@@ -408,7 +413,8 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
             raise PackIntegrityError(f"{path}: {exc}") from None
         layers[idx] = layer
     if tensors:
-        raise PackFormatError(f"{path}: unexpected tensors not described by the metadata: {sorted(tensors)[:5]}")
+        raise PackFormatError(f"{path}: unexpected tensors not described by the metadata: {sorted(tensors)[:5]} "
+                              f"(metadata fields layers={metadata['layers']}, symmetric={metadata['symmetric']})")
     digests = _recorded_digests(path, metadata)
     if digests is not None and set(digests) != set(all_tensors):
         raise PackFormatError(f"{path}: metadata field {DIGESTS_KEY} does not list exactly the file's tensors "

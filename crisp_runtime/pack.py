@@ -390,9 +390,9 @@ def _check_info_fields(info_path: Path, info: Mapping, summary: Mapping) -> None
 
 
 def _files_record(info_path: Path, info: Mapping) -> dict | None:
-    files = info.get(FILES_KEY)
-    if files is None:
-        return None
+    if FILES_KEY not in info:
+        return None  # a pack written before the binding was recorded
+    files = info[FILES_KEY]
     experts = files.get(EXPERTS_FILE) if isinstance(files, dict) else None
     plan = files.get(PLAN_FILE, "missing") if isinstance(files, dict) else "missing"
     ok = (isinstance(experts, dict) and isinstance(experts.get("header_sha256"), str)

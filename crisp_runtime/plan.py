@@ -449,7 +449,9 @@ class CrispPlan:
         if policy is PolicyKind.UNIFORM:
             return cls(policy, uniform_width=_json_int(data, "uniform_width", minimum=0), **common)
         if policy is PolicyKind.SKIP_AUX:
-            threshold = data.get("skip_threshold")
+            if "skip_threshold" not in data:
+                raise PlanError("plan is malformed: field skip_threshold: missing (null means: always skip)")
+            threshold = data["skip_threshold"]
             if threshold is not None and (type(threshold) not in (int, float) or not 0.0 <= threshold <= 1.0):
                 raise PlanError(f"plan is malformed: field skip_threshold: expected null or a number in [0, 1], "
                                 f"got {threshold!r}")

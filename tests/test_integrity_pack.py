@@ -5,7 +5,6 @@ fingerprint, and the ``crisp-pack verify`` command."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
