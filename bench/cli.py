@@ -84,11 +84,11 @@ def _outputs(p: argparse.ArgumentParser) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser, *, pack_required: bool = True) -> None:
-    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL),
+    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL), type=ca.nonempty_path,
                    help="transformers checkpoint (default: the committed models/tiny-mixtral)")
-    p.add_argument("--pack", metavar="DIR", default=None,
+    p.add_argument("--pack", metavar="DIR", default=None, type=ca.nonempty_path,
                    help="CRISP pack + plan of that model (default: DIR-crisp beside it, or DIR itself)")
-    p.add_argument("--text", metavar="PATH", default=str(DEFAULT_TEXT),
+    p.add_argument("--text", metavar="PATH", default=str(DEFAULT_TEXT), type=ca.nonempty_path,
                    help="held-out text (.txt/.jsonl) to decode (default: data/stdlib-heldout.txt)")
 
 
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=ca.threads_int, default=None,
                         help="torch CPU threads for the default suite (default: 1 on machines with <= 2 cores)")
-    parser.add_argument("--model", metavar="DIR", default=None,
+    parser.add_argument("--model", metavar="DIR", default=None, type=ca.nonempty_path,
                         help="checkpoint for the default suite (default: the committed models/tiny-mixtral)")
     sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,layer,e2e,simulate}")
 
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="tiny,mixtral", help="model shapes: tiny, mixtral (comma separated)")
     p.add_argument("--widths", default="0.125,0.25,0.5,0.75,1.0", help="width fractions, comma separated")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed repetitions per point")
-    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL),
+    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL), type=ca.nonempty_path,
                    help="model whose shape is 'tiny' and whose router/other time goes into --profile-out "
                    "(default: the committed models/tiny-mixtral)")
     p.add_argument("--profile-out", metavar="PATH.json", nargs="?", const=MEASURED_PROFILE_FILE, type=ca.nonempty_path,
@@ -186,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "bytes per token per policy at a GPU budget.")
     p.add_argument("--profile", default="rtx4090-pcie4",
                    help=f"hardware profile: {', '.join(BUILTIN_PROFILES)}, measured (see --profile-file), or PATH.json")
-    p.add_argument("--profile-file", metavar="PATH", default=None,
+    p.add_argument("--profile-file", metavar="PATH", default=None, type=ca.nonempty_path,
                    help=f"file of the 'measured' profile (default {MEASURED_PROFILE_FILE})")
-    p.add_argument("--trace", metavar="PATH.npz", help="routing trace to replay (default: record one from --model)")
+    p.add_argument("--trace", metavar="PATH.npz", type=ca.nonempty_path,
+                   help="routing trace to replay (default: record one from --model)")
     p.add_argument("--record-trace", metavar="PATH.npz", type=ca.nonempty_path, help="save the recorded trace here")
     _model_args(p)
     p.add_argument("--sequences", type=_positive_int, default=8, help="sequences to record (default 8)")
@@ -206,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--orders", type=_csv(ORDERS), default=list(ORDERS), help="comma separated")
     p.add_argument("--uniform-width", type=_fraction, default=None,
                    help="width of the uniform policy (fraction of I; default: CRISP's bytes per token)")
-    p.add_argument("--compare", metavar="E2E.json",
+    p.add_argument("--compare", metavar="E2E.json", type=ca.nonempty_path,
                    help="an `e2e --json` file measured on this machine: print the prediction error per policy "
                    "(widest-first order against a GPU run, serial against a CPU run)")
     p.add_argument("--cache-scope", choices=("global", "layer"), default="global",

@@ -724,14 +724,19 @@ def save_pack_dir(directory: Path, packed, plan: CrispPlan, info: dict) -> None:
 
 
 def load_pack_dir(directory: str | os.PathLike):
-    """(layers {layer_id: PackedLayer}, plan or None, info dict) of a pack folder; CliError if unreadable."""
+    """(layers {layer_id: PackedLayer}, plan or None, info dict) of a pack folder; CliError if unreadable.
+
+    Every tensor's sha256 is checked against the digests recorded at save (crisp-eval and evidence run
+    a model over text for minutes to hours; hashing even a Mixtral-8x7B pack costs seconds).
+    """
+    from crisp_kernels.io import PackCheck
     from crisp_runtime.pack import load_pack
 
     directory = Path(directory)
     if not directory.is_dir():
         raise CliError(f"--crisp {directory}: not a folder")
     try:
-        pack = load_pack(directory)
+        pack = load_pack(directory, check=PackCheck.DIGESTS)
     except (FileNotFoundError, ValueError) as exc:
         raise CliError(f"--crisp {directory}: not a readable CRISP pack ({exc})") from exc
     return pack.layers, pack.plan, dict(pack.info or {})
