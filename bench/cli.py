@@ -716,6 +716,8 @@ def _default_suite(args) -> int:
     for argv in steps:
         print(f"\n=== crisp-bench {' '.join(argv)}", flush=True)
         rc = main(argv + common)
+        if rc == 130:  # Ctrl-C in a step stops the suite, not only that step
+            return rc
         if rc != 0:
             print(f"=== crisp-bench {argv[0]} exited with {rc}; the suite goes on", flush=True)
         status = status or rc

@@ -308,6 +308,19 @@ def test_ctrl_c_in_crisp_bench_exits_130(monkeypatch, capsys):
     assert rc == 130 and "crisp-bench: interrupted" in err and "Traceback" not in err
 
 
+def test_ctrl_c_stops_the_default_suite(monkeypatch, capsys):
+    calls = []
+
+    def interrupted(args):
+        calls.append(args.command)
+        raise KeyboardInterrupt
+
+    for name in ("_cmd_transfer", "_cmd_kernels"):
+        monkeypatch.setattr(bench_cli, name, interrupted)
+    rc, err = run(bench_cli.main, [], capsys)
+    assert rc == 130 and calls == ["transfer"] and "Traceback" not in err
+
+
 def test_bench_internal_error_names_file_and_line(monkeypatch, capsys):
     def broken(args):
         return {}["field"]
