@@ -60,6 +60,7 @@ from .pack import (
     pack_model,
 )
 from .plan import CrispPlan, PlanError
+from .serving import make_serving
 
 IMPLEMENTATION_NAME = "crisp"
 _STATE_ATTR = "_crisp_state"
@@ -418,7 +419,7 @@ def _clear_attention_mask(tokens: _TokenMask, module, args, kwargs, output=None)
 
 
 def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None, fmt: QuantFormat | None = None,
-          config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False) -> CrispHandle:
+          config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False, serving=None) -> CrispHandle:
     """Run ``model``'s MoE experts through CRISP; returns a :class:`CrispHandle`.
 
     source: None packs the model's current expert weights in their present order (4-bit,
@@ -430,10 +431,15 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     allow_weights_mismatch: use a pack whose recorded weights fingerprint differs from the
     model's expert weights (or cannot be checked because they are not loaded). By default that
     is refused: the same architecture with other weights would run without a word, wrongly.
+    serving: how routed experts are served from what the cache holds (``crisp_runtime.serving``):
+    a ServingPolicy, a name ("plan", "resident", "resident-floor75") or its dict; None = the
+    config's (default "plan": every slot at the plan's width, outputs independent of the cache).
     """
     config = RuntimeConfig() if config is None else config
     if not isinstance(config, RuntimeConfig):
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
+    if serving is not None:
+        config = replace(config, serving=make_serving(serving))
     if fmt is not None and not isinstance(fmt, QuantFormat):
         raise TypeError(f"fmt: expected a QuantFormat (e.g. QuantFormat(group_size=64, symmetric=False)), got "
                         f"{type(fmt).__name__} {fmt!r}")
@@ -602,13 +608,15 @@ def _check_dtype(dtype):
 
 
 def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: CrispPlan | None = None,
-               gpu_budget=None, config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False):
+               gpu_budget=None, config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False,
+               serving=None):
     """Load a causal LM from a local checkpoint plus a CRISP pack: ``(model, handle)``.
 
     The checkpoint is read on the CPU; its expert weights are checked against the pack's recorded
     fingerprint (``allow_weights_mismatch=True`` skips that) and dropped there, only then is the
     rest moved to ``device`` and CRISP applied with the pack's experts. Full-precision experts
     never reach the GPU. Nothing is downloaded: ``checkpoint_dir`` must be a local folder.
+    serving: as in :func:`apply`.
     """
     from transformers import AutoModelForCausalLM
 
@@ -617,6 +625,7 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
     if plan is not None and not isinstance(plan, CrispPlan):
         raise TypeError(f"plan: expected CrispPlan (e.g. CrispPlan.load(path)), got {type(plan).__name__}")
+    serving = None if serving is None else make_serving(serving)  # a bad policy fails before the checkpoint loads
     device = _check_device(device, "device")
     dtype = _check_dtype(dtype)
     if not isinstance(allow_weights_mismatch, bool):
@@ -632,5 +641,5 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     model.to(device)
     config = RuntimeConfig() if config is None else config
     handle = apply(model, pack, plan=plan, gpu_budget=budget, config=replace(config, keep_original=False),
-                   allow_weights_mismatch=True)  # checked above, while the weights were there
+                   allow_weights_mismatch=True, serving=serving)  # weights checked above, while they were there
     return model, handle
