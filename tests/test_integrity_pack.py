@@ -368,3 +368,17 @@ def test_pack_json_info_with_bad_types_is_refused(tmp_path, layers):
     (tmp_path / "p" / "pack.json").write_text(json.dumps(info))
     with pytest.raises(PackFormatError, match="pack.json: field num_experts is True"):
         load_pack(tmp_path / "p")
+
+
+def test_tools_verify_digests_when_loading_a_pack(tmp_path, layers):
+    """crisp-eval and evidence read packs through load_pack_dir, which checks every tensor digest."""
+    from tools.calibration import CliError
+    from tools.profile_model import load_pack_dir
+
+    save_pack(tmp_path / "p", layers, plan=_plan(layers))
+    assert sorted(load_pack_dir(tmp_path / "p")[0]) == [0, 1]
+    path = tmp_path / "p" / "experts.safetensors"
+    offset = _data_offset(path, "layers.0.qweight") + 7
+    _poke(path, offset, bytes([path.read_bytes()[offset] ^ 0x80]))
+    with pytest.raises(CliError, match="tensor layers.0.qweight: sha256 differs"):
+        load_pack_dir(tmp_path / "p")
