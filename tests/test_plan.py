@@ -145,6 +145,55 @@ def test_bad_plans_are_refused_with_the_reason(tmp_path, mutate, match):
         CrispPlan.load(path)
 
 
+def _load_mutated(tmp_path, plan: CrispPlan, mutate) -> CrispPlan:
+    data = plan.to_dict()
+    mutate(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return CrispPlan.load(path)
+
+
+@pytest.mark.parametrize(
+    ("make", "mutate", "match"),
+    [
+        # issue 8 reproducers: lenient parsing used to change the policy silently
+        (lambda: CrispPlan.uniform(8, 2, FULL, [0], 7), lambda d: d.update(uniform_width=True),
+         "field uniform_width: expected an integer, got bool True"),
+        (lambda: _crisp_plan(), lambda d: d["tier_widths"].update(warm=40.9),
+         "field tier_widths.warm: expected an integer, got float 40.9"),
+        (lambda: _crisp_plan(), lambda d: d.update(layer_ids="03"), "field layer_ids: expected a list, got str"),
+        (lambda: _crisp_plan(), lambda d: d.update(layer_ids=["0", 3]), r"field layer_ids\[0\]: expected an integer"),
+        (lambda: _crisp_plan(), lambda d: d["layers"]["0"].append(dict(d["layers"]["0"][0], tier="cold")),
+         r"layers.0\[5\].experts: combination \[0, 1\] is listed twice"),
+        (lambda: _crisp_plan(), lambda d: d["layers"].pop("3"), r"field layers: no entry for layers \[3\]"),
+        (lambda: _crisp_plan(), lambda d: d.update(unseen_tier="lukewarm"),
+         r"field unseen_tier: 'lukewarm' is not one of \['hot', 'warm', 'cold'\]"),
+        (lambda: _crisp_plan(), lambda d: d.update(policy="greedy"),
+         r"field policy: 'greedy' is not one of \['full', 'uniform', 'skip_aux', 'crisp'\]"),
+        (lambda: _crisp_plan(), lambda d: d.update(version=True), "plan version True is not supported"),
+        (lambda: _crisp_plan(), lambda d: d.update(unseen_teir="cold"), r"unknown field\(s\) \['unseen_teir'\]"),
+        (lambda: CrispPlan.skip_aux(8, 2, FULL, [0], threshold=0.2), lambda d: d.pop("skip_threshold"),
+         "field skip_threshold: missing"),
+        (lambda: CrispPlan.skip_aux(8, 2, FULL, [0], threshold=0.2), lambda d: d.update(skip_threshold="0.2"),
+         "field skip_threshold: expected null or a number in"),
+    ],
+)  # fmt: skip
+def test_strict_plan_parsing(tmp_path, make, mutate, match):
+    with pytest.raises(PlanError, match=match):
+        _load_mutated(tmp_path, make(), mutate)
+
+
+@pytest.mark.parametrize("kind", ["directory", "dangling-symlink"])
+def test_plan_path_must_be_a_file(tmp_path, kind):
+    path = tmp_path / "plan.json"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(tmp_path / "gone.json")
+    with pytest.raises(PlanError, match="plan.json: (not a regular file|a dangling symbolic link)"):
+        CrispPlan.load(path)
+
+
 def test_bad_constructor_arguments():
     with pytest.raises(PlanError, match="uniform_width"):
         CrispPlan.uniform(8, 2, FULL, [0], FULL + 1)
