@@ -134,9 +134,16 @@ def run(args) -> int:
     pack = load_pack(pack_dir)
     if pack.plan is None and "crisp" in args.policies:
         raise ModelInputError(f"{pack_dir}: the pack has no plan.json, so there is no CRISP policy to run")
+    from crisp_runtime.models import max_positions
+
+    warm = min(16, args.tokens // 4)
+    limit = max_positions(model)
+    if limit is not None and args.tokens + 1 + warm > limit:  # one sequence, KV cache: positions grow per token
+        raise ModelInputError(f"--tokens {args.tokens} (+{warm} warm-up +1) is beyond the model's "
+                              f"max_position_embeddings ({limit}); at most {limit - 1 - min(16, limit // 5)}")
     try:
         texts = read_texts(args.text)
-        ids = sample_sequences(texts, 1, args.tokens + 1 + (warm := min(16, args.tokens // 4)), seed=1)[0]
+        ids = sample_sequences(texts, 1, args.tokens + 1 + warm, seed=1)[0]
     except ValueError as exc:
         raise ModelInputError(str(exc)) from exc
     total = sum(layer.nbytes() for layer in pack.layers.values())

@@ -56,7 +56,8 @@ def run(fn, argv, capsys) -> tuple[int, str]:
 
 
 def one_line_error(err: str, *needles: str) -> None:
-    lines = [line for line in err.splitlines() if line.strip()]
+    # transformers' own progress bar ("Loading weights ... it/s]") precedes errors found after a model load
+    lines = [line for line in err.splitlines() if line.strip() and not line.rstrip().endswith("it/s]")]
     assert len(lines) == 1 and "error:" in lines[0], err
     assert "Traceback" not in err
     for n in needles:
@@ -336,6 +337,14 @@ def test_simulate_seq_len_beyond_the_models_positions(tiny, capsys):
                                    "--seq-len", "100000", "--sequences", "1"], capsys)
     assert rc == 2
     assert "--seq-len 100000" in err and "max_position_embeddings (64)" in err and "Traceback" not in err
+
+
+def test_e2e_tokens_beyond_the_models_positions(tiny, capsys):
+    _, model, text, pack = tiny
+    rc, err = run(bench_cli.main, ["e2e", "--model", str(model), "--pack", str(pack), "--text", str(text),
+                                   "--tokens", "100000"], capsys)
+    assert rc == 2
+    one_line_error(err, "--tokens 100000", "max_position_embeddings (64)", "at most 51")
 
 
 def _corrupt_npz(path: Path) -> None:
