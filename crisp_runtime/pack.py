@@ -286,6 +286,8 @@ def commit_pack_folder(staging: Path, directory: Path) -> None:
     """Move the pack files written in ``staging`` (a sibling folder) into ``directory`` as one
     change where the file system allows (see the module docstring); ``staging`` is removed.
     Never deletes or overwrites a file that is not one of the pack's own."""
+    if directory.is_symlink():
+        directory = directory.resolve()  # the folder it names is replaced, never the link itself
     others = _check_replaceable(directory)
     parent = directory.parent
     if not directory.exists():
@@ -297,7 +299,7 @@ def commit_pack_folder(staging: Path, directory: Path) -> None:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
             others = _check_replaceable(directory)
-    if not others and not directory.is_symlink():
+    if not others:
         exchange_folders(staging, directory)
         _fsync_dir(parent)
         for name in PACK_FILES:  # staging now holds the old pack: remove its files only
@@ -324,9 +326,10 @@ def save_pack(
 ) -> Path:
     """Write a pack folder (and its parents if needed); returns its path. See the module docstring.
 
-    The same layers, plan and info give byte-identical files.
+    The same layers, plan and info give byte-identical files. A symbolic link to a folder is
+    followed: the folder it names is replaced, the link kept.
     """
-    directory = Path(directory)
+    directory = given = Path(directory)
     summary = _layers_summary(layers)
     info = dict(info or {})
     for key in ("hidden_size", "intermediate_size", "num_experts", "layer_ids"):
@@ -343,6 +346,10 @@ def save_pack(
         plan.check_compatible(num_experts=summary["num_experts"], top_k=plan.top_k,
                               intermediate_size=summary["intermediate_size"], layer_ids=summary["layer_ids"])
         info.setdefault("top_k", plan.top_k)
+    if directory.is_symlink():
+        if not directory.exists():
+            raise FileNotFoundError(f"{directory}: a dangling symbolic link; refusing to write a pack through it")
+        directory = directory.resolve()  # swap the real folder (beside it, same file system); the link stays
     _check_replaceable(directory)  # before the work: refuse someone else's files early
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
@@ -370,7 +377,7 @@ def save_pack(
             with contextlib.suppress(OSError):
                 staging.rmdir()
         raise
-    return directory
+    return given
 
 
 # ----------------------------------------------------------------------------- loading

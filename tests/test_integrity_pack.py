@@ -382,3 +382,32 @@ def test_tools_verify_digests_when_loading_a_pack(tmp_path, layers):
     _poke(path, offset, bytes([path.read_bytes()[offset] ^ 0x80]))
     with pytest.raises(CliError, match="tensor layers.0.qweight: sha256 differs"):
         load_pack_dir(tmp_path / "p")
+
+
+def test_save_through_a_link_replaces_the_folder_it_names(tmp_path, layers):
+    real = tmp_path / "real"
+    save_pack(real, layers)
+    (tmp_path / "link").symlink_to(real)
+    new_layers = random_layers(seed=3)
+    assert save_pack(tmp_path / "link", new_layers) == tmp_path / "link"
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == real.resolve()
+    assert torch.equal(load_pack(real).layers[1].scales, new_layers[1].scales)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="dangling symbolic link"):
+        save_pack(tmp_path / "dangling", layers)
+    assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["renameat2", "two-renames"])
+def test_exchange_folders(tmp_path, monkeypatch, native):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("from a")
+    (b / "y").write_text("from b")
+    if not native:  # a system without renameat2: the fallback through a third name
+        monkeypatch.setattr(pack_mod.ctypes, "CDLL", lambda *args, **kwargs: object())
+    pack_mod.exchange_folders(a, b)
+    assert [p.name for p in a.iterdir()] == ["y"] and [p.name for p in b.iterdir()] == ["x"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
