@@ -43,6 +43,7 @@ from .device_cache import PrefixCache, ResidentExperts
 from .eviction import make_policy
 from .host_store import HostStore
 from .plan import CrispPlan
+from .prefetch import PrefetchPolicy
 from .residency import Decision
 from .scheduler import CostModel, StepPlan, TaskOrder
 from .serving import ServedSlots, ServingPolicy, make_serving, plan_served_step
@@ -62,6 +63,8 @@ class RuntimeConfig:
     ServingPolicy, a name ("plan" = default, every slot at the plan's width; "resident";
     "resident-floor75") or its dict form.
     order: the order of a step's experts (Johnson's rule by default; ROUTER for benchmarks).
+    prefetch: None, or a ``crisp_runtime.prefetch.PrefetchPolicy``: ``apply`` then has each MoE layer
+    prefetch the next layer's predicted experts (the next router on this layer's MoE input).
     async_copies: on CUDA, copy stream + events (False = the synchronous path, for checking).
     pin_memory: pin the host store (None = when CUDA is available).
     keep_original: ``apply`` keeps the original expert weights in host memory so ``restore``
@@ -80,9 +83,13 @@ class RuntimeConfig:
     device: str | None = None
     serving: ServingPolicy | str | Mapping = field(default_factory=ServingPolicy)
     order: TaskOrder | str = TaskOrder.JOHNSON
+    prefetch: PrefetchPolicy | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "serving", make_serving(self.serving))
+        if self.prefetch is not None and not isinstance(self.prefetch, PrefetchPolicy):
+            raise TypeError(f"RuntimeConfig.prefetch: expected PrefetchPolicy or None, got "
+                            f"{type(self.prefetch).__name__}")
         try:
             object.__setattr__(self, "order", TaskOrder(self.order))
         except ValueError:

@@ -60,6 +60,7 @@ from .pack import (
     pack_model,
 )
 from .plan import CrispPlan, PlanError
+from .prefetch import NextLayerPredictor, Prefetcher
 from .serving import make_serving
 
 IMPLEMENTATION_NAME = "crisp"
@@ -98,14 +99,16 @@ class _TokenMask:
 class _ExpertsState:
     """What the ``crisp`` experts function needs on one experts module."""
 
-    __slots__ = ("layer_id", "name", "previous_impl", "runtime", "tokens")
+    __slots__ = ("layer_id", "name", "prefetcher", "previous_impl", "runtime", "tokens")
 
-    def __init__(self, runtime: CrispRuntime, layer_id: int, name: str, previous_impl, tokens: _TokenMask) -> None:
+    def __init__(self, runtime: CrispRuntime, layer_id: int, name: str, previous_impl, tokens: _TokenMask,
+                 prefetcher: Prefetcher | None = None) -> None:
         self.runtime = runtime
         self.layer_id = layer_id
         self.name = name
         self.previous_impl = previous_impl
         self.tokens = tokens
+        self.prefetcher = prefetcher
 
 
 class _NoBackward(torch.autograd.Function):
@@ -127,6 +130,10 @@ class _NoBackward(torch.autograd.Function):
 
 def _run_experts(state: _ExpertsState, hidden_states, top_k_index, top_k_weights):
     out = state.runtime.forward(state.layer_id, hidden_states, top_k_index, top_k_weights)
+    if state.prefetcher is not None:
+        # After this layer's copies and kernels are enqueued: the next layer's predicted experts queue behind
+        # them on the copy stream (CUDA) and never delay a demanded copy; on the CPU they are copied now.
+        state.prefetcher(state.layer_id, hidden_states)
     padding = state.tokens.padding_of(hidden_states.shape[0])
     if padding:
         state.runtime.stats.layers[state.layer_id].padding += padding
@@ -504,6 +511,10 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
                              f"full width, {need} bytes")
         _check_budget_fits_device(budget, device)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
+    prefetcher = None
+    if config.prefetch is not None:
+        experts = min(first.num_experts, top_k + config.prefetch.extra_experts)
+        prefetcher = Prefetcher(NextLayerPredictor(model, experts=experts, refs=refs), runtime, config.prefetch)
 
     # ---- only now modify the model
     register()
@@ -516,7 +527,8 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
             entries = stash[ref.name] = _detach_weights(ref.module, keep=config.keep_original)
             originals = [(name, obj if where == "param" else None) for name, where, obj, _ in entries]
             _install_guard(ref.module, ref.name, originals)
-            ref.module.__dict__[_STATE_ATTR] = _ExpertsState(runtime, ref.layer_id, ref.name, previous_impl, tokens)
+            ref.module.__dict__[_STATE_ATTR] = _ExpertsState(runtime, ref.layer_id, ref.name, previous_impl, tokens,
+                                                             prefetcher)
         handle._model_hooks += [
             model.register_forward_pre_hook(functools.partial(_record_attention_mask, tokens), with_kwargs=True),
             model.register_forward_hook(functools.partial(_clear_attention_mask, tokens), with_kwargs=True,

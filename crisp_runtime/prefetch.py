@@ -180,3 +180,64 @@ def record_predictions(model: nn.Module, predictor: NextLayerPredictor,
     finally:
         for h in handles:
             h.remove()
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """Prefetch across layers: while layer l runs, copy what layer l+1 is predicted to need.
+
+    The request for layer l+1: each expert the next router picks for a token of this step (its top-k,
+    see :class:`NextLayerPredictor`) at the width the plan gives that predicted slot (the largest
+    over the step's tokens), plus ``extra_experts`` more per token by router logit at the narrowest
+    width the plan gives that token's predicted slots (a cheap speculative prefix: the recall of
+    top-k + 1 is higher, see docs/profile-and-eval.md). The runtime admits a request only within
+    its budget (``CrispRuntime.prefetch``).
+    """
+
+    extra_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.extra_experts, bool) or not isinstance(self.extra_experts, int) or self.extra_experts < 0:
+            raise ValueError(f"PrefetchPolicy: extra_experts must be a non-negative int, got {self.extra_experts!r}")
+
+    def to_dict(self) -> dict:
+        return {"rule": "next-layer router on this layer's MoE input", "extra_experts": self.extra_experts}
+
+
+class Prefetcher:
+    """Issues one layer's prefetch for the next: ``prefetcher(layer_id, hidden_states)`` after layer
+    ``layer_id``'s experts were enqueued (so on CUDA the copies queue behind its demanded ones)."""
+
+    def __init__(self, predictor: NextLayerPredictor, runtime, policy: PrefetchPolicy) -> None:
+        if not isinstance(policy, PrefetchPolicy):
+            raise TypeError(f"policy: expected PrefetchPolicy, got {type(policy).__name__}")
+        self.predictor = predictor
+        self.runtime = runtime
+        self.policy = policy
+
+    def requests(self, layer_id: int, hidden_states: torch.Tensor) -> tuple[int, list[tuple[int, int]]] | None:
+        """(next layer id, [(expert, width), ...]) to prefetch, or None after the last MoE layer."""
+        routed = self.predictor.predict_routing(layer_id, hidden_states)
+        if routed is None:
+            return None
+        nxt, index, weights = routed
+        widths = self.runtime.plan.token_widths(nxt, index, weights)
+        wanted: dict[int, int] = {}
+        for e, w in zip(index.reshape(-1).tolist(), widths.reshape(-1).tolist(), strict=True):
+            if w > 0 and w > wanted.get(e, 0):
+                wanted[e] = w
+        if self.policy.extra_experts:
+            extra = self.predictor.predict(layer_id, hidden_states)[:, index.shape[1]:][:, : self.policy.extra_experts]
+            narrow = torch.where(widths > 0, widths, widths.new_full((), self.runtime.plan.intermediate_size))
+            narrow = narrow.min(dim=1).values
+            for row, w in zip(extra.tolist(), narrow.tolist(), strict=True):
+                for e in row:
+                    if w > wanted.get(e, 0):
+                        wanted[e] = w
+        return nxt, sorted(wanted.items(), key=lambda item: -item[1])
+
+    def __call__(self, layer_id: int, hidden_states: torch.Tensor):
+        req = self.requests(layer_id, hidden_states)
+        if req is None or not req[1]:
+            return []
+        return self.runtime.prefetch(req[0], req[1])

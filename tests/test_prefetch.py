@@ -11,10 +11,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from crisp_bench import traces as tr  # noqa: E402
+from crisp_tools.serving_eval import decode_windows  # noqa: E402
 
+from crisp_runtime import apply  # noqa: E402
+from crisp_runtime.executor import RuntimeConfig  # noqa: E402
 from crisp_runtime.models import find_moe_layers  # noqa: E402
+from crisp_runtime.plan import CrispPlan  # noqa: E402
 from crisp_runtime.prefetch import (  # noqa: E402
     NextLayerPredictor,
+    Prefetcher,
+    PrefetchPolicy,
     find_routers,
     prediction_accuracy,
     record_predictions,
@@ -128,3 +134,47 @@ def test_trace_records_predictions_and_round_trips(model, tmp_path):
 def test_old_trace_files_load_without_predictions():
     old = tr.Trace.load(ROOT / "docs" / "bench-trace-heldout.npz")
     assert old.predicted is None and old.num_tokens == 2048
+
+
+# ------------------------------------------------ wired into the runtime (apply + RuntimeConfig.prefetch)
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_prefetch_keeps_exact_outputs_and_the_budget(model, extra):
+
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+    with apply(model) as handle:  # the bytes of the experts, from the packed layers
+        layer = next(iter(handle.layers.values()))
+        expert_bytes = layer.intermediate_size * layer.fmt.neuron_nbytes(layer.hidden_size)
+    budget = 5 * expert_bytes  # 5 of 24 experts: prefetches compete with demand
+    with apply(model, gpu_budget=budget) as handle:
+        plain = decode_windows(model, ids)
+        plain_stats = handle.stats()
+    config = RuntimeConfig(prefetch=PrefetchPolicy(extra_experts=extra))
+    with apply(model, gpu_budget=budget, config=config) as handle:
+        fetched = decode_windows(model, ids)
+        stats = handle.stats()
+    assert torch.equal(fetched.nll, plain.nll)  # exact serving: a prefetch moves bytes, never changes outputs
+    assert plain_stats["prefetches"] == 0
+    assert stats["prefetches"] > 0 and stats["prefetch_bytes"] > 0
+    assert stats["cache"]["peak_bytes"] <= budget
+
+
+def test_prefetch_requests_are_the_plans_widths_of_the_predicted_routing(model):
+
+    h = torch.randn(5, 64, generator=torch.Generator().manual_seed(9))
+    plan = CrispPlan.uniform(8, 2, 32, (0, 1, 2), 12)
+    with apply(model, plan=plan) as handle:
+        predictor = NextLayerPredictor(model, experts=3)
+        req = Prefetcher(predictor, handle.runtime, PrefetchPolicy(extra_experts=1)).requests(0, h)
+    top = predictor.predict(0, h)
+    assert req[0] == 1
+    assert dict(req[1]) == {int(e): 12 for e in top.reshape(-1)}  # uniform plan: every slot at 12 neurons
+    with pytest.raises(ValueError, match="extra_experts"):
+        PrefetchPolicy(extra_experts=-1)
+
+
+def test_runtime_config_refuses_a_bad_prefetch():
+
+    with pytest.raises(TypeError, match="prefetch"):
+        RuntimeConfig(prefetch="yes")

@@ -18,14 +18,18 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from crisp_runtime.baselines import equal_bytes_plans, full_plan
+from crisp_runtime.executor import RuntimeConfig
+from crisp_runtime.hf import apply
 from crisp_runtime.models import record_routing
 from crisp_runtime.plan import CrispPlan
+from crisp_runtime.prefetch import PrefetchPolicy
+from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy, make_serving
 
 from .calibration import TokenScores, dump_json
 
@@ -67,13 +71,13 @@ class ServingCase:
     plan: "crisp" (the pack's plan), "uniform" / "skip_aux" (matched to CRISP's bytes, exact
     serving), "full" (4-bit full width). serving: a ``crisp_runtime.serving`` policy spec (name, dict
     or instance) or None for the runtime's default (exact: the plan's widths). prefetch: a
-    ``crisp_runtime.prefetch.PrefetchPolicy`` or None.
+    ``crisp_runtime.prefetch.PrefetchPolicy`` or None (no prefetch).
     """
 
     name: str
     plan: str = "crisp"
-    serving: object = None
-    prefetch: object = None
+    serving: ServingPolicy | str | None = None
+    prefetch: PrefetchPolicy | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -84,9 +88,18 @@ class ServingCase:
 
 def default_cases() -> list[ServingCase]:
     """What ``crisp-eval --mode decode`` evaluates: CRISP exact first (the baselines match its bytes),
-    then uniform and skip-aux exact at CRISP's bytes."""
-    return [ServingCase("crisp-exact"), ServingCase("uniform-exact", "uniform"),
-            ServingCase("skip_aux-exact", "skip_aux")]
+    uniform and skip-aux exact at CRISP's bytes, then residency-aware CRISP (the runtime's "resident"
+    policy and its dominant floor at 1.0 / 0.75 / 0.625 of the full width), each without and with
+    next-layer prefetch."""
+    cases = [ServingCase("crisp-exact"), ServingCase("uniform-exact", "uniform"),
+             ServingCase("skip_aux-exact", "skip_aux")]
+    resident = SERVING_POLICIES["resident"]
+    for floor in (1.0, 0.75, 0.625):
+        policy = replace(resident, name=f"resident-floor{floor:g}", dominant_floor=floor)
+        for prefetch in (None, PrefetchPolicy()):
+            suffix = "" if prefetch is None else "+prefetch"
+            cases.append(ServingCase(f"crisp-{policy.name}{suffix}", "crisp", policy, prefetch))
+    return cases
 
 
 def format_table(records: Sequence[dict]) -> str:
@@ -102,31 +115,15 @@ def format_table(records: Sequence[dict]) -> str:
 
 
 def _serving_dict(spec) -> dict:
-    if spec is None:
-        return {"name": "plan", "exact": True}
-    from crisp_runtime.serving import make_serving
-
-    policy = make_serving(spec)
+    policy = make_serving("plan" if spec is None else spec)
     return {**policy.to_dict(), "exact": policy.follows_plan}
-
-
-def _runtime_config(case: ServingCase):
-    from crisp_runtime.executor import RuntimeConfig
-
-    if case.serving is None:
-        return RuntimeConfig()
-    return RuntimeConfig(serving=case.serving)
 
 
 @contextlib.contextmanager
 def applied(model, pack, plan: CrispPlan, budget_bytes: int | None, case: ServingCase):
     """``crisp_runtime.apply`` for one case (restored on exit)."""
-    from crisp_runtime.hf import apply
-
-    kwargs = {}
-    if case.prefetch is not None:
-        kwargs["prefetch"] = case.prefetch
-    handle = apply(model, pack, plan=plan, gpu_budget=budget_bytes, config=_runtime_config(case), **kwargs)
+    config = RuntimeConfig(serving="plan" if case.serving is None else case.serving, prefetch=case.prefetch)
+    handle = apply(model, pack, plan=plan, gpu_budget=budget_bytes, config=config)
     try:
         yield handle
     finally:
@@ -163,7 +160,7 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         "budget_fraction": budget_fraction,
         "budget_bytes": budget_bytes,
         "serving": _serving_dict(case.serving),
-        "prefetch": None if case.prefetch is None else _prefetch_dict(case.prefetch),
+        "prefetch": None if case.prefetch is None else case.prefetch.to_dict(),
         "accuracy": scores.accuracy,
         "perplexity": scores.perplexity,
         "loss": scores.loss,
@@ -177,11 +174,6 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         "elapsed_s": round(seconds, 1),
         **case.extra,
     }
-
-
-def _prefetch_dict(policy) -> dict:
-    to_dict = getattr(policy, "to_dict", None)
-    return to_dict() if to_dict is not None else {"policy": repr(policy)}
 
 
 def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
