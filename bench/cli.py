@@ -386,8 +386,6 @@ def _cmd_simulate(args) -> int:
 
 def _simulation_inputs(args):
     """(profile, target shape, trace, plans, mapped widths, notes) for ``simulate``."""
-    from crisp_runtime.outputs import write_atomic
-
     from . import traces as tr
     from .profiles import ModelShape, get_profile
 
@@ -407,7 +405,7 @@ def _simulation_inputs(args):
         notes.append(f"trace recorded from {_rel(args.model)} on {_rel(args.text)}: {trace.num_layers} layers x "
                      f"{trace.num_tokens} tokens ({args.sequences} x {args.seq_len}, teacher-forced = decode routing)")
         if args.record_trace:
-            write_atomic(args.record_trace, trace.save)
+            trace.save(args.record_trace)  # atomically
             notes.append(f"trace saved to {args.record_trace}")
     if args.tokens:
         trace = trace.head(args.tokens)

@@ -177,11 +177,9 @@ def run(args) -> int:
         {"num_experts": first.num_experts, "top_k": top_k, "intermediate_size": first.intermediate_size},
     )
     if getattr(args, "record_trace", None):
-        from crisp_runtime.outputs import write_atomic
-
         trace.meta.update(model=str(args.model), source=f"{args.text} (the e2e tokens; warm-up {warm})",
                           hidden_size=first.hidden_size, warmup=warm)
-        write_atomic(args.record_trace, trace.save)  # never in place: a reader may have the old file mapped
+        trace.save(args.record_trace)  # atomically
         print(f"routing of the decoded tokens saved to {args.record_trace} (simulate it with --warmup {warm})")
     plans = tr.policy_plans(trace, pack.plan if pack.plan is not None and pack.plan.policy.value == "crisp" else None)
     plans = {k: v for k, v in plans.items() if k in args.policies}

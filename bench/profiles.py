@@ -42,7 +42,6 @@ reproduces beside the paper's.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
@@ -144,7 +143,10 @@ class HardwareProfile:
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write the profile as JSON, atomically."""
+        from crisp_runtime.outputs import write_json
+
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> HardwareProfile:

@@ -130,16 +130,22 @@ class Trace:
                      None if self.predicted is None else self.predicted[:, :n])
 
     def save(self, path: str | os.PathLike) -> None:
+        """Write the trace atomically (a reader of the old file, possibly memory-mapped, keeps it)."""
+        from crisp_runtime.outputs import write_atomic
+
         meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **self.meta}
         optional = {} if self.predicted is None else {"predicted": self.predicted.astype(np.int16)}
-        path = Path(path)
-        with open(path, "wb") as f:
-            np.savez_compressed(
-                f, index=self.index.astype(np.int16), weights=self.weights.astype(np.float32),
-                layer_ids=np.asarray(self.layer_ids, dtype=np.int64),
-                seq_starts=np.asarray(self.seq_starts, dtype=np.int64), meta=np.asarray(json.dumps(meta)),
-                **optional,
-            )
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                np.savez_compressed(
+                    f, index=self.index.astype(np.int16), weights=self.weights.astype(np.float32),
+                    layer_ids=np.asarray(self.layer_ids, dtype=np.int64),
+                    seq_starts=np.asarray(self.seq_starts, dtype=np.int64), meta=np.asarray(json.dumps(meta)),
+                    **optional,
+                )
+
+        write_atomic(path, write)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
