@@ -279,7 +279,7 @@ def _check_paths(args) -> None:
     if not any(outputs.values()):
         return
     inputs: dict = {}
-    for name in ("model", "pack", "text", "trace", "plan", "profile_file", "compare"):
+    for name in ("model", "pack", "text", "trace", "plan", "profile_file", "compare", "accuracy"):
         value = getattr(args, name, None)
         if value is not None and value != "auto":
             inputs[f"--{name.replace('_', '-')}"] = value
