@@ -15,15 +15,21 @@ import time
 from pathlib import Path
 
 from crisp_runtime import cli_args as ca
+from crisp_runtime.serving import SERVING_POLICIES
 
 from . import report
 from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, TARGETS
+from .sim_policies import MATRICES as SIM_MATRICES
+from .simulate import EVICTIONS as SIM_EVICTIONS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-mixtral"
 DEFAULT_TEXT = REPO_ROOT / "data" / "stdlib-heldout.txt"
 POLICIES = ("full", "uniform", "skip_aux", "crisp")
 ORDERS = ("serial", "router", "widest_first")
+SERVING_NAMES = tuple(SERVING_POLICIES)
+# evaluations whose accuracy_loss simulate attaches to its records (when of the traced model)
+DEFAULT_ACCURACY = ("docs/eval-tiny-mixtral.json", "docs/eval-serving-tiny-mixtral.json")
 SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
 
 
@@ -211,12 +217,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an `e2e --json` file measured on this machine: print the prediction error per policy "
                    "(widest-first order against a GPU run, serial against a CPU run)")
     p.add_argument("--cache-scope", choices=("global", "layer"), default="global",
-                   help="global: one LRU over all layers (CRISP's runtime, default); layer: the budget split into "
-                   "one LRU per layer (mixtral-offloading's per-layer slots; needs >= top_k experts per layer)")
-    p.add_argument("--eviction", choices=("lru", "frequency"), default="lru",
-                   help="cache eviction of every policy: lru (default) or frequency (least used first, counts kept "
-                   "across evictions; crisp_runtime's FrequencyPolicy). With frequency, the full-width LRU "
-                   "baseline is simulated too, as policy full_lru")
+                   help="global: one cache over all layers (CRISP's runtime, default); layer: the budget split into "
+                   "one cache per layer (mixtral-offloading's per-layer slots; needs >= 1 expert per layer)")
+    p.add_argument("--matrix", choices=SIM_MATRICES, default="product",
+                   help="product (default): every --policies x --serving x --eviction x --prefetch; residency: "
+                   "issue 10's comparison (full-width LRU / Belady, today's CRISP, residency-aware CRISP with and "
+                   "without prefetch, Belady bound, uniform / skip_aux with the same machinery); frontier: each "
+                   "family swept over its knob (for --plot: tokens/s against accuracy loss)")
+    p.add_argument("--serving", type=_csv(SERVING_NAMES), default=["plan"],
+                   help=f"serving policies (crisp_runtime.serving), comma separated: {', '.join(SERVING_NAMES)} "
+                   "(default plan: the plan's widths whatever is resident)")
+    p.add_argument("--eviction", type=_csv(SIM_EVICTIONS), default=["lru"],
+                   help=f"eviction policies, comma separated: {', '.join(SIM_EVICTIONS)} (belady: offline "
+                   "furthest next use, the reference). The full-width LRU baseline is always simulated")
+    p.add_argument("--prefetch", choices=("none", "trace"), default="none",
+                   help="trace: also prefetch the next layer's experts the trace predicts (recorded by "
+                   "crisp_runtime.prefetch); none (default)")
+    p.add_argument("--accuracy", metavar="EVAL.json", action="append", default=None,
+                   help="evaluation JSON(s) giving accuracy_loss per configuration (crisp-eval --json; the "
+                   "runtime-in-the-loop serving evaluation); default: those under docs/ for the traced model")
     p.add_argument("--warmup", type=ca.nonnegative_int, default=None,
                    help="tokens that fill the cache first, not counted (default: min(32, a quarter of the trace))")
     _outputs(p)
@@ -326,46 +345,54 @@ def _emit(args, command: str, records: list[dict], **extra) -> None:
 
 def _cmd_simulate(args) -> int:
     from . import simulate as sim
+    from .sim_policies import accuracy_for, configurations, frontier, knobs, read_accuracy
 
     t0 = time.perf_counter()
-    profile, shape, trace, plans, mapped, notes = _simulation_inputs(args)
+    profile, shape, trace, plans, notes = _simulation_inputs(args)
     print(f"simulate: profile {profile.name} ({profile.description or profile.source})")
-    for n in notes:
-        print(f"  {n}")
     budgets = list(SWEEP) if args.budget_sweep else [args.budget]
-    if args.budget_sweep:
-        floor = shape.top_k * shape.expert_nbytes / shape.total_expert_nbytes
-        if args.cache_scope == "layer":
-            floor *= shape.num_layers
-        too_small = [b for b in budgets if b < floor]
-        budgets = [b for b in budgets if b >= floor]
-        if too_small:
-            print(f"  sweep skips {', '.join(f'{b:.0%}' for b in too_small)}: below one layer's working set "
-                  f"({shape.top_k} full experts = {floor:.1%} of the expert bytes)")
-        if not budgets:
-            raise CliError("no budget of the sweep holds one layer's working set")
     if args.warmup is None:
         args.warmup = min(32, trace.num_tokens // 4)
-    if args.warmup < 0 or args.warmup >= trace.num_tokens:
+    if args.warmup >= trace.num_tokens:
         raise CliError(f"--warmup must lie in [0, {trace.num_tokens}) for a trace of {trace.num_tokens} tokens")
+    predicted = getattr(trace, "predicted", None)
+    if args.prefetch == "trace" and predicted is None:
+        raise CliError("--prefetch trace: the trace holds no next-layer predictions (record one with this version: "
+                       "`crisp-bench simulate --record-trace`, or use docs/bench-trace-heldout-predicted.npz)")
+    prefetch = [False, True] if args.prefetch == "trace" else [False]
+    try:
+        configs = configurations(plans, args.matrix, serving=args.serving, evictions=args.eviction,
+                                 prefetch=prefetch if args.matrix != "product" else
+                                 ([True] if args.prefetch == "trace" else [False]))
+    except KeyError as exc:
+        raise CliError(f"--matrix {args.matrix} needs policy {exc} in --policies") from None
+    meta = {c.label: m for c, m in frontier(plans, prefetch[-1])} if args.matrix == "frontier" else {}
+    accuracy_files = args.accuracy if args.accuracy is not None else [
+        str(REPO_ROOT / f) for f in DEFAULT_ACCURACY if (REPO_ROOT / f).is_file()]
+    try:
+        evaluated, acc_notes = read_accuracy(accuracy_files, trace.meta.get("model"))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    notes += acc_notes
+    _adopt_evaluated_knobs(plans, evaluated, args, notes)
+    for n in notes:
+        print(f"  {n}")
     records: list[dict] = []
-    keys = list(mapped)
     for b in budgets:
         prog = report.Progress(f"simulating budget {b:.0%}")
 
-        def step(policy, done, n, prog=prog):
-            prog(keys.index(policy) * n + done, len(keys) * n)
+        def step(config, done, n, prog=prog):
+            prog(configs.index(config) * n + done, len(configs) * n)
 
-        records += sim.simulate_policies(mapped, profile, shape, b, args.orders, args.warmup, progress=step,
-                                         cache_scope=args.cache_scope, eviction=args.eviction)
-        if args.eviction != "lru" and "full" in mapped:
-            # the mixtral-offloading-style baseline keeps its LRU whatever the other policies use
-            records += [dict(r, policy="full_lru") for r in sim.simulate_policies(
-                {"full": mapped["full"]}, profile, shape, b, args.orders, args.warmup,
-                cache_scope=args.cache_scope, eviction="lru")]
+        records += sim.simulate_policies(trace, configs, profile, shape, b, orders=args.orders, warmup=args.warmup,
+                                         cache_scope=args.cache_scope, predicted=predicted, progress=step)
+    by_label = {c.label: c for c in configs}
     for r in records:
         r["profile"] = profile.name
         r["target"] = shape.name
+        r.update(knobs(by_label[r["label"]]))
+        r.update(meta.get(r["label"], {}))
+        r["accuracy_loss"], r["accuracy_source"] = accuracy_for(r, evaluated)
     _print_simulation(records, budgets, args, shape)
     headline = _headline(records, budgets)
     for line in headline["lines"]:
@@ -374,7 +401,7 @@ def _cmd_simulate(args) -> int:
         print(_paper_comparison(records, args.budget if not args.budget_sweep else 0.25))
     comparison = _compare_e2e(args.compare, records, budgets[0]) if args.compare else None
     if args.plot:
-        _plot_simulation(args.plot, records, budgets, profile, shape, trace)
+        _plot_simulation(args.plot, records, budgets, profile, shape, trace, args.matrix)
         print(f"wrote {args.plot}")
     _emit(args, "simulate", records, profile=profile.to_dict(), target=shape.__dict__, mapping=notes,
           plans={k: v.to_dict() if k != "crisp" else {"description": v.description, "tier_widths": vars(v.tier_widths)}
@@ -427,7 +454,7 @@ def _simulation_inputs(args):
             raise CliError(f"trace has E={trace.num_experts}, top-{trace.top_k}; target {shape.name} needs "
                            f"E={shape.num_experts}, top-{shape.top_k} (use --target native)")
         notes.append(f"target {shape.name}: {shape.num_layers} layers cycle the {trace.num_layers} traced layers; "
-                     f"widths scaled x{shape.intermediate_size / trace.intermediate_size:g} "
+                     f"a traced neuron is {shape.intermediate_size // max(1, trace.intermediate_size)} target neurons "
                      f"(fractions of I kept); expert {shape.expert_nbytes / 1e6:.1f} MB "
                      f"(H={shape.hidden_size}, I={shape.intermediate_size}, 4-bit g{shape.group_size} + zeros), "
                      f"all experts {shape.total_expert_nbytes / 1e9:.2f} GB")
@@ -440,11 +467,10 @@ def _simulation_inputs(args):
         notes.append("skip_aux: the auxiliary expert always skipped" if th is None else
                      f"skip_aux: auxiliary expert skipped when its routing weight < {th:.3f} "
                      f"(matched to CRISP's bytes/token, as crisp-eval does)")
-    mapped = {}
-    for name, plan in plans.items():
-        widths = tr.token_widths(trace, plan)
-        mapped[name] = tr.map_widths(trace, widths, shape.num_layers, shape.intermediate_size)
-    return profile, shape, trace, plans, mapped, notes
+    if shape.intermediate_size % trace.intermediate_size:
+        raise CliError(f"the traced model's I={trace.intermediate_size} does not divide {shape.name}'s "
+                       f"I={shape.intermediate_size}: widths cannot be mapped exactly (use --target native)")
+    return profile, shape, trace, plans, notes
 
 
 def _rel(path) -> str:
@@ -509,43 +535,87 @@ def _load_crisp_plan(spec, pack_dir, trace, notes):
 
 
 def _print_simulation(records, budgets, args, shape) -> None:
-    cols = [("policy", "policy"), ("order", "order"), ("tokens_per_s", "tok/s"), ("ms_per_token", "ms/tok"),
-            ("mb_per_token", "MB copied/tok"), ("hit_rate", "hit rate"), ("experts_per_layer", "experts/layer"),
+    cols = [("label", "policy/serving/eviction"), ("order", "order"), ("tokens_per_s", "tok/s"),
+            ("x_lru", "x full LRU"), ("mb_per_token", "MB copied/tok"), ("hit_rate", "hit rate"),
+            ("fallbacks_per_token", "narrower/tok"), ("skips_per_token", "skips/tok"), ("loss_pct", "acc. loss %"),
             ("layer_ms", "layer ms"), ("load_ms", "load ms"), ("compute_ms", "compute ms"),
             ("flow_shop_bound_ms", "bound ms")]
     for b in budgets:
-        rows = [dict(r, mb_per_token=r["bytes_per_token"] / 1e6) for r in records if r["budget_fraction"] == b]
+        base = _pick(records, BASELINE, "router", b)
+        rows = [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,
+                     x_lru=r["tokens_per_s"] / base["tokens_per_s"] if base else "",
+                     loss_pct="" if r["accuracy_loss"] is None else 100 * r["accuracy_loss"])
+                for r in records if r["budget_fraction"] == b]
         print()
         print(report.table(rows, cols, title=f"budget {b:.0%} of expert bytes ({rows[0]['budget_bytes'] / 1e9:.2f} GB)"
-                                             f", {shape.name}, {rows[0]['tokens']} tokens"))
+                                             f", {shape.name}, {rows[0]['tokens']} tokens; x vs full-width LRU in "
+                                             "router order"))
 
 
-def _pick(records, policy, order, budget):
+def _adopt_evaluated_knobs(plans, evaluated, args, notes) -> None:
+    """Simulate uniform / skip_aux at the width / threshold their accuracy was evaluated at (matched to
+    CRISP's bytes on the evaluation's text; the trace's own matching differs by a neuron or a few
+    thousandths), so that their records carry a measured accuracy_loss."""
+    from crisp_runtime.plan import CrispPlan
+
+    full = plans.get("full") or next(iter(plans.values()))
+    e, k, inter, ids = full.num_experts, full.top_k, full.intermediate_size, full.layer_ids
+    if "uniform" in plans and args.uniform_width is None:
+        ev = next((r for r in evaluated if r["family"] == "uniform" and r["exact"] and r["uniform_width"]), None)
+        if ev and ev["uniform_width"] != plans["uniform"].uniform_width:
+            plans["uniform"] = CrispPlan.uniform(e, k, inter, ids, int(ev["uniform_width"]))
+            notes.append(f"uniform width {ev['uniform_width']}/{inter}: as evaluated in {_rel(ev['source'])}")
+    if "skip_aux" in plans:
+        ev = next((r for r in evaluated if r["family"] == "skip_aux" and r["exact"] and r["skip_threshold"]), None)
+        if ev and ev["skip_threshold"] != plans["skip_aux"].skip_threshold:
+            plans["skip_aux"] = CrispPlan.skip_aux(e, k, inter, ids, threshold=float(ev["skip_threshold"]),
+                                                   num_dominant=plans["skip_aux"].num_dominant)
+            notes.append(f"skip_aux threshold {ev['skip_threshold']:.3f}: as evaluated in {_rel(ev['source'])}")
+
+
+# the mixtral-offloading-style baseline: full-width experts, LRU, widths independent of the cache
+BASELINE = "full/plan/lru"
+TARGET_LOSS = 0.02  # issue 10: at most 2% relative accuracy loss
+
+
+def _pick(records, label, order, budget):
     for r in records:
-        if r["policy"] == policy and r["order"] == order and r["budget_fraction"] == budget:
+        if r["label"] == label and r["order"] == order and r["budget_fraction"] == budget:
             return r
     return None
 
 
 def _headline(records, budgets) -> dict:
+    """Per budget: today's CRISP and the fastest configuration within the accuracy target, against full LRU."""
     out: dict = {"lines": []}
     for b in budgets:
-        crisp = _pick(records, "crisp", "widest_first", b)
-        lru = "full_lru" if _pick(records, "full_lru", "router", b) else "full"  # the full-width LRU baseline
-        base_r = _pick(records, lru, "router", b)
-        base_s = _pick(records, lru, "serial", b)
-        base_w = _pick(records, lru, "widest_first", b)
-        if not crisp:
+        base = _pick(records, BASELINE, "router", b)
+        if base is None:
             continue
-        entry = {}
+        entry: dict = {"full_lru_tokens_per_s": base["tokens_per_s"]}
+        today = _pick(records, "crisp/plan/lru", "widest_first", b)
         parts = []
-        for name, base in (("full_router", base_r), ("full_serial", base_s), ("full_widest_first", base_w)):
-            if base:
-                entry[name] = crisp["tokens_per_s"] / base["tokens_per_s"]
-                parts.append(f"{entry[name]:.2f}x vs full/{name[5:]}")
+        if today:
+            entry["crisp_today_x"] = today["tokens_per_s"] / base["tokens_per_s"]
+            parts.append(f"today's CRISP (widest-first) {entry['crisp_today_x']:.2f}x")
+        ok = [r for r in records if r["budget_fraction"] == b and r["policy"] == "crisp" and r["order"] ==
+              "widest_first" and r["eviction"] != "belady" and r["accuracy_loss"] is not None
+              and r["accuracy_loss"] <= TARGET_LOSS]
+        if ok:
+            best = max(ok, key=lambda r: r["tokens_per_s"])
+            entry.update(best_label=best["label"], best_x=best["tokens_per_s"] / base["tokens_per_s"],
+                         best_accuracy_loss=best["accuracy_loss"])
+            parts.append(f"best CRISP within {TARGET_LOSS:.0%} loss: {best['label']} {entry['best_x']:.2f}x at "
+                         f"{100 * best['accuracy_loss']:.2f}% loss")
+        unknown = [r for r in records if r["budget_fraction"] == b and r["policy"] == "crisp"
+                   and r["serving"] != "plan" and r["accuracy_loss"] is None and r["order"] == "widest_first"
+                   and r["eviction"] != "belady"]
+        if unknown:
+            fastest = max(unknown, key=lambda r: r["tokens_per_s"])
+            parts.append(f"fastest residency-aware CRISP {fastest['label']} "
+                         f"{fastest['tokens_per_s'] / base['tokens_per_s']:.2f}x (accuracy not evaluated)")
         out[f"{b:g}"] = entry
-        out["lines"].append(f"budget {b:.0%}: CRISP (widest-first) {crisp['tokens_per_s']:.2f} tok/s = "
-                            + ", ".join(parts) + " (full-width LRU)")
+        out["lines"].append(f"budget {b:.0%}: full-width LRU {base['tokens_per_s']:.2f} tok/s; " + "; ".join(parts))
     return out
 
 
@@ -568,7 +638,7 @@ def _compare_e2e(path, records, budget) -> list[dict]:
     rows = []
     for m in measured:
         order = "widest_first" if str(m.get("device", "cpu")).startswith("cuda") else "serial"
-        p = _pick(records, m["policy"], order, budget)
+        p = _pick(records, f"{m['policy']}/plan/lru", order, budget)
         if p is None:
             continue
         err = p["tokens_per_s"] / m["tokens_per_s"] - 1.0
@@ -587,7 +657,7 @@ def _compare_e2e(path, records, budget) -> list[dict]:
 
 
 def _paper_comparison(records, budget) -> str:
-    r = _pick(records, "full", "serial", budget)
+    r = _pick(records, BASELINE, "serial", budget)
     if r is None:
         return ""
     return (f"paper's MoE layer (RTX 4090, full width, serial): 14.4 ms = load 11.2 + compute 2.6 + router 0.4\n"
@@ -596,23 +666,28 @@ def _paper_comparison(records, budget) -> str:
             f"{r['other_ms']:.1f}) + router {r['router_ms']:.1f}; hit rate {r['hit_rate']:.0%}")
 
 
-def _plot_simulation(path, records, budgets, profile, shape, trace) -> None:
+def _plot_simulation(path, records, budgets, profile, shape, trace, matrix) -> None:
+    from .sim_policies import plot_frontier
+
     stamp = report.environment()["date"]
     note = (f"{profile.name} profile, traces of {trace.meta.get('model', '?')} mapped onto {shape.name}, "
             f"{records[0]['tokens']} tokens, {stamp}")
-    if len(budgets) > 1:
+    if matrix == "frontier":
+        plot_frontier(path, [r for r in records if r["budget_fraction"] == budgets[0]],
+                      title=f"Simulated tokens/s against accuracy loss at {budgets[0]:.0%} budget ({profile.name}, "
+                      f"{shape.name})", note=note)
+    elif len(budgets) > 1:
         series: dict = {}
         for r in records:
-            if r["order"] == ("widest_first" if r["policy"] != "full" else "router") or (
-                    r["policy"] == "full" and r["order"] == "widest_first"):
-                label = f"{r['policy']} ({r['order'].replace('_', '-')})"
+            if r["order"] == "widest_first" or (r["label"] == BASELINE and r["order"] == "router"):
+                label = f"{r['label']} ({r['order'].replace('_', '-')})"
                 series.setdefault(label, []).append((100 * r["budget_fraction"], r["tokens_per_s"]))
         report.plot_lines(path, series, xlabel="GPU budget (% of 4-bit expert bytes)", ylabel="decode tokens/s",
                           title=f"Simulated decode throughput vs GPU budget ({profile.name}, {shape.name})", note=note)
     else:
         groups: dict = {}
         for r in records:
-            groups.setdefault(r["policy"], {})[r["order"]] = r["tokens_per_s"]
+            groups.setdefault(r["label"].replace("/", "\n", 1), {})[r["order"]] = r["tokens_per_s"]
         report.plot_bars(path, groups, ylabel="decode tokens/s",
                          title=f"Simulated tokens/s at {budgets[0]:.0%} budget ({profile.name}, {shape.name})",
                          note=note)

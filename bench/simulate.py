@@ -3,55 +3,90 @@
 Per token, MoE layer after MoE layer (the next layer starts when the previous one ends):
 
     compute engine: other (attention, norms)  ->  router  ->  expert computes
-    copy engine:                                         expert copies (H2D)
+    copy engine:                                         expert copies (H2D)  [-> prefetch copies]
 
-The router decides which experts the layer needs and at which width (the policy's
-``CrispPlan``); the device cache (:class:`PrefixCache`) says what is resident; each routed
-expert becomes a job (load time of its missing bytes, compute time of its width). Copies
-and computes of different experts overlap as a two-stage flow shop: the copy engine copies
-one expert after another; an expert's compute starts when its copy is done and the compute
-engine is free; computes run in the same order as copies (a permutation schedule). Orders:
+The decisions are the runtime's own code, so the simulator and ``crisp_runtime`` cannot drift:
+
+- widths and roles: the plan (``CrispPlan.token_widths_and_roles``);
+- served widths: the serving policy (``crisp_runtime.serving.serve_slots``: the default follows
+  the plan; the residency-aware ones serve auxiliaries from what is resident and give a missed
+  dominant a floor prefix);
+- grouping and issue order: ``crisp_runtime.scheduler.plan_step`` (Johnson's rule);
+- residency: one ``crisp_runtime.residency.ResidencyLedger`` per cache (hits, widenings,
+  misses, evictions, bytes; requests in issue order, each protecting the step's experts not yet
+  run, so a budget below one step's experts streams as the runtime does);
+- eviction: ``crisp_runtime.eviction`` (LRU, frequency, next-use; Belady given the future).
+
+Only time is the simulator's own: each expert becomes a job (load = copy of its missing bytes,
+compute = its width). Copies and computes overlap as a two-stage flow shop: the copy engine
+copies one expert after another; an expert's compute starts when its copy is done and the
+compute engine is free (a permutation schedule). Orders:
 
     serial        load expert, compute it, then the next: nothing overlaps (the paper's
-                  layer breakdown adds up like this)
+                  layer breakdown adds up like this); router order
     router        overlapped, in router order (slot order of top_k_index)
-    widest_first  overlapped, Johnson's rule: jobs whose load is shorter than their compute
-                  first by increasing load (cache hits, load 0, lead), then the rest by
-                  decreasing compute time, i.e. widest first; the last compute, which nothing
-                  hides, is the narrowest. Johnson's order is optimal for the two-stage flow
-                  shop, so it is never slower than ``router``.
+    widest_first  overlapped, Johnson's rule (``crisp_runtime.scheduler.johnson_order`` on the
+                  profile's times): the runtime's order, optimal for the two-stage flow shop
 
-Device cache: a byte budget over (layer, expert) prefixes, shared by all layers, with the
-runtime's semantics: an expert whose resident prefix is at least as wide as needed is a hit
-(no copy); a narrower resident prefix is widened by copying only the missing rows; a miss
-copies the whole prefix. Before a layer's copies, least recently used entries that the
-layer does not need are evicted whole until the missing bytes fit. The budget must hold one
-layer's working set (``top_k`` full-width experts), else :class:`BudgetTooSmall`. With
-``cache_scope="layer"`` the budget is split evenly into one such cache per layer instead
-(mixtral-offloading's fixed per-layer expert slots). A global LRU cycles through the layers
-in a loop, so below one token's working set (top_k of E experts per layer: 25% for Mixtral)
-it evicts exactly what the next token needs first; the budget sweep shows that step.
+The ledger sees the requests in the runtime's issue order whatever order is timed; the three
+orders share its decisions.
+
+Prefetch (``SimPolicy.prefetch``, widest-first order only): after layer l's demanded copies, the
+copy engine copies what the runtime's prefetcher asks for layer l+1 (the predicted top-k at the
+plan's widths, widest first) through ``ResidencyLedger.prefetch`` (same budget; never evicts the
+step's experts), but only rows that are copied before layer l+1's router ends, when its demanded
+copies may start: a prefetch never delays a demanded copy. Predictions come with the trace
+(``predicted``, recorded by ``crisp_runtime.prefetch``); without them there is no prefetch.
 
 Everything here is plain Python and deterministic; times are seconds.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from crisp_runtime.eviction import BeladyPolicy, EvictionPolicy, make_policy
+from crisp_runtime.plan import CrispPlan
+from crisp_runtime.residency import LedgerCounters, ResidencyLedger
+from crisp_runtime.scheduler import CostModel, johnson_order, plan_step
+from crisp_runtime.serving import ServingPolicy, serve_slots
 
 from .profiles import HardwareProfile, ModelShape
 
 ORDERS = ("serial", "router", "widest_first")
-# Eviction, as the runtime's policies (crisp_runtime/eviction.py): "lru" evicts the least recently
-# used entry; "frequency" the least often used one (use counts kept across evictions, ties LRU),
-# which suits decoding's cyclic walk over the layers, where LRU evicts what the next token needs.
-EVICTIONS = ("lru", "frequency")
+# Eviction of every cache: the runtime's online policies (crisp_runtime/eviction.py) and Belady's
+# offline furthest-next-use, the reference every online policy is reported against.
+EVICTIONS = ("lru", "frequency", "next_use", "belady")
+CACHE_SCOPES = ("global", "layer")
 
 
 class BudgetTooSmall(ValueError):
-    """The cache budget cannot hold one layer step's experts."""
+    """The cache budget cannot hold one full-width expert."""
+
+
+@dataclass(frozen=True)
+class SimPolicy:
+    """One simulated configuration: widths (plan), serving, eviction and prefetch."""
+
+    name: str  # the plan's policy name in records: full, uniform, skip_aux, crisp
+    plan: CrispPlan  # in the traced model's layers and neurons
+    serving: ServingPolicy = field(default_factory=ServingPolicy)
+    eviction: str = "lru"
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction {self.eviction!r}: choose one of {', '.join(EVICTIONS)}")
+
+    @property
+    def label(self) -> str:
+        """e.g. ``crisp/resident/next_use+prefetch``: unique per configuration in one run."""
+        return f"{self.name}/{self.serving.name}/{self.eviction}" + ("+prefetch" if self.prefetch else "")
 
 
 # ---------------------------------------------------------------------------- flow shop
@@ -78,40 +113,43 @@ class Slot:
     compute_end: float
 
 
-def johnson_order(jobs: Sequence[Job]) -> list[Job]:
-    """Johnson's rule for the two-stage flow shop, tie-broken as ``crisp_runtime.scheduler.johnson_order``
-    (equal loads: wider first; then router order)."""
-    pos = {id(j): i for i, j in enumerate(jobs)}
-    first = sorted((j for j in jobs if j.load_s < j.compute_s), key=lambda j: (j.load_s, -j.compute_s, pos[id(j)]))
-    last = sorted((j for j in jobs if j.load_s >= j.compute_s), key=lambda j: (-j.compute_s, pos[id(j)]))
-    return first + last
-
-
-def schedule(jobs: Sequence[Job], order: str, start: float = 0.0) -> tuple[float, list[Slot]]:
-    """Times of one layer's experts from ``start`` (the router's end); returns (end, slots)."""
+def order_jobs(jobs: Sequence[Job], order: str) -> list[Job]:
+    """``jobs`` (router order) in the order ``order`` runs them."""
     if order not in ORDERS:
         raise ValueError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
+    if order != "widest_first":
+        return list(jobs)
+    return [jobs[i] for i in johnson_order([j.load_s for j in jobs], [j.compute_s for j in jobs])]
+
+
+def schedule(jobs: Sequence[Job], order: str, start: float = 0.0, copy_free: float = 0.0) -> tuple[float, list[Slot]]:
+    """Times of one layer's experts from ``start`` (the router's end); returns (end, slots).
+
+    jobs: in router order. copy_free: when the copy engine is free (a prefetch may still be
+    copying; the prefetch rule makes that <= ``start``).
+    """
     slots: list[Slot] = []
+    seq = order_jobs(jobs, order)
     if order == "serial":
-        t = start
-        for j in jobs:
+        t = max(start, copy_free)
+        for j in seq:
             copy_end = t + j.load_s
             end = copy_end + j.compute_s
             slots.append(Slot(j.expert, t, copy_end, copy_end, end))
             t = end
         return t, slots
-    seq = list(jobs) if order == "router" else johnson_order(jobs)
-    copy_free = compute_free = start
+    copy_at = max(start, copy_free)
+    compute_free = start
     for j in seq:
         if j.load_s > 0:
-            copy_start, copy_end = copy_free, copy_free + j.load_s
-            copy_free = copy_end
+            copy_start, copy_end = copy_at, copy_at + j.load_s
+            copy_at = copy_end
         else:
             copy_start = copy_end = start
         compute_start = max(copy_end, compute_free)
         compute_free = compute_start + j.compute_s
         slots.append(Slot(j.expert, copy_start, copy_end, compute_start, compute_free))
-    return max(copy_free, compute_free), slots
+    return max(copy_at, compute_free), slots
 
 
 def flow_shop_bound(jobs: Sequence[Job]) -> float:
@@ -123,84 +161,7 @@ def flow_shop_bound(jobs: Sequence[Job]) -> float:
     return max(loads + min(j.compute_s for j in jobs), min(j.load_s for j in jobs) + computes)
 
 
-# ---------------------------------------------------------------------------- cache
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0  # resident prefix wide enough: no copy
-    widened: int = 0  # resident but narrower: only missing rows copied
-    misses: int = 0  # not resident
-    bytes_copied: int = 0
-    evictions: int = 0
-
-    @property
-    def accesses(self) -> int:
-        return self.hits + self.widened + self.misses
-
-
-class PrefixCache:
-    """Expert prefixes on the device under a byte budget; whole entries evicted (LRU or least used)."""
-
-    def __init__(self, budget_bytes: int, neuron_nbytes: int, eviction: str = "lru"):
-        if eviction not in EVICTIONS:
-            raise ValueError(f"unknown eviction {eviction!r}; choose one of {', '.join(EVICTIONS)}")
-        self.budget = int(budget_bytes)
-        self.neuron_nbytes = int(neuron_nbytes)
-        self.eviction = eviction
-        self.entries: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> resident width; LRU first
-        self.uses: dict[tuple[int, int], int] = {}  # accesses per key, kept across evictions
-        self.used = 0
-        self.stats = CacheStats()
-
-    def _victims(self):
-        """Resident keys in eviction order."""
-        if self.eviction == "lru":
-            return list(self.entries)
-        lru_rank = {key: i for i, key in enumerate(self.entries)}
-        return sorted(self.entries, key=lambda key: (self.uses.get(key, 0), lru_rank[key]))
-
-    def resident(self, layer: int, expert: int) -> int:
-        return self.entries.get((layer, expert), 0)
-
-    def step(self, layer: int, needed: dict[int, int]) -> dict[int, int]:
-        """Make ``needed`` (expert -> width, router order) resident; returns expert -> bytes copied."""
-        nb = self.neuron_nbytes
-        missing = {e: max(0, w - self.resident(layer, e)) * nb for e, w in needed.items()}
-        want = sum(missing.values())
-        pinned = {(layer, e) for e in needed}
-        if self.used + want > self.budget:
-            for key in self._victims():
-                if self.used + want <= self.budget:
-                    break
-                if key in pinned:
-                    continue
-                self.used -= self.entries.pop(key) * nb
-                self.stats.evictions += 1
-        if self.used + want > self.budget:
-            raise BudgetTooSmall(
-                f"a {self.budget / 1e6:.1f} MB cache cannot hold layer {layer}'s experts "
-                f"{dict(needed)} ({(self.used + want) / 1e6:.1f} MB)"
-            )
-        for e, w in needed.items():
-            key = (layer, e)
-            r = self.entries.get(key, 0)
-            if missing[e] == 0:
-                self.stats.hits += 1
-            elif r > 0:
-                self.stats.widened += 1
-            else:
-                self.stats.misses += 1
-            if w > r:
-                self.entries[key] = w
-                self.used += (w - r) * nb
-            self.entries.move_to_end(key)
-            self.uses[key] = self.uses.get(key, 0) + 1
-        self.stats.bytes_copied += want
-        return missing
-
-
-# ---------------------------------------------------------------------------- decoding
+# ---------------------------------------------------------------------------- results
 
 
 @dataclass
@@ -216,15 +177,23 @@ class SimResult:
 
     tokens: int
     layers: int
-    bytes_copied: int
-    bytes_computed: int
-    stats: CacheStats
-    load_s: float  # sum of copy durations
-    compute_s: float  # sum of expert compute durations
-    router_s: float
-    other_s: float
-    experts_run: int
+    counters: LedgerCounters  # demand hits / widenings / misses, evictions, bytes; prefetch counts
+    bytes_computed: int = 0
+    load_s: float = 0.0  # sum of demanded copy durations
+    compute_s: float = 0.0  # sum of expert compute durations
+    router_s: float = 0.0
+    other_s: float = 0.0
+    experts_run: int = 0
+    fallbacks: int = 0  # slots served narrower than the plan wanted
+    skips: int = 0  # slots the plan wanted but serving skipped
+    wider: int = 0  # slots served wider than wanted (resident rows, no extra bytes)
+    peak_bytes: int = 0  # most bytes resident at once (all caches)
     per_order: dict[str, OrderTotals] = field(default_factory=dict)
+
+    @property
+    def bytes_copied(self) -> int:
+        """Everything the copy engine moved: demand + prefetch."""
+        return self.counters.bytes_copied + self.counters.prefetch_bytes
 
     def tokens_per_s(self, order: str) -> float:
         t = self.per_order[order].time_s
@@ -233,17 +202,26 @@ class SimResult:
     def summary(self, order: str) -> dict:
         """A flat record of this run under one order (times in ms per MoE layer)."""
         steps = max(1, self.tokens * self.layers)
+        tokens = max(1, self.tokens)
         tot = self.per_order[order]
-        st = self.stats
+        c = self.counters
+        accesses = c.hits + c.widenings + c.misses
         return {
             "order": order,
             "tokens": self.tokens,
             "tokens_per_s": self.tokens_per_s(order),
-            "ms_per_token": 1e3 * tot.time_s / max(1, self.tokens),
-            "bytes_per_token": self.bytes_copied / max(1, self.tokens),
-            "bytes_computed_per_token": self.bytes_computed / max(1, self.tokens),
-            "hit_rate": st.hits / st.accesses if st.accesses else 0.0,
-            "widened_rate": st.widened / st.accesses if st.accesses else 0.0,
+            "ms_per_token": 1e3 * tot.time_s / tokens,
+            "bytes_per_token": self.bytes_copied / tokens,
+            "prefetch_bytes_per_token": c.prefetch_bytes / tokens,
+            "bytes_computed_per_token": self.bytes_computed / tokens,
+            "hit_rate": c.hits / accesses if accesses else 0.0,
+            "widened_rate": c.widenings / accesses if accesses else 0.0,
+            "evictions_per_token": c.evictions / tokens,
+            "prefetches_per_token": c.prefetches / tokens,
+            "prefetch_hits_per_token": c.prefetch_hits / tokens,
+            "fallbacks_per_token": self.fallbacks / tokens,
+            "skips_per_token": self.skips / tokens,
+            "wider_per_token": self.wider / tokens,
             "experts_per_layer": self.experts_run / steps,
             "layer_ms": 1e3 * tot.time_s / steps,
             "load_ms": 1e3 * self.load_s / steps,
@@ -255,118 +233,268 @@ class SimResult:
         }
 
 
-def needed_experts(index_row: Iterable[int], width_row: Iterable[int]) -> dict[int, int]:
-    """expert -> width for one layer step (router order; the widest any slot needs; 0 dropped)."""
-    needed: dict[int, int] = {}
-    for e, w in zip(index_row, width_row, strict=True):
-        e, w = int(e), int(w)
-        if w > 0 and e >= 0:
-            needed[e] = max(needed.get(e, 0), w)
-    return needed
+# ---------------------------------------------------------------------------- decoding
+
+
+def neuron_scale(trace_intermediate: int, shape: ModelShape) -> int:
+    """Target neurons per traced neuron (widths are kept as fractions of I, exactly)."""
+    if shape.intermediate_size % trace_intermediate:
+        raise ValueError(f"the traced model's I={trace_intermediate} does not divide the target's "
+                         f"I={shape.intermediate_size}: widths cannot be mapped exactly (use --target native)")
+    return shape.intermediate_size // trace_intermediate
 
 
 def simulate_decode(
-    index,
-    widths,
+    trace,
+    policy: SimPolicy,
     profile: HardwareProfile,
     shape: ModelShape,
     budget_bytes: int,
+    *,
     orders: Sequence[str] = ORDERS,
     warmup: int = 0,
-    progress=None,
     cache_scope: str = "global",
-    eviction: str = "lru",
+    predicted: np.ndarray | None = None,
+    progress=None,
+    timeline: list | None = None,
 ) -> SimResult:
-    """Decode ``T`` tokens one at a time through ``L`` MoE layers.
+    """Decode the trace's tokens one at a time through ``shape.num_layers`` MoE layers.
 
-    index, widths: nested sequences (or arrays) of shape (T, L, k): routed expert ids and the
-    width (neurons of ``shape``) each slot needs; width 0 = skipped. The first ``warmup``
-    tokens run (filling the cache) but are not counted.
+    trace: ``bench.traces.Trace`` ((L, T, k) routing of the traced model); target layer l replays
+    traced layer l mod L for the same token. Widths live in the traced model's neurons, each worth
+    ``shape.intermediate_size / I`` target neurons of bytes. The first ``warmup`` tokens run
+    (filling the cache) but are not counted.
+    predicted: (L, T, n) experts of traced layer j + 1 predicted at layer j (-1 = none), for
+    ``policy.prefetch``. timeline: a list to append each counted step's widest-first times to.
     """
     for o in orders:
         if o not in ORDERS:
             raise ValueError(f"unknown order {o!r}; choose one of {', '.join(ORDERS)}")
-    if cache_scope not in ("global", "layer"):
+    if cache_scope not in CACHE_SCOPES:
         raise ValueError(f"cache_scope must be 'global' or 'layer', got {cache_scope!r}")
-    min_budget = shape.top_k * shape.expert_nbytes * (shape.num_layers if cache_scope == "layer" else 1)
-    if budget_bytes < min_budget:
+    if policy.prefetch and list(orders) != ["widest_first"]:
+        raise ValueError("prefetch is simulated in the runtime's order only: orders=['widest_first']")
+    num_tokens, src_layers, inter = trace.num_tokens, trace.num_layers, trace.intermediate_size
+    if not 0 <= warmup < num_tokens:
+        raise ValueError(f"warmup ({warmup}) must lie in [0, {num_tokens}) (the number of tokens)")
+    nb = shape.neuron_nbytes * neuron_scale(inter, shape)
+    layers = shape.num_layers
+    per_cache = budget_bytes // layers if cache_scope == "layer" else budget_bytes
+    if per_cache < shape.expert_nbytes:
         raise BudgetTooSmall(
-            f"GPU budget of {budget_bytes:,} bytes ({budget_bytes / shape.total_expert_nbytes:.1%} of the expert "
-            f"bytes) is smaller than one layer's working set ({shape.top_k} full-width experts = {min_budget:,} bytes, "
-            f"{min_budget / shape.total_expert_nbytes:.1%})"
-        )
-    num_tokens = len(index)
-    if warmup >= num_tokens:
-        raise ValueError(f"warmup ({warmup}) must be smaller than the number of tokens ({num_tokens})")
-    stats = CacheStats()
-    if cache_scope == "global":
-        shared = PrefixCache(budget_bytes, shape.neuron_nbytes, eviction)
-        caches = [shared] * shape.num_layers
-    else:
-        caches = [PrefixCache(budget_bytes // shape.num_layers, shape.neuron_nbytes, eviction)
-                  for _ in range(shape.num_layers)]
-    for c in caches:
-        c.stats = stats
-    nb = shape.neuron_nbytes
-    res = SimResult(0, shape.num_layers, 0, 0, stats, 0.0, 0.0, 0.0, 0.0, 0,
-                    {o: OrderTotals() for o in orders})
+            f"GPU budget of {budget_bytes:,} bytes ({budget_bytes / shape.total_expert_nbytes:.2%} of the expert "
+            f"bytes) holds less than one full-width expert ({shape.expert_nbytes:,} bytes)"
+            + (" per layer" if cache_scope == "layer" else ""))
+    plan, serving = policy.plan, policy.serving
+    # The plan's wanted widths and roles of every traced step at once (the runtime asks per step;
+    # the rules are per token, so the result is the same).
+    routed, wanted, dominant = [], [], []
+    for li, layer_id in enumerate(trace.layer_ids):
+        idx = torch.from_numpy(np.ascontiguousarray(trace.index[li])).to(torch.int64)
+        w, d = plan.token_widths_and_roles(layer_id, idx, torch.from_numpy(np.ascontiguousarray(trace.weights[li])),
+                                           roles=not serving.follows_plan)
+        routed.append(idx)
+        wanted.append(w)
+        dominant.append(d)
+    ledgers = _ledgers(policy, budget_bytes, layers, cache_scope, nb, inter, wanted, routed, num_tokens)
+    # one (1, k) view per traced step, split once: slicing per step costs more than the step's planning
+    idx_rows = [list(r.split(1)) for r in routed]
+    idx_lists = [r.tolist() for r in routed]
+    want_rows = [list(w.split(1)) for w in wanted]
+    dom_rows = [None if d is None else list(d.split(1)) for d in dominant]
+    cost = CostModel(h2d_bytes_per_s=profile.h2d_bytes_per_s, device_bytes_per_s=profile.compute_bytes_per_s)
+    res = SimResult(0, layers, ledgers[0].counters, per_order={o: OrderTotals() for o in orders})
+    lead = profile.other_s + profile.router_s
+    requests = _prefetch_requests(plan, trace, predicted) if policy.prefetch else None
+    copy_free = 0.0  # widest-first: when the copy engine is free, relative to the current layer's start
+    clock = 0.0  # widest-first: absolute time of the current layer's start (for the timeline)
     for t in range(num_tokens):
         counting = t >= warmup
         if t == warmup:
-            res.stats = CacheStats()
-            for c in caches:
-                c.stats = res.stats
-        for layer in range(shape.num_layers):
-            needed = needed_experts(index[t][layer], widths[t][layer])
-            missing = caches[layer].step(layer, needed)
-            if not counting:
-                continue
-            jobs = [Job(e, w, profile.load_s(missing[e]), profile.compute_s(w * nb)) for e, w in needed.items()]
-            res.bytes_copied += sum(missing.values())
-            res.bytes_computed += sum(w * nb for w in needed.values())
-            res.load_s += sum(j.load_s for j in jobs)
-            res.compute_s += sum(j.compute_s for j in jobs)
-            res.router_s += profile.router_s
-            res.other_s += profile.other_s
-            res.experts_run += len(jobs)
-            lead = profile.other_s + profile.router_s
-            bound = flow_shop_bound(jobs)
-            for o in orders:
-                end, _ = schedule(jobs, o)
-                tot = res.per_order[o]
-                tot.time_s += lead + end
-                tot.expert_s += end
-                tot.bound_s += lead + bound
+            counters = LedgerCounters()
+            for led in ledgers:
+                led.counters = counters
+            res.counters = counters
+        for layer in range(layers):
+            li = layer % src_layers
+            led = ledgers[layer]
+            index_row = idx_rows[li][t]
+            served = serve_slots(serving, index_row, want_rows[li][t],
+                                 None if dom_rows[li] is None else dom_rows[li][t],
+                                 num_experts=trace.num_experts, full_width=inter,
+                                 resident_width=lambda e, led=led, layer=layer: led.width(layer, e))
+            step = plan_step(index_row, served.widths, num_experts=trace.num_experts, neuron_nbytes=nb,
+                             resident_width=lambda e, led=led, layer=layer: led.width(layer, e), cost=cost)
+            pending = {(layer, task.expert) for task in step.tasks}
+            jobs: dict[int, Job] = {}
+            for task in step.tasks:  # the runtime's issue order
+                decision = led.request(layer, task.expert, task.width, protected=pending)
+                pending.discard((layer, task.expert))
+                jobs[task.expert] = Job(task.expert, task.width, profile.load_s(decision.copy_bytes),
+                                        profile.compute_s(task.width * nb))
+            router_jobs = [jobs[e] for e in dict.fromkeys(idx_lists[li][t]) if e in jobs]
+            if counting:
+                _account(res, router_jobs, served, profile, nb, lead, orders)
+            if policy.prefetch or timeline is not None:
+                end, slots = schedule(router_jobs, "widest_first", start=lead, copy_free=copy_free)
+                demand_done = max([lead, copy_free] + [s.copy_end for s in slots if s.copy_end > s.copy_start])
+                deadline = end + lead  # the next layer's router end: its demanded copies may start then
+                wanted_next = [] if requests is None or layer + 1 >= layers else requests[li][t]
+                issued = _prefetch(led if cache_scope == "global" else ledgers[layer + 1], layer + 1, wanted_next,
+                                   nb, profile, demand_done, deadline, step_keys={(layer, j.expert) for j in
+                                                                                  router_jobs})
+                copy_free = (issued[-1][3] if issued else demand_done) - end
+                copy_free = max(0.0, copy_free)
+                if timeline is not None and counting:
+                    timeline.append({"token": t, "layer": layer, "start": clock, "router_end": clock + lead,
+                                     "slots": [Slot(s.expert, clock + s.copy_start, clock + s.copy_end,
+                                                    clock + s.compute_start, clock + s.compute_end) for s in slots],
+                                     "prefetch": [(e, w, clock + a, clock + b) for e, w, a, b in issued],
+                                     "end": clock + end})
+                clock += end
         if counting:
             res.tokens += 1
         if progress is not None:
             progress(t + 1, num_tokens)
+    res.peak_bytes = max(led.peak for led in ledgers) if cache_scope == "global" else sum(l.peak for l in ledgers)
     return res
+
+
+def _ledgers(policy: SimPolicy, budget: int, layers: int, scope: str, nb: int, inter: int, wanted, routed,
+             num_tokens: int) -> list[ResidencyLedger]:
+    """One ledger per target layer (the same object for every layer when the cache is global)."""
+    def evictor(only_layer: int | None) -> EvictionPolicy:
+        if policy.eviction != "belady":
+            return make_policy(policy.eviction)
+        return BeladyPolicy(_future(wanted, routed, layers, num_tokens, only_layer))
+
+    if scope == "global":
+        shared = ResidencyLedger(budget, {i: nb for i in range(layers)}, {i: inter for i in range(layers)},
+                                 evictor(None))
+        return [shared] * layers
+    return [ResidencyLedger(budget // layers, {i: nb}, {i: inter}, evictor(i)) for i in range(layers)]
+
+
+def _future(wanted, routed, layers: int, num_tokens: int, only_layer: int | None) -> list[tuple[int, list[int]]]:
+    """Belady's future: every step's routed experts the plan wants (> 0), in slot order."""
+    src = len(routed)
+    idx = [r.tolist() for r in routed]
+    wid = [w.tolist() for w in wanted]
+    steps = []
+    for t in range(num_tokens):
+        for layer in range(layers) if only_layer is None else (only_layer,):
+            li = layer % src
+            steps.append((layer, [e for e, w in zip(idx[li][t], wid[li][t], strict=True) if w > 0]))
+    return steps
+
+
+def _account(res: SimResult, jobs: list[Job], served, profile: HardwareProfile, nb: int, lead: float,
+             orders: Sequence[str]) -> None:
+    res.bytes_computed += sum(j.width * nb for j in jobs)
+    res.load_s += sum(j.load_s for j in jobs)
+    res.compute_s += sum(j.compute_s for j in jobs)
+    res.router_s += profile.router_s
+    res.other_s += profile.other_s
+    res.experts_run += len(jobs)
+    res.fallbacks += served.fallbacks
+    res.skips += served.skips
+    res.wider += served.wider
+    bound = flow_shop_bound(jobs)
+    for o in orders:
+        end, _ = schedule(jobs, o)
+        tot = res.per_order[o]
+        tot.time_s += lead + end
+        tot.expert_s += end
+        tot.bound_s += lead + bound
+
+
+def _prefetch_requests(plan: CrispPlan, trace, predicted) -> list[list[list[tuple[int, int]]]]:
+    """Per traced layer j and token: [(expert, width)] to prefetch for layer j + 1, as the runtime's
+    ``crisp_runtime.prefetch.Prefetcher`` asks (``PrefetchPolicy()``): the predicted top-k at the
+    widths the plan gives those slots, widest first. The trace keeps the predicted experts in the
+    router's order but not its weights: the slots get decreasing stand-in weights, which keeps the
+    plan's dominant (the heavier) and tier exact; a skip threshold sees the stand-ins.
+    """
+    if predicted is None:
+        raise ValueError("prefetch: the trace holds no next-layer predictions")
+    k = trace.top_k
+    stand_in = torch.arange(k, 0, -1, dtype=torch.float32)
+    stand_in = (stand_in / stand_in.sum()).expand(trace.num_tokens, k)
+    out = []
+    for li in range(trace.num_layers):
+        if li + 1 >= trace.num_layers:
+            out.append([[] for _ in range(trace.num_tokens)])
+            continue
+        index = torch.from_numpy(np.ascontiguousarray(predicted[li][:, :k])).to(torch.int64)
+        widths = plan.token_widths(trace.layer_ids[li + 1], index, stand_in.contiguous())
+        rows = []
+        for es, ws in zip(index.tolist(), widths.tolist(), strict=True):
+            wanted: dict[int, int] = {}
+            for e, w in zip(es, ws, strict=True):
+                if e >= 0 and w > wanted.get(e, 0):
+                    wanted[e] = w
+            rows.append(sorted(wanted.items(), key=lambda item: -item[1]))
+        out.append(rows)
+    return out
+
+
+def _prefetch(led: ResidencyLedger, layer: int, wanted: list[tuple[int, int]], nb: int, profile: HardwareProfile,
+              start: float, deadline: float, step_keys: set) -> list[tuple[int, int, float, float]]:
+    """Prefetch ``wanted`` [(expert, width)] of ``layer`` in order, as ``CrispRuntime.prefetch`` does
+    (protecting the step's keys and every requested key), but only rows that arrive before ``deadline``:
+    a request that does not fit in the time left is cut to the rows that do (a narrower prefix is
+    still a prefix), and nothing is issued after it.
+
+    Returns (expert, new width, copy start, copy end) per admitted prefetch.
+    """
+    issued = []
+    t = start
+    protected = set(step_keys) | {(layer, e) for e, _ in wanted}
+    for e, width in wanted:
+        have = led.width(layer, e)
+        if have >= width:
+            continue
+        room = deadline - t - profile.copy_latency_s
+        rows = min(width - have, math.floor(room * profile.h2d_bytes_per_s / nb)) if room > 0 else 0
+        if rows <= 0:
+            break
+        decision = led.prefetch(layer, e, have + rows, protected=protected)
+        if decision is None:
+            continue
+        took = profile.load_s(decision.copy_bytes)
+        issued.append((e, decision.new_width, t, t + took))
+        t += took
+        if rows < width - have:
+            break
+    return issued
 
 
 # ---------------------------------------------------------------------------- policies at a budget
 
 
 def simulate_policies(
-    mapped: dict[str, tuple],
+    trace,
+    policies: Sequence[SimPolicy],
     profile: HardwareProfile,
     shape: ModelShape,
     budget_fraction: float,
+    *,
     orders: Sequence[str] = ORDERS,
     warmup: int = 0,
-    progress=None,
     cache_scope: str = "global",
-    eviction: str = "lru",
+    predicted: np.ndarray | None = None,
+    progress=None,
 ) -> list[dict]:
-    """One record per (policy, order): ``mapped`` is policy -> (index, widths), each (T, L, k)."""
+    """One record per (policy, order) at ``budget_fraction`` of the target's expert bytes."""
     budget = int(budget_fraction * shape.total_expert_nbytes)
     records = []
-    for policy, (index, widths) in mapped.items():
-        res = simulate_decode(index, widths, profile, shape, budget, orders, warmup,
-                              progress=None if progress is None else (lambda d, n, p=policy: progress(p, d, n)),
-                              cache_scope=cache_scope, eviction=eviction)
-        for o in orders:
-            rec = {"policy": policy, "budget_fraction": budget_fraction, "budget_bytes": budget,
-                   "cache_scope": cache_scope, "eviction": eviction, **res.summary(o)}
-            records.append(rec)
+    for p in policies:
+        run_orders = ["widest_first"] if p.prefetch else list(orders)
+        res = simulate_decode(trace, p, profile, shape, budget, orders=run_orders, warmup=warmup,
+                              cache_scope=cache_scope, predicted=predicted,
+                              progress=None if progress is None else (lambda d, n, p=p: progress(p, d, n)))
+        for o in run_orders:
+            records.append({"policy": p.name, "serving": p.serving.name, "eviction": p.eviction,
+                            "prefetch": p.prefetch, "label": p.label, "budget_fraction": budget_fraction,
+                            "budget_bytes": budget, "cache_scope": cache_scope, **res.summary(o)})
     return records

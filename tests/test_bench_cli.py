@@ -145,7 +145,7 @@ def test_kernels_subcommand_runs_or_says_why(tmp_path, capsys):
     (["simulate", "--profile", "gtx480"], "unknown profile"),
     (["simulate", "--policies", "full,fastest"], "fastest"),
     (["simulate", "--trace", "/nonexistent.npz"], "no such trace"),
-    (["simulate", "--budget", "0.005", "--trace", "TRACE", "--plan", "auto"], "budget"),
+    (["simulate", "--budget", "0.003", "--trace", "TRACE", "--plan", "auto"], "one full-width expert"),
     (["simulate", "--trace", "TRACE", "--plan", "auto", "--plot", "/no/such/folder/x.png"], "does not exist"),
     (["e2e", "--model", "MODELDIR"], "no CRISP pack"),
     (["e2e", "--model", "/nonexistent"], "not a transformers checkpoint"),

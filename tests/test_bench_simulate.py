@@ -1,8 +1,22 @@
-"""The decoding simulator against hand-computed timelines (exact float equality: all times are dyadic)."""
+"""The decoding simulator against hand-computed timelines (exact float equality: all times are dyadic),
+driven through the runtime's plan, serving, scheduler and residency ledger."""
 
+import numpy as np
 import pytest
 from crisp_bench.profiles import MIXTRAL_8X7B, HardwareProfile, ModelShape, ProfileError, get_profile
-from crisp_bench.simulate import BudgetTooSmall, Job, PrefixCache, flow_shop_bound, schedule, simulate_decode
+from crisp_bench.simulate import (
+    BudgetTooSmall,
+    Job,
+    SimPolicy,
+    flow_shop_bound,
+    schedule,
+    simulate_decode,
+    simulate_policies,
+)
+from crisp_bench.traces import Trace, synthetic_trace
+
+from crisp_runtime.plan import CrispPlan, LayerPlan, PolicyKind, Tier, TierWidths
+from crisp_runtime.serving import SERVING_POLICIES
 
 
 def ends(slots):
@@ -43,33 +57,48 @@ def test_cached_expert_goes_first():
     assert flow_shop_bound([B, hit]) == 2.5
 
 
-def test_schedule_start_offset_and_unknown_order():
+def test_schedule_start_offset_busy_copy_engine_and_unknown_order():
     end, slots = schedule([A], "router", start=1.25)
     assert end == 6.25 and ends(slots) == [(0, 1.25, 5.25, 5.25, 6.25)]
+    end, slots = schedule([A], "widest_first", start=1.25, copy_free=2.0)
+    assert end == 7.0 and ends(slots) == [(0, 2.0, 6.0, 6.0, 7.0)]
     with pytest.raises(ValueError, match="unknown order"):
         schedule([A], "random")
 
 
-# A model whose neuron is 105 bytes (H=64, g=64, asymmetric: 3 x (32 + 2 + 1)), I = 4 neurons.
+# A model whose neuron is 105 bytes (H=64, g=64, asymmetric: 3 x (32 + 2 + 1)), I = 4 neurons:
+# a neuron copies in 1 s and computes in 0.25 s; other + router = 0.75 s per layer.
 SHAPE = ModelShape("toy", num_layers=1, num_experts=8, top_k=2, hidden_size=64, intermediate_size=4)
 PROFILE = HardwareProfile("toy", h2d_bytes_per_s=105.0, copy_latency_s=0.0, compute_bytes_per_s=420.0,
                           compute_latency_s=0.0, router_s=0.25, other_s=0.5)
+META = {"num_experts": 8, "top_k": 2, "intermediate_size": 4, "hidden_size": 64}
 
 
-def test_toy_shape_bytes():
-    assert SHAPE.neuron_nbytes == 105 and SHAPE.expert_nbytes == 420
+def toy_trace(rows, layers=1):
+    """rows: per token, per layer, the router's two experts (the first one heavier)."""
+    index = np.array(rows, dtype=np.int64).transpose(1, 0, 2)  # (L, T, k)
+    weights = np.broadcast_to(np.array([0.625, 0.375], dtype=np.float32), index.shape).copy()
+    return Trace(index, weights, list(range(layers)), dict(META))
+
+
+def crisp(layers=1, hot=(), warm=((1, 2), (1, 3)), cold=()):
+    """Auxiliary widths: hot 4, warm 2, cold 0 (skipped); the heavier expert of each token full."""
+    tiers = {**{p: Tier.HOT for p in hot}, **{p: Tier.WARM for p in warm}, **{p: Tier.COLD for p in cold}}
+    return CrispPlan(PolicyKind.CRISP, 8, 2, 4, tuple(range(layers)), tier_widths=TierWidths(hot=4, warm=2, cold=0),
+                     layers={i: LayerPlan(dict(tiers), {}) for i in range(layers)})
 
 
 def test_decode_three_tokens_with_prefix_cache():
-    index = [[[1, 2]], [[2, 1]], [[3, 1]]]
-    widths = [[[4, 2]], [[4, 4]], [[4, 2]]]
-    res = simulate_decode(index, widths, PROFILE, SHAPE, budget_bytes=840)
-    # token 0: both miss (4 s + 1 s, 2 s + 0.5 s); token 1: expert 2 widened 2->4 (2 s), 1 hit;
-    # token 2: 3 misses (evicts 2, the LRU entry not needed), 1 hit at half width.
+    trace = toy_trace([[[1, 2]], [[2, 1]], [[3, 1]]])
+    res = simulate_decode(trace, SimPolicy("crisp", crisp()), PROFILE, SHAPE, budget_bytes=840)
+    # token 0: both miss (4 s + 1 s, 2 s + 0.5 s); token 1: expert 2 (now dominant) widened 2->4
+    # (2 s), expert 1 a hit at 2; token 2: expert 1 a hit, issued first; expert 3 misses and
+    # evicts expert 2, the least recently used entry the step does not need.
     assert res.per_order["widest_first"].time_s == 7.25 + 3.75 + 5.75
-    assert res.per_order["router"].time_s == 7.25 + 4.75 + 6.25
-    assert res.per_order["serial"].time_s == 8.25 + 4.75 + 6.25
-    assert (res.stats.hits, res.stats.widened, res.stats.misses, res.stats.evictions) == (2, 1, 3, 1)
+    assert res.per_order["router"].time_s == 7.25 + 4.25 + 6.25
+    assert res.per_order["serial"].time_s == 8.25 + 4.25 + 6.25
+    c = res.counters
+    assert (c.hits, c.widenings, c.misses, c.evictions) == (2, 1, 3, 1)
     assert res.bytes_copied == 420 + 210 + 210 + 420
     assert res.tokens == 3
     rec = res.summary("widest_first")
@@ -77,27 +106,38 @@ def test_decode_three_tokens_with_prefix_cache():
 
 
 def test_decode_warmup_excluded():
-    index = [[[1, 2]], [[2, 1]], [[3, 1]]]
-    widths = [[[4, 2]], [[4, 4]], [[4, 2]]]
-    res = simulate_decode(index, widths, PROFILE, SHAPE, budget_bytes=840, warmup=1)
+    trace = toy_trace([[[1, 2]], [[2, 1]], [[3, 1]]])
+    res = simulate_decode(trace, SimPolicy("crisp", crisp()), PROFILE, SHAPE, budget_bytes=840, warmup=1)
     assert res.tokens == 2 and res.per_order["widest_first"].time_s == 3.75 + 5.75
-    assert (res.stats.hits, res.stats.widened, res.stats.misses) == (2, 1, 1)
+    c = res.counters
+    assert (c.hits, c.widenings, c.misses) == (2, 1, 1)
 
 
-def test_skipped_expert_and_budget_too_small():
-    res = simulate_decode([[[1, 2]]], [[[4, 0]]], PROFILE, SHAPE, budget_bytes=840, orders=["router"])
+def test_skipped_expert_tight_budget_streams_and_budget_too_small():
+    trace = toy_trace([[[1, 2]]])
+    res = simulate_decode(trace, SimPolicy("crisp", crisp(warm=(), cold=((1, 2),))), PROFILE, SHAPE,
+                          budget_bytes=840, orders=["router"])
     assert res.per_order["router"].time_s == 0.75 + 5.0 and res.experts_run == 1
-    with pytest.raises(BudgetTooSmall):
-        simulate_decode([[[1, 2]]], [[[4, 4]]], PROFILE, SHAPE, budget_bytes=839)
+    # One full expert of room for two full experts: the step streams (the first is evicted once run);
+    # token 1 runs the resident expert 2 first (a hit), then expert 1 evicts it.
+    trace = toy_trace([[[1, 2]], [[1, 2]]])
+    res = simulate_decode(trace, SimPolicy("full", CrispPlan.full(8, 2, 4, (0,))), PROFILE, SHAPE, budget_bytes=420)
+    assert (res.counters.hits, res.counters.misses, res.counters.evictions, res.bytes_copied) == (1, 3, 2, 3 * 420)
+    with pytest.raises(BudgetTooSmall, match="less than one full-width expert"):
+        simulate_decode(trace, SimPolicy("full", CrispPlan.full(8, 2, 4, (0,))), PROFILE, SHAPE, budget_bytes=419)
 
 
-def test_prefix_cache_lru():
-    cache = PrefixCache(budget_bytes=3 * 105, neuron_nbytes=105)
-    assert cache.step(0, {1: 2}) == {1: 210}
-    assert cache.step(0, {2: 1}) == {2: 105}
-    assert cache.step(0, {1: 1}) == {1: 0}  # hit: 1 becomes most recent
-    assert cache.step(0, {3: 1}) == {3: 105}  # evicts 2 (LRU), not 1
-    assert list(cache.entries) == [(0, 1), (0, 3)] and cache.used == 315
+def test_residency_aware_serving_uses_the_runtime_policy():
+    # token 0: expert 2 runs at 2 (aux); token 1: expert 2 is dominant (never below full: widened),
+    # expert 1 aux wanted 2, resident 4: served at 4 for free with "resident"; token 2: expert 3
+    # dominant misses and loads full, expert 2 aux at resident width 4.
+    trace = toy_trace([[[1, 2]], [[2, 1]], [[3, 2]]])
+    plan = crisp(warm=((1, 2), (2, 3)))
+    res = simulate_decode(trace, SimPolicy("crisp", plan, SERVING_POLICIES["resident"]), PROFILE, SHAPE,
+                          budget_bytes=3 * 420)
+    assert (res.wider, res.fallbacks, res.skips) == (2, 0, 0)
+    assert res.bytes_copied == (4 + 2) * 105 + 2 * 105 + 4 * 105
+    assert res.bytes_computed == (4 + 2 + 4 + 4 + 4 + 4) * 105
 
 
 def test_rtx4090_profile_reads_the_paper():
@@ -115,32 +155,71 @@ def test_per_layer_cache_scope():
     shape = ModelShape("toy2", num_layers=2, num_experts=8, top_k=2, hidden_size=64, intermediate_size=4)
     # Two layers, each needing the same two experts every token: a per-layer cache of 2 experts per layer
     # hits from the second token on; so does a global cache of 4 experts.
-    index = [[[1, 2], [1, 2]]] * 3
-    widths = [[[4, 4], [4, 4]]] * 3
+    trace = toy_trace([[[1, 2], [1, 2]]] * 3, layers=2)
+    full = SimPolicy("full", CrispPlan.full(8, 2, 4, (0, 1)))
     for scope in ("global", "layer"):
-        res = simulate_decode(index, widths, PROFILE, shape, budget_bytes=4 * 420, warmup=1, cache_scope=scope)
-        assert res.bytes_copied == 0 and res.stats.hits == 8
-    with pytest.raises(BudgetTooSmall):
-        simulate_decode(index, widths, PROFILE, shape, budget_bytes=3 * 420, cache_scope="layer")
+        res = simulate_decode(trace, full, PROFILE, shape, budget_bytes=4 * 420, warmup=1, cache_scope=scope)
+        assert res.bytes_copied == 0 and res.counters.hits == 8
+    with pytest.raises(BudgetTooSmall, match="per layer"):
+        simulate_decode(trace, full, PROFILE, shape, budget_bytes=2 * 420 - 1, cache_scope="layer")
 
 
-def test_widest_first_matches_the_runtime_scheduler():
-    """Same order and makespan as crisp_runtime's Johnson rule on random steps (loads 0 = cache hits)."""
-    import random
+@pytest.mark.parametrize("budget", [0.15, 0.3])
+def test_belady_bounds_the_online_policies_on_a_synthetic_trace(budget):
+    trace = synthetic_trace(num_layers=4, num_tokens=96, intermediate_size=16, seed=1)
+    shape = ModelShape("syn", num_layers=8, num_experts=8, top_k=2, hidden_size=64, intermediate_size=16)
+    full = CrispPlan.full(8, 2, 16, trace.layer_ids)
+    recs = simulate_policies(trace, [SimPolicy("full", full, eviction=e) for e in ("lru", "next_use", "belady")],
+                             PROFILE, shape, budget, orders=["router"], warmup=16)
+    hits = {r["eviction"]: r["hit_rate"] for r in recs}
+    assert hits["belady"] >= hits["lru"] and hits["belady"] >= hits["next_use"]  # equal sizes: MIN is optimal
+    assert {r["label"] for r in recs} == {"full/plan/lru", "full/plan/next_use", "full/plan/belady"}
 
-    from crisp_bench.simulate import johnson_order
 
-    scheduler = pytest.importorskip("crisp_runtime.scheduler")
-    rng = random.Random(0)
-    for _ in range(200):
-        n = rng.randint(1, 6)
-        jobs = [Job(e, 1, rng.choice([0.0, 0.25, 0.5, 1.0, 2.0, 4.0]), rng.choice([0.25, 0.5, 1.0])) for e in range(n)]
-        load, comp = [j.load_s for j in jobs], [j.compute_s for j in jobs]
-        order = scheduler.johnson_order(load, comp)
-        assert [j.expert for j in johnson_order(jobs)] == order
-        end, _ = schedule(jobs, "widest_first")
-        assert end == scheduler.flow_shop_makespan(order, load, comp)
-        assert end >= flow_shop_bound(jobs) and end <= schedule(jobs, "router")[0]
+def test_prefetch_never_delays_a_demanded_copy_and_respects_the_budget():
+    # Two layers; at layer 0 the trace predicts layer 1's experts. With a perfect prediction the
+    # copy engine fetches them while layer 0 computes, as far as they arrive before layer 1's router ends.
+    shape = ModelShape("toy2", num_layers=2, num_experts=8, top_k=2, hidden_size=64, intermediate_size=4)
+    rows = [[[1, 2], [3, 4]], [[5, 6], [7, 1]], [[2, 3], [4, 5]], [[6, 7], [1, 2]]]
+    trace = toy_trace(rows, layers=2)
+    predicted = np.full((2, len(rows), 2), -1, dtype=np.int64)
+    predicted[0] = np.array(rows)[:, 1]  # layer 0 predicts layer 1 exactly
+    plan = CrispPlan.full(8, 2, 4, (0, 1))
+    # copies 1 s per expert, computes 4 s: the copy engine idles while layer 0 computes
+    profile = HardwareProfile("slow-compute", h2d_bytes_per_s=420.0, copy_latency_s=0.0, compute_bytes_per_s=105.0,
+                              compute_latency_s=0.0, router_s=0.25, other_s=0.5)
+    timeline = []
+    for budget in (3 * 420, 4 * 420):
+        res = simulate_decode(trace, SimPolicy("full", plan, prefetch=True), profile, shape, budget,
+                              orders=["widest_first"], predicted=predicted, timeline=timeline)
+        assert res.counters.prefetches > 0 and res.peak_bytes <= budget
+    base = simulate_decode(trace, SimPolicy("full", plan), profile, shape, budget, orders=["widest_first"])
+    assert res.counters.prefetches > 0 and res.counters.prefetch_hits > 0
+    assert res.per_order["widest_first"].time_s < base.per_order["widest_first"].time_s
+    prev_deadline = None
+    for step in timeline:
+        copies = sorted((s.copy_start, s.copy_end) for s in step["slots"] if s.copy_end > s.copy_start)
+        t = step["router_end"]
+        for a, b in copies:  # demanded copies back to back from the router's end: nothing in their way
+            assert a == t
+            t = b
+        demand_done = max([step["router_end"]] + [b for _, b in copies])
+        deadline = step["end"] + profile.other_s + profile.router_s
+        for _, _, a, b in step["prefetch"]:
+            assert demand_done <= a < b <= deadline
+        if prev_deadline is not None and step["start"] > 0:
+            assert step["router_end"] == prev_deadline
+        prev_deadline = deadline
+    assert base.counters.prefetches == 0
+
+
+def test_prefetch_is_simulated_in_the_runtime_order_only():
+    trace = toy_trace([[[1, 2]]])
+    with pytest.raises(ValueError, match="widest_first"):
+        simulate_decode(trace, SimPolicy("full", CrispPlan.full(8, 2, 4, (0,)), prefetch=True), PROFILE, SHAPE,
+                        840, orders=["router"])
+    with pytest.raises(ValueError, match="eviction 'random'"):
+        SimPolicy("full", CrispPlan.full(8, 2, 4, (0,)), eviction="random")
 
 
 def test_fit_affine_relative():
@@ -150,22 +229,3 @@ def test_fit_affine_relative():
     a, b = fit_affine(pts)
     assert a == pytest.approx(5e-5, rel=1e-6) and b == pytest.approx(1e-9, rel=1e-6)
     assert fit_affine([(2.0, 4.0)]) == (0.0, 2.0)
-
-
-def test_prefix_cache_frequency_eviction():
-    # budget: 3 neurons; expert 0 used three times, expert 1 once, then expert 2 needs room.
-    cache = PrefixCache(budget_bytes=3 * 105, neuron_nbytes=105, eviction="frequency")
-    for _ in range(3):
-        cache.step(0, {0: 1})
-    cache.step(0, {1: 1})  # most recently used, but used once
-    cache.step(0, {3: 1})  # fills the budget: 0 (3 uses), 1 (1 use), 3 (1 use, newest)
-    missing = cache.step(0, {2: 1})
-    assert missing == {2: 105}
-    # LRU would evict expert 0 (least recent); frequency evicts the least used, oldest first: expert 1
-    assert set(cache.entries) == {(0, 0), (0, 3), (0, 2)}
-    lru = PrefixCache(budget_bytes=3 * 105, neuron_nbytes=105)
-    for need in ({0: 1}, {0: 1}, {0: 1}, {1: 1}, {3: 1}, {2: 1}):
-        lru.step(0, need)
-    assert set(lru.entries) == {(0, 1), (0, 3), (0, 2)}
-    with pytest.raises(ValueError, match="unknown eviction"):
-        PrefixCache(budget_bytes=105, neuron_nbytes=105, eviction="random")

@@ -1,0 +1,265 @@
+"""What one ``crisp-bench simulate`` run compares, and the accuracy each configuration is known to lose.
+
+A configuration (:class:`bench.simulate.SimPolicy`) is a width plan (full, uniform, skip_aux,
+crisp), a serving policy (``crisp_runtime.serving``), an eviction policy and prefetch on or off.
+Three ways to choose them (``--matrix``):
+
+- ``product``: every plan x serving x eviction x prefetch given on the command line;
+- ``residency``: the comparison of issue 10 at one GPU memory: full-width LRU
+  (mixtral-offloading), full-width Belady, today's CRISP (plan widths, LRU), residency-aware
+  CRISP (auxiliaries served from what is resident; a missed dominant at full width or at a 75%
+  prefix) with next-use eviction, with and without prefetch, the same under Belady (the bound),
+  and uniform / skip-auxiliary given the same serving, eviction and prefetch;
+- ``frontier``: each family swept over its knob (CRISP's dominant floor, uniform's width,
+  skip-auxiliary's threshold) with that machinery, for the tokens/s-against-accuracy plot.
+
+Accuracy is never simulated: a record's ``accuracy_loss`` (relative next-token accuracy loss
+against 4-bit full width, a fraction) comes from an evaluation file when one measured that exact
+configuration, else it is None. Two kinds of file are read:
+
+- ``crisp-eval --json`` (e.g. docs/eval-tiny-mixtral.json): policies full / crisp / uniform /
+  skip_aux at the plan's widths. Their outputs do not depend on the cache, so the loss holds for
+  the plan serving policy at every budget (uniform / skip_aux only at the evaluated width /
+  threshold);
+- the runtime-in-the-loop evaluation of serving policies (records with ``serving`` and
+  ``budget_fraction``): a residency-aware loss holds only for that policy, serving, budget and
+  prefetch setting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from crisp_runtime.plan import CrispPlan
+from crisp_runtime.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, HitWidth, ServingPolicy
+
+from .simulate import SimPolicy
+
+MATRICES = ("product", "residency", "frontier")
+# The frontier's knobs. CRISP: the dominant floor (1.0 = a missed dominant loads at full width;
+# PERF-BOUNDS: 0.75 was +29% tokens/s for ~0.8 point of loss, 0.625 passed 2% loss).
+CRISP_FLOORS = (1.0, 0.875, 0.75, 0.625)
+UNIFORM_FRACTIONS = (0.375, 0.5, 0.625, 0.75)  # plus the width matched to CRISP's bytes
+SKIP_THRESHOLDS = (0.2, 0.3, 0.4)  # plus the threshold matched to CRISP's bytes and "always"
+
+
+def resident_serving(floor: float) -> ServingPolicy:
+    """Auxiliaries served from what is resident (wider for free, narrower without a copy), a
+    missed dominant at ``floor`` of the full width; the runtime's named policy when it has one."""
+    name = "resident" if floor == 1.0 else f"resident-floor{100 * floor:g}"
+    if name in SERVING_POLICIES:
+        return SERVING_POLICIES[name]
+    return ServingPolicy(name, HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD, floor)
+
+
+def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequence[str] = ("plan",),
+                   evictions: Sequence[str] = ("lru",), prefetch: Sequence[bool] = (False,)) -> list[SimPolicy]:
+    """The configurations of one run (see the module docstring); the full-width LRU baseline first."""
+    if matrix == "product":
+        out = [SimPolicy(name, plan, SERVING_POLICIES[s], e, p)
+               for name, plan in plans.items() for s in serving for e in evictions for p in prefetch]
+        base = SimPolicy("full", plans["full"]) if "full" in plans else None
+        if base is not None and base.label not in {c.label for c in out}:
+            out.insert(0, base)  # the mixtral-offloading-style baseline, whatever the others use
+        return out
+    pf = [False, True] if True in prefetch else [False]
+    if matrix == "residency":
+        out = [SimPolicy("full", plans["full"]), SimPolicy("full", plans["full"], eviction="belady")]
+        if "crisp" in plans:
+            crisp = plans["crisp"]
+            out.append(SimPolicy("crisp", crisp))
+            for p in pf:
+                out += [SimPolicy("crisp", crisp, resident_serving(f), "next_use", p) for f in (1.0, 0.75)]
+            out.append(SimPolicy("crisp", crisp, resident_serving(0.75), "belady", pf[-1]))
+        for name in ("uniform", "skip_aux"):
+            if name in plans:
+                out += [SimPolicy(name, plans[name], resident_serving(1.0), "next_use", p) for p in pf]
+        return out
+    if matrix == "frontier":
+        return [SimPolicy("full", plans["full"])] + [c for c, _ in frontier(plans, pf[-1])]
+    raise ValueError(f"matrix {matrix!r}: choose one of {', '.join(MATRICES)}")
+
+
+def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolicy, dict]]:
+    """(configuration, {"family", "knob", "knob_value"}) for each family's knob values."""
+    out: list[tuple[SimPolicy, dict]] = []
+    full = plans["full"]
+    e, k, inter, ids = full.num_experts, full.top_k, full.intermediate_size, full.layer_ids
+    if "crisp" in plans:
+        for f in CRISP_FLOORS:
+            out.append((SimPolicy("crisp", plans["crisp"], resident_serving(f), "next_use", prefetch),
+                        {"family": "crisp", "knob": "dominant_floor", "knob_value": f}))
+    serving = resident_serving(1.0)
+    widths = sorted({max(1, round(f * inter)) for f in UNIFORM_FRACTIONS}
+                    | ({plans["uniform"].uniform_width} if "uniform" in plans else set()))
+    for w in widths:
+        out.append((SimPolicy("uniform", CrispPlan.uniform(e, k, inter, ids, w), serving, "next_use", prefetch),
+                    {"family": "uniform", "knob": "uniform_width", "knob_value": w}))
+    num_dominant = plans["crisp"].num_dominant if "crisp" in plans else 1
+    thresholds: list[float | None] = list(SKIP_THRESHOLDS)
+    if "skip_aux" in plans:
+        thresholds.append(plans["skip_aux"].skip_threshold)
+    thresholds.append(None)  # always skip
+    for th in sorted(set(thresholds), key=lambda x: math.inf if x is None else x):
+        plan = CrispPlan.skip_aux(e, k, inter, ids, threshold=th, num_dominant=num_dominant)
+        out.append((SimPolicy("skip_aux", plan, serving, "next_use", prefetch),
+                    {"family": "skip_aux", "knob": "skip_threshold", "knob_value": th}))
+    return out
+
+
+def knobs(policy: SimPolicy) -> dict:
+    """The plan's and serving policy's parameters a record carries (to match evaluations of the same)."""
+    plan = policy.plan
+    out: dict = {"dominant_floor": policy.serving.dominant_floor, "serving_policy": policy.serving.to_dict()}
+    if plan.uniform_width is not None:
+        out["uniform_width"] = plan.uniform_width
+    if policy.name == "skip_aux":
+        out["skip_threshold"] = plan.skip_threshold
+    return out
+
+
+# ---------------------------------------------------------------------------- accuracy
+
+_SERVING_KEYS = ("hit_width", "aux_narrower", "aux_missing", "dominant_floor")
+
+
+def read_accuracy(paths: Iterable[str | Path], traced_model: str | None) -> tuple[list[dict], list[str]]:
+    """Evaluation records usable for ``traced_model`` (a file of another model is skipped), and notes.
+
+    Reads ``crisp-eval --json`` (records: policy = full / crisp / uniform / skip_aux / skip_aux_all,
+    relative_accuracy_loss_vs_full; exact serving) and ``crisp-eval --mode decode --json`` (format
+    crisp-eval-serving: plan, serving {...}, prefetch, budget_fraction, accuracy_loss).
+    """
+    rows: list[dict] = []
+    notes: list[str] = []
+    for path in paths:
+        p = Path(path)
+        try:
+            doc = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--accuracy {path}: not a readable JSON file ({exc})") from exc
+        records = doc.get("records") if isinstance(doc, dict) else None
+        if not isinstance(records, list):
+            raise ValueError(f"--accuracy {path}: expected a JSON object with a 'records' list")
+        model = doc.get("model")
+        if traced_model is not None and model is not None and Path(str(model)).name != Path(traced_model).name:
+            notes.append(f"accuracy: {path} is of {model}, the trace of {traced_model}: not used")
+            continue
+        used = 0
+        for r in records:
+            row = _evaluated(r)
+            if row is not None:
+                rows.append({**row, "source": str(path)})
+                used += 1
+        notes.append(f"accuracy: {used} evaluated configurations from {path}")
+    return rows, notes
+
+
+def _evaluated(r) -> dict | None:
+    loss = _loss(r)
+    if loss is None or not isinstance(r.get("policy"), str):
+        return None
+    serving = r.get("serving")
+    if isinstance(serving, dict):  # the runtime-in-the-loop evaluation
+        detail = r.get("plan_detail") if isinstance(r.get("plan_detail"), dict) else {}
+        exact = bool(serving.get("exact", False))
+        return {"family": r.get("plan"), "exact": exact,
+                "serving": None if exact else tuple(serving.get(k) for k in _SERVING_KEYS),
+                "budget_fraction": r.get("budget_fraction"), "prefetch": r.get("prefetch") is not None,
+                "uniform_width": detail.get("uniform_width"), "skip_threshold": detail.get("skip_threshold"),
+                "accuracy_loss": loss}
+    family = {"skip_aux_all": "skip_aux"}.get(r["policy"], r["policy"])  # batch evaluation: exact serving
+    return {"family": family, "exact": True, "serving": None, "budget_fraction": None, "prefetch": False,
+            "uniform_width": r.get("uniform_width"), "skip_threshold": r.get("skip_threshold"),
+            "accuracy_loss": loss}
+
+
+def _loss(r) -> float | None:
+    if not isinstance(r, dict):
+        return None
+    for key in ("accuracy_loss", "relative_accuracy_loss_vs_full"):
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v)
+    return None
+
+
+def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None, str | None]:
+    """The evaluated loss of a simulated record's exact configuration, and its source; else (None, None).
+
+    Exact serving (outputs independent of the cache): any budget, with or without prefetch.
+    Residency-aware serving: the same serving parameters, budget fraction and prefetch setting.
+    """
+    sp = record["serving_policy"]
+    exact = record["serving"] == "plan"
+    for ev in evaluated:
+        if ev["family"] != record["policy"] or ev["exact"] != exact:
+            continue
+        if not exact:
+            b = ev["budget_fraction"]
+            if (ev["serving"] != tuple(sp.get(k) for k in _SERVING_KEYS) or b is None
+                    or abs(float(b) - record["budget_fraction"]) > 1e-9 or ev["prefetch"] != record["prefetch"]):
+                continue
+        if record["policy"] == "uniform" and ev["uniform_width"] != record.get("uniform_width"):
+            continue
+        if record["policy"] == "skip_aux":
+            a, b = ev["skip_threshold"], record.get("skip_threshold")
+            if (a is None) != (b is None) or (a is not None and abs(a - b) > 1e-6):
+                continue
+        return ev["accuracy_loss"], ev["source"]
+    return None, None
+
+
+# ---------------------------------------------------------------------------- frontier plot
+
+
+def pareto(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both axes (lower loss, higher tokens/s), by loss."""
+    best = []
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not best or y > best[-1][1]:
+            best.append((x, y))
+    return best
+
+
+def plot_frontier(path, records: Sequence[dict], *, title: str, note: str) -> None:
+    """Tokens/s against accuracy loss, one line per family over its knob, its Pareto frontier bold."""
+    import matplotlib
+
+    from .report import write_atomic
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.6), dpi=120)
+    families: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("family") and r.get("accuracy_loss") is not None:
+            families.setdefault(r["family"], []).append(r)
+    for fam, rows in families.items():
+        pts = sorted((100 * r["accuracy_loss"], r["tokens_per_s"]) for r in rows)
+        line, = ax.plot(*zip(*pts, strict=True), marker="o", linestyle=":", alpha=0.6, label=f"{fam} (knob sweep)")
+        front = pareto(pts)
+        ax.plot(*zip(*front, strict=True), color=line.get_color(), linewidth=2.2)
+        for r in rows:
+            ax.annotate(f"{r['knob_value']:g}" if isinstance(r["knob_value"], (int, float)) else "always",
+                        (100 * r["accuracy_loss"], r["tokens_per_s"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+    base = [r for r in records if r.get("label") == "full/plan/lru"]
+    if base:
+        ax.axhline(base[0]["tokens_per_s"], color="0.4", linestyle="--", linewidth=1, label="full-width LRU")
+    missing = sorted({r["label"] for r in records if r.get("family") and r.get("accuracy_loss") is None})
+    if missing:
+        note = f"{note}; not drawn (accuracy not evaluated): {len(missing)} configurations"
+    ax.set_xlabel("relative accuracy loss vs 4-bit full width (%)")
+    ax.set_ylabel("simulated decode tokens/s")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.text(0.01, 0.01, note, fontsize=6, color="0.35")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
