@@ -346,6 +346,10 @@ def save_pack(
         plan.check_compatible(num_experts=summary["num_experts"], top_k=plan.top_k,
                               intermediate_size=summary["intermediate_size"], layer_ids=summary["layer_ids"])
         info.setdefault("top_k", plan.top_k)
+    try:
+        json.dumps(info, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"info: must be JSON-serializable with string keys ({exc})") from None
     if directory.is_symlink():
         if not directory.exists():
             raise FileNotFoundError(f"{directory}: a dangling symbolic link; refusing to write a pack through it")

@@ -411,3 +411,10 @@ def test_exchange_folders(tmp_path, monkeypatch, native):
     pack_mod.exchange_folders(a, b)
     assert [p.name for p in a.iterdir()] == ["y"] and [p.name for p in b.iterdir()] == ["x"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize("info", [{"when": object()}, {1: "a", "b": 2}])
+def test_info_must_be_json(tmp_path, layers, info):
+    with pytest.raises(TypeError, match="info: must be JSON-serializable"):
+        save_pack(tmp_path / "p", layers, info=info)
+    assert list(tmp_path.iterdir()) == []
