@@ -370,6 +370,10 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     path = Path(path)
     if not isinstance(check, PackCheck):
         raise TypeError(f"check: expected a PackCheck ({', '.join(c.name for c in PackCheck)}), got {check!r}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
     if not path.is_file():
         raise FileNotFoundError(f"packed experts file not found: {path}")
     metadata, tensors, header_digest = read_safetensors(path)
@@ -421,10 +425,13 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
             if tensor_sha256(all_tensors[name]) != digests[name]:
                 raise PackIntegrityError(f"{path}: tensor {name}: sha256 differs from the digest recorded at "
                                          f"save; the file is corrupt")
-    if torch.device(device).type != "cpu":
-        layers = {idx: PackedLayer(lay.fmt, *(None if t is None else t.to(device) for t in
-                                              (lay.qweight, lay.scales, lay.zeros)), lay.neuron_order.to(device))
-                  for idx, lay in layers.items()}
+    if device.type != "cpu":
+        try:
+            layers = {idx: PackedLayer(lay.fmt, *(None if t is None else t.to(device) for t in
+                                                  (lay.qweight, lay.scales, lay.zeros)), lay.neuron_order.to(device))
+                      for idx, lay in layers.items()}
+        except (RuntimeError, AssertionError) as exc:  # no such device / torch built without CUDA
+            raise ValueError(f"device: cannot place the packed layers on {device} ({exc})") from None
     return PackedFile(layers, dict(metadata), header_digest, status)
 
 

@@ -418,3 +418,10 @@ def test_info_must_be_json(tmp_path, layers, info):
     with pytest.raises(TypeError, match="info: must be JSON-serializable"):
         save_pack(tmp_path / "p", layers, info=info)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda:99" if torch.cuda.is_available() else "cuda", 3.5])
+def test_bad_load_device(tmp_path, layers, device):
+    save_pack(tmp_path / "p", layers)
+    with pytest.raises(ValueError, match="device: "):
+        load_pack(tmp_path / "p", device=device)
