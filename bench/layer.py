@@ -1,22 +1,25 @@
-"""``crisp-bench layer``: MoE layer steps under load/compute orders and policies, on this machine.
+"""``crisp-bench layer``: MoE layer steps of the real runtime under load/compute orders and policies.
 
 The routed experts of each step come from the model's routing on held-out text (decode
-steps, every MoE layer in turn), their widths from each policy's plan, and what is resident
-from a prefix cache with the GPU budget (the simulator's ``PrefixCache``, same semantics as
-the runtime). Each step is then *executed*: the missing prefix rows are copied from pinned
-host memory to the device and each expert's kernel (``crisp_kernels.expert_mlp``) runs over
-its prefix, in one of three orders:
+steps, every MoE layer in turn), their widths from each policy's plan, served by
+``CrispRuntime`` itself (its residency ledger, prefix cache, scheduler and kernels) with the
+GPU budget, in one of three orders (``RuntimeConfig.order`` / ``async_copies``):
 
-    serial        copy an expert, compute it, then the next (one stream, nothing overlaps)
-    router        copies on a side stream, computes on the main stream, each compute waiting on
-                  its own copy's event, in router order
-    widest_first  the same, in Johnson's order (cached first, then widest first)
+    serial        copy an expert, compute it, then the next (synchronous path, nothing overlaps),
+                  router order
+    router        copies on the copy stream, each compute waiting on its own copy's event, in
+                  router order
+    widest_first  the same, in Johnson's order (cached first, then widest first): the default
 
 Each step is timed wall-clock (device synchronised). Its flow-shop bound comes from the same
-step's copies and computes timed one by one. The breakdown (router, load, compute, share of
-load) is this machine's version of the paper's motivating figure. On a CPU there is no copy
-engine: the three orders cannot overlap anything and the copies are memcpy (said in the
-output).
+step's copies and computes timed one by one by the runtime itself (``record_timings`` on the
+synchronous path). The breakdown (router, load, compute, share of load) is this machine's
+version of the paper's motivating figure. On a CPU there is no copy engine: the three orders
+cannot overlap anything and the copies are memcpy (said in the output).
+
+:func:`measure_expert_overhead`: the CPU cost per expert call of the runtime around its kernels
+(planning, residency, dispatch), from steps whose experts are all resident: the time of
+``CrispRuntime.forward`` minus the time of the same kernels called directly, per expert call.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import time
 
 import torch
 
+from crisp_runtime import CrispRuntime, RuntimeConfig, TaskOrder, flow_shop_makespan, johnson_order
+
 from . import report
-from .simulate import Job, PrefixCache, flow_shop_bound, johnson_order, needed_experts
 
 ORDERS = ("serial", "router", "widest_first")
 
@@ -37,75 +41,27 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-class LayerBench:
-    """Host (pinned) packed layers, a device mirror that copies land in, and the step executor."""
+def order_config(order: str, device, **kw) -> RuntimeConfig:
+    """The runtime configuration of one of :data:`ORDERS`."""
+    if order not in ORDERS:
+        raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
+    return RuntimeConfig(order=TaskOrder.JOHNSON if order == "widest_first" else TaskOrder.ROUTER,
+                         async_copies=order != "serial", pin_memory=device.type == "cuda", **kw)
 
-    def __init__(self, layers, device):
-        from crisp_kernels import PackedLayer
 
-        self.device = device
-        pin = device.type == "cuda"
-        self.host = {i: (layer.pin_memory() if pin else layer) for i, layer in layers.items()}
-        self.dev = {i: PackedLayer(layer.fmt, torch.empty_like(layer.qweight, device=device),
-                                   torch.empty_like(layer.scales, device=device),
-                                   None if layer.zeros is None else torch.empty_like(layer.zeros, device=device),
-                                   layer.neuron_order) for i, layer in self.host.items()}
-        for i in self.dev:  # start from the true weights (values matter only for NaN-free kernels)
-            for d, h in zip(self.dev[i].tensors().values(), self.host[i].tensors().values(), strict=True):
-                d.copy_(h.to(d.device))
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def copy(self, layer_id, expert, start, stop):
-        h, d = self.host[layer_id], self.dev[layer_id]
-        for name in ("qweight", "scales", "zeros"):
-            ht, dt = getattr(h, name), getattr(d, name)
-            if ht is not None:
-                dt[expert, start:stop].copy_(ht[expert, start:stop], non_blocking=True)
-
-    def compute(self, layer_id, expert, width, x):
-        from crisp_kernels import Backend, expert_mlp
-
-        backend = Backend.TORCH if self.device.type == "cpu" else None  # as the runtime does on a CPU
-        return expert_mlp(x, self.dev[layer_id].expert(expert), width, backend=backend)
-
-    def run_step(self, layer_id, jobs, x, order) -> float:
-        """Execute one step's jobs = [(expert, resident, width)] in ``order``; wall seconds."""
-        dev = self.device
+def replay_steps(runtime: CrispRuntime, steps, x, *, timed_from: int = 0) -> list[float]:
+    """Run ``steps`` = [(layer id, top_k_index (1, k), top_k_weights (1, k))] through ``runtime``;
+    wall seconds of each step from ``timed_from`` on (the device synchronised around each)."""
+    dev = runtime.device
+    times = []
+    for n, (layer_id, index, weights) in enumerate(steps):
         _sync(dev)
         t0 = time.perf_counter()
-        if order == "serial" or self.copy_stream is None:
-            for e, r, w in jobs:
-                if w > r:
-                    self.copy(layer_id, e, r, w)
-                    _sync(dev)
-                self.compute(layer_id, e, w, x)
-        else:
-            main = torch.cuda.current_stream(dev)
-            for e, r, w in jobs:
-                if w > r:
-                    with torch.cuda.stream(self.copy_stream):
-                        self.copy(layer_id, e, r, w)
-                        ev = torch.cuda.Event()
-                        ev.record(self.copy_stream)
-                    main.wait_event(ev)
-                self.compute(layer_id, e, w, x)
+        runtime.forward(layer_id, x, index, weights)
         _sync(dev)
-        return time.perf_counter() - t0
-
-    def time_parts(self, layer_id, jobs, x) -> list[tuple[float, float]]:
-        """(load s, compute s) of each job, timed one at a time."""
-        out = []
-        for e, r, w in jobs:
-            _sync(self.device)
-            t0 = time.perf_counter()
-            if w > r:
-                self.copy(layer_id, e, r, w)
-            _sync(self.device)
-            t1 = time.perf_counter()
-            self.compute(layer_id, e, w, x)
-            _sync(self.device)
-            out.append((t1 - t0 if w > r else 0.0, time.perf_counter() - t1))
-        return out
+        if n >= timed_from:
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def run(args) -> int:
@@ -128,61 +84,64 @@ def run(args) -> int:
     crisp = pack.plan if pack.plan is not None and pack.plan.policy.value == "crisp" else None
     plans = {k: v for k, v in tr.policy_plans(trace, crisp).items() if k in args.policies}
     total = sum(layer.nbytes() for layer in pack.layers.values())
-    nb = {i: layer.fmt.neuron_nbytes(layer.hidden_size) for i, layer in pack.layers.items()}
     full_expert = max(layer.nbytes() // layer.num_experts for layer in pack.layers.values())
     budget = int(args.budget * total)
     if budget < trace.top_k * full_expert:
         raise BudgetTooSmall(f"--budget {args.budget:g} is below one token's experts at full width "
                              f"({trace.top_k * full_expert / total:.1%} of the expert bytes)")
-    bench = LayerBench(pack.layers, device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     hidden = next(iter(pack.layers.values())).hidden_size
     x = torch.randn(1, hidden, dtype=dtype).to(device)
     router_s = _router_time(model, device, hidden)
+    # Decode steps in order, every MoE layer in turn; the first `warm` tokens fill the cache.
+    steps = [(layer_id, torch.from_numpy(trace.index[li, t][None]).long(), torch.from_numpy(trace.weights[li, t][None]))
+             for t in range(trace.num_tokens) for li, layer_id in enumerate(trace.layer_ids)]
+    first = warm * trace.num_layers
     what = "GPU" if device.type == "cuda" else "CPU (no copy engine: orders cannot overlap; copies are memcpy)"
     print(f"layer: {args.model} on {what}; budget {args.budget:.0%} of {total / 1e6:.2f} MB; "
-          f"{args.steps} decode steps x {trace.num_layers} MoE layers per policy and order")
+          f"{args.steps} decode steps x {trace.num_layers} MoE layers per policy and order (CrispRuntime)")
     records = []
     for name, plan in plans.items():
-        widths = tr.token_widths(trace, plan)
-        steps = []  # (layer id, jobs)
-        cache = PrefixCache(budget, next(iter(nb.values())))
-        for t in range(trace.num_tokens):
-            for li, layer_id in enumerate(trace.layer_ids):
-                need = needed_experts(trace.index[li, t], widths[li, t])
-                resident = {e: cache.resident(li, e) for e in need}
-                cache.step(li, need)
-                if t >= warm:
-                    steps.append((layer_id, [(e, min(resident[e], w), w) for e, w in need.items()]))
-        # Each job's load and compute timed alone, median of 3 (the first pass also warms the buffers up).
-        reps = [[bench.time_parts(layer_id, jobs, x) for layer_id, jobs in steps] for _ in range(3)]
-        parts = [[(statistics.median(r[i][j][0] for r in reps), statistics.median(r[i][j][1] for r in reps))
-                  for j in range(len(steps[i][1]))] for i in range(len(steps))]
-        jobs_t = [[Job(e, w, lo, co) for (e, _, w), (lo, co) in zip(jobs, p, strict=True)]
-                  for (_, jobs), p in zip(steps, parts, strict=True)]
-        bound = statistics.fmean(flow_shop_bound(j) for j in jobs_t)
-        load = statistics.fmean(sum(j.load_s for j in js) for js in jobs_t)
-        comp = statistics.fmean(sum(j.compute_s for j in js) for js in jobs_t)
+        # Each task's load and compute timed alone by the runtime (synchronous path), median of 3 passes.
+        parts = []
+        for _ in range(3):
+            rt = CrispRuntime(pack.layers, plan, device=device, gpu_budget=budget,
+                              config=order_config("serial", device, record_timings=True))
+            one = []
+            for n, (layer_id, index, weights) in enumerate(steps):
+                rt.forward(layer_id, x, index, weights)
+                if n >= first:
+                    one.append(list(rt.last_timings.get(layer_id, [])) if rt.last_step[layer_id].tasks else [])
+            parts.append(one)
+        jobs = [[(statistics.median(p[i][j][0] for p in parts), statistics.median(p[i][j][1] for p in parts))
+                 for j in range(len(parts[0][i]))] for i in range(len(parts[0]))]
+        bounds = [_bound(js) for js in jobs]
+        load = statistics.fmean(sum(lo for lo, _ in js) for js in jobs)
+        comp = statistics.fmean(sum(co for _, co in js) for js in jobs)
+        runtimes = {o: CrispRuntime(pack.layers, plan, device=device, gpu_budget=budget, config=order_config(o, device))
+                    for o in ORDERS}
         prog = report.Progress(f"layer {name}")
         # Orders interleaved step by step (so drifting machine load hits all alike), median over steps.
         times: dict[str, list[float]] = {o: [] for o in ORDERS}
-        for n, ((layer_id, jobs), js) in enumerate(zip(steps, jobs_t, strict=True)):
-            pos = {j.expert: i for i, j in enumerate(johnson_order(js))}
-            for order in ORDERS:
-                seq = sorted(jobs, key=lambda j: pos[j[0]]) if order == "widest_first" else jobs
-                times[order].append(bench.run_step(layer_id, seq, x, order))
+        for n, step in enumerate(steps):
+            for order, rt in runtimes.items():
+                t = replay_steps(rt, [step], x)[0]
+                if n >= first:
+                    times[order].append(t)
             prog(n + 1, len(steps))
-        bound_med = statistics.median(flow_shop_bound(j) for j in jobs_t)
-        for order in ORDERS:
-            step = statistics.median(times[order])
-            records.append({"policy": name, "order": order, "step_ms": 1e3 * step,
+        bound_med = statistics.median(bounds)
+        for order, rt in runtimes.items():
+            st = rt.stats.as_dict()
+            step_s = statistics.median(times[order])
+            lookups = st["hits"] + st["misses"] + st["widenings"]
+            records.append({"policy": name, "order": order, "step_ms": 1e3 * step_s,
                             "step_mean_ms": 1e3 * statistics.fmean(times[order]), "bound_ms": 1e3 * bound_med,
-                            "bound_mean_ms": 1e3 * bound,
-                            "over_bound": step / bound_med if bound_med > 0 else None, "load_ms": 1e3 * load,
+                            "bound_mean_ms": 1e3 * statistics.fmean(bounds),
+                            "over_bound": step_s / bound_med if bound_med > 0 else None, "load_ms": 1e3 * load,
                             "compute_ms": 1e3 * comp, "router_ms": 1e3 * router_s,
                             "load_share": load / (load + comp + router_s) if load + comp + router_s > 0 else 0.0,
-                            "bytes_per_step": cache.stats.bytes_copied / max(1, len(steps) + warm * trace.num_layers),
-                            "hit_rate": cache.stats.hits / max(1, cache.stats.accesses), "steps": len(steps),
+                            "bytes_per_step": st["bytes_h2d"] / max(1, len(steps)),
+                            "hit_rate": st["hits"] / max(1, lookups), "steps": len(steps) - first,
                             "device": str(device), "budget_fraction": args.budget})
     cols = [("policy", "policy"), ("order", "order"), ("step_ms", "step ms (median)"),
             ("bound_ms", "flow-shop bound ms (median)"),
@@ -190,6 +149,11 @@ def run(args) -> int:
             ("compute_ms", "compute ms"), ("load_share", "load share"), ("hit_rate", "hit rate")]
     print(report.table(records, cols))
     print("paper (RTX 4090, Mixtral, full width): 14.4 ms layer = router 0.4 + load 11.2 + compute 2.6; load share 78%")
+    overhead = measure_expert_overhead(num_experts=trace.num_experts, top_k=trace.top_k, device=device)
+    print(f"runtime overhead per expert call ({overhead['device']}, all experts resident, "
+          f"E={overhead['num_experts']} top-{overhead['top_k']}): {overhead['overhead_us_per_expert']:.1f} us "
+          f"(step {overhead['forward_us']:.1f} us, of which kernels {overhead['kernels_us']:.1f} us; "
+          f"planner {overhead['planner_us']:.1f} us)")
     runtime_records = _runtime_measurements(trace, device, hidden)
     if args.plot:
         groups: dict = {}
@@ -199,9 +163,76 @@ def run(args) -> int:
                          title=f"layer step per policy and order ({device})", note=report.environment()["date"])
         print(f"wrote {args.plot}")
     if args.json:
-        report.write_json(args.json, "layer", records, model=str(args.model), runtime=runtime_records)
+        report.write_json(args.json, "layer", records, model=str(args.model), runtime=runtime_records,
+                          overhead=overhead)
         print(f"wrote {args.json}")
     return 0
+
+
+def _bound(jobs: list[tuple[float, float]]) -> float:
+    """The two-stage flow-shop optimum (Johnson's order) of one step's (load s, compute s) jobs."""
+    load = [lo for lo, _ in jobs]
+    compute = [co for _, co in jobs]
+    return flow_shop_makespan(johnson_order(load, compute), load, compute)
+
+
+def measure_expert_overhead(*, num_experts: int = 8, top_k: int = 2, hidden: int = 64, inter: int = 16,
+                            device=None, iters: int = 300, blocks: int = 7, seed: int = 0) -> dict:
+    """Microseconds per expert call that ``CrispRuntime.forward`` spends outside its kernels.
+
+    Decode steps (one token, ``top_k`` experts, all resident: ``gpu_budget`` = everything) on
+    small shapes, so that the kernels are short; the same kernels are timed called directly
+    (``expert_mlp_accumulate_unchecked_`` on the resident experts). overhead = (step - kernels)
+    / top_k, the planner included; medians per block of ``iters``, the lowest block reported
+    (a shared machine only ever adds time).
+    """
+    from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_
+    from crisp_runtime import CrispPlan
+
+    from .runtime import _random_packed
+
+    device = torch.device("cpu" if device is None else device)
+    layer = _random_packed(num_experts, inter, hidden, seed=seed)
+    plan = CrispPlan.full(num_experts, top_k, inter, [0])
+    rt = CrispRuntime({0: layer}, plan, device=device, gpu_budget=layer.nbytes(), config=order_config("widest_first",
+                                                                                                   device))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, hidden, generator=g).to(device)
+    index = torch.randperm(num_experts, generator=g)[:top_k][None]
+    weights = torch.softmax(torch.randn(1, top_k, generator=g), -1)
+    rt.forward(0, x, index, weights)  # makes them resident
+    experts = [rt.cache.acquire(0, int(e), inter).resident for e in index[0]]
+    out = torch.zeros(1, hidden, device=device)
+    rows = torch.zeros(1, dtype=torch.int64, device=device)
+    w1 = torch.ones(1, device=device)
+    tw = torch.full((1,), inter, dtype=torch.int64, device=device)
+
+    def kernels():
+        for e in experts:
+            expert_mlp_accumulate_unchecked_(out, x, e, inter, rows, w1, tw, rt.backend)
+
+    def planner():
+        rt.plan_served(0, index, weights)
+
+    def forward():
+        rt.forward(0, x, index, weights)
+
+    best = {}
+    for _ in range(blocks):
+        for name, fn in (("forward", forward), ("kernels", kernels), ("planner", planner)):
+            ts = []
+            for _ in range(iters):
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                ts.append(time.perf_counter() - t0)
+            best[name] = min(best.get(name, float("inf")), statistics.median(ts))
+    return {"device": str(device), "num_experts": num_experts, "top_k": top_k, "hidden": hidden, "inter": inter,
+            "forward_us": 1e6 * best["forward"], "kernels_us": 1e6 * best["kernels"],
+            "planner_us": 1e6 * best["planner"],
+            "overhead_us_per_expert": 1e6 * (best["forward"] - best["kernels"]) / top_k,
+            "threads": torch.get_num_threads()}
 
 
 @torch.no_grad()
@@ -236,7 +267,8 @@ def _runtime_measurements(trace, device, hidden) -> list[dict]:
     out = []
     recs = rt.measure_planner_overhead(configs=((trace.num_experts, trace.top_k),), iters=300, warmup=30)
     for r in recs:
-        print(f"runtime planner (CrispRuntime.plan_step), E={r['num_experts']} top-{r['top_k']} {r['policy']}: "
+        print(f"runtime planner (CrispRuntime.plan_served), E={r['num_experts']} top-{r['top_k']} {r['policy']}, "
+              f"serving {r['serving']}: "
               f"p50 {r['planner_us_p50']:.1f} us per layer step (target <= {r['target_us']:.0f} us)")
     out += [dict(r, kind="planner") for r in recs]
     if device.type == "cuda":

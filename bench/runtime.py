@@ -5,7 +5,7 @@ Functions return lists of JSON-friendly dicts (one per configuration) for ``cris
 
 - :func:`measure_planner_overhead`: per MoE layer per decode step, the CPU time from the
   router's ``top_k_index``/``top_k_weights`` to the ordered step plan (plan lookup of the
-  widths + grouping + resident lookups + Johnson order), through ``CrispRuntime.plan_step``,
+  widths and roles + serving + grouping + resident lookups + order), through ``CrispRuntime.plan_served``,
   the code path the runtime runs. Target: <= 100 us.
 - :func:`measure_transfer` (GPU-only): host-to-device copies of width-k prefixes through the
   prefix cache, GB/s against a plain pinned copy of the same bytes and of one large buffer.
@@ -73,6 +73,7 @@ def measure_planner_overhead(
     configs=((8, 2), (64, 6)),
     *,
     policies=("crisp", "full"),
+    servings=("plan", "resident-floor75"),
     tokens: int = 1,
     iters: int = 2000,
     warmup: int = 200,
@@ -83,16 +84,19 @@ def measure_planner_overhead(
 
     configs: (num_experts, top_k) pairs. The cache is warm and holds about half the experts,
     so resident lookups, misses and widenings all occur. Routing tensors are fresh per step.
+    servings: serving policies (``crisp_runtime.serving`` names), each timed through
+    ``CrispRuntime.plan_served`` (plan widths and roles, serving, scheduler).
     """
     records = []
     inter, hidden = 16, 64  # the planner never touches weights; sizes only scale byte counts
     for num_experts, top_k in configs:
         layer = _random_packed(num_experts, inter, hidden, seed=seed)
-        for policy in policies:
+        for policy, serving in ((p, s) for p in policies for s in servings):
             plan = _plan_for(policy, num_experts, top_k, inter, [0])
             nb = layer.fmt.neuron_nbytes(hidden)
             budget = max(min_budget_bytes({0: layer}, top_k), num_experts // 2 * inter * nb)
-            runtime = CrispRuntime({0: layer}, plan, device="cpu", gpu_budget=budget)
+            runtime = CrispRuntime({0: layer}, plan, device="cpu", gpu_budget=budget,
+                                   config=RuntimeConfig(serving=serving))
             g = torch.Generator().manual_seed(seed)
             n = warmup + iters
             logits = torch.randn(n, tokens, num_experts, generator=g)
@@ -105,14 +109,14 @@ def measure_planner_overhead(
                 t0 = time.perf_counter()
                 plan.token_widths(0, index, weights)
                 t1 = time.perf_counter()
-                runtime.plan_step(0, index, weights)
+                runtime.plan_served(0, index, weights)
                 t2 = time.perf_counter()
                 if i >= warmup:
                     widths_us.append((t1 - t0) * 1e6)
                     total_us.append((t2 - t1) * 1e6)
             total_us.sort()
             records.append({
-                "num_experts": num_experts, "top_k": top_k, "tokens": tokens, "policy": policy,
+                "num_experts": num_experts, "top_k": top_k, "tokens": tokens, "policy": policy, "serving": serving,
                 "planner_us_mean": statistics.fmean(total_us),
                 "planner_us_p50": total_us[len(total_us) // 2],
                 "planner_us_p99": total_us[int(len(total_us) * 0.99)],
@@ -293,7 +297,7 @@ def _to_cpu_layer(layer):
 
 def main() -> None:
     for r in measure_planner_overhead():
-        print(f"E={r['num_experts']:3d} top-{r['top_k']} T={r['tokens']} {r['policy']:6s}  planner "
+        print(f"E={r['num_experts']:3d} top-{r['top_k']} T={r['tokens']} {r['policy']:6s} {r['serving']:16s} planner "
               f"p50 {r['planner_us_p50']:6.1f} us  mean {r['planner_us_mean']:6.1f} us  "
               f"p99 {r['planner_us_p99']:6.1f} us  (plan widths alone {r['plan_widths_us_mean']:5.1f} us)  "
               f"target <= {r['target_us']:.0f} us: {'yes' if r['meets_target'] else 'NO'}  threads={r['threads']}")

@@ -22,6 +22,7 @@ code path the GPU runs, only without streams (those are in ``executor.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,9 +44,9 @@ class CacheEntry:
     ready: object = None  # GPU-only: CUDA event after a prefetch's copy, until a step waits on it
 
 
-@dataclass(frozen=True)
-class Acquired:
-    """The result of :meth:`PrefixCache.acquire`: the resident prefix and what it took.
+class Acquired(NamedTuple):
+    """The result of :meth:`PrefixCache.acquire`: the resident prefix and what it took (a NamedTuple:
+    one per expert call, built ~4x faster than a frozen dataclass).
 
     ``resident`` holds the whole resident prefix (at least ``width`` neurons, built once per
     copy, not per acquire); kernels take it with ``width``. ``expert`` is the exact

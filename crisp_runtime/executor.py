@@ -31,6 +31,7 @@ copy stream with an event, and the first step that uses it waits on that event.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -69,7 +70,9 @@ class RuntimeConfig:
     pin_memory: pin the host store (None = when CUDA is available).
     keep_original: ``apply`` keeps the original expert weights in host memory so ``restore``
     can bring them back (False frees them; restore then leaves the experts empty).
-    record_timings: CUDA event timings per layer step (adds a synchronisation per step).
+    record_timings: CUDA event timings per layer step (adds a synchronisation per step); on the
+    synchronous path (CPU, or ``async_copies=False``) also each expert's load and compute time,
+    the device synchronised after each (``CrispRuntime.last_timings``, ``stats.copy_ms``).
     device: where the experts run (None = the device of the model's other parameters).
     """
 
@@ -146,6 +149,8 @@ class CrispRuntime:
         self.stats = RuntimeStats(self.layer_ids)
         self.last_step: dict[int, StepPlan] = {}
         self.last_served: dict[int, ServedSlots] = {}  # per layer: the widths its last step served, per slot
+        # per layer, with record_timings on the synchronous path: (load s, compute s) of each task of the last step
+        self.last_timings: dict[int, list[tuple[float, float]]] = {}
         self._step_keys: frozenset = frozenset()  # keys of the last planned step: a prefetch never evicts them
         self._copy_stream = None  # GPU-only, created on first use
         # GPU-only: with no offload (ResidentExperts) nothing is ever copied, so there is nothing to overlap.
@@ -235,7 +240,13 @@ class CrispRuntime:
         if self._async:  # GPU-only
             compute_stream = torch.cuda.current_stream(device)
             copy_stream = self._get_copy_stream()
+        timings = [] if self.config.record_timings and copy_stream is None else None
+        if timings is not None:
+            self.last_timings[layer_id] = timings
         for i, task in enumerate(tasks):
+            if timings is not None:
+                _sync(device)
+                t0 = time.perf_counter()
             key = (layer_id, task.expert)
             if copy_stream is None:
                 got = cache.acquire(layer_id, task.expert, task.width, protected=pending)
@@ -255,6 +266,9 @@ class CrispRuntime:
                         compute_stream.wait_event(ready)
                         for t in got.resident.tensors():
                             t.record_stream(compute_stream)
+            if timings is not None:
+                _sync(device)
+                t1 = time.perf_counter()
             pending.discard(key)
             decision = got.decision
             if decision is None or decision.kind == "hit":
@@ -271,6 +285,10 @@ class CrispRuntime:
             stats.expert_runs += 1
             expert_mlp_accumulate_unchecked_(out, x, got.resident, task.width, rows_s[i], weights_s[i], widths_s[i],
                                              backend)
+            if timings is not None:
+                _sync(device)
+                timings.append((t1 - t0, time.perf_counter() - t1))
+                stats.copy_ms += 1e3 * (t1 - t0)
             if copy_stream is not None:  # GPU-only
                 used = torch.cuda.Event()
                 used.record(compute_stream)
@@ -344,6 +362,11 @@ def _add_served(stats: LayerStats, served: ServedSlots) -> None:
     stats.served_dominant_neurons += served.dominant_neurons
     stats.served_aux_slots += served.aux_slots
     stats.served_aux_neurons += served.aux_neurons
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # GPU-only
+        torch.cuda.synchronize(device)
 
 
 class _StepTimer:  # GPU-only

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from .eviction import EvictionPolicy, Key, LRUPolicy
 
@@ -50,9 +51,12 @@ class CacheBudgetError(RuntimeError):
     """The prefixes one layer step needs at the same time do not fit in the budget."""
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What one request did. Rows ``old_width..new_width`` were copied (none for a hit)."""
+class Decision(NamedTuple):
+    """What one request did. Rows ``old_width..new_width`` were copied (none for a hit).
+
+    A NamedTuple rather than a frozen dataclass: one is built per expert call, and a tuple is
+    built ~4x faster (the hot path's budget is a few microseconds per expert).
+    """
 
     key: Key
     kind: str  # "hit", "widen" or "miss"

@@ -21,7 +21,8 @@ Definitions (all JSON-friendly ints/floats):
 - ``widenings``: experts resident at a narrower prefix, widened by copying only the missing rows.
 - ``evictions``: prefixes dropped from the cache to make room.
 - ``expert_runs``: experts run (width > 0), ``skipped``: routed (token, expert) slots of width 0.
-- ``copy_ms`` / ``step_ms``: optional CUDA event timings (``RuntimeConfig(record_timings=True)``).
+- ``copy_ms`` / ``step_ms``: optional timings (``RuntimeConfig(record_timings=True)``): ``step_ms``
+  from CUDA events, ``copy_ms`` the copies of the synchronous path (device synchronised around each).
 - Serving (``crisp_runtime.serving``; zero under the default policy, which serves the plan's
   widths): ``fallbacks`` slots served narrower than the plan wanted, ``serving_skips`` slots the
   plan wanted but the policy skipped, ``served_wider`` slots served wider than wanted (free,

@@ -209,3 +209,18 @@ def test_cuda_async_copies_match_sync_and_reference(eviction):
     torch.cuda.synchronize()
     s_async, s_sync = (runtimes[m].stats.as_dict() for m in ("async", "sync"))
     assert s_async == s_sync and s_async["widenings"] > 0 and s_async["evictions"] > 0
+
+
+def test_record_timings_on_the_synchronous_path():
+    plan = CrispPlan.full(E, TOP_K, INTER, LAYER_IDS)
+    runtime = CrispRuntime(LAYERS, plan, device="cpu", gpu_budget=min_budget_bytes(LAYERS, TOP_K),
+                           config=RuntimeConfig(record_timings=True))
+    x, index, weights = make_step(5, 0)
+    runtime.forward(1, x, index, weights)
+    timings = runtime.last_timings[1]
+    assert len(timings) == len(runtime.last_step[1].tasks) > 0
+    assert all(load >= 0 and compute > 0 for load, compute in timings)
+    assert runtime.stats.layers[1].copy_ms == pytest.approx(1e3 * sum(lo for lo, _ in timings))
+    untimed = CrispRuntime(LAYERS, plan, device="cpu", gpu_budget=min_budget_bytes(LAYERS, TOP_K))
+    untimed.forward(1, x, index, weights)
+    assert untimed.last_timings == {} and untimed.stats.layers[1].copy_ms == 0
