@@ -23,6 +23,9 @@ VOCAB_SIZE = 256
 DOC_SEPARATOR = 0
 """Byte placed between documents by :func:`sample_sequences`."""
 
+SPECIAL_TOKEN = "\x00"
+"""The separator as text: :func:`byte_tokenizer`'s bos, eos and pad token (id ``DOC_SEPARATOR``)."""
+
 _JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz")
 
 
@@ -128,3 +131,40 @@ def sample_sequences(texts: Sequence[str], num_samples: int, seq_len: int, seed:
     starts = torch.randint(0, len(data) - seq_len + 1, (num_samples,), generator=gen)  # (num_samples,)
     offsets = torch.arange(seq_len)  # (seq_len,)
     return stream[starts[:, None] + offsets[None, :]].to(torch.long)  # (num_samples, seq_len)
+
+
+def byte_tokenizer(model_max_length: int | None = None):
+    """This byte-level encoding as a transformers tokenizer (``PreTrainedTokenizerFast``).
+
+    Token id ``b`` is byte ``b``, exactly as :func:`encode` / :func:`decode`, for any text. The
+    document separator (byte 0, the NUL character) is the bos, eos and pad token: generation
+    stops at a separator, batches pad with it, and ``skip_special_tokens`` drops it. Nothing is
+    added around the text (no bos), so ``tokenizer(text).input_ids == encode(text).tolist()``.
+    ``tokenizer.save_pretrained(folder)`` writes the standard files (tokenizer.json,
+    tokenizer_config.json) that ``AutoTokenizer.from_pretrained(folder)`` reads offline.
+
+    Imports ``tokenizers`` and ``transformers`` (the ``hf`` extra) only when called.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # The byte-level pre-tokenizer shows byte b as the printable character bytes_to_unicode()[b]
+    # (GPT-2's table: printable bytes map to themselves, the others to U+0100 upwards); the vocabulary
+    # maps that character to id b. Byte 0 is the special token instead: the added-token pass takes
+    # every NUL out of the text before the pre-tokenizer, so its table character never reaches the model.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(VOCAB_SIZE):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(VOCAB_SIZE + extra)
+            extra += 1
+    vocab = {(SPECIAL_TOKEN if b == DOC_SEPARATOR else table[b]): b for b in range(VOCAB_SIZE)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(SPECIAL_TOKEN, special=True, normalized=False)])
+    kwargs = {} if model_max_length is None else {"model_max_length": int(model_max_length)}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL_TOKEN, eos_token=SPECIAL_TOKEN,
+                                   pad_token=SPECIAL_TOKEN, **kwargs)
