@@ -135,9 +135,9 @@ def expert_mlp_accumulate_unchecked_(
     """:func:`expert_mlp_accumulate_` without its argument checks and backend selection.
 
     For a runtime that checked its inputs once at its boundary (activations, packed layers,
-    index dtypes) and resolved ``backend`` once with :func:`resolve_backend`: the six checks
-    cost ~10 us per expert call on a CPU, against ~2 us for the rest of a call. Arguments that
-    the checked entry would refuse are undefined behaviour here.
+    index dtypes) and resolved ``backend`` once with :func:`resolve_backend`: on the project's
+    2-core CPU VM (busy) the checked entry spent 9.1 us per call before its kernel, this one
+    0.6 us. Arguments that the checked entry would refuse are undefined behaviour here.
     """
     if backend is Backend.TORCH:
         expert_mlp_accumulate_ref_(out, x, packed, width, rows=rows, weights=weights, token_widths=token_widths)
