@@ -128,7 +128,8 @@ def test_two_runs_with_other_settings_keep_each_others_checkpoint(tiny, tmp_path
     work = tmp_path / ".out.crisp-work"
     (run_a,) = [p for p in work.iterdir() if p.name.startswith("run-")]
     assert (run_a / prof.STATS_FILE).is_file() and (work / MARKER).is_file() and not out.exists()
-    assert run(prof.main, [*argv_a, "--seed", "7"], capsys)[0] == 0  # run B, other key
+    rc, err = run(prof.main, [a for a in argv_a if a != "--quiet"] + ["--seed", "7"], capsys)  # run B, other key
+    assert rc == 0 and "left alone: 1 checkpoint folder(s) of runs with other settings" in err and run_a.name in err
     assert (run_a / prof.STATS_FILE).is_file()  # A's checkpoint survived B's clean-up
     rc, err = run(prof.main, [a for a in argv_a if a != "--quiet"], capsys)
     assert rc == 0 and "resuming from" in err

@@ -377,6 +377,10 @@ class Profiler:
             self.work.release()
         else:
             self.work.remove()
+        others = self.work.others()
+        if others:
+            self.log(f"left alone: {len(others)} checkpoint folder(s) of runs with other settings in {self.work.root} "
+                     f"({', '.join(p.name for p in others[:3])}); rerun those commands to finish them, or delete them")
         self.log(f"wrote {self.out} in {time.time() - self.t0:.1f} s")
         return info
 

@@ -72,6 +72,10 @@ class WorkFolder:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def others(self) -> list[Path]:
+        """Checkpoint folders of other runs (other settings) in the same root, left for them to resume."""
+        return sorted(p for p in self.root.glob("run-*") if p != self.run_dir and p.is_dir())
+
     def remove(self) -> None:
         """After success: remove this run's files, then the folders that became empty and are ours."""
         self.checkpoint.unlink(missing_ok=True)
