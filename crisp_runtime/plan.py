@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import json
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -76,6 +77,13 @@ class TierWidths:
     hot: int
     warm: int
     cold: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hot", "warm", "cold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise PlanError(f"TierWidths.{name}: expected an integer number of neurons, got {value!r}")
+            object.__setattr__(self, name, int(value))  # a numpy integer would not serialize to JSON
 
     def for_tier(self, tier: Tier) -> int:
         return {Tier.HOT: self.hot, Tier.WARM: self.warm, Tier.COLD: self.cold}[tier]
@@ -143,6 +151,15 @@ class CrispPlan:
     description: str = ""
 
     def __post_init__(self) -> None:
+        # Integer fields as Python ints (a numpy integer from a search would not serialize to JSON);
+        # bools and floats are refused by validate(), never rounded.
+        for name in ("num_experts", "top_k", "intermediate_size", "num_dominant", "uniform_width"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))
+        if isinstance(self.layer_ids, (list, tuple)) and all(
+                isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in self.layer_ids):
+            object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
         self.validate()
 
     # ------------------------------------------------------------------ constructors
@@ -196,6 +213,24 @@ class CrispPlan:
     # ------------------------------------------------------------------ validation
 
     def validate(self) -> None:
+        if not isinstance(self.policy, PolicyKind):
+            raise PlanError(f"plan: policy must be a PolicyKind ({', '.join(p.name for p in PolicyKind)}), "
+                            f"got {self.policy!r}")
+        for name in ("num_experts", "top_k", "intermediate_size", "num_dominant"):
+            if type(getattr(self, name)) is not int:
+                raise PlanError(f"plan: {name} must be an integer, got {getattr(self, name)!r}")
+        if not isinstance(self.layer_ids, tuple) or not all(type(i) is int and i >= 0 for i in self.layer_ids):
+            raise PlanError(f"plan: layer_ids must be non-negative integers, got {self.layer_ids!r}")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise PlanError(f"plan: layer_ids repeat a layer: {list(self.layer_ids)}")
+        if self.policy is PolicyKind.UNIFORM and type(self.uniform_width) is not int:
+            raise PlanError(f"plan: uniform_width must be an integer, got {self.uniform_width!r}")
+        if self.policy is PolicyKind.CRISP and self.tier_widths is not None and not isinstance(
+                self.tier_widths, TierWidths):
+            raise PlanError(f"plan: tier_widths must be a TierWidths, got {type(self.tier_widths).__name__}")
+        if not isinstance(self.unseen_tier, Tier):
+            raise PlanError(f"plan: unseen_tier must be a Tier ({', '.join(t.name for t in Tier)}), "
+                            f"got {self.unseen_tier!r}")
         full = self.intermediate_size
         if self.num_experts < 1 or self.top_k < 1 or self.top_k > self.num_experts:
             raise PlanError(f"plan: need 1 <= top_k <= num_experts, got top_k={self.top_k}, E={self.num_experts}")

@@ -183,6 +183,33 @@ def test_strict_plan_parsing(tmp_path, make, mutate, match):
         _load_mutated(tmp_path, make(), mutate)
 
 
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: CrispPlan.uniform(8, 2, FULL, [0], True), "uniform_width must be an integer, got True"),
+        (lambda: CrispPlan.uniform(8, 2, FULL, [0], 40.9), "uniform_width must be an integer, got 40.9"),
+        (lambda: CrispPlan.full(8, 2, FULL, "03"), "layer_ids must be non-negative integers"),
+        (lambda: CrispPlan.full(8, 2, FULL, [0, 0]), "layer_ids repeat a layer"),
+        (lambda: CrispPlan.full(8.0, 2, FULL, [0]), "num_experts must be an integer"),
+        (lambda: TierWidths(FULL, 40.5), "TierWidths.warm: expected an integer"),
+        (lambda: CrispPlan("full", 8, 2, FULL, (0,)), "policy must be a PolicyKind"),
+    ],
+)
+def test_constructor_refuses_non_integers(make, match):
+    with pytest.raises(PlanError, match=match):
+        make()
+
+
+def test_numpy_integers_become_ints(tmp_path):
+    import numpy as np
+
+    plan = CrispPlan.uniform(np.int64(8), 2, FULL, np.arange(2), np.int64(7))
+    assert type(plan.uniform_width) is int and plan.layer_ids == (0, 1)
+    assert TierWidths(np.int64(5), 3).hot == 5 and type(TierWidths(np.int64(5), 3).hot) is int
+    plan.save(tmp_path / "p.json")
+    assert CrispPlan.load(tmp_path / "p.json") == plan
+
+
 @pytest.mark.parametrize("kind", ["directory", "dangling-symlink"])
 def test_plan_path_must_be_a_file(tmp_path, kind):
     path = tmp_path / "plan.json"
