@@ -255,7 +255,13 @@ class CrispPlan:
             if unknown:
                 raise PlanError(f"plan: layers {sorted(unknown)} are not among layer_ids {list(self.layer_ids)}")
             for layer_id, lp in self.layers.items():
-                for (a, b), tier in lp.tiers.items():
+                if not isinstance(lp, LayerPlan):
+                    raise PlanError(f"plan: layer {layer_id} must be a LayerPlan, got {type(lp).__name__}")
+                for pair, tier in lp.tiers.items():
+                    if (not isinstance(pair, tuple) or len(pair) != 2
+                            or not all(isinstance(e, numbers.Integral) and not isinstance(e, bool) for e in pair)):
+                        raise PlanError(f"plan: layer {layer_id} combination {pair!r} is not a pair of expert ids")
+                    a, b = pair
                     if not (0 <= a < self.num_experts and 0 <= b < self.num_experts) or a > b:
                         raise PlanError(
                             f"plan: layer {layer_id} combination {(a, b)} is not an ordered pair of expert ids "

@@ -193,6 +193,11 @@ def test_strict_plan_parsing(tmp_path, make, mutate, match):
         (lambda: CrispPlan.full(8.0, 2, FULL, [0]), "num_experts must be an integer"),
         (lambda: TierWidths(FULL, 40.5), "TierWidths.warm: expected an integer"),
         (lambda: CrispPlan("full", 8, 2, FULL, (0,)), "policy must be a PolicyKind"),
+        (lambda: CrispPlan.crisp(8, 2, FULL, {0: LayerPlan({(0.0, 1.0): Tier.HOT}, {})}, TierWidths(FULL, 4)),
+         r"combination \(0.0, 1.0\) is not a pair of expert ids"),
+        (lambda: CrispPlan.crisp(8, 2, FULL, {0: LayerPlan({(0, 1, 2): Tier.HOT}, {})}, TierWidths(FULL, 4)),
+         "is not a pair of expert ids"),
+        (lambda: CrispPlan.crisp(8, 2, FULL, {0: {}}, TierWidths(FULL, 4)), "layer 0 must be a LayerPlan"),
     ],
 )
 def test_constructor_refuses_non_integers(make, match):
