@@ -171,8 +171,9 @@ class Trace:
             if str(exc).startswith(str(path)):
                 raise
             raise TraceError(f"{path}: {exc}") from None
-        except (OSError, ValueError, KeyError, RecursionError, zipfile.BadZipFile, zlib.error) as exc:
-            # BadZipFile / zlib.error: a truncated or corrupt .npz; RecursionError: meta JSON nested too deep
+        except (OSError, ValueError, KeyError, EOFError, RecursionError, zipfile.BadZipFile, zlib.error) as exc:
+            # BadZipFile / zlib.error / EOFError: a truncated, corrupt or empty .npz; RecursionError: meta JSON
+            # nested too deep
             raise TraceError(f"{path}: not a readable trace ({type(exc).__name__}: {exc})") from exc
 
 
