@@ -80,3 +80,33 @@ def test_skew_refuses_bad_input(bad):
 def test_leading_pairs_refuses_top1():
     with pytest.raises(ValueError, match="k >= 2"):
         leading_pairs(torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+
+
+def test_trainer_skew_is_the_routed_set_skew_for_top2():
+    """tools/train_tiny_moe.pair_skew (now on crisp_runtime.pairs) = counting each token's routed top-2 set."""
+    transformers = pytest.importorskip("transformers")
+    from crisp_tools.train_tiny_moe import pair_skew as trainer_skew
+
+    from crisp_runtime.models import record_routing
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=6,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    seqs = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(2))
+    report = trainer_skew(model, seqs, batch_size=2)
+    with torch.no_grad(), record_routing(model) as routing:
+        model(input_ids=seqs, use_cache=False)
+    for layer_report, layer_id in zip(report, (0, 1), strict=True):
+        index, _ = routing.layer(layer_id)
+        sets = {}
+        for row in index.tolist():
+            key = tuple(sorted(row))
+            sets[key] = sets.get(key, 0) + 1
+        counts = sorted([sets.get(p, 0) for p in itertools.combinations(range(6), 2)], reverse=True)
+        n_top, n_bottom = round(0.25 * 15), round(0.29 * 15)  # C(6, 2) = 15 pairs: 4 and 4
+        assert layer_report["tokens"] == 120 and layer_report["combinations"] == 15
+        assert layer_report[f"top_{n_top}_share"] == pytest.approx(sum(counts[:n_top]) / 120)
+        assert layer_report[f"bottom_{n_bottom}_share"] == pytest.approx(sum(counts[-n_bottom:]) / 120)
+        assert layer_report["unused_combinations"] == sum(c == 0 for c in counts)
