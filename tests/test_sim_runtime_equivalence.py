@@ -1,0 +1,70 @@
+"""One routing trace replayed through the real CrispRuntime (CPU tensors, a random packed model) and
+through the simulator: the identical sequence of hits, misses, widenings, evictions and bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from crisp_bench.profiles import HardwareProfile, ModelShape
+from crisp_bench.simulate import SimPolicy, simulate_decode
+from crisp_bench.traces import plan_from_trace, synthetic_trace
+from runtime_helpers import random_layers
+
+from crisp_runtime import CrispRuntime, RuntimeConfig
+from crisp_runtime.residency import ResidencyLedger
+from crisp_runtime.scheduler import CostModel
+from crisp_runtime.serving import SERVING_POLICIES
+
+LAYERS, EXPERTS, INTER, HIDDEN = 3, 8, 16, 64
+PROFILE = HardwareProfile("toy", h2d_bytes_per_s=2e9, copy_latency_s=0.0, compute_bytes_per_s=8e9,
+                          compute_latency_s=0.0, router_s=1e-5, other_s=2e-5)
+# The runtime orders a step's experts with its cost model: the simulator's, from the profile.
+COST = CostModel(h2d_bytes_per_s=PROFILE.h2d_bytes_per_s, device_bytes_per_s=PROFILE.compute_bytes_per_s)
+
+
+@pytest.fixture
+def decisions(monkeypatch):
+    """Every ResidencyLedger.request, in order, as plain tuples."""
+    log: list[tuple] = []
+    request = ResidencyLedger.request
+
+    def logged(self, layer_id, expert, width, **kw):
+        d = request(self, layer_id, expert, width, **kw)
+        log.append((d.key, d.kind, d.old_width, d.new_width, d.copy_bytes, d.evicted))
+        return d
+
+    monkeypatch.setattr(ResidencyLedger, "request", logged)
+    return log
+
+
+@pytest.mark.parametrize("serving", ["plan", "resident", "resident-floor75"])
+@pytest.mark.parametrize(("eviction", "budget_experts"), [("lru", 4), ("next_use", 6)])
+def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, eviction, budget_experts):
+    trace = synthetic_trace(num_layers=LAYERS, num_tokens=24, num_experts=EXPERTS, intermediate_size=INTER, seed=3)
+    plan = plan_from_trace(trace)  # hot / warm (50%) / cold tiers: widenings and skips happen
+    layers = random_layers(layer_ids=tuple(range(LAYERS)), num_experts=EXPERTS, inter=INTER, hidden=HIDDEN)
+    nb = layers[0].fmt.neuron_nbytes(HIDDEN)
+    shape = ModelShape("toy", LAYERS, EXPERTS, 2, HIDDEN, INTER)
+    assert shape.neuron_nbytes == nb
+    budget = budget_experts * INTER * nb
+
+    runtime = CrispRuntime(layers, plan, device="cpu", gpu_budget=budget,
+                           config=RuntimeConfig(eviction=eviction, serving=serving, cost=COST))
+    g = torch.Generator().manual_seed(0)
+    for t in range(trace.num_tokens):
+        for layer in range(LAYERS):
+            index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
+            weights = torch.from_numpy(trace.weights[layer, t:t + 1])
+            runtime.forward(layer, torch.randn(1, HIDDEN, generator=g), index, weights)
+    by_runtime = list(decisions)
+    decisions.clear()
+
+    res = simulate_decode(trace, SimPolicy(plan.policy.value, plan, SERVING_POLICIES[serving], eviction), PROFILE,
+                          shape, budget, orders=["widest_first"])
+    assert decisions == by_runtime
+    kinds = {d[1] for d in by_runtime}
+    assert "miss" in kinds and "hit" in kinds
+    stats = runtime.stats.as_dict()
+    c = res.counters
+    assert (c.hits, c.misses, c.widenings, c.evictions, c.bytes_copied) == (
+        stats["hits"], stats["misses"], stats["widenings"], stats["evictions"], stats["bytes_h2d"])
