@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", choices=("none", "trace"), default="none",
                    help="trace: also prefetch the next layer's experts the trace predicts (recorded by "
                    "crisp_runtime.prefetch); none (default)")
-    p.add_argument("--accuracy", metavar="EVAL.json", action="append", default=None,
+    p.add_argument("--accuracy", metavar="EVAL.json", action="append", default=None, type=ca.nonempty_path,
                    help="evaluation JSON(s) giving accuracy_loss per configuration (crisp-eval --json; the "
                    "runtime-in-the-loop serving evaluation); default: those under docs/ for the traced model")
     p.add_argument("--warmup", type=ca.nonnegative_int, default=None,

@@ -28,7 +28,6 @@ configuration, else it is None. Two kinds of file are read:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -136,11 +135,9 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None) -> tupl
     rows: list[dict] = []
     notes: list[str] = []
     for path in paths:
-        p = Path(path)
-        try:
-            doc = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--accuracy {path}: not a readable JSON file ({exc})") from exc
+        from crisp_runtime.cli_args import read_json
+
+        doc = read_json(Path(path), "--accuracy")  # a ValueError naming the file: folder, not UTF-8, too deep, ...
         records = doc.get("records") if isinstance(doc, dict) else None
         if not isinstance(records, list):
             raise ValueError(f"--accuracy {path}: expected a JSON object with a 'records' list")

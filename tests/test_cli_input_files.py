@@ -36,6 +36,7 @@ READERS = {
                                                    "measured", "--profile-file", "FILE"]),
     "simulate --plan": ("bench", ".json", ["simulate", "--trace", "TRACE", "--plan", "FILE"]),
     "simulate --trace": ("bench", ".npz", ["simulate", "--trace", "FILE", "--plan", "auto"]),
+    "simulate --accuracy": ("bench", ".json", ["simulate", "--trace", "TRACE", "--plan", "auto", "--accuracy", "FILE"]),
     "crisp-profile --data .jsonl": ("profile", ".jsonl", ["--model", "M", "--data", "FILE", "--out", "OUT"]),
     "crisp-profile --data .json.gz": ("profile", ".json.gz", ["--model", "M", "--data", "FILE", "--out", "OUT"]),
     "crisp-eval --data .jsonl.gz": ("eval", ".jsonl.gz", ["--model", "M", "--crisp", "P", "--data", "FILE"]),
