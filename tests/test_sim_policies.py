@@ -1,0 +1,83 @@
+"""Which configurations a simulate run compares, how evaluated accuracy is attached, the Pareto frontier."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from crisp_bench.sim_policies import accuracy_for, configurations, knobs, pareto, read_accuracy
+from crisp_bench.traces import plan_from_trace, policy_plans, synthetic_trace
+
+
+@pytest.fixture(scope="module")
+def plans():
+    trace = synthetic_trace(num_layers=2, num_tokens=64, intermediate_size=16)
+    return policy_plans(trace, plan_from_trace(trace))
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_residency_matrix(plans, prefetch):
+    labels = [c.label for c in configurations(plans, "residency", prefetch=[False, True] if prefetch else [False])]
+    expected = ["full/plan/lru", "full/plan/belady", "crisp/plan/lru", "crisp/resident/next_use",
+                "crisp/resident-floor75/next_use"]
+    if prefetch:
+        expected += ["crisp/resident/next_use+prefetch", "crisp/resident-floor75/next_use+prefetch",
+                     "crisp/resident-floor75/belady+prefetch", "uniform/resident/next_use",
+                     "uniform/resident/next_use+prefetch", "skip_aux/resident/next_use",
+                     "skip_aux/resident/next_use+prefetch"]
+    else:
+        expected += ["crisp/resident-floor75/belady", "uniform/resident/next_use", "skip_aux/resident/next_use"]
+    assert labels == expected
+
+
+def test_product_matrix_always_has_the_full_lru_baseline(plans):
+    configs = configurations({"crisp": plans["crisp"], "full": plans["full"]}, "product", serving=["resident"],
+                             evictions=["next_use"], prefetch=[True])
+    assert [c.label for c in configs] == ["full/plan/lru", "crisp/resident/next_use+prefetch",
+                                          "full/resident/next_use+prefetch"]
+    with pytest.raises(ValueError, match="matrix"):
+        configurations(plans, "everything")
+
+
+def test_frontier_sweeps_each_family_knob(plans):
+    configs = configurations(plans, "frontier", prefetch=[False, True])
+    floors = sorted(c.serving.dominant_floor for c in configs if c.name == "crisp")
+    assert floors == [0.625, 0.75, 0.875, 1.0] and all(c.prefetch for c in configs[1:])
+    assert len({c.plan.uniform_width for c in configs if c.name == "uniform"}) >= 4
+    assert None in {c.plan.skip_threshold for c in configs if c.name == "skip_aux"}  # "always skip" is a point
+
+
+def test_pareto_keeps_the_undominated_points():
+    pts = [(1.0, 5.0), (0.5, 4.0), (2.0, 5.5), (1.5, 4.5), (0.5, 3.0), (3.0, 5.5)]
+    assert pareto(pts) == [(0.5, 4.0), (1.0, 5.0), (2.0, 5.5)]
+
+
+def _record(config, budget=0.25, **kw):
+    return {"policy": config.name, "serving": config.serving.name, "budget_fraction": budget,
+            "prefetch": config.prefetch, **knobs(config), **kw}
+
+
+def test_accuracy_is_attached_only_to_the_evaluated_configuration(plans, tmp_path):
+    batch = tmp_path / "eval.json"
+    batch.write_text(json.dumps({"model": "models/synthetic", "records": [
+        {"policy": "crisp", "relative_accuracy_loss_vs_full": 0.013},
+        {"policy": "uniform", "uniform_width": plans["uniform"].uniform_width + 1,
+         "relative_accuracy_loss_vs_full": 0.04}]}))
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps({"format": "crisp-eval-serving", "model": "models/synthetic", "records": [
+        {"policy": "crisp-resident-floor0.75+prefetch", "plan": "crisp", "budget_fraction": 0.25,
+         "serving": {"name": "resident-floor0.75", "hit_width": "resident", "aux_narrower": "resident",
+                     "aux_missing": "load", "dominant_floor": 0.75, "exact": False},
+         "prefetch": {"extra_experts": 0}, "plan_detail": {}, "accuracy_loss": 0.015}]}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model": "models/other-model", "records": [{"policy": "full", "accuracy_loss": 0}]}))
+    evaluated, notes = read_accuracy([batch, serving, other], "models/synthetic")
+    assert any("not used" in n for n in notes)
+    configs = {c.label: c for c in configurations(plans, "residency", prefetch=[False, True])}
+    got = {label: accuracy_for(_record(c), evaluated)[0] for label, c in configs.items()}
+    assert got["crisp/plan/lru"] == 0.013  # exact serving: any budget
+    assert got["crisp/resident-floor75/next_use+prefetch"] == 0.015
+    assert got["crisp/resident-floor75/next_use"] is None  # evaluated with prefetch only
+    assert got["uniform/resident/next_use"] is None and got["full/plan/lru"] is None
+    c = configs["crisp/resident-floor75/next_use+prefetch"]
+    assert accuracy_for(_record(c, budget=0.1), evaluated) == (None, None)  # another budget
