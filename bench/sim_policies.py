@@ -11,7 +11,9 @@ Three ways to choose them (``--matrix``):
   prefix) with next-use eviction, with and without prefetch, the same under Belady (the bound),
   and uniform / skip-auxiliary given the same serving, eviction and prefetch;
 - ``frontier``: each family swept over its knob (CRISP's dominant floor, uniform's width,
-  skip-auxiliary's threshold) with that machinery, for the tokens/s-against-accuracy plot.
+  skip-auxiliary's threshold) with next-use eviction and prefetch, for the tokens/s-against-
+  accuracy plot (uniform and skip-auxiliary served at their plan's widths there, whose accuracy
+  does not depend on the cache).
 
 Accuracy is never simulated: a record's ``accuracy_loss`` (relative next-token accuracy loss
 against 4-bit full width, a fraction) comes from an evaluation file when one measured that exact
@@ -83,19 +85,27 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
 
 
 def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolicy, dict]]:
-    """(configuration, {"family", "knob", "knob_value"}) for each family's knob values."""
+    """(configuration, {"family", "knob", "knob_value"}) for each family's knob values.
+
+    All with next-use eviction and (when the trace has predictions) prefetch. Residency-aware
+    CRISP is swept over its dominant floor; CRISP at the plan's widths is one point; uniform and
+    skip_aux are served at their plan's widths (their outputs do not depend on the cache, so the
+    batch evaluation's accuracy holds) and swept over width and threshold.
+    """
     out: list[tuple[SimPolicy, dict]] = []
     full = plans["full"]
     e, k, inter, ids = full.num_experts, full.top_k, full.intermediate_size, full.layer_ids
+    exact = SERVING_POLICIES["plan"]
     if "crisp" in plans:
         for f in CRISP_FLOORS:
             out.append((SimPolicy("crisp", plans["crisp"], resident_serving(f), "next_use", prefetch),
-                        {"family": "crisp", "knob": "dominant_floor", "knob_value": f}))
-    serving = resident_serving(1.0)
+                        {"family": "crisp residency-aware", "knob": "dominant_floor", "knob_value": f}))
+        out.append((SimPolicy("crisp", plans["crisp"], exact, "next_use", prefetch),
+                    {"family": "crisp plan widths", "knob": "plan", "knob_value": "plan"}))
     widths = sorted({max(1, round(f * inter)) for f in UNIFORM_FRACTIONS}
                     | ({plans["uniform"].uniform_width} if "uniform" in plans else set()))
     for w in widths:
-        out.append((SimPolicy("uniform", CrispPlan.uniform(e, k, inter, ids, w), serving, "next_use", prefetch),
+        out.append((SimPolicy("uniform", CrispPlan.uniform(e, k, inter, ids, w), exact, "next_use", prefetch),
                     {"family": "uniform", "knob": "uniform_width", "knob_value": w}))
     num_dominant = plans["crisp"].num_dominant if "crisp" in plans else 1
     thresholds: list[float | None] = list(SKIP_THRESHOLDS)
@@ -104,7 +114,7 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
     thresholds.append(None)  # always skip
     for th in sorted(set(thresholds), key=lambda x: math.inf if x is None else x):
         plan = CrispPlan.skip_aux(e, k, inter, ids, threshold=th, num_dominant=num_dominant)
-        out.append((SimPolicy("skip_aux", plan, serving, "next_use", prefetch),
+        out.append((SimPolicy("skip_aux", plan, exact, "next_use", prefetch),
                     {"family": "skip_aux", "knob": "skip_threshold", "knob_value": th}))
     return out
 
@@ -242,7 +252,8 @@ def plot_frontier(path, records: Sequence[dict], *, title: str, note: str) -> No
         front = pareto(pts)
         ax.plot(*zip(*front, strict=True), color=line.get_color(), linewidth=2.2)
         for r in rows:
-            ax.annotate(f"{r['knob_value']:g}" if isinstance(r["knob_value"], (int, float)) else "always",
+            v = r["knob_value"]
+            ax.annotate(f"{v:g}" if isinstance(v, (int, float)) else "always" if v is None else str(v),
                         (100 * r["accuracy_loss"], r["tokens_per_s"]), fontsize=6, xytext=(3, 3),
                         textcoords="offset points")
     base = [r for r in records if r.get("label") == "full/plan/lru"]
