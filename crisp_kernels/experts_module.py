@@ -10,6 +10,11 @@ result is returned in ``hidden_states``' dtype.
 
 Everything is on the module's device: this is the all-resident case (no offloading); the
 CRISP runtime's scheduler handles experts that live in host memory.
+
+Inference only: the kernels have no backward. With grad mode on and an input that requires
+grad, the forward still runs, and ``backward()`` through its output raises (see
+:func:`without_backward`) instead of silently giving the routing weights no gradient (the
+Triton kernels are invisible to autograd; only the CPU reference kernels would be traced).
 """
 
 from __future__ import annotations
@@ -23,6 +28,29 @@ from .expert_mlp import Backend, expert_mlp_accumulate_
 from .format import PackedExpert, PackedLayer, QuantFormat, _check_prefix_width, pack_layer
 
 TokenWidthFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _RefuseBackward(torch.autograd.Function):
+    """``fn(*inputs)`` computed without autograd, with a backward that raises naming ``what``."""
+
+    @staticmethod
+    def forward(ctx, what, hint, fn, *inputs):
+        ctx.what, ctx.hint = what, hint
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.what} do not support gradients: the 4-bit kernels have no backward, so the "
+                           f"routing weights (the router) would get no gradient. {ctx.hint}")
+
+
+def without_backward(what: str, fn: Callable[..., torch.Tensor], *inputs,
+                     hint: str = "Run inference under torch.no_grad() or torch.inference_mode()") -> torch.Tensor:
+    """``fn(*inputs)``; when grad mode is on and an input requires grad, its result has a backward that
+    raises a RuntimeError naming ``what`` (the forward runs unchanged: inference without ``no_grad`` works)."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return _RefuseBackward.apply(what, hint, fn, *inputs)
+    return fn(*inputs)
 
 
 class CrispExperts(nn.Module):
@@ -140,7 +168,12 @@ class CrispExperts(nn.Module):
         """(T, H) -> (T, H) in ``hidden_states``' dtype.
 
         token_widths: optional (T, k) int widths per routed slot (see the class docstring).
+        Inference only: ``backward()`` through the result raises (see the module docstring).
         """
+        return without_backward(f"{type(self).__name__} experts", self._forward, hidden_states, top_k_index,
+                                top_k_weights, token_widths)
+
+    def _forward(self, hidden_states, top_k_index, top_k_weights, token_widths) -> torch.Tensor:
         self._check_routing(hidden_states, top_k_index, top_k_weights)
         num_tokens, top_k = top_k_index.shape
         if token_widths is None and self.token_width_fn is not None:

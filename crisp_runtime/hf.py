@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from crisp_kernels import PackedLayer, QuantFormat
+from crisp_kernels.experts_module import without_backward
 
 from .executor import CrispRuntime, RuntimeConfig, min_budget_bytes
 from .models import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
@@ -111,21 +112,8 @@ class _ExpertsState:
         self.prefetcher = prefetcher
 
 
-class _NoBackward(torch.autograd.Function):
-    """The experts' output with a backward that refuses: the kernels have no backward, and the router
-    weights enter them detached, so autograd would silently give the router no gradient."""
-
-    @staticmethod
-    def forward(ctx, state, hidden_states, top_k_index, top_k_weights):
-        ctx.name = state.name
-        return _run_experts(state, hidden_states, top_k_index, top_k_weights)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(
-            f"CRISP experts ({ctx.name}) do not support gradients: the 4-bit kernels have no backward and the "
-            "router would get no gradient. Run inference under torch.no_grad() / torch.inference_mode(), or "
-            "restore() the model (handle.restore()) before training it")
+_NO_GRAD_HINT = ("Run inference under torch.no_grad() / torch.inference_mode(), or restore() the model "
+                 "(handle.restore()) before training it")
 
 
 def _run_experts(state: _ExpertsState, hidden_states, top_k_index, top_k_weights):
@@ -152,9 +140,8 @@ def crisp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
             raise RuntimeError(f"{type(self).__name__}: experts implementation is 'crisp' but CRISP is not applied "
                                "to this module (call crisp_runtime.apply(model))")
         return eager(self, hidden_states, top_k_index, top_k_weights)
-    if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
-        return _NoBackward.apply(state, hidden_states, top_k_index, top_k_weights)
-    return _run_experts(state, hidden_states, top_k_index, top_k_weights)
+    return without_backward(f"CRISP experts ({state.name})", functools.partial(_run_experts, state), hidden_states,
+                            top_k_index, top_k_weights, hint=_NO_GRAD_HINT)
 
 
 def register() -> None:

@@ -187,3 +187,25 @@ def test_routing_validation():
         module(x, index, weights[:, :1])
     with pytest.raises(ValueError, match=r"token_widths: expected an integer tensor of shape \(3, 2\)"):
         module(x, index, weights, token_widths=torch.ones(3))
+
+
+@pytest.mark.parametrize("needs_grad", ["hidden_states", "top_k_weights", "both"])
+def test_backward_is_refused_and_the_forward_unchanged(needs_grad):
+    module = CrispExperts(_layer())
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(3))
+    index, weights = _routing(6, "cpu")
+    with torch.no_grad():
+        expected = module(x, index, weights)
+    x = x.clone().requires_grad_(needs_grad in ("hidden_states", "both"))
+    weights = weights.clone().requires_grad_(needs_grad in ("top_k_weights", "both"))
+    out = module(x, index, weights)  # grad mode on: the forward runs as under no_grad
+    assert out.requires_grad and torch.equal(out.detach(), expected)
+    with pytest.raises(RuntimeError, match="CrispExperts experts do not support gradients.*router"):
+        out.sum().backward()
+
+
+def test_no_autograd_node_without_inputs_that_need_grad():
+    module = CrispExperts(_layer())
+    index, weights = _routing(3, "cpu")
+    out = module(torch.randn(3, H), index, weights)
+    assert not out.requires_grad and out.grad_fn is None
