@@ -203,3 +203,20 @@ def test_serving_sweep_records(setup, tmp_path):
     write_serving_json(path, records, {"model": "m", **meta})
     doc = json.loads(path.read_text())
     assert doc["format"] == "crisp-eval-serving" and len(doc["records"]) == 5
+
+
+def test_decode_mode_cli(setup, tmp_path, capsys):
+    _, model, held, out = setup
+    path = tmp_path / "serving.json"
+    rc = ev.main(["--model", str(model), "--crisp", str(out), "--data", str(held), "--seq-len", "8", "--samples", "1",
+                  "--mode", "decode", "--budgets", "0.5", "--json", str(path), "--quiet", "--threads", "1"])
+    assert rc == 0
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "crisp-eval-serving" and doc["windows"] == [1, 8]
+    names = [r["policy"] for r in doc["records"]]
+    assert names[:4] == ["full-exact", "crisp-exact", "uniform-exact", "skip_aux-exact"]
+    resident = [r for r in doc["records"] if r["policy"].startswith("crisp-resident")]
+    assert sorted({r["serving"]["dominant_floor"] for r in resident}) == [0.625, 0.75, 1.0]
+    assert all(not r["serving"]["exact"] and r["budget_fraction"] == 0.5 for r in resident)
+    assert sum(r["prefetch"] is not None for r in resident) == 3
+    assert "crisp-resident-floor0.75+prefetch" in capsys.readouterr().out
