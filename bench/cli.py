@@ -69,6 +69,12 @@ def _fractions(text: str) -> list[float]:
     return [_fraction(v) for v in _items(text)]
 
 
+def _kernel_shapes(text: str) -> list[str]:
+    from .kernels import csv_shapes
+
+    return csv_shapes(text)
+
+
 def _int_list(text: str) -> list[int]:
     return [ca.positive_int(v) for v in _items(text)]
 
@@ -142,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("kernels", help="expert kernels vs dequantize+F.linear and fp16 F.linear",
                        description="The kernels sweep (widths x token counts x model shapes): us, GB/s of prefix "
                        "bytes, % of measured copy bandwidth; every variant is checked against the reference first.")
-    p.add_argument("--shapes", default="tiny", help="model shapes, comma separated (e.g. tiny,mixtral)")
+    p.add_argument("--shapes", default="tiny", type=_kernel_shapes,
+                   help="model shapes, comma separated (e.g. tiny,mixtral, or HxI)")
     p.add_argument("--widths", type=_fractions, default="0.25,0.5,1.0",
                    help="width fractions in (0, 1], comma separated")
     p.add_argument("--tokens", type=_int_list, default="1,4", help="token counts (>= 1), comma separated")
@@ -190,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Discrete-event simulation of batch-1 decoding (router, copy engine, compute "
                        "engine, other per-layer work) fed with routing traces and a hardware profile; tokens/s and "
                        "bytes per token per policy at a GPU budget.")
-    p.add_argument("--profile", default="rtx4090-pcie4",
+    p.add_argument("--profile", default="rtx4090-pcie4", type=ca.nonempty_path,
                    help=f"hardware profile: {', '.join(BUILTIN_PROFILES)}, measured (see --profile-file), or PATH.json")
     p.add_argument("--profile-file", metavar="PATH", default=None, type=ca.nonempty_path,
                    help=f"file of the 'measured' profile (default {MEASURED_PROFILE_FILE})")
@@ -201,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequences", type=_positive_int, default=8, help="sequences to record (default 8)")
     p.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per recorded sequence (default 256)")
     p.add_argument("--tokens", type=_positive_int, default=None, help="replay only the first N traced tokens")
-    p.add_argument("--plan", default=None,
+    p.add_argument("--plan", default=None, type=ca.nonempty_path,
                    help="CRISP plan: a plan JSON, a pack folder, or 'auto' (derive from the trace); "
                    "default: the pack's plan")
     p.add_argument("--target", default="mixtral-8x7b", choices=[*TARGETS, "native"],
@@ -709,7 +716,7 @@ def _cmd_kernels(args) -> int:
     if sweep is None:
         raise CliError("crisp_bench.kernels has no run_kernel_sweep()")
 
-    wanted = {"shapes": [s.strip() for s in args.shapes.split(",") if s.strip()],
+    wanted = {"shapes": args.shapes,
               "widths": args.widths, "tokens": args.tokens,
               "quick": args.quick, "progress": report.Progress("kernels")}
     params = inspect.signature(sweep).parameters

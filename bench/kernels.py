@@ -313,6 +313,19 @@ def _csv_floats(text: str) -> list[float]:
     return values
 
 
+def csv_shapes(text: str) -> list[str]:
+    """Comma-separated shape specs, each checked with ``resolve_shape`` (an argparse type)."""
+    names = [v.strip() for v in str(text).split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected at least one shape")
+    for name in names:
+        try:
+            resolve_shape(name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
+
+
 def _csv_ints(text: str) -> list[int]:
     """Token counts >= 1."""
     values = [ca.positive_int(v) for v in text.split(",") if v.strip()]
@@ -327,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time the CRISP expert kernel against dequantize+F.linear and fp16 F.linear over widths, token "
         "counts and model shapes; every variant is validated against a float64 reference first.",
     )
-    p.add_argument("--shapes", default=None,
+    p.add_argument("--shapes", default=None, type=csv_shapes,
                    help=f"comma-separated shapes: {', '.join(SHAPES)} or HxI (default: {','.join(GPU_SHAPES)} on "
                    "CUDA, tiny on CPU)")  # fmt: skip
     p.add_argument("--widths", type=_csv_floats, default=list(DEFAULT_WIDTHS),
@@ -354,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     auto = args.device in (None, "auto")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if auto else args.device)
-    shapes = args.shapes.split(",") if args.shapes else (list(GPU_SHAPES) if device.type == "cuda" else ["tiny"])
+    shapes = args.shapes or (list(GPU_SHAPES) if device.type == "cuda" else ["tiny"])
     try:
         if args.json:
             check_output("--json", args.json)

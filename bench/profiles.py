@@ -198,7 +198,7 @@ def get_profile(name: str, profile_file: str | os.PathLike | None = None) -> Har
     if name.endswith(".json"):
         return HardwareProfile.load(name)
     known = ", ".join([*BUILTIN_PROFILES, "measured", "PATH.json"])
-    raise ProfileError(f"unknown profile {name!r}; choose one of: {known}")
+    raise ProfileError(f"--profile: unknown profile {name!r}; choose one of: {known}")
 
 
 def fit_affine(points: list[tuple[float, float]]) -> tuple[float, float]:

@@ -50,8 +50,10 @@ def resolve_shapes(spec: str, model_dir=None) -> list[ModelShape]:
     out = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name not in SHAPES:
-            raise TransferError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+            raise TransferError(f"--shapes: unknown shape {name!r}; choose from {', '.join(SHAPES)}")
         out.append(SHAPES[name] or tiny_shape(model_dir))
+    if not out:
+        raise TransferError(f"--shapes {spec!r}: give at least one of {', '.join(SHAPES)}")
     return out
 
 
