@@ -225,9 +225,11 @@ class CrispRuntime:
 
     def _run(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats) -> None:
         device = self.device
-        flat = torch.stack((step.flat_pos, step.flat_widths))
-        flat = flat.to(device, non_blocking=False) if device.type != "cpu" else flat
-        flat_pos, flat_widths = flat[0], flat[1]
+        if device.type == "cpu":
+            flat_pos, flat_widths = step.flat_pos, step.flat_widths
+        else:  # one host-to-device transfer for both
+            flat = torch.stack((step.flat_pos, step.flat_widths)).to(device)
+            flat_pos, flat_widths = flat[0], flat[1]
         rows = torch.div(flat_pos, step.top_k, rounding_mode="floor")
         weights = top_k_weights.detach().reshape(-1)[flat_pos].to(torch.float32)
         tasks = step.tasks
