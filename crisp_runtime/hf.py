@@ -200,6 +200,13 @@ def parse_budget(budget) -> int | None:
     return value
 
 
+def _check_budget_fits_layers(budget: int, layers, top_k: int) -> None:
+    need = min_budget_bytes(layers, top_k)
+    if budget < need:
+        raise ValueError(f"gpu_budget of {budget} bytes is too small: one token needs up to {top_k} experts at "
+                         f"full width, {need} bytes")
+
+
 def _check_budget_fits_device(budget: int, device: torch.device) -> None:
     """A budget larger than the device is a typo that would end in an out-of-memory error mid-run."""
     if device.type != "cuda":  # host memory for cpu; nothing to compare against
@@ -492,10 +499,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
 
     # ---- the budget
     if budget is not None:
-        need = min_budget_bytes(layers, top_k)
-        if budget < need:
-            raise ValueError(f"gpu_budget of {budget} bytes is too small: one token needs up to {top_k} experts at "
-                             f"full width, {need} bytes")
+        _check_budget_fits_layers(budget, layers, top_k)
         _check_budget_fits_device(budget, device)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
     prefetcher = None
@@ -597,13 +601,13 @@ def _local_checkpoint(checkpoint_dir) -> Path:
 
 
 def _check_dtype(dtype):
-    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return dtype
     if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype) and (
             getattr(torch, dtype).is_floating_point):
         return getattr(torch, dtype)
-    raise TypeError(f"dtype: expected None (the checkpoint's) or a floating torch.dtype such as torch.bfloat16, got "
-                    f"{dtype!r}")
+    raise TypeError(f"dtype: expected None or 'auto' (the checkpoint's) or a floating torch.dtype such as "
+                    f"torch.bfloat16, got {dtype!r}")
 
 
 def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: CrispPlan | None = None,
@@ -617,9 +621,7 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     never reach the GPU. Nothing is downloaded: ``checkpoint_dir`` must be a local folder.
     serving: as in :func:`apply`.
     """
-    from transformers import AutoModelForCausalLM
-
-    path = _local_checkpoint(checkpoint_dir)
+    path = _local_checkpoint(checkpoint_dir)  # before importing transformers: a wrong name fails at once
     if config is not None and not isinstance(config, RuntimeConfig):
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
     if plan is not None and not isinstance(plan, CrispPlan):
@@ -631,6 +633,11 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
         raise TypeError(f"allow_weights_mismatch: expected True or False, got {type(allow_weights_mismatch).__name__}")
     pack = load_pack(pack_dir)  # fail on a bad pack before reading the checkpoint
     budget = parse_budget(gpu_budget)
+    top_k = pack.info.get("top_k")
+    if budget is not None and isinstance(top_k, int) and top_k > 0:
+        _check_budget_fits_layers(budget, pack.layers, top_k)  # apply() checks again; here before the checkpoint
+    from transformers import AutoModelForCausalLM
+
     kwargs = {"dtype": dtype} if dtype is not None else {}
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)  # on the CPU (no device_map)
     pack.check_model(model)
