@@ -140,6 +140,21 @@ def test_two_runs_with_other_settings_keep_each_others_checkpoint(tiny, tmp_path
         assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
 
 
+def test_corrupt_checkpoint_is_redone_and_said(tiny, tmp_path, capsys):
+    _, model, text, pack = tiny
+    work, out = tmp_path / "w", tmp_path / "out"
+    argv = ["--model", str(model), "--data", str(text), "--out", str(out), "--work-dir", str(work),
+            *[a for a in FAST if a != "--quiet"]]
+    assert run(prof.main, [*argv, "--keep-work"], capsys)[0] == 0  # leaves the checkpoint behind
+    (ckpt,) = work.glob(f"run-*/{prof.STATS_FILE}")
+    ckpt.write_bytes(ckpt.read_bytes()[:100])  # truncated
+    shutil.rmtree(out)
+    rc, err = run(prof.main, argv, capsys)
+    assert rc == 0 and "unreadable or of another version; starting over" in err, err
+    assert (out / "plan.json").read_bytes() == (pack / "plan.json").read_bytes()
+    assert not work.exists()
+
+
 def test_same_run_twice_at_once_is_refused(tmp_path):
     a = WorkFolder(tmp_path / "w", "k" * 64, "stats.safetensors")
     b = WorkFolder(tmp_path / "w", "k" * 64, "stats.safetensors")

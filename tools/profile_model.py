@@ -390,6 +390,8 @@ class Profiler:
         shape = (len(self.layers), self.num_experts, self.inter)
         stats = Stats.load(ckpt, self.run_key, shape) if ckpt.exists() else None
         if stats is None:
+            if ckpt.exists():  # truncated, corrupt or of another version: it is ours (run-keyed folder), redo it
+                self.log(f"the checkpoint {ckpt} is unreadable or of another version; starting over")
             stats = Stats(*shape)
         else:
             self.log(f"resuming from {ckpt}: batch {stats.next_batch}, dominance layers {stats.dominance_layers_done}")
