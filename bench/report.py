@@ -11,19 +11,12 @@ from collections.abc import Sequence
 
 from crisp_runtime.outputs import (
     OutputPathError,  # noqa: F401 - re-exported: crisp_bench's callers catch it
-    check_output,
     write_atomic,
 )
 from crisp_runtime.outputs import write_json as _write_json
 
 JSON_FORMAT = "crisp-bench"
 JSON_VERSION = 1
-
-
-def check_output_path(path: str | os.PathLike | None, what: str) -> None:
-    """Fail early (before a long run) when ``path`` cannot be written (``crisp_runtime.outputs.check_output``)."""
-    if path is not None:
-        check_output(what, path)
 
 
 def environment() -> dict:
