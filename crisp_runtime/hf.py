@@ -73,10 +73,10 @@ _WEIGHT_NAMES = ("gate_up_proj", "down_proj")
 class _TokenMask:
     """The attention mask of the model's current forward call, to count real tokens (not padding).
 
-    Set by a forward pre-hook on the model, read by the experts of that call: ``positions`` is
-    the number of (batch, position) rows the experts see, ``padding`` how many of them the mask
-    marks as padding (computed once per forward, at the first MoE layer, where the runtime syncs
-    with the host anyway).
+    Set by a forward pre-hook on the model, read by the experts of that call: ``mask`` is the
+    (batch, positions of this call) part of the attention mask, one entry per row the experts
+    see; ``padding`` how many of them are 0, counted once per forward at the first MoE layer
+    (where the runtime reads the routing on the host anyway), then reused by the other layers.
     """
 
     __slots__ = ("mask", "padding")
