@@ -266,3 +266,28 @@ def test_roles_agree_between_small_and_tensor_paths(kind):
     assert torch.equal(big_w, plan.token_widths(1, index, weights))
     valid = index < E
     assert torch.equal(big_r.sum(1), valid.sum(1).clamp(max=plan.num_dominant))
+
+
+@pytest.mark.gpu
+def test_cuda_prefetch_and_serving_async_match_sync():
+    """GPU-only: prefetches on the copy stream (a step waits on their events) give the synchronous path's
+    served widths, outputs and statistics, under a budget that forces evictions."""
+    device = torch.device("cuda")
+    plan = CrispPlan.uniform(E, TOP_K, INTER, LAYER_IDS, 9)
+    budget = min_budget_bytes(LAYERS, TOP_K) + 2 * INTER * NB
+    runtimes = {mode: CrispRuntime(LAYERS, plan, device=device, gpu_budget=budget,
+                                   config=RuntimeConfig(serving="resident-floor75", async_copies=mode == "async"))
+                for mode in ("async", "sync")}
+    for i in range(12):
+        layer_id = LAYER_IDS[i % 2]
+        x, index, weights = make_step(1 + i % 3, 200 + i)
+        for rt in runtimes.values():
+            out = rt.forward(layer_id, x.to(device), index.to(device), weights.to(device))
+            ref = reference(layer_id, x, index, weights, rt.last_served[layer_id].widths)
+            assert close(out.cpu(), ref) and rt.cache.used <= budget
+            rt.prefetch(LAYER_IDS[(i + 1) % 2], [((3 * i) % E, INTER), ((3 * i + 1) % E, 6)])
+        served = [rt.last_served[layer_id].widths for rt in runtimes.values()]
+        assert torch.equal(served[0], served[1])
+    torch.cuda.synchronize()
+    s_async, s_sync = (runtimes[m].stats.as_dict() for m in ("async", "sync"))
+    assert s_async == s_sync and s_async["prefetches"] > 0
