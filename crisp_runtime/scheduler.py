@@ -186,8 +186,8 @@ def plan_step(
 def _group_python(top_k_index, widths, num_experts, k):
     pos_by_e: dict[int, list[int]] = {}
     w_by_e: dict[int, list[int]] = {}
-    flat_e = top_k_index.reshape(-1).tolist()
-    flat_w = widths.reshape(-1).tolist()
+    flat_e = [v for row in top_k_index.tolist() for v in row]  # no reshape: one dispatch less each
+    flat_w = [v for row in widths.tolist() for v in row]
     for p, (e, w) in enumerate(zip(flat_e, flat_w, strict=True)):
         if w > 0 and 0 <= e < num_experts:
             if e in pos_by_e:

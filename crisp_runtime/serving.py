@@ -159,9 +159,10 @@ def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor
     if dominant is None:
         raise ValueError(f"serve_slots: serving policy {policy.name!r} needs the slots' roles (dominant mask)")
     shape = wanted.shape
-    flat_e = index.reshape(-1).tolist()
-    flat_w = wanted.reshape(-1).tolist()
-    flat_d = dominant.reshape(-1).tolist()
+    # Nested tolist + flatten in Python: a reshape per tensor is one more dispatch (~1 us each).
+    flat_e = [v for row in index.tolist() for v in row]
+    flat_w = [v for row in wanted.tolist() for v in row]
+    flat_d = [v for row in dominant.tolist() for v in row]
     resident: dict[int, int] = {}
     served = [0] * len(flat_w)
     for p, (e, w, dom) in enumerate(zip(flat_e, flat_w, flat_d, strict=True)):
