@@ -305,7 +305,7 @@ def simulate_decode(
     cost = CostModel(h2d_bytes_per_s=profile.h2d_bytes_per_s, device_bytes_per_s=profile.compute_bytes_per_s)
     res = SimResult(0, layers, ledgers[0].counters, per_order={o: OrderTotals() for o in orders})
     lead = profile.other_s + profile.router_s
-    requests = _prefetch_requests(plan, trace, predicted) if policy.prefetch else None
+    requests = prefetch_requests(plan, trace, predicted) if policy.prefetch else None
     copy_free = 0.0  # widest-first: when the copy engine is free, relative to the current layer's start
     clock = 0.0  # widest-first: absolute time of the current layer's start (for the timeline)
     for t in range(num_tokens):
@@ -408,7 +408,7 @@ def _account(res: SimResult, jobs: list[Job], served, profile: HardwareProfile, 
         tot.bound_s += lead + bound
 
 
-def _prefetch_requests(plan: CrispPlan, trace, predicted) -> list[list[list[tuple[int, int]]]]:
+def prefetch_requests(plan: CrispPlan, trace, predicted) -> list[list[list[tuple[int, int]]]]:
     """Per traced layer j and token: [(expert, width)] to prefetch for layer j + 1, as the runtime's
     ``crisp_runtime.prefetch.Prefetcher`` asks (``PrefetchPolicy()``): the predicted top-k at the
     widths the plan gives those slots, widest first. The trace keeps the predicted experts in the

@@ -3,10 +3,11 @@ through the simulator: the identical sequence of hits, misses, widenings, evicti
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from crisp_bench.profiles import HardwareProfile, ModelShape
-from crisp_bench.simulate import SimPolicy, simulate_decode
+from crisp_bench.simulate import SimPolicy, prefetch_requests, simulate_decode
 from crisp_bench.traces import plan_from_trace, synthetic_trace
 from runtime_helpers import random_layers
 
@@ -68,3 +69,47 @@ def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, evict
     c = res.counters
     assert (c.hits, c.misses, c.widenings, c.evictions, c.bytes_copied) == (
         stats["hits"], stats["misses"], stats["widenings"], stats["evictions"], stats["bytes_h2d"])
+
+
+@pytest.mark.parametrize("serving", ["plan", "resident-floor75"])
+def test_prefetch_makes_the_same_decisions(decisions, monkeypatch, serving):
+    """The runtime's CrispRuntime.prefetch and the simulator's prefetch of the same requests (the next
+    layer's routed experts at the plan's widths) through the same ledger: identical decisions."""
+    log = decisions
+    prefetch = ResidencyLedger.prefetch
+
+    def logged(self, layer_id, expert, width, **kw):
+        d = prefetch(self, layer_id, expert, width, **kw)
+        log.append(("prefetch", layer_id, expert, width, None if d is None else (d.kind, d.copy_bytes, d.evicted)))
+        return d
+
+    monkeypatch.setattr(ResidencyLedger, "prefetch", logged)
+    trace = synthetic_trace(num_layers=LAYERS, num_tokens=16, num_experts=EXPERTS, intermediate_size=INTER, seed=5)
+    predicted = np.full((LAYERS, trace.num_tokens, 2), -1, dtype=np.int64)
+    predicted[:-1] = trace.index[1:]  # a perfect prediction of the next layer
+    plan = plan_from_trace(trace)
+    layers = random_layers(layer_ids=tuple(range(LAYERS)), num_experts=EXPERTS, inter=INTER, hidden=HIDDEN)
+    nb = layers[0].fmt.neuron_nbytes(HIDDEN)
+    shape = ModelShape("toy", LAYERS, EXPERTS, 2, HIDDEN, INTER)
+    budget = 5 * INTER * nb
+    # copies far faster than computes: every prefetch fits in the copy engine's idle time, none is cut
+    profile = HardwareProfile("fast-copy", h2d_bytes_per_s=1e15, copy_latency_s=0.0, compute_bytes_per_s=1e6,
+                              compute_latency_s=0.0, router_s=1e-5, other_s=2e-5)
+    cost = CostModel(h2d_bytes_per_s=profile.h2d_bytes_per_s, device_bytes_per_s=profile.compute_bytes_per_s)
+    requests = prefetch_requests(plan, trace, predicted)
+    runtime = CrispRuntime(layers, plan, device="cpu", gpu_budget=budget,
+                           config=RuntimeConfig(serving=serving, eviction="next_use", cost=cost))
+    g = torch.Generator().manual_seed(0)
+    for t in range(trace.num_tokens):
+        for layer in range(LAYERS):
+            index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
+            runtime.forward(layer, torch.randn(1, HIDDEN, generator=g), index,
+                            torch.from_numpy(trace.weights[layer, t:t + 1]))
+            if layer + 1 < LAYERS:
+                runtime.prefetch(layer + 1, requests[layer][t])
+    by_runtime = list(log)
+    log.clear()
+    res = simulate_decode(trace, SimPolicy("crisp", plan, SERVING_POLICIES[serving], "next_use", prefetch=True),
+                          profile, shape, budget, orders=["widest_first"], predicted=predicted)
+    assert log == by_runtime
+    assert res.counters.prefetches > 0 and res.counters.prefetch_hits > 0 and res.peak_bytes <= budget
