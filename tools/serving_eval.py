@@ -103,14 +103,14 @@ def default_cases() -> list[ServingCase]:
 
 
 def format_table(records: Sequence[dict]) -> str:
-    head = (f"{'policy':<36} {'budget':>6} {'accuracy':>9} {'acc. loss':>9} {'perplexity':>10} {'h2d kB/tok':>10} "
+    head = (f"{'policy':<36} {'budget':>6} {'accuracy':>9} {'acc. loss':>9} {'perplexity':>10} {'copied kB/tok':>13} "
             f"{'hit rate':>8}")
     lines = [head, "-" * len(head)]
     for r in records:
         loss = "" if r["accuracy_loss"] is None else f"{r['accuracy_loss']:.2%}"
         hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         lines.append(f"{r['policy']:<36} {r['budget_fraction']:>6.0%} {r['accuracy']:>9.4f} {loss:>9} "
-                     f"{r['perplexity']:>10.4f} {r['bytes_h2d_per_token'] / 1e3:>10.1f} {hit:>8}")
+                     f"{r['perplexity']:>10.4f} {r['bytes_copied_per_token'] / 1e3:>13.1f} {hit:>8}")
     return "\n".join(lines)
 
 
@@ -168,6 +168,8 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         "tokens_evaluated": int(scores.nll.numel()),
         "bytes_routed_per_token": stats.get("bytes_routed", 0) / tokens,
         "bytes_h2d_per_token": stats.get("bytes_h2d", 0) / tokens,
+        # demanded copies (bytes_h2d) plus prefetched ones: everything that crossed to the device
+        "bytes_copied_per_token": (stats.get("bytes_h2d", 0) + stats.get("prefetch_bytes", 0)) / tokens,
         "hit_rate": stats.get("hits", 0) / runs if runs else None,
         "served": served,
         "prefetch_stats": prefetch,
@@ -196,7 +198,8 @@ def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
             "perplexity": float, "loss": float (mean nll, nats),
             "accuracy_loss": float   (full-width accuracy - accuracy) / full-width accuracy (a fraction),
             "tokens_evaluated": int  predictions scored (N x (L - 1)),
-            "bytes_routed_per_token", "bytes_h2d_per_token": float, "hit_rate": float,
+            "bytes_routed_per_token", "bytes_h2d_per_token" (demanded copies),
+            "bytes_copied_per_token" (demanded + prefetched copies): float, "hit_rate": float,
             "served": {fallbacks, serving_skips, served_wider, served_{dominant,aux}_{slots,neurons},
                        {dominant,aux}_width_mean}   (handle.stats(); absent keys: runtime without them),
             "prefetch_stats": {prefetches, prefetch_bytes, prefetch_rejected, prefetch_hits},
@@ -258,7 +261,7 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
             records.append(rec)
             rel = "n/a" if rec["accuracy_loss"] is None else f"{rec['accuracy_loss']:.2%}"
             log(f"{case.name} @ {fraction:.0%}: acc {scores.accuracy:.4f} ppl {scores.perplexity:.4f} "
-                f"accuracy loss {rel} h2d/token {rec['bytes_h2d_per_token']:,.0f} ({secs:.0f} s)")
+                f"accuracy loss {rel} copied/token {rec['bytes_copied_per_token']:,.0f} ({secs:.0f} s)")
             if matched is None and case.plan == "crisp" and _serving_dict(case.serving)["exact"]:
                 target = stats["bytes_routed"] / max(1, stats["tokens"]) / nb
                 matched = equal_bytes_plans(plan, route, target=target)
