@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy", metavar="EVAL.json", action="append", default=None, type=ca.nonempty_path,
                    help="evaluation JSON(s) giving accuracy_loss per configuration (crisp-eval --json; the "
                    "runtime-in-the-loop serving evaluation); default: those under docs/ for the traced model")
+    p.add_argument("--from-json", metavar="SIM.json", type=ca.nonempty_path, default=None,
+                   help="re-report the records of an earlier `simulate --json` run of the same trace and options "
+                   "(tables, headline, plot, JSON) with accuracy attached anew from --accuracy, without simulating")
     p.add_argument("--warmup", type=ca.nonnegative_int, default=None,
                    help="tokens that fill the cache first, not counted (default: min(32, a quarter of the trace))")
     _outputs(p)
@@ -305,7 +308,7 @@ def _check_paths(args) -> None:
     if not any(outputs.values()):
         return
     inputs: dict = {}
-    for name in ("model", "pack", "text", "trace", "plan", "profile_file", "compare", "accuracy"):
+    for name in ("model", "pack", "text", "trace", "plan", "profile_file", "compare", "accuracy", "from_json"):
         value = getattr(args, name, None)
         if value is not None and value != "auto":
             inputs[f"--{name.replace('_', '-')}"] = value
@@ -366,6 +369,14 @@ def _cmd_simulate(args) -> int:
     if args.prefetch == "trace" and predicted is None:
         raise CliError("--prefetch trace: the trace holds no next-layer predictions (record one with this version: "
                        "`crisp-bench simulate --record-trace`, or use docs/bench-trace-heldout-predicted.npz)")
+    accuracy_files = args.accuracy if args.accuracy is not None else [
+        str(REPO_ROOT / f) for f in DEFAULT_ACCURACY if (REPO_ROOT / f).is_file()]
+    try:
+        evaluated, acc_notes = read_accuracy(accuracy_files, trace.meta.get("model"))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    notes += acc_notes
+    _adopt_evaluated_knobs(plans, evaluated, args, notes)  # before the configurations are built from the plans
     prefetch = [False, True] if args.prefetch == "trace" else [False]
     try:
         configs = configurations(plans, args.matrix, serving=args.serving, evictions=args.eviction,
@@ -374,31 +385,29 @@ def _cmd_simulate(args) -> int:
     except KeyError as exc:
         raise CliError(f"--matrix {args.matrix} needs policy {exc} in --policies") from None
     meta = {c.label: m for c, m in frontier(plans, prefetch[-1])} if args.matrix == "frontier" else {}
-    accuracy_files = args.accuracy if args.accuracy is not None else [
-        str(REPO_ROOT / f) for f in DEFAULT_ACCURACY if (REPO_ROOT / f).is_file()]
-    try:
-        evaluated, acc_notes = read_accuracy(accuracy_files, trace.meta.get("model"))
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
-    notes += acc_notes
-    _adopt_evaluated_knobs(plans, evaluated, args, notes)
     for n in notes:
         print(f"  {n}")
-    records: list[dict] = []
-    for b in budgets:
-        prog = report.Progress(f"simulating budget {b:.0%}")
+    if args.from_json:
+        records, budgets = _previous_records(args.from_json)
+        print(f"  records of {args.from_json} re-reported (not simulated again); accuracy attached anew")
+    else:
+        records = []
+        for b in budgets:
+            prog = report.Progress(f"simulating budget {b:.0%}")
 
-        def step(config, done, n, prog=prog):
-            prog(configs.index(config) * n + done, len(configs) * n)
+            def step(config, done, n, prog=prog):
+                prog(configs.index(config) * n + done, len(configs) * n)
 
-        records += sim.simulate_policies(trace, configs, profile, shape, b, orders=args.orders, warmup=args.warmup,
-                                         cache_scope=args.cache_scope, predicted=predicted, progress=step)
-    by_label = {c.label: c for c in configs}
+            records += sim.simulate_policies(trace, configs, profile, shape, b, orders=args.orders,
+                                             warmup=args.warmup, cache_scope=args.cache_scope, predicted=predicted,
+                                             progress=step)
+        by_label = {c.label: c for c in configs}
+        for r in records:
+            r["profile"] = profile.name
+            r["target"] = shape.name
+            r.update(knobs(by_label[r["label"]]))
+            r.update(meta.get(r["label"], {}))
     for r in records:
-        r["profile"] = profile.name
-        r["target"] = shape.name
-        r.update(knobs(by_label[r["label"]]))
-        r.update(meta.get(r["label"], {}))
         r["accuracy_loss"], r["accuracy_source"] = accuracy_for(r, evaluated)
     _print_simulation(records, budgets, args, shape)
     headline = _headline(records, budgets)
@@ -557,6 +566,20 @@ def _print_simulation(records, budgets, args, shape) -> None:
         print(report.table(rows, cols, title=f"budget {b:.0%} of expert bytes ({rows[0]['budget_bytes'] / 1e9:.2f} GB)"
                                              f", {shape.name}, {rows[0]['tokens']} tokens; x vs full-width LRU in "
                                              "router order"))
+
+
+def _previous_records(path) -> tuple[list[dict], list[float]]:
+    """The records (and budgets) of an earlier ``simulate --json`` document."""
+    import json
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--from-json {path}: not a readable JSON file ({exc})") from None
+    records = doc.get("records") if isinstance(doc, dict) and doc.get("command") == "simulate" else None
+    if not records or not all(isinstance(r, dict) and "serving_policy" in r and "label" in r for r in records):
+        raise CliError(f"--from-json {path}: not the --json output of this version's `crisp-bench simulate`")
+    return records, sorted({r["budget_fraction"] for r in records})
 
 
 def _adopt_evaluated_knobs(plans, evaluated, args, notes) -> None:

@@ -82,3 +82,24 @@ def test_accuracy_is_attached_only_to_the_evaluated_configuration(plans, tmp_pat
     assert got["uniform/resident/next_use"] is None and got["full/plan/lru"] is None
     c = configs["crisp/resident-floor75/next_use+prefetch"]
     assert accuracy_for(_record(c, budget=0.1), evaluated) == (None, None)  # another budget
+
+
+def test_from_json_reattaches_accuracy_without_simulating(tmp_path):
+    from crisp_bench.cli import main
+
+    trace = synthetic_trace(num_layers=2, num_tokens=48, intermediate_size=16)
+    trace.save(tmp_path / "t.npz")
+    common = ["simulate", "--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--target", "native", "--warmup", "8",
+              "--policies", "full,crisp", "--orders", "widest_first"]
+    assert main([*common, "--accuracy", str(tmp_path / "none.json"), "--json", str(tmp_path / "a.json")]) == 2
+    (tmp_path / "none.json").write_text(json.dumps({"records": []}))
+    assert main([*common, "--accuracy", str(tmp_path / "none.json"), "--json", str(tmp_path / "a.json")]) == 0
+    first = json.loads((tmp_path / "a.json").read_text())["records"]
+    assert all(r["accuracy_loss"] is None for r in first)
+    (tmp_path / "eval.json").write_text(json.dumps({"model": "synthetic", "records": [
+        {"policy": "crisp", "relative_accuracy_loss_vs_full": 0.01}]}))
+    assert main([*common, "--accuracy", str(tmp_path / "eval.json"), "--from-json", str(tmp_path / "a.json"),
+                 "--json", str(tmp_path / "b.json")]) == 0
+    again = json.loads((tmp_path / "b.json").read_text())["records"]
+    assert [r["tokens_per_s"] for r in again] == [r["tokens_per_s"] for r in first]
+    assert {r["label"]: r["accuracy_loss"] for r in again} == {"full/plan/lru": None, "crisp/plan/lru": 0.01}
