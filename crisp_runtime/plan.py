@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import enum
 import json
-import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,13 +76,6 @@ class TierWidths:
     hot: int
     warm: int
     cold: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("hot", "warm", "cold"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise PlanError(f"TierWidths.{name}: expected an integer number of neurons, got {value!r}")
-            object.__setattr__(self, name, int(value))  # a numpy integer would not serialize to JSON
 
     def for_tier(self, tier: Tier) -> int:
         return {Tier.HOT: self.hot, Tier.WARM: self.warm, Tier.COLD: self.cold}[tier]
@@ -151,15 +143,6 @@ class CrispPlan:
     description: str = ""
 
     def __post_init__(self) -> None:
-        # Integer fields as Python ints (a numpy integer from a search would not serialize to JSON);
-        # bools and floats are refused by validate(), never rounded.
-        for name in ("num_experts", "top_k", "intermediate_size", "num_dominant", "uniform_width"):
-            value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-                object.__setattr__(self, name, int(value))
-        if isinstance(self.layer_ids, (list, tuple)) and all(
-                isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in self.layer_ids):
-            object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
         self.validate()
 
     # ------------------------------------------------------------------ constructors
@@ -213,24 +196,7 @@ class CrispPlan:
     # ------------------------------------------------------------------ validation
 
     def validate(self) -> None:
-        if not isinstance(self.policy, PolicyKind):
-            raise PlanError(f"plan: policy must be a PolicyKind ({', '.join(p.name for p in PolicyKind)}), "
-                            f"got {self.policy!r}")
-        for name in ("num_experts", "top_k", "intermediate_size", "num_dominant"):
-            if type(getattr(self, name)) is not int:
-                raise PlanError(f"plan: {name} must be an integer, got {getattr(self, name)!r}")
-        if not isinstance(self.layer_ids, tuple) or not all(type(i) is int and i >= 0 for i in self.layer_ids):
-            raise PlanError(f"plan: layer_ids must be non-negative integers, got {self.layer_ids!r}")
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise PlanError(f"plan: layer_ids repeat a layer: {list(self.layer_ids)}")
-        if self.policy is PolicyKind.UNIFORM and type(self.uniform_width) is not int:
-            raise PlanError(f"plan: uniform_width must be an integer, got {self.uniform_width!r}")
-        if self.policy is PolicyKind.CRISP and self.tier_widths is not None and not isinstance(
-                self.tier_widths, TierWidths):
-            raise PlanError(f"plan: tier_widths must be a TierWidths, got {type(self.tier_widths).__name__}")
-        if not isinstance(self.unseen_tier, Tier):
-            raise PlanError(f"plan: unseen_tier must be a Tier ({', '.join(t.name for t in Tier)}), "
-                            f"got {self.unseen_tier!r}")
+        self._check_types()
         full = self.intermediate_size
         if self.num_experts < 1 or self.top_k < 1 or self.top_k > self.num_experts:
             raise PlanError(f"plan: need 1 <= top_k <= num_experts, got top_k={self.top_k}, E={self.num_experts}")
@@ -258,8 +224,7 @@ class CrispPlan:
                 if not isinstance(lp, LayerPlan):
                     raise PlanError(f"plan: layer {layer_id} must be a LayerPlan, got {type(lp).__name__}")
                 for pair, tier in lp.tiers.items():
-                    if (not isinstance(pair, tuple) or len(pair) != 2
-                            or not all(isinstance(e, numbers.Integral) and not isinstance(e, bool) for e in pair)):
+                    if not isinstance(pair, tuple) or len(pair) != 2 or not all(_is_integer(e) for e in pair):
                         raise PlanError(f"plan: layer {layer_id} combination {pair!r} is not a pair of expert ids")
                     a, b = pair
                     if not (0 <= a < self.num_experts and 0 <= b < self.num_experts) or a > b:
@@ -272,6 +237,42 @@ class CrispPlan:
                     d = lp.dominant.get((a, b))
                     if d is not None and d not in (a, b):
                         raise PlanError(f"plan: layer {layer_id} combination {(a, b)}: dominant {d} is not a or b")
+
+    def _check_types(self) -> None:
+        """Integers must be integers: bools, floats and strings are refused (``uniform_width=True``
+        used to be width 1), numpy integers become Python ints (they would not serialize to JSON)."""
+        integral = _is_integer
+        if not isinstance(self.policy, PolicyKind):
+            raise PlanError(f"plan: policy must be a PolicyKind ({', '.join(p.name for p in PolicyKind)}), "
+                            f"got {self.policy!r}")
+        for name in ("num_experts", "top_k", "intermediate_size", "num_dominant"):
+            if not integral(getattr(self, name)):
+                raise PlanError(f"plan: {name} must be an integer, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if not isinstance(self.layer_ids, (list, tuple)) or not all(integral(i) and i >= 0 for i in self.layer_ids):
+            raise PlanError(f"plan: layer_ids must be non-negative integers, got {self.layer_ids!r}")
+        object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise PlanError(f"plan: layer_ids repeat a layer: {list(self.layer_ids)}")
+        if self.policy is PolicyKind.UNIFORM:
+            if not integral(self.uniform_width):
+                raise PlanError(f"plan: uniform_width must be an integer, got {self.uniform_width!r}")
+            object.__setattr__(self, "uniform_width", int(self.uniform_width))
+        if self.policy is PolicyKind.CRISP and self.tier_widths is not None:
+            if not isinstance(self.tier_widths, TierWidths):
+                raise PlanError(f"plan: tier_widths must be a TierWidths, got {type(self.tier_widths).__name__}")
+            for name in ("hot", "warm", "cold"):
+                w = getattr(self.tier_widths, name)
+                if not integral(w):
+                    raise PlanError(f"plan: width of tier {name!r} must be an integer, got {w!r}")
+            object.__setattr__(self, "tier_widths", TierWidths(*(int(getattr(self.tier_widths, n))
+                                                                 for n in ("hot", "warm", "cold"))))
+        if not isinstance(self.unseen_tier, Tier):
+            raise PlanError(f"plan: unseen_tier must be a Tier ({', '.join(t.name for t in Tier)}), "
+                            f"got {self.unseen_tier!r}")
+        if isinstance(self.layers, Mapping) and not _plain_int_layers(self.layers):
+            object.__setattr__(self, "layers", _int_layers(self.layers))
+
 
     def check_compatible(self, *, num_experts: int, top_k: int, intermediate_size: int, layer_ids) -> None:
         """Raise PlanError unless this plan fits a model/pack with these dimensions."""
@@ -564,6 +565,41 @@ _POLICY_FIELDS = {
     PolicyKind.SKIP_AUX: ("skip_threshold",),
     PolicyKind.CRISP: ("combination_key", "tier_widths", "unseen_tier", "layers"),
 }
+
+
+def _is_integer(value) -> bool:
+    """An int or a numpy integer, not a bool (``True`` is an int in Python, never a width here)."""
+    import numbers  # here, not at the top: see tests/profile_helpers.py (it profiles this file's first 8000 chars)
+
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _plain_int_layers(layers: Mapping) -> bool:
+    """Whether every layer id, expert id and dominant expert is a plain int already."""
+    for layer_id, lp in layers.items():
+        if type(layer_id) is not int or not isinstance(lp, LayerPlan):
+            return False
+        pairs = list(lp.tiers) + list(lp.dominant) + list(lp.dominant.values())
+        if not all(type(e) is int for p in pairs for e in (p if isinstance(p, tuple) else (p,))):
+            return False
+    return True
+
+
+def _int_layers(layers: Mapping) -> dict:
+    """The same layers with numpy integer ids as ints; anything else is left for validate() to refuse."""
+    def as_int(v):
+        return int(v) if _is_integer(v) else v
+
+    def as_pair(p):
+        return tuple(as_int(e) for e in p) if isinstance(p, tuple) else p
+
+    out = {}
+    for layer_id, lp in layers.items():
+        if isinstance(lp, LayerPlan):
+            lp = LayerPlan({as_pair(p): t for p, t in lp.tiers.items()},
+                           {as_pair(p): as_int(d) for p, d in lp.dominant.items()})
+        out[as_int(layer_id)] = lp
+    return out
 
 
 def _json_int(data, key, name: str | None = None, *, minimum: int) -> int:

@@ -191,7 +191,8 @@ def test_strict_plan_parsing(tmp_path, make, mutate, match):
         (lambda: CrispPlan.full(8, 2, FULL, "03"), "layer_ids must be non-negative integers"),
         (lambda: CrispPlan.full(8, 2, FULL, [0, 0]), "layer_ids repeat a layer"),
         (lambda: CrispPlan.full(8.0, 2, FULL, [0]), "num_experts must be an integer"),
-        (lambda: TierWidths(FULL, 40.5), "TierWidths.warm: expected an integer"),
+        (lambda: CrispPlan.crisp(8, 2, FULL, {0: LayerPlan({}, {})}, TierWidths(FULL, 40.5)),
+         "width of tier 'warm' must be an integer, got 40.5"),
         (lambda: CrispPlan("full", 8, 2, FULL, (0,)), "policy must be a PolicyKind"),
         (lambda: CrispPlan.crisp(8, 2, FULL, {0: LayerPlan({(0.0, 1.0): Tier.HOT}, {})}, TierWidths(FULL, 4)),
          r"combination \(0.0, 1.0\) is not a pair of expert ids"),
@@ -210,7 +211,11 @@ def test_numpy_integers_become_ints(tmp_path):
 
     plan = CrispPlan.uniform(np.int64(8), 2, FULL, np.arange(2), np.int64(7))
     assert type(plan.uniform_width) is int and plan.layer_ids == (0, 1)
-    assert TierWidths(np.int64(5), 3).hot == 5 and type(TierWidths(np.int64(5), 3).hot) is int
+    crisp = CrispPlan.crisp(8, 2, FULL, {np.int64(0): LayerPlan({(np.int64(0), 1): Tier.HOT}, {})},
+                            TierWidths(np.int64(FULL), np.int64(5)))
+    assert type(crisp.tier_widths.warm) is int and crisp.layer_ids == (0,)
+    crisp.save(tmp_path / "c.json")
+    assert CrispPlan.load(tmp_path / "c.json") == crisp
     plan.save(tmp_path / "p.json")
     assert CrispPlan.load(tmp_path / "p.json") == plan
 
