@@ -697,7 +697,7 @@ def _paper_comparison(records, budget) -> str:
 
 
 def _plot_simulation(path, records, budgets, profile, shape, trace, matrix) -> None:
-    from .sim_policies import plot_frontier
+    from .sim_policies import plot_configurations, plot_frontier
 
     stamp = report.environment()["date"]
     note = (f"{profile.name} profile, traces of {trace.meta.get('model', '?')} mapped onto {shape.name}, "
@@ -715,12 +715,8 @@ def _plot_simulation(path, records, budgets, profile, shape, trace, matrix) -> N
         report.plot_lines(path, series, xlabel="GPU budget (% of 4-bit expert bytes)", ylabel="decode tokens/s",
                           title=f"Simulated decode throughput vs GPU budget ({profile.name}, {shape.name})", note=note)
     else:
-        groups: dict = {}
-        for r in records:
-            groups.setdefault(r["label"].replace("/", "\n", 1), {})[r["order"]] = r["tokens_per_s"]
-        report.plot_bars(path, groups, ylabel="decode tokens/s",
-                         title=f"Simulated tokens/s at {budgets[0]:.0%} budget ({profile.name}, {shape.name})",
-                         note=note)
+        plot_configurations(path, records, note=note,
+                            title=f"Simulated tokens/s at {budgets[0]:.0%} budget ({profile.name}, {shape.name})")
 
 
 # ---------------------------------------------------------------------------- other subcommands

@@ -271,3 +271,37 @@ def plot_frontier(path, records: Sequence[dict], *, title: str, note: str) -> No
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
+
+
+def plot_configurations(path, records: Sequence[dict], *, title: str, note: str) -> None:
+    """One horizontal bar per configuration (widest-first order, the runtime's), tokens/s, annotated with
+    the speed-up over full-width LRU (router order) and the evaluated accuracy loss."""
+    import matplotlib
+
+    from .report import write_atomic
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r["order"] == "widest_first"]
+    base = next((r for r in records if r["label"] == "full/plan/lru" and r["order"] == "router"), None)
+    fig, ax = plt.subplots(figsize=(8, 0.38 * len(rows) + 1.4), dpi=120)
+    ys = range(len(rows))[::-1]
+    colors = ["0.55" if r["eviction"] == "belady" else "tab:blue" if r["policy"] == "crisp" else "tab:orange"
+              for r in rows]
+    ax.barh(list(ys), [r["tokens_per_s"] for r in rows], color=colors)
+    ax.set_yticks(list(ys), [r["label"] for r in rows], fontsize=7)
+    for y, r in zip(ys, rows, strict=True):
+        parts = [f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"] if base else []
+        parts.append("loss n/a" if r.get("accuracy_loss") is None else f"loss {100 * r['accuracy_loss']:.2f}%")
+        ax.text(r["tokens_per_s"], y, "  " + ", ".join(parts), va="center", fontsize=6)
+    if base:
+        ax.axvline(base["tokens_per_s"], color="0.3", linestyle="--", linewidth=1)
+    ax.set_xlabel("simulated decode tokens/s (widest-first order; dashed: full-width LRU, router order)")
+    ax.set_xlim(0, 1.3 * max(r["tokens_per_s"] for r in rows))
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.text(0.01, 0.01, note + "; grey: Belady (offline bound)", fontsize=6, color="0.35")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
