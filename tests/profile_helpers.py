@@ -6,7 +6,9 @@ from pathlib import Path
 
 import torch
 
-TEXT_SOURCE = Path(__file__).resolve().parents[1] / "crisp_runtime" / "plan.py"
+# A frozen text: the first 8000 characters of crisp_runtime/plan.py as of commit 91bb60b. The tests used to
+# read the live module, so any edit near its top changed the profiled plan and broke the tools' tests.
+TEXT_SOURCE = Path(__file__).resolve().parent / "data" / "profile-text.txt"
 
 # Small enough for CI: H=64 (one quantization group), I=32, 2 MoE layers, 4 experts, top-2.
 PROFILE_ARGS = ["--samples", "24", "--seq-len", "32", "--batch-size", "8", "--dominance-samples", "16",
@@ -33,5 +35,5 @@ def make_tiny_mixtral(directory: Path, seed: int = 0) -> Path:
 
 
 def write_text(path: Path, nbytes: int = 8000) -> Path:
-    path.write_text(TEXT_SOURCE.read_text()[:nbytes])
+    path.write_text(TEXT_SOURCE.read_text(encoding="utf-8")[:nbytes], encoding="utf-8")
     return path

@@ -220,3 +220,18 @@ def test_decode_mode_cli(setup, tmp_path, capsys):
     assert all(not r["serving"]["exact"] and r["budget_fraction"] == 0.5 for r in resident)
     assert sum(r["prefetch"] is not None for r in resident) == 3
     assert "crisp-resident-floor0.75+prefetch" in capsys.readouterr().out
+
+
+def test_verdict_is_unknown_not_met_when_full_width_scores_zero():
+    from crisp_tools.evaluate import verdict
+
+    def rec(policy, acc, frac, loss):
+        return {"policy": policy, "accuracy": acc, "bytes_fraction_of_full": frac,
+                "relative_accuracy_loss_vs_full": loss}
+
+    records = [rec("full", 0.0, 1.0, None), rec("crisp", 0.0, 0.54, None), rec("uniform", 0.0, 0.54, None),
+               rec("skip_aux", 0.0, 0.54, None)]
+    v = verdict(records)
+    assert v["accuracy_target_met"] is None and v["bytes_target_met"] is True
+    records[1]["relative_accuracy_loss_vs_full"] = 0.05
+    assert verdict(records)["accuracy_target_met"] is False

@@ -211,11 +211,13 @@ def format_table(records: list[dict]) -> str:
 def verdict(records: list[dict], max_bytes=0.55, max_loss=0.036) -> dict:
     by = {r["policy"]: r for r in records}
     c = by["crisp"]
+    loss = c["relative_accuracy_loss_vs_full"]
     return {
         "crisp_bytes_fraction": c["bytes_fraction_of_full"],
         "crisp_relative_accuracy_loss": c["relative_accuracy_loss_vs_full"],
         "bytes_target_met": c["bytes_fraction_of_full"] <= max_bytes,
-        "accuracy_target_met": c["relative_accuracy_loss_vs_full"] <= max_loss,
+        # None when the full-width model scores 0 (the relative loss is undefined), never a silent pass.
+        "accuracy_target_met": None if loss is None else loss <= max_loss,
         "beats_uniform": c["accuracy"] > by["uniform"]["accuracy"],
         "beats_skip_aux": c["accuracy"] > by["skip_aux"]["accuracy"],
         "bytes_gap_uniform": by["uniform"]["bytes_fraction_of_full"] - c["bytes_fraction_of_full"],
@@ -277,10 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         return ca.interrupted("crisp-eval", resumable=False)
     print(format_table(records))
     v = verdict(records)
+    loss = v["crisp_relative_accuracy_loss"]
+    met = {True: "met", False: "NOT met", None: "unknown: full width scores 0"}[
+        None if v["accuracy_target_met"] is None else v["bytes_target_met"] and v["accuracy_target_met"]]
     print(
         f"\nCRISP at {v['crisp_bytes_fraction']:.1%} of full-width bytes: relative accuracy loss "
-        f"{v['crisp_relative_accuracy_loss']:.2%} (target <= 3.6% at <= 55%: "
-        f"{'met' if v['bytes_target_met'] and v['accuracy_target_met'] else 'NOT met'}); "
+        f"{'undefined' if loss is None else f'{loss:.2%}'} (target <= 3.6% at <= 55%: {met}); "
         f"beats uniform: {v['beats_uniform']}, beats skip-aux: {v['beats_skip_aux']}"
     )
     if args.json:
