@@ -420,8 +420,13 @@ def _clear_attention_mask(tokens: _TokenMask, module, args, kwargs, output=None)
 
 
 def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None, fmt: QuantFormat | None = None,
-          config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False, serving=None) -> CrispHandle:
+          config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False, serving=None,
+          shapes=None) -> CrispHandle:
     """Run ``model``'s MoE experts through CRISP; returns a :class:`CrispHandle`.
+
+    A model without v5 experts modules but with per-expert MoE blocks (DeepSeek-MoE remote code,
+    v4-style Mixtral / Qwen2-MoE: ``crisp_runtime.blocks``) goes to ``blocks.apply_blocks``;
+    shapes: the block shapes to recognise (None: ``blocks.BLOCK_SHAPES``).
 
     source: None packs the model's current expert weights in their present order (4-bit,
     ``fmt`` or QuantFormat(group 64, asymmetric)); a path loads a pack folder (and its plan.json
@@ -448,9 +453,16 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
         raise TypeError(f"plan: expected CrispPlan (e.g. CrispPlan.load(path)), got {type(plan).__name__}")
     if not isinstance(allow_weights_mismatch, bool):
         raise TypeError(f"allow_weights_mismatch: expected True or False, got {type(allow_weights_mismatch).__name__}")
+    from . import blocks  # lazily: blocks imports this module
+
+    shapes = blocks.BLOCK_SHAPES if shapes is None else tuple(shapes)
+    if isinstance(model, torch.nn.Module) and blocks.uses_per_expert_blocks(model, shapes):
+        return blocks.apply_blocks(model, source, plan=plan, gpu_budget=gpu_budget, fmt=fmt, config=config,
+                                   allow_weights_mismatch=allow_weights_mismatch, shapes=shapes)
     if not (hasattr(model, "set_experts_implementation") and hasattr(model, "get_experts_implementation")):
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers v5 PreTrainedModel with "
-                                    "set_experts_implementation()")
+                                    "set_experts_implementation(), and has no per-expert MoE block of a registered "
+                                    f"shape ({', '.join(s.name for s in shapes)}; crisp_runtime.blocks)")
     refs = find_moe_layers(model)
     for ref in refs:
         if _STATE_ATTR in ref.module.__dict__:
