@@ -16,6 +16,10 @@ from .expert_mlp import (
 )
 from .experts_module import CrispExperts
 from .format import (
+    GPT_OSS_SWIGLU,
+    SILU_GLU,
+    Activation,
+    ActivationKind,
     PackedExpert,
     PackedLayer,
     Proj,
@@ -23,11 +27,17 @@ from .format import (
     dequantize_expert,
     dequantize_layer,
     pack_expert,
+    gpt_oss_to_v5,
+    layer_biases,
     pack_layer,
 )
 from .io import PackFormatError, load_packed, read_packed_metadata, save_packed
 
 __all__ = [
+    "GPT_OSS_SWIGLU",
+    "SILU_GLU",
+    "Activation",
+    "ActivationKind",
     "Backend",
     "CrispExperts",
     "PackFormatError",
@@ -41,6 +51,8 @@ __all__ = [
     "expert_mlp_accumulate_",
     "expert_mlp_accumulate_ref_",
     "expert_mlp_ref",
+    "gpt_oss_to_v5",
+    "layer_biases",
     "load_packed",
     "pack_expert",
     "pack_layer",

@@ -31,7 +31,7 @@ from .checks import (
     check_token_vector,
     check_width,
 )
-from .format import PackedExpert, dequantize_expert
+from .format import PackedExpert, apply_activation, dequantize_expert
 
 
 class Backend(enum.Enum):
@@ -67,7 +67,8 @@ def expert_mlp(
     token_widths: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` over the first ``width`` neurons of ``packed``.
+    """``down(act(gate(x), up(x)))`` over the first ``width`` neurons of ``packed`` (act and the
+    optional biases as in :func:`expert_mlp_ref`).
 
     x: (T, H) fp16, bf16 or fp32; accumulation in fp32; returns (T, H) in x's dtype.
     width: neurons used (None = all the packed expert holds); a runtime argument.
@@ -171,19 +172,31 @@ def expert_mlp_ref(
     token_widths: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` over the first ``width`` neurons; (T, H) in ``compute_dtype``.
+    """``down(act(gate(x), up(x)))`` over the first ``width`` neurons; (T, H) in ``compute_dtype``.
 
-    Neurons j >= token_widths[t] contribute nothing to token t.
+    act is ``packed.activation`` (silu(gate) * up by default). Neurons j >= token_widths[t]
+    contribute nothing to token t. With biases (gpt-oss): gate/up biases per neuron, and the
+    down bias added in full to every token whose width min(width, token_widths[t]) is >= 1 (a
+    token at width 0 gets nothing, as an expert run at width 0 is skipped).
     """
     width = check_width(width, packed)
     gate, up, down = dequantize_expert(packed, width, dtype=compute_dtype)  # (k, H), (k, H), (H, k)
     xc = x.to(compute_dtype)
-    hidden = F.silu(F.linear(xc, gate)) * F.linear(xc, up)  # (T, k)
+    pre_gate, pre_up = F.linear(xc, gate), F.linear(xc, up)  # (T, k)
+    if packed.bias is not None:
+        bias = packed.bias[:width].to(compute_dtype)
+        pre_gate, pre_up = pre_gate + bias[:, 0], pre_up + bias[:, 1]
+    hidden = apply_activation(pre_gate, pre_up, packed.activation)
+    widths = None
     if token_widths is not None:
         widths = effective_token_widths(width, token_widths, x.shape[0], x.device)
         keep = torch.arange(width, device=x.device).unsqueeze(0) < widths.unsqueeze(1)  # (T, k)
         hidden = hidden * keep
-    return F.linear(hidden, down)  # (T, H)
+    out = F.linear(hidden, down)  # (T, H)
+    if packed.down_bias is not None and width:
+        down_bias = packed.down_bias.to(compute_dtype)
+        out = out + (down_bias if widths is None else (widths > 0).unsqueeze(1) * down_bias)
+    return out
 
 
 def expert_mlp_accumulate_ref_(

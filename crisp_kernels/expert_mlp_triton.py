@@ -3,14 +3,16 @@
 Two launches per expert call (the pure-torch reference beside them is ``expert_mlp_ref`` in
 ``expert_mlp.py``):
 
-1. **gate/up** ``h[t, j] = silu(x_t . gate_j) * (x_t . up_j)`` for j < k, masked to 0 where
+1. **gate/up** ``h[t, j] = silu(x_t . gate_j) * (x_t . up_j)`` for j < k (or gpt-oss's clamped
+   SwiGLU on ``x_t . gate_j + bg_j`` / ``x_t . up_j + bu_j``: ``ACT``), masked to 0 where
    j >= token_widths[t]; one program per block of ``block_n`` neurons, looping over H. Both
    rows of a neuron sit side by side in row j of ``qweight``, so the program streams
    ``2 * block_n`` contiguous rows. Stored as an fp32 (T, k) intermediate.
 2. **down** ``out[row_t, :] (+)= weight_t * sum_j h[t, j] * down_j`` over the same rows j < k;
    one program per block of ``block_h`` bytes of H (2 * block_h outputs) and per chunk of
    neurons (split-K over j, ``split`` chunks). With ``split == 1`` and a fresh output the
-   result is stored (deterministic); otherwise it is added with fp32 atomics.
+   result is stored (deterministic); otherwise it is added with fp32 atomics. An expert's down
+   bias (gpt-oss) is added by the first chunk, to tokens of width >= 1.
 
 Every weight load is masked on ``j < k``: a width-k call reads nothing past row k of
 ``qweight``, ``scales`` or ``zeros``, so it is safe on a resident prefix of exactly
@@ -55,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import interpreter_enabled, tl, triton
-from .format import SYMMETRIC_ZERO, PackedExpert
+from .format import SYMMETRIC_ZERO, ActivationKind, PackedExpert
 
 # ----------------------------------------------------------------------------- constants
 
@@ -68,6 +70,7 @@ _MIN_SPLIT_NEURONS = 64
 # Stand-in SM count under the interpreter: small, so that tests exercise split > 1.
 _INTERPRETER_SMS = 2
 _SYM_ZERO = tl.constexpr(SYMMETRIC_ZERO)  # the zero point of the symmetric format
+_ACT_CODES = {ActivationKind.SILU_GLU: 0, ActivationKind.GPT_OSS_CLAMPED_SWIGLU: 1}  # the kernels' ACT constexpr
 
 
 # ----------------------------------------------------------------------------- config
@@ -183,8 +186,20 @@ def _token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_masked(g, u, offs_t, t_mask, offs_n, tw_ptr, HAS_TW: tl.constexpr):
-    h = g * tl.sigmoid(g) * u
+def _activate_masked(g, u, offs_t, t_mask, offs_n, n_mask, tw_ptr, b_ptr, HAS_TW: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):  # fmt: skip
+    """h = act(g + b_gate, u + b_up) masked to 0 where j >= tw[t]; ACT 0 = SiLU GLU, 1 = gpt-oss's
+    clamped SwiGLU with ALPHA / LIMIT (a model property, compile-time like the group size)."""
+    if HAS_BIAS:  # row j of bias holds neuron j's (gate, up) pair: the prefix property holds
+        b_off = offs_n.to(tl.int64) * 2
+        g = g + tl.load(b_ptr + b_off, mask=n_mask, other=0.0)[None, :]
+        u = u + tl.load(b_ptr + b_off + 1, mask=n_mask, other=0.0)[None, :]
+    if ACT == 0:
+        h = g * tl.sigmoid(g) * u
+    else:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        h = (u + 1.0) * (g * tl.sigmoid(g * ALPHA))
     if HAS_TW:
         # j < min(k, tw) for 0 <= j: n < k is already the store mask, so no clamp is needed
         tw = tl.load(tw_ptr + offs_t, mask=t_mask, other=0)
@@ -194,10 +209,11 @@ def _silu_mul_masked(g, u, offs_t, t_mask, offs_n, tw_ptr, HAS_TW: tl.constexpr)
 
 @triton.jit(do_not_specialize=["T", "k"])
 def _gate_up_decode_kernel(
-    x_ptr, rows_ptr, tw_ptr, q_ptr, s_ptr, z_ptr, h_ptr,
+    x_ptr, rows_ptr, tw_ptr, q_ptr, s_ptr, z_ptr, b_ptr, h_ptr,
     T, k, stride_xt,
     HB: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_TW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     G: tl.constexpr = 2 * HB // GROUP  # groups per H-vector
@@ -233,16 +249,18 @@ def _gate_up_decode_kernel(
         s, z = _load_group_params(s_ptr, z_ptr, g_off + G, g_mask, SYMMETRIC)
         lo, hi = _dequant_pair(tl.load(q_ptr + q_off + HB, mask=w_mask, other=0), s, z)
         acc_u += tl.sum(xe * lo[None, :, :] + xo * hi[None, :, :], axis=2)
-    h = _silu_mul_masked(acc_g, acc_u, offs_t, t_mask, offs_n, tw_ptr, HAS_TW)
+    h = _activate_masked(acc_g, acc_u, offs_t, t_mask, offs_n, n_mask, tw_ptr, b_ptr, HAS_TW, HAS_BIAS, ACT, ALPHA,
+                         LIMIT)
     tl.store(h_ptr + offs_t.to(tl.int64)[:, None] * k + offs_n[None, :], h, mask=t_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["T", "k"])
 def _gate_up_prefill_kernel(
-    x_ptr, rows_ptr, tw_ptr, q_ptr, s_ptr, z_ptr, h_ptr,
+    x_ptr, rows_ptr, tw_ptr, q_ptr, s_ptr, z_ptr, b_ptr, h_ptr,
     T, k, stride_xt,
     HB: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
-    HAS_ROWS: tl.constexpr, HAS_TW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_TW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     G: tl.constexpr = 2 * HB // GROUP
@@ -284,13 +302,27 @@ def _gate_up_prefill_kernel(
         lo, hi = _dequant_pair(tl.load(q_ptr + q_off + HB, mask=w_mask, other=0), s, z)
         acc_u = _dot(xe, lo, acc_u, DOT_DTYPE)
         acc_u = _dot(xo, hi, acc_u, DOT_DTYPE)
-    h = _silu_mul_masked(acc_g, acc_u, offs_t, t_mask, offs_n, tw_ptr, HAS_TW)
+    h = _activate_masked(acc_g, acc_u, offs_t, t_mask, offs_n, n_mask, tw_ptr, b_ptr, HAS_TW, HAS_BIAS, ACT, ALPHA,
+                         LIMIT)
     tl.store(h_ptr + offs_t.to(tl.int64)[:, None] * k + offs_n[None, :], h, mask=t_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _write_out(out_ptr, rows_ptr, w_ptr, acc_e, acc_o, offs_t, t_mask, offs_b, b_mask, stride_ot,
-               HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ATOMIC: tl.constexpr):  # fmt: skip
+def _write_out(out_ptr, rows_ptr, w_ptr, tw_ptr, db_ptr, pid_s, acc_e, acc_o, offs_t, t_mask, offs_b, b_mask,
+               stride_ot, HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ATOMIC: tl.constexpr,
+               HAS_TW: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr):  # fmt: skip
+    if HAS_DOWN_BIAS:
+        # The expert's down bias, added once: by the first neuron chunk only, and to tokens whose
+        # width is >= 1 (a token at width 0 is not run; see format.py).
+        db_mask = b_mask & ((offs_b * 0 + pid_s) == 0)  # a tensor compare: the interpreter's mask needs one
+        dbe = tl.load(db_ptr + 2 * offs_b, mask=db_mask, other=0.0)[None, :]
+        dbo = tl.load(db_ptr + 2 * offs_b + 1, mask=db_mask, other=0.0)[None, :]
+        if HAS_TW:
+            on = (tl.load(tw_ptr + offs_t, mask=t_mask, other=0) > 0)[:, None]
+            dbe = tl.where(on, dbe, 0.0)
+            dbo = tl.where(on, dbo, 0.0)
+        acc_e = acc_e + dbe
+        acc_o = acc_o + dbo
     if HAS_WEIGHTS:
         wt = tl.load(w_ptr + offs_t, mask=t_mask, other=0.0)[:, None]
         acc_e = acc_e * wt
@@ -326,10 +358,11 @@ def _down_tile(
 
 @triton.jit(do_not_specialize=["T", "k", "chunk"])
 def _down_decode_kernel(
-    h_ptr, q_ptr, s_ptr, z_ptr, out_ptr, rows_ptr, w_ptr,
+    h_ptr, q_ptr, s_ptr, z_ptr, out_ptr, rows_ptr, w_ptr, tw_ptr, db_ptr,
     T, k, chunk, stride_ot,
     HB: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ATOMIC: tl.constexpr,
+    HAS_TW: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     G: tl.constexpr = 2 * HB // GROUP
@@ -351,16 +384,17 @@ def _down_decode_kernel(
         hv = hv[:, :, None]
         acc_e += tl.sum(hv * lo[None, :, :], axis=1)
         acc_o += tl.sum(hv * hi[None, :, :], axis=1)
-    _write_out(out_ptr, rows_ptr, w_ptr, acc_e, acc_o, offs_t, t_mask, offs_b, b_mask, stride_ot,
-               HAS_ROWS, HAS_WEIGHTS, ATOMIC)  # fmt: skip
+    _write_out(out_ptr, rows_ptr, w_ptr, tw_ptr, db_ptr, pid_s, acc_e, acc_o, offs_t, t_mask, offs_b, b_mask,
+               stride_ot, HAS_ROWS, HAS_WEIGHTS, ATOMIC, HAS_TW, HAS_DOWN_BIAS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "k", "chunk"])
 def _down_prefill_kernel(
-    h_ptr, q_ptr, s_ptr, z_ptr, out_ptr, rows_ptr, w_ptr,
+    h_ptr, q_ptr, s_ptr, z_ptr, out_ptr, rows_ptr, w_ptr, tw_ptr, db_ptr,
     T, k, chunk, stride_ot,
     HB: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
-    HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ATOMIC: tl.constexpr,
+    HAS_TW: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     G: tl.constexpr = 2 * HB // GROUP
@@ -382,8 +416,8 @@ def _down_prefill_kernel(
                                 HB, G, SYMMETRIC, BLOCK_J)  # fmt: skip
         acc_e = _dot(hv, lo, acc_e, DOT_DTYPE)
         acc_o = _dot(hv, hi, acc_o, DOT_DTYPE)
-    _write_out(out_ptr, rows_ptr, w_ptr, acc_e, acc_o, offs_t, t_mask, offs_b, b_mask, stride_ot,
-               HAS_ROWS, HAS_WEIGHTS, ATOMIC)  # fmt: skip
+    _write_out(out_ptr, rows_ptr, w_ptr, tw_ptr, db_ptr, pid_s, acc_e, acc_o, offs_t, t_mask, offs_b, b_mask,
+               stride_ot, HAS_ROWS, HAS_WEIGHTS, ATOMIC, HAS_TW, HAS_DOWN_BIAS)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -418,6 +452,9 @@ def _launch(
     rows_arg = rows if rows is not None else q
     tw_arg = token_widths if token_widths is not None else q
     w_arg = weights if weights is not None else q
+    b_arg = packed.bias if packed.bias is not None else q
+    db_arg = packed.down_bias if packed.down_bias is not None else q
+    act = packed.activation
     h = torch.empty((num_tokens, width), dtype=torch.float32, device=x.device)
     flags = dict(
         HB=hb,
@@ -428,11 +465,13 @@ def _launch(
         num_stages=cfg.num_stages,
     )
     gate_up_flags = dict(HAS_TW=token_widths is not None, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
-                         BLOCK_K=cfg.block_k, **flags)  # fmt: skip
+                         BLOCK_K=cfg.block_k, HAS_BIAS=packed.bias is not None, ACT=_ACT_CODES[act.kind],
+                         ALPHA=act.alpha or 0.0, LIMIT=act.limit or 0.0, **flags)  # fmt: skip
     down_flags = dict(HAS_WEIGHTS=weights is not None, ATOMIC=atomic, BLOCK_T=cfg.block_t, BLOCK_J=cfg.block_j,
-                      BLOCK_H=cfg.block_h, **flags)  # fmt: skip
-    gate_up_args = (x, rows_arg, tw_arg, q, s, z, h, num_tokens, width, x.stride(0))
-    down_args = (h, q, s, z, out, rows_arg, w_arg, num_tokens, width, plan.chunk, out.stride(0))
+                      BLOCK_H=cfg.block_h, HAS_TW=token_widths is not None,
+                      HAS_DOWN_BIAS=packed.down_bias is not None, **flags)  # fmt: skip
+    gate_up_args = (x, rows_arg, tw_arg, q, s, z, b_arg, h, num_tokens, width, x.stride(0))
+    down_args = (h, q, s, z, out, rows_arg, w_arg, tw_arg, db_arg, num_tokens, width, plan.chunk, out.stride(0))
     n_neuron_blocks = triton.cdiv(width, cfg.block_n)
     n_h_blocks = triton.cdiv(hb, cfg.block_h)
     # Triton launches on the current CUDA device: make it x's.

@@ -84,6 +84,9 @@ class CrispExperts(nn.Module):
         self.register_buffer("scales", layer.scales)
         self.register_buffer("zeros", layer.zeros)
         self.register_buffer("neuron_order", layer.neuron_order)
+        self.register_buffer("bias", layer.bias)  # (E, I, 2) float32 or None (gpt-oss only)
+        self.register_buffer("down_bias", layer.down_bias)  # (E, H) float32 or None
+        self.activation = layer.activation
         self.widths = widths
         self.token_width_fn = token_width_fn
         self.backend = backend
@@ -132,22 +135,31 @@ class CrispExperts(nn.Module):
     @property
     def layer(self) -> PackedLayer:
         """The packed experts (views of the buffers), e.g. to save them."""
-        return PackedLayer(self.fmt, self.qweight, self.scales, self.zeros, self.neuron_order)
+        return PackedLayer(self.fmt, self.qweight, self.scales, self.zeros, self.neuron_order, self.bias,
+                           self.down_bias, self.activation)
 
     def expert(self, index: int) -> PackedExpert:
         """Zero-copy view of expert ``index`` at full width."""
-        return PackedExpert(
-            self.fmt, self.qweight[index], self.scales[index], None if self.zeros is None else self.zeros[index]
-        )
+        def row(t):
+            return None if t is None else t[index]
+
+        return PackedExpert(self.fmt, self.qweight[index], self.scales[index], row(self.zeros), row(self.bias),
+                            row(self.down_bias), self.activation)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype) / .half() cast floating-point buffers; the fp16 scales are part of the
-        # packed format, so they go through as an int16 view of the same bits (device moves apply).
-        self._buffers["scales"] = self._buffers["scales"].view(torch.int16)
+        # packed format, so they go through as an int16 view of the same bits (device moves apply);
+        # likewise the fp32 biases (gpt-oss), as int32 views.
+        views = {"scales": (torch.int16, torch.float16), "bias": (torch.int32, torch.float32),
+                 "down_bias": (torch.int32, torch.float32)}
+        views = {name: v for name, v in views.items() if self._buffers.get(name) is not None}
+        for name, (as_int, _) in views.items():
+            self._buffers[name] = self._buffers[name].view(as_int)
         try:
             return super()._apply(fn, recurse)
         finally:
-            self._buffers["scales"] = self._buffers["scales"].view(torch.float16)
+            for name, (_, as_float) in views.items():
+                self._buffers[name] = self._buffers[name].view(as_float)
 
     def extra_repr(self) -> str:
         fmt = f"g{self.fmt.group_size} {'sym' if self.fmt.symmetric else 'asym'}"

@@ -15,6 +15,18 @@ is stored transposed), so reordering neurons never mixes quantization groups.
 Nibble order: the low nibble holds the even element, the high nibble the odd one (the
 convention of vLLM's W4A16 MoE kernels and of compressed-tensors).
 
+Optional biases (gpt-oss): ``bias (W, 2) float32`` holds neuron j's gate bias and up bias in row
+j, so a width-k prefix reads the first k rows like every other tensor; ``down_bias (H,) float32``
+belongs to the expert, not to a neuron. A narrowed width drops neurons, not the down bias: an
+expert slot run at any width k >= 1 adds its down bias once in full (the bias is the output at
+k = 0 of the neurons' sum, ``down(h) + b``), while a slot at width 0 is skipped and adds nothing,
+exactly as for the SiLU families. Packs without biases are unchanged, bit for bit.
+
+The activation between the two stages is a property of the model, :class:`Activation`:
+``SILU_GLU`` (``silu(gate) * up``, Mixtral / Qwen / DeepSeek) or gpt-oss's clamped SwiGLU
+(``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+``(up + 1) * gate * sigmoid(alpha * gate)``, alpha 1.702 and limit 7.0 in its config).
+
 Zero points are kept as one byte per group rather than packed to 4 bits: at H=4096, g=64
 they are 192 of 6,720 bytes per neuron (2.9%); packing would save 1.4% of the bytes and
 cost an extra unpack in every kernel.
@@ -23,11 +35,12 @@ cost an extra unpack in every kernel.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 BITS = 4
+BIAS_DTYPE = torch.float32
 QMAX = (1 << BITS) - 1  # 15
 SYMMETRIC_ZERO = 1 << (BITS - 1)  # 8
 GROUP_SIZES = (32, 64, 128)
@@ -35,6 +48,7 @@ SCALE_DTYPE = torch.float16
 # Smallest scale stored, so that an all-zero group never divides by zero. It must survive the
 # cast to fp16: 2**-24 is fp16's smallest subnormal (a floor of 1e-8 rounded to a 0 scale).
 _MIN_SCALE = 2.0**-24
+_BIAS_ROW_NBYTES = 2 * BIAS_DTYPE.itemsize  # a neuron's gate and up bias
 
 
 class Proj(enum.IntEnum):
@@ -46,6 +60,67 @@ class Proj(enum.IntEnum):
 
 
 NUM_PROJ = len(Proj)
+
+
+class ActivationKind(enum.Enum):
+    """The gated activation between an expert's gate/up and down projections."""
+
+    SILU_GLU = "silu_glu"  # silu(gate) * up
+    GPT_OSS_CLAMPED_SWIGLU = "gpt_oss_clamped_swiglu"  # (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """One activation with its constants (``alpha`` / ``limit`` only for the clamped SwiGLU)."""
+
+    kind: ActivationKind = ActivationKind.SILU_GLU
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ActivationKind):
+            raise TypeError(f"Activation.kind: expected an ActivationKind, got {type(self.kind).__name__} {self.kind!r}")
+        if self.kind is ActivationKind.SILU_GLU:
+            if self.alpha is not None or self.limit is not None:
+                raise ValueError("Activation: SILU_GLU takes no alpha / limit")
+            return
+        for name in ("alpha", "limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+                raise ValueError(f"Activation.{name}: expected a positive finite number for {self.kind.name}, "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind.value, "alpha": self.alpha, "limit": self.limit}
+
+    @classmethod
+    def from_json(cls, data) -> Activation:
+        """Inverse of :meth:`to_json`; None (an older pack, which has no activation) is SILU_GLU."""
+        if data is None:
+            return SILU_GLU
+        if not isinstance(data, dict) or set(data) != {"kind", "alpha", "limit"}:
+            raise ValueError(f"activation: expected {{'kind', 'alpha', 'limit'}}, got {data!r}")
+        try:
+            kind = ActivationKind(data["kind"])
+        except ValueError:
+            raise ValueError(f"activation.kind: expected one of {[k.value for k in ActivationKind]}, "
+                             f"got {data['kind']!r}") from None
+        return cls(kind, data["alpha"], data["limit"])
+
+
+SILU_GLU = Activation()
+# gpt-oss's constants (GptOssConfig.swiglu_limit = 7.0; alpha 1.702 in GptOssExperts).
+GPT_OSS_SWIGLU = Activation(ActivationKind.GPT_OSS_CLAMPED_SWIGLU, 1.702, 7.0)
+
+
+def apply_activation(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """The reference activation on (pre-activation, bias included) gate and up, elementwise."""
+    if activation.kind is ActivationKind.SILU_GLU:
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=activation.limit)
+    up = up.clamp(-activation.limit, activation.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
 
 
 @dataclass(frozen=True)
@@ -164,9 +239,13 @@ class PackedExpert:
     qweight: torch.Tensor  # (W, 3, H/2) uint8
     scales: torch.Tensor  # (W, 3, H/g) fp16
     zeros: torch.Tensor | None  # (W, 3, H/g) uint8, None when symmetric
+    bias: torch.Tensor | None = None  # (W, 2) float32: [gate bias, up bias] of neuron j in row j
+    down_bias: torch.Tensor | None = None  # (H,) float32, the expert's (not a neuron's)
+    activation: Activation = SILU_GLU
 
     def __post_init__(self) -> None:
         _check_packed_tensors(self.fmt, self.qweight, self.scales, self.zeros, leading=1, what="PackedExpert")
+        _check_biases(self.qweight, self.bias, self.down_bias, self.activation, leading=1, what="PackedExpert")
 
     @property
     def width(self) -> int:
@@ -181,31 +260,34 @@ class PackedExpert:
     def device(self) -> torch.device:
         return self.qweight.device
 
+    @property
+    def neuron_nbytes(self) -> int:
+        """Bytes per neuron: the format's, plus 8 for a (gate, up) fp32 bias pair."""
+        return self.fmt.neuron_nbytes(self.hidden_size) + (0 if self.bias is None else _BIAS_ROW_NBYTES)
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for t in (self.qweight, self.scales, self.zeros) if t is not None)
+        """The per-neuron tensors (row j = neuron j): qweight, scales[, zeros][, bias]."""
+        return tuple(t for t in (self.qweight, self.scales, self.zeros, self.bias) if t is not None)
 
     def nbytes(self, width: int | None = None) -> int:
-        """Exact bytes of the first ``width`` neurons (all tensors)."""
+        """Exact bytes of the first ``width`` neurons (all per-neuron tensors; the down bias, per
+        expert, is not included: ``down_bias.nbytes`` more)."""
         width = _check_prefix_width(width, self.width)
-        return width * self.fmt.neuron_nbytes(self.hidden_size)
+        return width * self.neuron_nbytes
 
     def prefix(self, width: int | None = None) -> PackedExpert:
-        """Zero-copy view of the first ``width`` neurons."""
+        """Zero-copy view of the first ``width`` neurons (the down bias whole)."""
         width = _check_prefix_width(width, self.width)
-        return PackedExpert(
-            self.fmt,
-            self.qweight[:width],
-            self.scales[:width],
-            None if self.zeros is None else self.zeros[:width],
-        )
+        return replace(self, qweight=self.qweight[:width], scales=self.scales[:width],
+                       zeros=None if self.zeros is None else self.zeros[:width],
+                       bias=None if self.bias is None else self.bias[:width])
 
     def to(self, device, non_blocking: bool = False) -> PackedExpert:
-        return PackedExpert(
-            self.fmt,
-            self.qweight.to(device, non_blocking=non_blocking),
-            self.scales.to(device, non_blocking=non_blocking),
-            None if self.zeros is None else self.zeros.to(device, non_blocking=non_blocking),
-        )
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return replace(self, qweight=move(self.qweight), scales=move(self.scales), zeros=move(self.zeros),
+                       bias=move(self.bias), down_bias=move(self.down_bias))
 
 
 @dataclass(frozen=True)
@@ -213,7 +295,8 @@ class PackedLayer:
     """All experts of one MoE layer, stacked: the leading axis is the expert.
 
     ``neuron_order[e, j]`` is the original index of stored neuron j of expert e, so the
-    original weights can be reconstructed (and checked) from the pack.
+    original weights can be reconstructed (and checked) from the pack. ``bias`` (E, I, 2) and
+    ``down_bias`` (E, H) float32 are present together or not at all (gpt-oss has both).
     """
 
     fmt: QuantFormat
@@ -221,9 +304,13 @@ class PackedLayer:
     scales: torch.Tensor  # (E, I, 3, H/g) fp16
     zeros: torch.Tensor | None  # (E, I, 3, H/g) uint8
     neuron_order: torch.Tensor  # (E, I) int64
+    bias: torch.Tensor | None = None  # (E, I, 2) float32, stored neuron order like qweight
+    down_bias: torch.Tensor | None = None  # (E, H) float32
+    activation: Activation = SILU_GLU
 
     def __post_init__(self) -> None:
         _check_packed_tensors(self.fmt, self.qweight, self.scales, self.zeros, leading=2, what="PackedLayer")
+        _check_biases(self.qweight, self.bias, self.down_bias, self.activation, leading=2, what="PackedLayer")
         expected = tuple(self.qweight.shape[:2])
         if self.neuron_order.dtype != torch.int64 or tuple(self.neuron_order.shape) != expected:
             raise ValueError(
@@ -243,36 +330,78 @@ class PackedLayer:
     def hidden_size(self) -> int:
         return self.qweight.shape[-1] * 2
 
+    @property
+    def neuron_nbytes(self) -> int:
+        """Bytes per neuron: the format's, plus 8 for a (gate, up) fp32 bias pair."""
+        return self.fmt.neuron_nbytes(self.hidden_size) + (0 if self.bias is None else _BIAS_ROW_NBYTES)
+
     def expert(self, index: int) -> PackedExpert:
         """Zero-copy view of expert ``index``."""
         if not 0 <= index < self.num_experts:
             raise IndexError(f"expert index {index} out of range for {self.num_experts} experts")
-        return PackedExpert(
-            self.fmt,
-            self.qweight[index],
-            self.scales[index],
-            None if self.zeros is None else self.zeros[index],
-        )
+        return self.expert_from_rows(
+            index, tuple(t[index] for t in (self.qweight, self.scales, self.zeros, self.bias) if t is not None))
+
+    def expert_rows(self, index: int, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Neurons ``start..stop`` of expert ``index``: views of each per-neuron tensor, in the order
+        of :meth:`PackedExpert.tensors`."""
+        return tuple(t[index, start:stop] for t in (self.qweight, self.scales, self.zeros, self.bias)
+                     if t is not None)
+
+    def expert_from_rows(self, index: int, rows: tuple[torch.Tensor, ...]) -> PackedExpert:
+        """The PackedExpert of expert ``index`` over per-neuron tensors ``rows`` (e.g. copies of
+        :meth:`expert_rows` on a device); its down bias is moved to their device."""
+        rows = list(rows)
+        qweight, scales = rows[0], rows[1]
+        zeros = None if self.zeros is None else rows[2]
+        bias = None if self.bias is None else rows[-1]
+        down_bias = None if self.down_bias is None else self.down_bias[index].to(qweight.device)
+        return PackedExpert(self.fmt, qweight, scales, zeros, bias, down_bias, self.activation)
 
     def nbytes(self) -> int:
-        """Bytes of all experts at full width (excluding ``neuron_order``)."""
-        return self.num_experts * self.intermediate_size * self.fmt.neuron_nbytes(self.hidden_size)
+        """Bytes of all experts at full width (excluding ``neuron_order`` and the down biases)."""
+        return self.num_experts * self.intermediate_size * self.neuron_nbytes
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"qweight": self.qweight, "scales": self.scales, "neuron_order": self.neuron_order}
-        if self.zeros is not None:
-            out["zeros"] = self.zeros
+        for name in ("zeros", "bias", "down_bias"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
+
+    def to(self, device) -> PackedLayer:
+        """Every tensor on ``device`` except ``neuron_order`` (host bookkeeping)."""
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return replace(self, qweight=move(self.qweight), scales=move(self.scales), zeros=move(self.zeros),
+                       bias=move(self.bias), down_bias=move(self.down_bias))
 
     def pin_memory(self) -> PackedLayer:
         """Copy into page-locked host memory (CUDA only), for asynchronous host-to-device copies."""
-        return PackedLayer(
-            self.fmt,
-            self.qweight.pin_memory(),
-            self.scales.pin_memory(),
-            None if self.zeros is None else self.zeros.pin_memory(),
-            self.neuron_order,
-        )
+        def pin(t):
+            return None if t is None else t.pin_memory()
+
+        return replace(self, qweight=pin(self.qweight), scales=pin(self.scales), zeros=pin(self.zeros),
+                       bias=pin(self.bias), down_bias=pin(self.down_bias))
+
+
+def _check_biases(qweight, bias, down_bias, activation, *, leading: int, what: str) -> None:
+    if not isinstance(activation, Activation):
+        raise TypeError(f"{what}.activation: expected a crisp_kernels.Activation, got {type(activation).__name__}")
+    if (bias is None) != (down_bias is None):
+        raise ValueError(f"{what}: bias and down_bias come together (gate/up biases per neuron and the down bias "
+                         f"per expert), got only {'bias' if down_bias is None else 'down_bias'}")
+    if bias is None:
+        return
+    want_bias = (*qweight.shape[:-2], 2)
+    want_down = (*qweight.shape[:leading - 1], qweight.shape[-1] * 2)
+    for name, t, want in (("bias", bias, want_bias), ("down_bias", down_bias, want_down)):
+        if not isinstance(t, torch.Tensor) or t.dtype != BIAS_DTYPE or tuple(t.shape) != want:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}.{name}: expected {BIAS_DTYPE} of shape {want}, got {got}")
+        if t.device != qweight.device:
+            raise ValueError(f"{what}.{name} is on {t.device}, the packed weights on {qweight.device}")
 
 
 def check_layer_values(layer: PackedLayer, what: str = "layer") -> None:
@@ -292,6 +421,10 @@ def check_layer_values(layer: PackedLayer, what: str = "layer") -> None:
     if layer.zeros is not None and layer.zeros.numel() and int(layer.zeros.max()) > QMAX:
         raise ValueError(f"{what}.zeros: zero point {int(layer.zeros.max())} is above {QMAX} (4-bit zero points lie "
                          f"in [0, {QMAX}])")
+    for name in ("bias", "down_bias"):
+        t = getattr(layer, name)
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{what}.{name}: {int((~torch.isfinite(t)).sum())} value(s) are NaN or infinite")
 
 
 def _check_packed_tensors(fmt, qweight, scales, zeros, *, leading: int, what: str) -> None:
@@ -369,12 +502,20 @@ def pack_layer(
     down_proj: torch.Tensor,
     fmt: QuantFormat = QuantFormat(),
     neuron_order: torch.Tensor | None = None,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: Activation = SILU_GLU,
 ) -> PackedLayer:
     """Quantize all experts of a layer in the transformers v5 layout.
 
     gate_up_proj: (E, 2I, H), gate half first; down_proj: (E, H, I).
     neuron_order: (E, I) permutation per expert; stored neuron j of expert e is original
     neuron ``neuron_order[e, j]``. None keeps the present order.
+    gate_up_bias (E, 2I) (gate half first) and down_bias (E, H): optional, together; kept in
+    float32 (not quantized), the gate/up biases permuted with their neurons.
+    activation: the model's (see :class:`Activation`), recorded with the layer.
+    gpt-oss's own layout goes through :func:`gpt_oss_to_v5` first.
     """
     fmt = check_format(fmt)
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
@@ -391,18 +532,60 @@ def pack_layer(
     fmt.check_hidden_size(hidden)
     _check_finite(gate_up_proj, "gate_up_proj")
     _check_finite(down_proj, "down_proj")
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError("gate_up_bias and down_bias: pass both or neither")
+    if gate_up_bias is not None:
+        for name, t, want in (("gate_up_bias", gate_up_bias, (num_experts, two_inter)),
+                              ("down_bias", down_bias, (num_experts, hidden))):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.is_floating_point():
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: expected a floating-point tensor of shape {want}, got {got}")
+            _check_finite(t, name)
+    if not isinstance(activation, Activation):
+        raise TypeError(f"activation: expected a crisp_kernels.Activation, got {type(activation).__name__}")
     if neuron_order is None:
         neuron_order = torch.arange(inter).expand(num_experts, inter)
     neuron_order = check_permutations(neuron_order, num_experts, inter)
     gate = gate_up_proj[:, :inter].detach()
     up = gate_up_proj[:, inter:].detach()
     down_t = down_proj.detach().transpose(1, 2)  # (E, I, H)
-    idx = neuron_order.to(gate.device).unsqueeze(-1).expand(num_experts, inter, hidden)
+    order = neuron_order.to(gate.device)
+    idx = order.unsqueeze(-1).expand(num_experts, inter, hidden)
     rows = torch.stack((gate.gather(1, idx), up.gather(1, idx), down_t.gather(1, idx)), dim=2)  # (E, I, 3, H)
     q, scales, zeros = quantize_rows(rows, fmt)
+    bias = out_down_bias = None
+    if gate_up_bias is not None:
+        gub = gate_up_bias.detach().to(device=gate.device, dtype=BIAS_DTYPE)
+        bias = torch.stack((gub[:, :inter].gather(1, order), gub[:, inter:].gather(1, order)), dim=-1).contiguous()
+        out_down_bias = down_bias.detach().to(device=gate.device, dtype=BIAS_DTYPE).contiguous()
     return PackedLayer(
-        fmt, pack_nibbles(q).contiguous(), scales.contiguous(), _contig(zeros), neuron_order.cpu().clone()
+        fmt, pack_nibbles(q).contiguous(), scales.contiguous(), _contig(zeros), neuron_order.cpu().clone(),
+        bias, out_down_bias, activation,
     )
+
+
+def gpt_oss_to_v5(
+    gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor, down_proj: torch.Tensor, down_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-oss's expert layout -> the v5 layout :func:`pack_layer` takes (views, no copy).
+
+    gpt-oss stores ``gate_up_proj (E, H, 2I)`` transposed with gate and up INTERLEAVED along the
+    last axis (gate j at 2j, up j at 2j + 1: ``_apply_gate`` reads ``[..., ::2]`` / ``[..., 1::2]``),
+    ``gate_up_proj_bias (E, 2I)`` interleaved the same way, ``down_proj (E, I, H)`` transposed and
+    ``down_proj_bias (E, H)``. Returns (gate_up_proj (E, 2I, H) gate half first, gate_up_bias (E, 2I)
+    gate half first, down_proj (E, H, I), down_bias (E, H)).
+    """
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] % 2:
+        raise ValueError(f"gate_up_proj: expected gpt-oss's (E, H, 2I), got {tuple(gate_up_proj.shape)}")
+    num_experts, hidden, two_inter = gate_up_proj.shape
+    for name, t, want in (("gate_up_proj_bias", gate_up_bias, (num_experts, two_inter)),
+                          ("down_proj", down_proj, (num_experts, two_inter // 2, hidden)),
+                          ("down_proj_bias", down_bias, (num_experts, hidden))):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected gpt-oss's {want}, got {tuple(t.shape)}")
+    gate_up = torch.cat((gate_up_proj[..., 0::2], gate_up_proj[..., 1::2]), dim=2).transpose(1, 2)
+    bias = torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=1)
+    return gate_up, bias, down_proj.transpose(1, 2), down_bias
 
 
 def check_permutations(order: torch.Tensor, num_experts: int, inter: int) -> torch.Tensor:
@@ -448,3 +631,13 @@ def dequantize_layer(layer: PackedLayer, dtype: torch.dtype = torch.float32) -> 
     gate_up = torch.cat((rows[:, :, Proj.GATE], rows[:, :, Proj.UP]), dim=1)
     down = rows[:, :, Proj.DOWN].transpose(1, 2).contiguous()
     return gate_up, down
+
+
+def layer_biases(layer: PackedLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's biases in the v5 layout and ORIGINAL neuron order, or None when it has none:
+    (gate_up_bias (E, 2I) gate half first, down_bias (E, H)), float32."""
+    if layer.bias is None:
+        return None
+    inverse = torch.argsort(layer.neuron_order.to(layer.bias.device), dim=1)  # (E, I)
+    bias = layer.bias.gather(1, inverse.unsqueeze(-1).expand_as(layer.bias))
+    return torch.cat((bias[..., 0], bias[..., 1]), dim=1), layer.down_bias

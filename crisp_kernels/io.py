@@ -6,9 +6,14 @@ One file holds any number of MoE layers of one model:
     layers.{L}.scales        (E, I, 3, H/g) fp16
     layers.{L}.zeros         (E, I, 3, H/g) uint8     (asymmetric format only)
     layers.{L}.neuron_order  (E, I) int64             original index of stored neuron j
+    layers.{L}.bias          (E, I, 2) float32        gate / up bias of stored neuron j (gpt-oss only)
+    layers.{L}.down_bias     (E, H) float32           per expert (gpt-oss only)
 
 and string metadata: format name and version, bits, group size, symmetric, H, I, E, the layer
-indices and ``tensor_sha256`` (JSON ``{tensor name: sha256 of its bytes}``).
+indices and ``tensor_sha256`` (JSON ``{tensor name: sha256 of its bytes}``); for a model with biases
+``has_bias`` ("true") and for an activation other than SiLU GLU ``activation`` (JSON of
+:meth:`Activation.to_json`). Both are absent otherwise, so a SiLU pack is byte for byte what it
+was before they existed, and a file without them loads as SiLU GLU without biases.
 
 Writing: the file is laid out here rather than by ``safetensors.save_file`` so that the same
 layers give the same bytes (safetensors keeps metadata in a hash map: its order changed from run
@@ -34,16 +39,18 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from .format import PackedLayer, QuantFormat, check_layer_values, check_permutations
+from .format import SILU_GLU, Activation, PackedLayer, QuantFormat, check_layer_values, check_permutations
 
 FORMAT_NAME = "crisp-packed-experts"
 FORMAT_VERSION = 1
 DIGESTS_KEY = "tensor_sha256"
+HAS_BIAS_KEY = "has_bias"
+ACTIVATION_KEY = "activation"
 # A pack header is a few KB per layer; a length field beyond this is corruption, not a pack.
 _MAX_HEADER_BYTES = 100 * 2**20
 
@@ -109,9 +116,12 @@ def check_uniform_layers(layers: Mapping[int, PackedLayer]) -> PackedLayer:
     for idx, layer in layers.items():
         if not isinstance(layer, PackedLayer):
             raise TypeError(f"layers[{idx}]: expected PackedLayer, got {type(layer).__name__}")
-        shape = (layer.num_experts, layer.intermediate_size, layer.hidden_size, layer.fmt)
-        if shape != (first.num_experts, first.intermediate_size, first.hidden_size, first.fmt):
-            raise ValueError(f"layers[{idx}]: all layers of one file must share E, I, H and the format")
+        shape = (layer.num_experts, layer.intermediate_size, layer.hidden_size, layer.fmt, layer.activation,
+                 layer.bias is None)
+        if shape != (first.num_experts, first.intermediate_size, first.hidden_size, first.fmt, first.activation,
+                     first.bias is None):
+            raise ValueError(f"layers[{idx}]: all layers of one file must share E, I, H, the format, the activation "
+                             f"and whether they have biases")
     return first
 
 
@@ -272,6 +282,10 @@ def save_packed(
         "layers": json.dumps(sorted(int(i) for i in layers)),
         DIGESTS_KEY: json.dumps({name: tensor_sha256(t) for name, t in sorted(tensors.items())}, sort_keys=True),
     }
+    if first.bias is not None:
+        metadata[HAS_BIAS_KEY] = "true"
+    if first.activation != SILU_GLU:
+        metadata[ACTIVATION_KEY] = json.dumps(first.activation.to_json(), sort_keys=True)
     for key, value in (extra_metadata or {}).items():
         if key in metadata:
             raise ValueError(f"extra_metadata: key {key!r} is reserved")
@@ -351,6 +365,21 @@ def _parse_metadata(path: Path, metadata: Mapping[str, str]):
     return fmt, hidden, inter, num_experts, layer_ids
 
 
+def _parse_model_math(path: Path, metadata: Mapping[str, str]) -> tuple[bool, Activation]:
+    """(has biases, activation) from the optional metadata fields (absent: no biases, SiLU GLU)."""
+    has_bias = metadata.get(HAS_BIAS_KEY)
+    if has_bias not in (None, "true"):
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid ({HAS_BIAS_KEY}={has_bias!r}: expected "
+                              f"'true' or no such field)")
+    activation = SILU_GLU
+    if ACTIVATION_KEY in metadata:
+        try:
+            activation = Activation.from_json(json.loads(metadata[ACTIVATION_KEY]))
+        except (json.JSONDecodeError, RecursionError, TypeError, ValueError) as exc:
+            raise PackFormatError(f"{path}: metadata is incomplete or invalid ({ACTIVATION_KEY}: {exc})") from None
+    return has_bias is not None, activation
+
+
 def _recorded_digests(path: Path, metadata: Mapping[str, str]) -> dict[str, str] | None:
     if DIGESTS_KEY not in metadata:
         return None
@@ -388,6 +417,10 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     }
     if not fmt.symmetric:
         expected["zeros"] = ((num_experts, inter, 3, groups), torch.uint8)
+    has_bias, activation = _parse_model_math(path, metadata)
+    if has_bias:
+        expected["bias"] = ((num_experts, inter, 2), torch.float32)
+        expected["down_bias"] = ((num_experts, hidden), torch.float32)
     layers: dict[int, PackedLayer] = {}
     for idx in layer_ids:
         found = {}
@@ -405,7 +438,8 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
             check_permutations(found["neuron_order"], num_experts, inter)
         except ValueError as exc:
             raise PackFormatError(f"{path}: layers.{idx}.{exc}") from exc
-        layer = PackedLayer(fmt, found["qweight"], found["scales"], found.get("zeros"), found["neuron_order"])
+        layer = PackedLayer(fmt, found["qweight"], found["scales"], found.get("zeros"), found["neuron_order"],
+                            found.get("bias"), found.get("down_bias"), activation)
         try:
             check_layer_values(layer, f"layers.{idx}")
         except ValueError as exc:
@@ -427,8 +461,7 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                                          f"save; the file is corrupt")
     if device.type != "cpu":
         try:
-            layers = {idx: PackedLayer(lay.fmt, *(None if t is None else t.to(device) for t in
-                                                  (lay.qweight, lay.scales, lay.zeros)), lay.neuron_order.to(device))
+            layers = {idx: replace(lay.to(device), neuron_order=lay.neuron_order.to(device))
                       for idx, lay in layers.items()}
         except (RuntimeError, AssertionError) as exc:  # no such device / torch built without CUDA
             raise ValueError(f"device: cannot place the packed layers on {device} ({exc})") from None
