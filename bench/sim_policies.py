@@ -105,7 +105,8 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
     widths = sorted({max(1, round(f * inter)) for f in UNIFORM_FRACTIONS}
                     | ({plans["uniform"].uniform_width} if "uniform" in plans else set()))
     for w in widths:
-        out.append((SimPolicy("uniform", CrispPlan.uniform(e, k, inter, ids, w), exact, "next_use", prefetch),
+        out.append((SimPolicy("uniform", CrispPlan.uniform(e, k, inter, ids, w), exact, "next_use", prefetch,
+                              variant=f"w{w}"),
                     {"family": "uniform", "knob": "uniform_width", "knob_value": w}))
     num_dominant = plans["crisp"].num_dominant if "crisp" in plans else 1
     thresholds: list[float | None] = list(SKIP_THRESHOLDS)
@@ -114,7 +115,8 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
     thresholds.append(None)  # always skip
     for th in sorted(set(thresholds), key=lambda x: math.inf if x is None else x):
         plan = CrispPlan.skip_aux(e, k, inter, ids, threshold=th, num_dominant=num_dominant)
-        out.append((SimPolicy("skip_aux", plan, exact, "next_use", prefetch),
+        out.append((SimPolicy("skip_aux", plan, exact, "next_use", prefetch,
+                              variant="always" if th is None else f"t{th:.3g}"),
                     {"family": "skip_aux", "knob": "skip_threshold", "knob_value": th}))
     return out
 

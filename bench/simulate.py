@@ -78,6 +78,7 @@ class SimPolicy:
     serving: ServingPolicy = field(default_factory=ServingPolicy)
     eviction: str = "lru"
     prefetch: bool = False
+    variant: str = ""  # the plan's knob when one run sweeps it, e.g. "w96" (uniform width), "t0.3" (threshold)
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTIONS:
@@ -85,8 +86,9 @@ class SimPolicy:
 
     @property
     def label(self) -> str:
-        """e.g. ``crisp/resident/next_use+prefetch``: unique per configuration in one run."""
-        return f"{self.name}/{self.serving.name}/{self.eviction}" + ("+prefetch" if self.prefetch else "")
+        """e.g. ``crisp/resident/next_use+prefetch``, ``uniform@w96/plan/next_use``: unique in one run."""
+        name = f"{self.name}@{self.variant}" if self.variant else self.name
+        return f"{name}/{self.serving.name}/{self.eviction}" + ("+prefetch" if self.prefetch else "")
 
 
 # ---------------------------------------------------------------------------- flow shop
