@@ -23,6 +23,14 @@ CUDA (``async_copies=True``, the default there), GPU-only code marked below:
 - after an expert's kernels an event is recorded on the compute stream; evicting that prefix
   waits on it first, so that freed bytes are really free and the budget stays a hard limit.
 
+Hybrid placement (``ServingPolicy.placement`` other than GPU, issue 11): the scheduler marks
+some tasks ``on_cpu``. Before the GPU's tasks are issued, those go as one job to the runtime's
+CPU worker thread (``cpu_experts.CpuWorker``): it reads each expert's prefix rows from the host
+store (nothing copied, nothing admitted to the ledger) and accumulates into a (T, H) float32
+partial output on the CPU; after the GPU's tasks are issued the executor waits for the job and
+adds the partial to the accumulator (one small host-to-device copy on CUDA). On a CPU-only
+machine the same path runs, the "GPU" tasks on the CPU too.
+
 A hit needs no wait: the step that copied (or widened) a prefix waited on its copy before its
 first kernel, and every later kernel is behind that one on the same compute stream. The one
 exception is a prefetched prefix (:meth:`CrispRuntime.prefetch`): its copy was issued on the
@@ -45,6 +53,7 @@ from .eviction import make_policy
 from .host_store import HostStore
 from .plan import CrispPlan
 from .prefetch import PrefetchPolicy
+from .cpu_experts import CpuWorker, accumulate_cpu_, cpu_kernel
 from .residency import Decision
 from .scheduler import CostModel, StepPlan, TaskOrder
 from .serving import ServedSlots, ServingPolicy, make_serving, plan_served_step
@@ -106,8 +115,7 @@ def min_budget_bytes(layers: Mapping[int, PackedLayer], top_k: int) -> int:
     A step that needs more at once (prefill touching many experts) is streamed: experts already
     computed in the step are evicted to make room for later ones.
     """
-    return top_k * max(layer.intermediate_size * layer.fmt.neuron_nbytes(layer.hidden_size) for layer in
-                       layers.values())
+    return top_k * max(layer.intermediate_size * layer.neuron_nbytes for layer in layers.values())
 
 
 class CrispRuntime:
@@ -144,7 +152,7 @@ class CrispRuntime:
         self.layers = dict(self.store.layers) if self.store is not None else dict(self.cache.layers)
         first = self.layers[self.layer_ids[0]]
         self.num_experts = first.num_experts
-        self._nb = {i: layer.fmt.neuron_nbytes(layer.hidden_size) for i, layer in self.layers.items()}
+        self._nb = {i: layer.neuron_nbytes for i, layer in self.layers.items()}  # + 8 B per gpt-oss bias pair
         self._hidden = {i: layer.hidden_size for i, layer in self.layers.items()}
         self.stats = RuntimeStats(self.layer_ids)
         self.last_step: dict[int, StepPlan] = {}
@@ -153,8 +161,21 @@ class CrispRuntime:
         self.last_timings: dict[int, list[tuple[float, float]]] = {}
         self._step_keys: frozenset = frozenset()  # keys of the last planned step: a prefetch never evicts them
         self._copy_stream = None  # GPU-only, created on first use
+        self._cpu = CpuWorker()  # hybrid placement: the CPU's experts run on its thread (created on first use)
+        self._cpu_kernel = cpu_kernel() if self.serving.placement.uses_cpu else None
+        if self.serving.placement.uses_cpu:
+            if self.store is None:
+                raise ValueError(f"serving placement {self.serving.placement.value!r} computes experts on the CPU "
+                                 "from host memory: it needs a gpu_budget (experts offloaded to host memory)")
+            if not config.cost.has_cpu:
+                raise ValueError(f"serving placement {self.serving.placement.value!r} needs RuntimeConfig.cost "
+                                 "with cpu_bytes_per_s (the CPU's measured bandwidth)")
         # GPU-only: with no offload (ResidentExperts) nothing is ever copied, so there is nothing to overlap.
         self._async = config.async_copies and self.device.type == "cuda" and isinstance(self.cache, PrefixCache)
+
+    def close(self) -> None:
+        """Stop the CPU worker thread, if one was started (``CrispHandle.restore`` calls this)."""
+        self._cpu.close()
 
     def set_plan(self, plan: CrispPlan) -> None:
         first = self.layers[self.layer_ids[0]]
@@ -224,15 +245,52 @@ class CrispRuntime:
                              f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
 
     def _run(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats) -> None:
+        n_gpu = sum(1 for t in step.tasks if not t.on_cpu)
+        if n_gpu == len(step.tasks):
+            self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks)
+            return
+        job = self._submit_cpu(layer_id, step, x, top_k_weights, step.tasks[n_gpu:], stats)
+        try:
+            if n_gpu:
+                self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks[:n_gpu])
+        finally:
+            partial = job.result()  # re-raises the worker's exception; never leaves it writing
+        out += partial.to(self.device, non_blocking=self.device.type == "cuda")  # the one small join copy
+
+    def _submit_cpu(self, layer_id: int, step: StepPlan, x, top_k_weights, tasks, stats: LayerStats):
+        """Hand the step's CPU tasks to the worker; returns the future of their (T, H) float32 partial."""
+        store, nb, kernel = self.store, self._nb[layer_id], self._cpu_kernel
+        first, last = tasks[0].start, tasks[-1].stop
+        pos = step.flat_pos[first:last]  # CPU tasks are contiguous at the end of the step's order
+        widths = step.flat_widths[first:last]
+        rows = torch.div(pos, step.top_k, rounding_mode="floor")
+        weights = top_k_weights.detach().reshape(-1).to("cpu", torch.float32)[pos]
+        x_cpu = x.detach().to("cpu")  # (T, H): one small device-to-host copy of the activations
+        counts = [t.stop - t.start for t in tasks]
+        parts = list(zip(tasks, rows.split(counts), weights.split(counts), widths.split(counts), strict=True))
+        for t in tasks:
+            stats.cpu_runs += 1
+            stats.cpu_bytes_read += t.width * nb
+
+        def work():
+            partial = torch.zeros(x_cpu.shape, dtype=torch.float32)
+            for t, r, w, tw in parts:
+                accumulate_cpu_(partial, x_cpu, store.expert(layer_id, t.expert), t.width, r, w, tw, kernel)
+            return partial
+
+        return self._cpu.submit(work)
+
+    def _run_gpu(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats, tasks) -> None:
         device = self.device
         if device.type == "cpu":
             flat_pos, flat_widths = step.flat_pos, step.flat_widths
         else:  # one host-to-device transfer for both
             flat = torch.stack((step.flat_pos, step.flat_widths)).to(device)
             flat_pos, flat_widths = flat[0], flat[1]
+        if len(tasks) != len(step.tasks):  # hybrid: the GPU's tasks are the first ones, their slots a prefix
+            flat_pos, flat_widths = flat_pos[:tasks[-1].stop], flat_widths[:tasks[-1].stop]
         rows = torch.div(flat_pos, step.top_k, rounding_mode="floor")
         weights = top_k_weights.detach().reshape(-1)[flat_pos].to(torch.float32)
-        tasks = step.tasks
         # One split per tensor per step, not a slice per expert (each slice is a ~1 us dispatch).
         counts = [t.stop - t.start for t in tasks]
         rows_s, weights_s, widths_s = rows.split(counts), weights.split(counts), flat_widths.split(counts)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scheduler import CostModel, StepPlan, TaskOrder, plan_step
+from .scheduler import CostModel, Placement, StepPlan, TaskOrder, plan_step
 
 
 class HitWidth(enum.Enum):
@@ -76,11 +76,16 @@ class ServingPolicy:
     aux_narrower: AuxNarrower = AuxNarrower.WIDEN
     aux_missing: AuxMissing = AuxMissing.LOAD
     dominant_floor: float = 1.0  # fraction of the full width a dominant never goes below
+    # Where the step's experts are computed (issue 11): GPU only (default), or with the host CPU
+    # (``scheduler.Placement``): a CPU-served expert runs at its served width from host memory and is
+    # neither copied nor admitted by the residency ledger.
+    placement: Placement = Placement.GPU
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ServingPolicy: name must be a non-empty string, got {self.name!r}")
-        for attr, kind in (("hit_width", HitWidth), ("aux_narrower", AuxNarrower), ("aux_missing", AuxMissing)):
+        for attr, kind in (("hit_width", HitWidth), ("aux_narrower", AuxNarrower), ("aux_missing", AuxMissing),
+                           ("placement", Placement)):
             value = getattr(self, attr)
             if not isinstance(value, kind):
                 try:
@@ -102,12 +107,15 @@ class ServingPolicy:
         return min(wanted, math.ceil(self.dominant_floor * full))
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "hit_width": self.hit_width.value, "aux_narrower": self.aux_narrower.value,
-                "aux_missing": self.aux_missing.value, "dominant_floor": self.dominant_floor}
+        out = {"name": self.name, "hit_width": self.hit_width.value, "aux_narrower": self.aux_narrower.value,
+               "aux_missing": self.aux_missing.value, "dominant_floor": self.dominant_floor}
+        if self.placement is not Placement.GPU:  # GPU-only dicts stay as they were before issue 11
+            out["placement"] = self.placement.value
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> ServingPolicy:
-        unknown = set(data) - {"name", "hit_width", "aux_narrower", "aux_missing", "dominant_floor"}
+        unknown = set(data) - {"name", "hit_width", "aux_narrower", "aux_missing", "dominant_floor", "placement"}
         if unknown:
             raise ValueError(f"ServingPolicy: unknown keys {sorted(unknown)}")
         return cls(**data)
@@ -120,6 +128,12 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
     "resident": ServingPolicy("resident", HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD, 1.0),
     "resident-floor75": ServingPolicy("resident-floor75", HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD,
                                       0.75),
+    # Issue 11, with the host CPU: every slot at the plan's width; per step the split GPU / CPU of
+    # minimal makespan ("hybrid"); resident experts on the GPU and all others on the CPU, nothing
+    # copied ("static_hybrid", llama.cpp --n-cpu-moe style with pinned experts); all on the CPU.
+    "hybrid": ServingPolicy("hybrid", placement=Placement.HYBRID),
+    "static_hybrid": ServingPolicy("static_hybrid", placement=Placement.STATIC),
+    "cpu_only": ServingPolicy("cpu_only", placement=Placement.CPU),
 }
 
 
@@ -231,5 +245,6 @@ def plan_served_step(policy: ServingPolicy, plan, layer_id: int, top_k_index: to
     served = serve_slots(policy, top_k_index, wanted, dominant, num_experts=num_experts,
                          full_width=plan.intermediate_size, resident_width=resident_width)
     step = plan_step(top_k_index, served.widths, num_experts=num_experts, neuron_nbytes=neuron_nbytes,
-                     resident_width=resident_width, cost=CostModel() if cost is None else cost, order=order)
+                     resident_width=resident_width, cost=CostModel() if cost is None else cost, order=order,
+                     placement=policy.placement)
     return served, step

@@ -31,6 +31,9 @@ Definitions (all JSON-friendly ints/floats):
 - Prefetch (``CrispRuntime.prefetch``): ``prefetches`` admitted, ``prefetch_bytes`` copied,
   ``prefetch_rejected`` (did not fit without evicting what the step needs), ``prefetch_hits``
   demands served without a copy by a prefetch not used before.
+- Hybrid placement (``ServingPolicy.placement``, issue 11): ``cpu_runs`` experts computed on the
+  host CPU from host memory (not copied, not counted in hits / misses / ``expert_runs``),
+  ``cpu_bytes_read`` the bytes of the prefixes they read.
 
 The per-token figures (``bytes_h2d_per_token``, ``bytes_read_per_token``) divide by real tokens.
 ``LayerStats.tokens`` is what the executor counts, every position; ``as_dict`` reports it as
@@ -69,6 +72,8 @@ class LayerStats:
     prefetch_bytes: int = 0
     prefetch_rejected: int = 0
     prefetch_hits: int = 0
+    cpu_runs: int = 0  # experts computed on the host CPU (hybrid placement): not copied, not in hits/misses
+    cpu_bytes_read: int = 0  # host bytes of the prefixes they read
 
     def add(self, other: LayerStats) -> None:
         for f in fields(self):
@@ -78,7 +83,7 @@ class LayerStats:
 _SUMMED = ("bytes_h2d", "bytes_read", "bytes_routed", "hits", "misses", "widenings", "evictions", "expert_runs",
            "skipped", "copy_ms", "step_ms", "fallbacks", "serving_skips", "served_wider", "served_dominant_slots",
            "served_dominant_neurons", "served_aux_slots", "served_aux_neurons", "prefetches", "prefetch_bytes",
-           "prefetch_rejected", "prefetch_hits")
+           "prefetch_rejected", "prefetch_hits", "cpu_runs", "cpu_bytes_read")
 
 
 class RuntimeStats:
