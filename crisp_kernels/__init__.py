@@ -26,9 +26,9 @@ from .format import (
     QuantFormat,
     dequantize_expert,
     dequantize_layer,
-    pack_expert,
     gpt_oss_to_v5,
     layer_biases,
+    pack_expert,
     pack_layer,
 )
 from .io import PackFormatError, load_packed, read_packed_metadata, save_packed

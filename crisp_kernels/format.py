@@ -79,7 +79,8 @@ class Activation:
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ActivationKind):
-            raise TypeError(f"Activation.kind: expected an ActivationKind, got {type(self.kind).__name__} {self.kind!r}")
+            raise TypeError(f"Activation.kind: expected an ActivationKind, got {type(self.kind).__name__} "
+                            f"{self.kind!r}")
         if self.kind is ActivationKind.SILU_GLU:
             if self.alpha is not None or self.limit is not None:
                 raise ValueError("Activation: SILU_GLU takes no alpha / limit")

@@ -179,8 +179,8 @@ class PrefixCache:
                 buf[:old].copy_(entry.expert.tensors()[i])
             buf[old:].copy_(src, non_blocking=non_blocking)
             out.append(buf)
-        fmt = self.store.layer(layer_id).fmt
-        return PackedExpert(fmt, out[0], out[1], out[2] if len(out) > 2 else None)
+        # the down bias (gpt-oss: 4H bytes per expert, outside the ledger) goes with the expert
+        return self.store.layer(layer_id).expert_from_rows(expert, tuple(out))
 
 
 class ResidentExperts:
@@ -215,10 +215,4 @@ class ResidentExperts:
 def _layer_to(layer: PackedLayer, device: torch.device) -> PackedLayer:
     if layer.qweight.device == device:
         return layer
-    return PackedLayer(
-        layer.fmt,
-        layer.qweight.to(device),
-        layer.scales.to(device),
-        None if layer.zeros is None else layer.zeros.to(device),
-        layer.neuron_order,
-    )
+    return layer.to(device)  # every tensor but neuron_order, biases (gpt-oss) included

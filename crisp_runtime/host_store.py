@@ -9,6 +9,7 @@ a copy of rows ``k0..k1`` of expert ``e`` reads a contiguous slice of each tenso
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -41,29 +42,18 @@ class HostStore:
         return self.layers[layer_id].expert(expert)
 
     def neuron_nbytes(self, layer_id: int) -> int:
-        layer = self.layers[layer_id]
-        return layer.fmt.neuron_nbytes(layer.hidden_size)
+        return self.layers[layer_id].neuron_nbytes  # the format's bytes, + 8 for a gpt-oss (gate, up) bias pair
 
     def full_width(self, layer_id: int) -> int:
         return self.layers[layer_id].intermediate_size
 
     def rows(self, layer_id: int, expert: int, start: int, stop: int) -> tuple[torch.Tensor, ...]:
         """Host slices holding neurons ``start..stop`` of one expert (contiguous views)."""
-        layer = self.layers[layer_id]
-        out = [layer.qweight[expert, start:stop], layer.scales[expert, start:stop]]
-        if layer.zeros is not None:
-            out.append(layer.zeros[expert, start:stop])
-        return tuple(out)
+        return self.layers[layer_id].expert_rows(expert, start, stop)  # qweight, scales[, zeros][, bias]
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers.values())
 
 
 def _to_cpu(layer: PackedLayer) -> PackedLayer:
-    return PackedLayer(
-        layer.fmt,
-        layer.qweight.cpu(),
-        layer.scales.cpu(),
-        None if layer.zeros is None else layer.zeros.cpu(),
-        layer.neuron_order.cpu(),
-    )
+    return replace(layer.to("cpu"), neuron_order=layer.neuron_order.cpu())  # biases (gpt-oss) included

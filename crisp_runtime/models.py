@@ -3,15 +3,19 @@
 transformers v5 routes every MoE family decorated with ``@use_experts_implementation``
 through one interface: the experts module gets ``(hidden_states (T, H), top_k_index (T, k),
 top_k_weights (T, k))`` and holds ``gate_up_proj (E, 2I, H)`` (gate half first) and
-``down_proj (E, H, I)``. We support exactly that layout with SiLU gating; everything else
-(transposed, interleaved, biased, post-expert norms, other activations: e.g. gpt-oss) is
-refused with the reason. Nothing here imports transformers: we only read attributes that
-the decorator sets on each experts module.
+``down_proj (E, H, I)``. We support that layout with SiLU gating (:attr:`ExpertsLayout.FUSED`),
+and gpt-oss's (:attr:`ExpertsLayout.GPT_OSS`: ``gate_up_proj (E, H, 2I)`` transposed with gate and
+up interleaved, ``down_proj (E, I, H)``, biases ``gate_up_proj_bias (E, 2I)`` / ``down_proj_bias
+(E, H)``, its clamped SwiGLU with the module's ``alpha`` / ``limit``), recognised by its class's
+own ``_apply_gate``. Everything else (other transposed, interleaved or biased layouts, post-expert
+norms, other activations) is refused with the reason. Nothing here imports transformers at import
+time: we read attributes that the decorator sets on each experts module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,11 +23,31 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from crisp_kernels import SILU_GLU, Activation, ActivationKind, gpt_oss_to_v5
+
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 class UnsupportedModelError(ValueError):
     """The model has no MoE layers CRISP can run, or one of them has an unsupported layout."""
+
+
+class ExpertsLayout(enum.Enum):
+    """How an experts module stores its weights (and which activation it applies)."""
+
+    FUSED = "fused"  # gate_up_proj (E, 2I, H) gate half first, down_proj (E, H, I), silu(gate) * up
+    GPT_OSS = "gpt-oss"  # transposed, interleaved, biased, clamped SwiGLU (module docstring)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One layer's expert weights in the v5 layout ``crisp_kernels.pack_layer`` takes (views)."""
+
+    gate_up_proj: torch.Tensor  # (E, 2I, H), gate half first
+    down_proj: torch.Tensor  # (E, H, I)
+    gate_up_bias: torch.Tensor | None  # (E, 2I), gate half first
+    down_bias: torch.Tensor | None  # (E, H)
+    activation: Activation
 
 
 @dataclass(frozen=True)
@@ -33,6 +57,7 @@ class MoeLayerRef:
     layer_id: int  # index of the decoder layer that holds it (plan and pack keys)
     name: str  # module path, e.g. "model.layers.3.mlp.experts"
     module: nn.Module = field(compare=False, repr=False)
+    layout: ExpertsLayout = ExpertsLayout.FUSED
 
     @property
     def num_experts(self) -> int:
@@ -40,11 +65,33 @@ class MoeLayerRef:
 
     @property
     def intermediate_size(self) -> int:
-        return self.module.down_proj.shape[-1]
+        down = self.module.down_proj
+        return down.shape[1] if self.layout is ExpertsLayout.GPT_OSS else down.shape[-1]
 
     @property
     def hidden_size(self) -> int:
-        return self.module.down_proj.shape[1]
+        down = self.module.down_proj
+        return down.shape[2] if self.layout is ExpertsLayout.GPT_OSS else down.shape[1]
+
+    @property
+    def activation(self) -> Activation:
+        if self.layout is ExpertsLayout.GPT_OSS:
+            return Activation(ActivationKind.GPT_OSS_CLAMPED_SWIGLU, float(self.module.alpha), float(self.module.limit))
+        return SILU_GLU
+
+    @property
+    def has_bias(self) -> bool:
+        return self.layout is ExpertsLayout.GPT_OSS
+
+    def weights(self) -> ExpertWeights:
+        """The module's expert weights in the v5 layout (views of its parameters, no copy)."""
+        m = self.module
+        if self.layout is ExpertsLayout.GPT_OSS:
+            gate_up, gate_up_bias, down, down_bias = gpt_oss_to_v5(m.gate_up_proj.detach(),
+                                                                   m.gate_up_proj_bias.detach(),
+                                                                   m.down_proj.detach(), m.down_proj_bias.detach())
+            return ExpertWeights(gate_up, down, gate_up_bias, down_bias, self.activation)
+        return ExpertWeights(m.gate_up_proj.detach(), m.down_proj.detach(), None, None, SILU_GLU)
 
 
 def _is_experts_module(module: nn.Module) -> bool:
@@ -54,8 +101,54 @@ def _is_experts_module(module: nn.Module) -> bool:
     )
 
 
+def experts_layout(module: nn.Module) -> ExpertsLayout | str:
+    """The layout of a supported experts module, or why CRISP cannot run it (a str)."""
+    if _gpt_oss_apply_gate() is not None and type(module)._apply_gate is _gpt_oss_apply_gate():
+        reason = _gpt_oss_reason(module)
+        return ExpertsLayout.GPT_OSS if reason is None else f"gpt-oss experts: {reason}"
+    reason = unsupported_reason(module)
+    return ExpertsLayout.FUSED if reason is None else reason
+
+
+def _gpt_oss_apply_gate():
+    """gpt-oss's clamped SwiGLU as transformers defines it (imported lazily), or None."""
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:  # pragma: no cover - transformers without gpt-oss
+        return None
+    return GptOssExperts._apply_gate
+
+
+def _gpt_oss_reason(module: nn.Module) -> str | None:
+    """Why a module with gpt-oss's gate does not have gpt-oss's layout, or None."""
+    flags = {name: getattr(module, name, None) for name in ("has_gate", "has_bias", "is_transposed",
+                                                           "is_concatenated", "has_post_expert_norm")}
+    if flags != {"has_gate": True, "has_bias": True, "is_transposed": True, "is_concatenated": False,
+                 "has_post_expert_norm": False}:
+        return f"expected transposed, interleaved, biased experts without a post-expert norm, got {flags}"
+    tensors = {n: getattr(module, n, None) for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                     "down_proj_bias")}
+    if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        return f"it lacks one of {list(tensors)}"
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    gate_up = shapes["gate_up_proj"]
+    if len(gate_up) != 3 or gate_up[2] % 2:
+        return f"expected gate_up_proj (E, H, 2I), got {gate_up}"
+    num_experts, hidden, two_inter = gate_up
+    want = {"gate_up_proj": gate_up, "gate_up_proj_bias": (num_experts, two_inter),
+            "down_proj": (num_experts, two_inter // 2, hidden), "down_proj_bias": (num_experts, hidden)}
+    if shapes != want:
+        return f"expected shapes {want}, got {shapes}"
+    try:
+        Activation(ActivationKind.GPT_OSS_CLAMPED_SWIGLU, getattr(module, "alpha", None),
+                   getattr(module, "limit", None))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def unsupported_reason(module: nn.Module) -> str | None:
-    """Why CRISP cannot run this experts module, or None when it can."""
+    """Why CRISP cannot run this module as a FUSED (v5, SiLU) experts module, or None when it can."""
     if not getattr(module, "has_gate", False):
         return "its experts have no gate projection (only up_proj)"
     if getattr(module, "has_bias", False):
@@ -105,14 +198,14 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayerRef]:
     for name, module in model.named_modules():
         if not _is_experts_module(module):
             continue
-        reason = unsupported_reason(module)
-        if reason is not None:
+        layout = experts_layout(module)
+        if isinstance(layout, str):
             raise UnsupportedModelError(
-                f"{type(module).__name__} at {name!r} is not supported by CRISP: {reason}"
+                f"{type(module).__name__} at {name!r} is not supported by CRISP: {layout}"
             )
         match = _LAYER_INDEX.search(name)
         layer_id = int(match.group(1)) if match else len(refs)
-        refs.append(MoeLayerRef(layer_id, name, module))
+        refs.append(MoeLayerRef(layer_id, name, module, layout))
     if not refs:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no MoE experts module using transformers' experts interface "

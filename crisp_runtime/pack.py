@@ -120,17 +120,17 @@ def pack_model(model, fmt: QuantFormat | None = None, neuron_orders: Mapping[int
     fmt = QuantFormat() if fmt is None else fmt
     out = {}
     for ref in find_moe_layers(model):
-        gate_up, down = ref.module.gate_up_proj, ref.module.down_proj
-        if gate_up.is_meta or down.is_meta:
+        if ref.module.gate_up_proj.is_meta or ref.module.down_proj.is_meta:
             raise ValueError(f"{ref.name}: the expert weights are not loaded (meta tensors); nothing to pack")
+        w = ref.weights()  # the v5 layout (gpt-oss's de-interleaved, with its biases and activation)
         order = None if neuron_orders is None else neuron_orders.get(ref.layer_id)
         try:
-            layer = pack_layer(gate_up.detach(), down.detach(), fmt, order)
+            layer = pack_layer(w.gate_up_proj, w.down_proj, fmt, order, gate_up_bias=w.gate_up_bias,
+                               down_bias=w.down_bias, activation=w.activation)
         except ValueError as exc:
             raise ValueError(f"{ref.name}: {exc}") from exc
         if layer.qweight.device.type != "cpu":
-            layer = PackedLayer(layer.fmt, layer.qweight.cpu(), layer.scales.cpu(),
-                                None if layer.zeros is None else layer.zeros.cpu(), layer.neuron_order.cpu())
+            layer = layer.to("cpu")
         out[ref.layer_id] = layer
     return out
 
@@ -517,6 +517,9 @@ def check_layers_fit_model(layers: Mapping[int, PackedLayer], model, *, info: Ma
         if want != got:
             problems.append(f"layer {ref.layer_id}: (experts, intermediate, hidden) = {got} in the pack, "
                             f"{want} in the model")
+        if (layer.activation, layer.bias is not None) != (ref.activation, ref.has_bias):
+            problems.append(f"layer {ref.layer_id}: activation {layer.activation} (biases: {layer.bias is not None}) "
+                            f"in the pack, {ref.activation} (biases: {ref.has_bias}) in the model")
     if info:
         mi = model_info(model)
         for key in ("model_type", "num_hidden_layers", "top_k"):

@@ -56,5 +56,10 @@ def test_refuses_models_without_supported_experts():
         vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, head_dim=16,
     )
-    with pytest.raises(UnsupportedModelError, match="GptOssExperts.*biases"):
-        find_moe_layers(transformers.GptOssForCausalLM(cfg))
+    model = transformers.GptOssForCausalLM(cfg)
+    assert [r.layout.value for r in find_moe_layers(model)] == ["gpt-oss"]  # supported (tests/test_gptoss_dropin.py)
+    # the same layout with another gating function (the only math CRISP runs is gpt-oss's own) is refused
+    experts = model.model.layers[0].mlp.experts
+    experts.__class__ = type("OtherGateExperts", (type(experts),), {"_apply_gate": lambda self, gate_up: gate_up})
+    with pytest.raises(UnsupportedModelError, match="OtherGateExperts.*biases"):
+        find_moe_layers(model)
