@@ -243,9 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy", metavar="EVAL.json", action="append", default=None, type=ca.nonempty_path,
                    help="evaluation JSON(s) giving accuracy_loss per configuration (crisp-eval --json; the "
                    "runtime-in-the-loop serving evaluation); default: those under docs/ for the traced model")
-    p.add_argument("--from-json", metavar="SIM.json", type=ca.nonempty_path, default=None,
-                   help="re-report the records of an earlier `simulate --json` run of the same trace and options "
-                   "(tables, headline, plot, JSON) with accuracy attached anew from --accuracy, without simulating")
+    p.add_argument("--from-json", metavar="SIM.json", type=ca.nonempty_path, action="append", default=None,
+                   help="re-report the records of earlier `simulate --json` runs of the same trace (repeatable: "
+                   "their records are merged) with accuracy attached anew from --accuracy, without simulating")
     p.add_argument("--warmup", type=ca.nonnegative_int, default=None,
                    help="tokens that fill the cache first, not counted (default: min(32, a quarter of the trace))")
     _outputs(p)
@@ -388,8 +388,9 @@ def _cmd_simulate(args) -> int:
     for n in notes:
         print(f"  {n}")
     if args.from_json:
-        records, budgets = _previous_records(args.from_json)
-        print(f"  records of {args.from_json} re-reported (not simulated again); accuracy attached anew")
+        records = [r for path in args.from_json for r in _previous_records(path)]
+        budgets = sorted({r["budget_fraction"] for r in records})
+        print(f"  records of {', '.join(args.from_json)} re-reported (not simulated again); accuracy attached anew")
     else:
         records = []
         for b in budgets:
@@ -568,8 +569,8 @@ def _print_simulation(records, budgets, args, shape) -> None:
                                              "router order"))
 
 
-def _previous_records(path) -> tuple[list[dict], list[float]]:
-    """The records (and budgets) of an earlier ``simulate --json`` document."""
+def _previous_records(path) -> list[dict]:
+    """The records of an earlier ``simulate --json`` document."""
     import json
 
     try:
@@ -579,7 +580,7 @@ def _previous_records(path) -> tuple[list[dict], list[float]]:
     records = doc.get("records") if isinstance(doc, dict) and doc.get("command") == "simulate" else None
     if not records or not all(isinstance(r, dict) and "serving_policy" in r and "label" in r for r in records):
         raise CliError(f"--from-json {path}: not the --json output of this version's `crisp-bench simulate`")
-    return records, sorted({r["budget_fraction"] for r in records})
+    return records
 
 
 def _adopt_evaluated_knobs(plans, evaluated, args, notes) -> None:

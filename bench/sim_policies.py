@@ -8,8 +8,13 @@ Three ways to choose them (``--matrix``):
 - ``residency``: the comparison of issue 10 at one GPU memory: full-width LRU
   (mixtral-offloading), full-width Belady, today's CRISP (plan widths, LRU), residency-aware
   CRISP (auxiliaries served from what is resident; a missed dominant at full width or at a 75%
-  prefix) with next-use eviction, with and without prefetch, the same under Belady (the bound),
+  prefix) with next-use and with LRU eviction, with and without prefetch, the same under Belady (the bound),
   and uniform / skip-auxiliary given the same serving, eviction and prefetch;
+- ``hybrid`` (issue 11, a profile with a CPU): GPU-only full-width LRU (mixtral-offloading),
+  ``static_hybrid`` (llama.cpp ``--n-cpu-moe`` style: the most used experts resident at full
+  width, all others on the CPU at full width, nothing copied), ``cpu_only`` (every expert on the
+  CPU at full width), CRISP on the GPU only (plan widths, LRU) and CRISP ``hybrid`` (plan widths,
+  per step the GPU / CPU split of minimal makespan);
 - ``frontier``: each family swept over its knob (CRISP's dominant floor, uniform's width,
   skip-auxiliary's threshold) with next-use eviction and prefetch, for the tokens/s-against-
   accuracy plot (uniform and skip-auxiliary served at their plan's widths there, whose accuracy
@@ -39,12 +44,14 @@ from crisp_runtime.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, Hit
 
 from .simulate import SimPolicy
 
-MATRICES = ("product", "residency", "frontier")
+MATRICES = ("product", "residency", "frontier", "hybrid")
 # The frontier's knobs. CRISP: the dominant floor (1.0 = a missed dominant loads at full width;
 # PERF-BOUNDS: 0.75 was +29% tokens/s for ~0.8 point of loss, 0.625 passed 2% loss).
 CRISP_FLOORS = (1.0, 0.875, 0.75, 0.625)
 UNIFORM_FRACTIONS = (0.375, 0.5, 0.625, 0.75)  # plus the width matched to CRISP's bytes
 SKIP_THRESHOLDS = (0.2, 0.3, 0.4)  # plus the threshold matched to CRISP's bytes and "always"
+RUNTIME_EVICTION = "lru"  # RuntimeConfig's default: what an evaluation that names no eviction ran
+FRONTIER_EVICTION = "lru"  # what the runtime-in-the-loop evaluation measured residency-aware accuracy with
 
 
 def resident_serving(floor: float) -> ServingPolicy:
@@ -74,6 +81,8 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
             out.append(SimPolicy("crisp", crisp))
             for p in pf:
                 out += [SimPolicy("crisp", crisp, resident_serving(f), "next_use", p) for f in (1.0, 0.75)]
+            for p in pf:  # the eviction the runtime-in-the-loop evaluation ran: these carry its accuracy
+                out += [SimPolicy("crisp", crisp, resident_serving(f), RUNTIME_EVICTION, p) for f in (1.0, 0.75)]
             out.append(SimPolicy("crisp", crisp, resident_serving(0.75), "belady", pf[-1]))
         for name in ("uniform", "skip_aux"):
             if name in plans:
@@ -81,13 +90,21 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
         return out
     if matrix == "frontier":
         return [SimPolicy("full", plans["full"])] + [c for c, _ in frontier(plans, pf[-1])]
+    if matrix == "hybrid":
+        full = plans["full"]
+        out = [SimPolicy("full", full), SimPolicy("full", full, SERVING_POLICIES["static_hybrid"]),
+               SimPolicy("full", full, SERVING_POLICIES["cpu_only"])]
+        if "crisp" in plans:
+            out += [SimPolicy("crisp", plans["crisp"]), SimPolicy("crisp", plans["crisp"], SERVING_POLICIES["hybrid"])]
+        return out
     raise ValueError(f"matrix {matrix!r}: choose one of {', '.join(MATRICES)}")
 
 
 def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolicy, dict]]:
     """(configuration, {"family", "knob", "knob_value"}) for each family's knob values.
 
-    All with next-use eviction and (when the trace has predictions) prefetch. Residency-aware
+    All with LRU eviction (what the runtime-in-the-loop evaluation ran, so that residency-aware
+    points carry its accuracy) and (when the trace has predictions) prefetch. Residency-aware
     CRISP is swept over its dominant floor; CRISP at the plan's widths is one point; uniform and
     skip_aux are served at their plan's widths (their outputs do not depend on the cache, so the
     batch evaluation's accuracy holds) and swept over width and threshold.
@@ -98,14 +115,14 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
     exact = SERVING_POLICIES["plan"]
     if "crisp" in plans:
         for f in CRISP_FLOORS:
-            out.append((SimPolicy("crisp", plans["crisp"], resident_serving(f), "next_use", prefetch),
+            out.append((SimPolicy("crisp", plans["crisp"], resident_serving(f), FRONTIER_EVICTION, prefetch),
                         {"family": "crisp residency-aware", "knob": "dominant_floor", "knob_value": f}))
-        out.append((SimPolicy("crisp", plans["crisp"], exact, "next_use", prefetch),
+        out.append((SimPolicy("crisp", plans["crisp"], exact, FRONTIER_EVICTION, prefetch),
                     {"family": "crisp plan widths", "knob": "plan", "knob_value": "plan"}))
     widths = sorted({max(1, round(f * inter)) for f in UNIFORM_FRACTIONS}
                     | ({plans["uniform"].uniform_width} if "uniform" in plans else set()))
     for w in widths:
-        out.append((SimPolicy("uniform", CrispPlan.uniform(e, k, inter, ids, w), exact, "next_use", prefetch,
+        out.append((SimPolicy("uniform", CrispPlan.uniform(e, k, inter, ids, w), exact, FRONTIER_EVICTION, prefetch,
                               variant=f"w{w}"),
                     {"family": "uniform", "knob": "uniform_width", "knob_value": w}))
     num_dominant = plans["crisp"].num_dominant if "crisp" in plans else 1
@@ -115,7 +132,7 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
     thresholds.append(None)  # always skip
     for th in sorted(set(thresholds), key=lambda x: math.inf if x is None else x):
         plan = CrispPlan.skip_aux(e, k, inter, ids, threshold=th, num_dominant=num_dominant)
-        out.append((SimPolicy("skip_aux", plan, exact, "next_use", prefetch,
+        out.append((SimPolicy("skip_aux", plan, exact, FRONTIER_EVICTION, prefetch,
                               variant="always" if th is None else f"t{th:.3g}"),
                     {"family": "skip_aux", "knob": "skip_threshold", "knob_value": th}))
     return out
@@ -175,13 +192,14 @@ def _evaluated(r) -> dict | None:
     if isinstance(serving, dict):  # the runtime-in-the-loop evaluation
         detail = r.get("plan_detail") if isinstance(r.get("plan_detail"), dict) else {}
         exact = bool(serving.get("exact", False))
-        return {"family": r.get("plan"), "exact": exact,
+        return {"family": r.get("plan"), "exact": exact, "eviction": r.get("eviction", RUNTIME_EVICTION),
                 "serving": None if exact else tuple(serving.get(k) for k in _SERVING_KEYS),
                 "budget_fraction": r.get("budget_fraction"), "prefetch": r.get("prefetch") is not None,
                 "uniform_width": detail.get("uniform_width"), "skip_threshold": detail.get("skip_threshold"),
                 "accuracy_loss": loss}
     family = {"skip_aux_all": "skip_aux"}.get(r["policy"], r["policy"])  # batch evaluation: exact serving
-    return {"family": family, "exact": True, "serving": None, "budget_fraction": None, "prefetch": False,
+    return {"family": family, "exact": True, "eviction": None, "serving": None, "budget_fraction": None,
+            "prefetch": False,
             "uniform_width": r.get("uniform_width"), "skip_threshold": r.get("skip_threshold"),
             "accuracy_loss": loss}
 
@@ -199,18 +217,22 @@ def _loss(r) -> float | None:
 def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None, str | None]:
     """The evaluated loss of a simulated record's exact configuration, and its source; else (None, None).
 
-    Exact serving (outputs independent of the cache): any budget, with or without prefetch.
-    Residency-aware serving: the same serving parameters, budget fraction and prefetch setting.
+    Exact serving (outputs independent of the cache): any budget, eviction and prefetch.
+    Residency-aware serving: the same serving parameters, budget fraction, eviction policy (an
+    evaluation that names none ran the runtime's default, LRU) and prefetch setting.
     """
     sp = record["serving_policy"]
-    exact = record["serving"] == "plan"
+    # Exact: every slot at the plan's width (the "plan" policy, and the CPU placements, which change where an
+    # expert runs but not its width).
+    exact = record["serving"] == "plan" or ServingPolicy.from_dict(sp).follows_plan
     for ev in evaluated:
         if ev["family"] != record["policy"] or ev["exact"] != exact:
             continue
         if not exact:
             b = ev["budget_fraction"]
             if (ev["serving"] != tuple(sp.get(k) for k in _SERVING_KEYS) or b is None
-                    or abs(float(b) - record["budget_fraction"]) > 1e-9 or ev["prefetch"] != record["prefetch"]):
+                    or abs(float(b) - record["budget_fraction"]) > 1e-9 or ev["prefetch"] != record["prefetch"]
+                    or ev["eviction"] != record["eviction"]):
                 continue
         if record["policy"] == "uniform" and ev["uniform_width"] != record.get("uniform_width"):
             continue

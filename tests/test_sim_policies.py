@@ -22,11 +22,14 @@ def test_residency_matrix(plans, prefetch):
                 "crisp/resident-floor75/next_use"]
     if prefetch:
         expected += ["crisp/resident/next_use+prefetch", "crisp/resident-floor75/next_use+prefetch",
+                     "crisp/resident/lru", "crisp/resident-floor75/lru", "crisp/resident/lru+prefetch",
+                     "crisp/resident-floor75/lru+prefetch",
                      "crisp/resident-floor75/belady+prefetch", "uniform/resident/next_use",
                      "uniform/resident/next_use+prefetch", "skip_aux/resident/next_use",
                      "skip_aux/resident/next_use+prefetch"]
     else:
-        expected += ["crisp/resident-floor75/belady", "uniform/resident/next_use", "skip_aux/resident/next_use"]
+        expected += ["crisp/resident/lru", "crisp/resident-floor75/lru", "crisp/resident-floor75/belady",
+                     "uniform/resident/next_use", "skip_aux/resident/next_use"]
     assert labels == expected
 
 
@@ -56,7 +59,7 @@ def test_pareto_keeps_the_undominated_points():
 
 def _record(config, budget=0.25, **kw):
     return {"policy": config.name, "serving": config.serving.name, "budget_fraction": budget,
-            "prefetch": config.prefetch, **knobs(config), **kw}
+            "eviction": config.eviction, "prefetch": config.prefetch, **knobs(config), **kw}
 
 
 def test_accuracy_is_attached_only_to_the_evaluated_configuration(plans, tmp_path):
@@ -78,10 +81,11 @@ def test_accuracy_is_attached_only_to_the_evaluated_configuration(plans, tmp_pat
     configs = {c.label: c for c in configurations(plans, "residency", prefetch=[False, True])}
     got = {label: accuracy_for(_record(c), evaluated)[0] for label, c in configs.items()}
     assert got["crisp/plan/lru"] == 0.013  # exact serving: any budget
-    assert got["crisp/resident-floor75/next_use+prefetch"] == 0.015
-    assert got["crisp/resident-floor75/next_use"] is None  # evaluated with prefetch only
+    assert got["crisp/resident-floor75/lru+prefetch"] == 0.015  # the evaluation ran the runtime's LRU
+    assert got["crisp/resident-floor75/next_use+prefetch"] is None  # another eviction: other served widths
+    assert got["crisp/resident-floor75/lru"] is None  # evaluated with prefetch only
     assert got["uniform/resident/next_use"] is None and got["full/plan/lru"] is None
-    c = configs["crisp/resident-floor75/next_use+prefetch"]
+    c = configs["crisp/resident-floor75/lru+prefetch"]
     assert accuracy_for(_record(c, budget=0.1), evaluated) == (None, None)  # another budget
 
 
