@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch CPU threads for the default suite (default: 1 on machines with <= 2 cores)")
     parser.add_argument("--model", metavar="DIR", default=None, type=ca.nonempty_path,
                         help="checkpoint for the default suite (default: the committed models/tiny-mixtral)")
-    sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,layer,e2e,simulate}")
+    sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,cpu,layer,e2e,simulate}")
 
     p = sub.add_parser("kernels", help="expert kernels vs dequantize+F.linear and fp16 F.linear",
                        description="The kernels sweep (widths x token counts x model shapes): us, GB/s of prefix "
@@ -155,6 +155,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_int_list, default="1,4", help="token counts (>= 1), comma separated")
     p.add_argument("--quick", action="store_true", help="fewest repetitions")
     _outputs(p)
+
+    p = sub.add_parser("cpu", help="the CPU expert kernel: GB/s of prefix bytes against memcpy",
+                       description="The CPU expert kernel (crisp_kernels.cpu_expert) per width and token count, "
+                       "checked against the reference, then timed with the host memcpy in the same rounds.")
+    p.add_argument("--shapes", type=_csv(("tiny", "mixtral")), default=["tiny", "mixtral"],
+                   help="model shapes: tiny, mixtral (comma separated)")
+    p.add_argument("--widths", type=_fractions, default="0.25,0.5,1.0", help="width fractions in (0, 1]")
+    p.add_argument("--tokens", type=_int_list, default="1,4,16", help="token counts (>= 1), comma separated")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="interleaved timed rounds")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: torch's int4pack op (the fast path); fp32: the exact dequant path")
+    p.add_argument("--candidates", action="store_true",
+                   help="also time the other candidate implementations on one gate matrix")
+    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL), type=ca.nonempty_path,
+                   help="model whose shape is 'tiny' (default: the committed models/tiny-mixtral)")
+    p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
+                   help="write the records as JSON to PATH (atomically)")
+    p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads (default: torch's)")
 
     p = sub.add_parser("transfer", help="host-to-device bandwidth and load time per width",
                        description="Pinned host-to-device bandwidth, and load time per width for each model shape "
@@ -269,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
             torch.set_num_threads(args.threads)
         handler = {"kernels": _cmd_kernels, "transfer": _cmd_transfer, "layer": _cmd_layer, "e2e": _cmd_e2e,
-                   "simulate": _cmd_simulate}[args.command]
+                   "simulate": _cmd_simulate, "cpu": _cmd_cpu}[args.command]
         return handler(args)
     except KeyboardInterrupt:
         return ca.interrupted("crisp-bench", resumable=False)
@@ -339,7 +357,9 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .e2e import ModelInputError
     from .transfer import TransferError
 
-    errors += [ModelInputError, TransferError]
+    from .cpu import CpuBenchError
+
+    errors += [ModelInputError, TransferError, CpuBenchError]
     return tuple(errors)
 
 
@@ -779,6 +799,12 @@ def _plot_kernels(path, records) -> None:
             series.setdefault(label or "kernel", []).append((r[xkey], r[ykey]))
     title = f"crisp expert kernel ({records[0].get('device', '')})"
     report.plot_lines(path, series, xlabel=xkey, ylabel=ykey, title=title, note=report.environment()["date"])
+
+
+def _cmd_cpu(args) -> int:
+    from .cpu import run
+
+    return run(args)
 
 
 def _cmd_transfer(args) -> int:

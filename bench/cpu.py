@@ -1,0 +1,271 @@
+"""``crisp-bench cpu``: the CPU expert kernel in GB/s of prefix bytes against this machine's memcpy.
+
+For each model shape, width and token count, one call of
+``crisp_kernels.cpu_expert.expert_mlp_cpu_accumulate_`` (the runtime's code, not a copy) is
+checked against the float64 reference, then timed with the host memcpy and a read-only
+reduction interleaved in the same rounds (a shared, loaded machine drifts: medians of rounds).
+
+Prefix bytes are the packed format's bytes of the first k neurons (``PackedExpert.nbytes(k)``,
+6,720 B per neuron at H 4096, g 64), whatever layout the implementation reads (the int4pack copy
+holds 6,656 B per neuron). memcpy GB/s counts bytes copied (each read once and written once);
+read GB/s is ``sum`` over an fp32 buffer.
+
+``--candidates`` also times the other implementations measured for docs/cpu-kernel.md on one
+gate-like matrix (I x H): torch's int4pack op with fp32 and bf16 activations, and a chunked
+dequant + matmul in fp32 and bf16.
+
+:func:`measure_cpu_expert` is the entry the measured hardware profile calls: CPU seconds
+against width at one token.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from crisp_kernels.cpu_expert import (
+    CpuExpertConfig,
+    Precision,
+    expert_mlp_cpu_accumulate_,
+    kernel_info,
+    prepare_expert,
+    reference_check,
+    tolerance,
+)
+from crisp_kernels.format import PackedExpert, QuantFormat, dequantize_rows, unpack_nibbles
+
+from . import report
+from .profiles import ModelShape
+
+# 256 MB: far beyond any cache of this class of machine (L3 tens of MB), small enough for a laptop.
+MEMCPY_BYTES = 256 * 2**20
+DEFAULT_REPEATS = 5
+
+
+class CpuBenchError(ValueError):
+    pass
+
+
+def random_expert(shape: ModelShape, seed: int = 0) -> PackedExpert:
+    """A packed expert of ``shape`` with random codes, scales and zero points (quantizing real fp32
+    weights of a Mixtral expert would need ~4 GB and minutes on a 2-core VM; the kernel's time does
+    not depend on the values)."""
+    fmt = QuantFormat(group_size=shape.group_size, symmetric=shape.symmetric)
+    gen = torch.Generator().manual_seed(seed)
+    inter, hidden, groups = shape.intermediate_size, shape.hidden_size, shape.hidden_size // shape.group_size
+    qweight = torch.randint(0, 256, (inter, 3, hidden // 2), generator=gen, dtype=torch.uint8)
+    # Scales around 1 / (15 sqrt(H)): outputs of order one, as with trained weights.
+    scales = ((torch.rand(inter, 3, groups, generator=gen) + 0.5) / (15 * hidden**0.5)).half()
+    zeros = None if fmt.symmetric else torch.randint(4, 12, (inter, 3, groups), generator=gen, dtype=torch.uint8)
+    return PackedExpert(fmt, qweight, scales, zeros)
+
+
+class _Rounds:
+    """Named thunks timed in interleaved rounds; medians per name."""
+
+    def __init__(self) -> None:
+        self.thunks: dict[str, callable] = {}
+        self.times: dict[str, list[float]] = {}
+
+    def add(self, name, fn) -> None:
+        fn()  # warm-up (allocations, first-call dispatch)
+        self.thunks[name] = fn
+        self.times[name] = []
+
+    def run(self, repeats: int) -> dict[str, float]:
+        for _ in range(repeats):
+            for name, fn in self.thunks.items():
+                t0 = time.perf_counter()
+                fn()
+                self.times[name].append(time.perf_counter() - t0)
+        return {name: statistics.median(ts) for name, ts in self.times.items()}
+
+
+def _memory_thunks(rounds: _Rounds, nbytes: int) -> None:
+    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    rounds.add("memcpy", lambda: dst.copy_(src))
+    rounds.add("read", lambda: src.sum())
+
+
+def _width_neurons(shape: ModelShape, fraction: float) -> int:
+    return max(1, round(fraction * shape.intermediate_size))
+
+
+def _call(x, packed, width, weights, config):
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    return lambda: expert_mlp_cpu_accumulate_(x, packed, None, width, weights, out, config=config)
+
+
+def validated_inputs(expert, hidden, width, tokens, config, seed=1):
+    """Activations and routing weights for one point, after checking the call against the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)  # bf16 values, as the runtime passes
+    x = x.float() if config.precision is Precision.FP32 else x
+    weights = torch.rand(tokens, generator=gen) + 0.5
+    err = reference_check(x, expert, None, width, weights, config)
+    tol = tolerance(config.resolve(x.dtype))
+    if not err <= tol:
+        raise CpuBenchError(f"the CPU kernel differs from the reference at width {width}, T={tokens}: relative "
+                            f"error {err:.2e} > {tol:.1e}; not timing it")
+    return x, weights, err
+
+
+def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precision: Precision = Precision.BF16,
+            memcpy_bytes: int = MEMCPY_BYTES) -> tuple[list[dict], dict]:
+    """Records per (width, tokens) and the memory figures, all timed in the same interleaved rounds."""
+    packed = random_expert(shape)
+    expert = prepare_expert(packed) if precision is Precision.BF16 else packed
+    config = CpuExpertConfig(precision)
+    rounds = _Rounds()
+    _memory_thunks(rounds, memcpy_bytes)
+    points = []
+    for fraction in fractions:
+        width = _width_neurons(shape, fraction)
+        for tokens in tokens_list:
+            x, weights, err = validated_inputs(expert, shape.hidden_size, width, tokens, config)
+            name = f"{width}/{tokens}"
+            rounds.add(name, _call(x, expert, width, weights, config))
+            points.append((name, fraction, width, tokens, err))
+    load_before = os.getloadavg()
+    med = rounds.run(repeats)
+    load_after = os.getloadavg()
+    memcpy_gbps = memcpy_bytes / med["memcpy"] / 1e9
+    read_gbps = memcpy_bytes / med["read"] / 1e9
+    impl = kernel_info(expert, torch.bfloat16 if precision is Precision.BF16 else torch.float32, config).impl.value
+    full = {tokens: med[f"{shape.intermediate_size}/{tokens}"] for _, f, w, tokens, _ in points
+            if w == shape.intermediate_size}
+    records = []
+    for name, fraction, width, tokens, err in points:
+        seconds = med[name]
+        nbytes = packed.nbytes(width)
+        gbps = nbytes / seconds / 1e9
+        rec = {"shape": shape.name, "impl": impl, "width": width, "width_frac": width / shape.intermediate_size,
+               "tokens": tokens, "ms": seconds * 1e3, "prefix_mb": nbytes / 1e6, "gbps": gbps,
+               "memcpy_gbps": memcpy_gbps, "pct_memcpy": 100 * gbps / memcpy_gbps, "read_gbps": read_gbps,
+               "rel_err": err}
+        if tokens in full:
+            rec["time_frac"] = seconds / full[tokens]  # against k / I: the prefix's proportionality
+        records.append(rec)
+    memory = {"memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps, "memcpy_bytes": memcpy_bytes,
+              "loadavg_before": load_before, "loadavg_after": load_after, "threads": torch.get_num_threads(),
+              "repeats": repeats}
+    return records, memory
+
+
+def measure_cpu_expert(shape: ModelShape, widths, *, repeats: int = DEFAULT_REPEATS) -> dict:
+    """CPU seconds of one token through one expert of ``shape`` at each width (neurons), by the
+    kernel the runtime uses (int4pack, bf16), with this machine's memcpy measured alongside.
+
+    Returns ``{"impl", "widths", "seconds", "prefix_bytes", "gbps", "memcpy_gbps", "read_gbps",
+    "loadavg", "threads"}``; each width is checked against the reference before it is timed.
+    """
+    widths = [int(w) for w in widths]
+    if not widths or any(not 1 <= w <= shape.intermediate_size for w in widths):
+        raise CpuBenchError(f"widths: expected neuron counts in [1, {shape.intermediate_size}], got {widths}")
+    fractions = sorted({w / shape.intermediate_size for w in widths} | {1.0})
+    records, memory = measure(shape, fractions, [1], repeats)
+    by_width = {r["width"]: r for r in records}
+    chosen = [by_width[_width_neurons(shape, w / shape.intermediate_size)] for w in widths]
+    return {"impl": chosen[0]["impl"], "widths": [r["width"] for r in chosen],
+            "seconds": [r["ms"] / 1e3 for r in chosen], "prefix_bytes": [round(r["prefix_mb"] * 1e6) for r in chosen],
+            "gbps": [r["gbps"] for r in chosen], "memcpy_gbps": memory["memcpy_gbps"],
+            "read_gbps": memory["read_gbps"], "loadavg": memory["loadavg_after"], "threads": memory["threads"]}
+
+
+# ----------------------------------------------------------------------------- candidates
+
+
+def measure_candidates(shape: ModelShape, repeats: int, chunk: int = 64) -> list[dict]:
+    """One gate-like (I x H) matrix at T=1 by each candidate, GB/s of its 4-bit format bytes."""
+    conv = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    packed = random_expert(shape)
+    g, inter, hidden = shape.group_size, shape.intermediate_size, shape.hidden_size
+    qw, sc = packed.qweight[:, 0].contiguous(), packed.scales[:, 0].contiguous()
+    zz = packed.zeros[:, 0].contiguous() if packed.zeros is not None else None
+    w4 = conv(unpack_nibbles(qw).to(torch.int32), 1)
+    z = zz.float() if zz is not None else torch.full(sc.shape, 8.0)
+    sz = torch.stack((sc.float(), (8 - z) * sc.float()), -1).transpose(0, 1).contiguous()
+    x = torch.randn(1, hidden)
+    nbytes = qw.nbytes + sc.nbytes + (zz.nbytes if zz is not None else 0)
+
+    def dequant(dtype):
+        xd = x.to(dtype)
+
+        def run():
+            for c in range(0, inter, chunk):
+                rows = dequantize_rows(unpack_nibbles(qw[c:c + chunk]), sc[c:c + chunk],
+                                       None if zz is None else zz[c:c + chunk], g, dtype)
+                torch.nn.functional.linear(xd, rows)
+        return run
+
+    rounds = _Rounds()
+    _memory_thunks(rounds, MEMCPY_BYTES)
+    szb = sz.bfloat16()
+    rounds.add("int4pack-fp32", lambda: mm(x, w4, g, sz))
+    rounds.add("int4pack-bf16", lambda: mm(x.bfloat16(), w4, g, szb))
+    rounds.add(f"dequant-fp32 (chunks of {chunk})", dequant(torch.float32))
+    rounds.add(f"dequant-bf16 (chunks of {chunk})", dequant(torch.bfloat16))
+    med = rounds.run(repeats)
+    memcpy = MEMCPY_BYTES / med.pop("memcpy") / 1e9
+    read = MEMCPY_BYTES / med.pop("read") / 1e9
+    return [{"candidate": name, "rows": inter, "hidden": hidden, "ms": s * 1e3, "gbps": nbytes / s / 1e9,
+             "pct_memcpy": 100 * nbytes / s / 1e9 / memcpy, "memcpy_gbps": memcpy, "read_gbps": read,
+             "loadavg": os.getloadavg()[0]} for name, s in med.items()]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+SHAPES = {"mixtral": ModelShape("mixtral-8x7b", 32, 8, 2, 4096, 14336)}
+
+
+def resolve_shapes(spec: list[str], model_dir=None) -> list[ModelShape]:
+    from .transfer import tiny_shape
+
+    out = []
+    for name in spec:
+        if name == "tiny":
+            out.append(tiny_shape(model_dir))
+        elif name in SHAPES:
+            out.append(SHAPES[name])
+        else:
+            raise CpuBenchError(f"--shapes: unknown shape {name!r}; choose from tiny, {', '.join(SHAPES)}")
+    return out
+
+
+def run(args) -> int:
+    shapes = resolve_shapes(args.shapes, getattr(args, "model", None))
+    precision = Precision(args.precision)
+    records, memories = [], {}
+    for shape in shapes:
+        recs, memory = measure(shape, args.widths, args.tokens, args.repeats, precision=precision)
+        records += recs
+        memories[shape.name] = memory
+        print(report.table(recs, [("width", "k"), ("width_frac", "k/I"), ("tokens", "T"), ("ms", "ms"),
+                                  ("prefix_mb", "prefix MB"), ("gbps", "GB/s"), ("pct_memcpy", "% memcpy"),
+                                  ("time_frac", "t(k)/t(I)"), ("rel_err", "rel err")],
+                           title=f"{shape.name} (H {shape.hidden_size}, I {shape.intermediate_size}, g "
+                           f"{shape.group_size}), {recs[0]['impl']}, {memory['threads']} threads: memcpy "
+                           f"{memory['memcpy_gbps']:.2f} GB/s copied, read {memory['read_gbps']:.2f} GB/s; "
+                           f"load average {memory['loadavg_after'][0]:.1f} (noisy on a shared machine)"))
+        print()
+    candidates = []
+    if args.candidates:
+        for shape in shapes:
+            cands = measure_candidates(shape, args.repeats)
+            candidates += [{"shape": shape.name, **c} for c in cands]
+            print(report.table(cands, [("candidate", "candidate"), ("ms", "ms"), ("gbps", "GB/s"),
+                                       ("pct_memcpy", "% memcpy")],
+                               title=f"candidates, {shape.name} gate matrix ({shape.intermediate_size} x "
+                               f"{shape.hidden_size}), T=1: memcpy {cands[0]['memcpy_gbps']:.2f} GB/s, load "
+                               f"{cands[0]['loadavg']:.1f}"))
+            print()
+    if getattr(args, "json", None):
+        report.write_json(args.json, "cpu", records, memory=memories, candidates=candidates)
+        print(f"wrote {args.json}")
+    return 0

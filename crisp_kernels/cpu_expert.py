@@ -1,0 +1,361 @@
+"""The CPU expert kernel: one expert over the first k neurons of its 4-bit prefix, on the host.
+
+Public entry points:
+
+- ``cpu_expert_prepare(layer) -> CpuPreparedLayer``: the second layout (torch's int4pack CPU
+  layout) of a host layer, built once; ``prepared.expert(e)`` -> :class:`CpuExpert`;
+- ``expert_mlp_cpu_accumulate_(x, packed, token_widths, width, weights, out)``:
+  ``out += weights[:, None] * expert_k(x)`` in float32, where ``packed`` is a :class:`CpuExpert`
+  (fast path) or a bare :class:`PackedExpert` (the chunked-dequant path, no second copy);
+- ``CpuKernelInfo`` / :func:`kernel_info`: which implementation a call takes, and its extra bytes.
+
+Implementations (:class:`CpuImpl`), chosen per call from ``Precision`` (see ``docs/cpu-kernel.md``
+for the figures behind the choice):
+
+- ``INT4PACK_BF16``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (torch's own AVX-512/AVX2
+  4-bit kernel, the one torchao's int4 CPU path uses) with bf16 activations. Its layout stores
+  64-row blocks, K-major inside a block (checked in the tests), so
+  * gate and up are one matrix of 2I rows interleaved per 64-neuron block (gate block b, then up
+    block b): the first ``64 n`` neurons are the first ``128 n`` rows, one call;
+  * down is cut into one (R, I) matrix per R = min(64, group) rows of H: its K (neuron) prefix is
+    a byte prefix of each block. The format's down scales run along H (one per neuron and group
+    of H), which the op cannot express (its scales run along K), so each block is packed with
+    unit scales (weight q - 8, exact) and the neuron's scale is folded into the activation
+    (``h * s[:, group]``); the zero point's term ``sum_j h_j s_j (z_j - 8)`` is one fp32 matmul.
+  Neurons past the last whole 64-block (< 64 of them) run on the dequant path, from the host
+  rows themselves. Cost: a second copy of the experts, 3 I H / 2 bytes of int4pack weights plus
+  bf16 gate/up scales and zero terms (4 bytes per group per gate/up row): at H 4096, g 64 that is
+  6,656 bytes per neuron beside the format's 6,720, i.e. host memory for the experts doubles.
+- ``DEQUANT_FP32``: the host rows dequantized in chunks of ``chunk`` neurons (format's
+  ``dequantize_rows``) and fp32 matmuls. Exact (fp32), no second copy, ~30x slower. Taken at
+  Precision.FP32, for a bare PackedExpert, and for the < 64 neurons past the last 64-block.
+
+Precision: ``Precision.FP32`` (default for fp32 activations) equals the float64 reference within
+1e-5; ``Precision.BF16`` (default for bf16 activations; also selectable for fp32 ones) rounds the
+activations, the intermediate and the gate/up scales to bf16 and the op's outputs are bf16, as the
+GPU prefill path rounds its dot operands: within 2u of bf16 (7.8e-3), the kernels' tolerance.
+
+Every torch op releases the GIL, so a worker thread runs this while the main thread drives the
+GPU; the Python between the ops (about 2 H / R + 10 ops per call) holds it. Threads: the ops use
+torch's intra-op pool (``torch.get_num_threads()``, process-wide, not set here).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .checks import INDEX_DTYPES, check_activations, check_packed, check_token_vector, check_width
+from .format import SYMMETRIC_ZERO, PackedExpert, PackedLayer, Proj, dequantize_rows, unpack_nibbles
+
+# ----------------------------------------------------------------------------- constants
+
+# torch's CPU int4pack layout (_convert_weight_to_int4pack_for_cpu, torch 2.13) stores rows in
+# blocks of 64, K-major inside a block: a prefix of 64 n rows and a K prefix of a <= 64-row matrix
+# are byte prefixes (tests/test_cpu_expert.py checks both against fresh conversions).
+BLOCK_N = 64
+# The op's smallest group along K: the down matrices' (unit) scales come in groups of 32 neurons.
+DOWN_K_GROUP = 32
+# The op reads its (K/g, N, 2) scale tensor as if contiguous (a strided N prefix gives wrong
+# results, checked in the tests), so gate/up scales are stored per chunk of neurons: a width calls
+# the op once per chunk and copies only a partial last chunk's scales (<= 0.5 MB at H 4096, g 64).
+# 1024 neurons are 4 MB of gate/up weights at H 4096: ~1.5 ms each at 2.7 GB/s, against ~20 us
+# of per-call overhead measured on the loaded 2-core VM.
+GATE_UP_CHUNK = 1024
+# Rows of the host layer converted at once while preparing: 1024 rows x H int32 is 16 MB at H 4096.
+_PREPARE_ROWS = 1024
+# Neurons dequantized at once on the fp32 path: (256, 3, H) fp32 is 12 MB at H 4096, and per-op
+# overhead (~10 ops per chunk) stays under 5% of a chunk's time.
+DEFAULT_CHUNK = 256
+
+
+class Precision(enum.Enum):
+    FP32 = "fp32"  # fp32 compute, exact to 1e-5 (DEQUANT_FP32)
+    BF16 = "bf16"  # bf16 operands, fp32 accumulation (INT4PACK_BF16 when prepared)
+
+
+class CpuImpl(enum.Enum):
+    INT4PACK_BF16 = "int4pack-bf16"  # torch.ops.aten._weight_int4pack_mm_for_cpu, bf16
+    DEQUANT_FP32 = "dequant-fp32"  # chunked dequant of the host rows + fp32 matmul
+
+
+@dataclass(frozen=True)
+class CpuExpertConfig:
+    """How a call computes. ``precision`` None: FP32 for fp32 activations, BF16 for bf16 ones."""
+
+    precision: Precision | None = None
+    chunk: int = DEFAULT_CHUNK
+
+    def __post_init__(self) -> None:
+        if self.precision is not None and not isinstance(self.precision, Precision):
+            raise TypeError(f"CpuExpertConfig.precision: expected a Precision or None, got {self.precision!r}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"CpuExpertConfig.chunk: expected a positive int, got {self.chunk!r}")
+
+    def resolve(self, x_dtype: torch.dtype) -> Precision:
+        if self.precision is not None:
+            return self.precision
+        return Precision.FP32 if x_dtype == torch.float32 else Precision.BF16
+
+
+DEFAULT_CONFIG = CpuExpertConfig()
+
+
+@dataclass(frozen=True)
+class CpuKernelInfo:
+    """Which implementation a call takes, the extra host bytes it needs, and (when a benchmark
+    measured it) its GB/s of prefix bytes."""
+
+    impl: CpuImpl
+    extra_nbytes: int
+    measured_gbps: float | None = None
+
+
+# ----------------------------------------------------------------------------- second layout
+
+
+@dataclass(frozen=True)
+class CpuExpert:
+    """One expert for the CPU: its host rows (``packed``) and their int4pack copy.
+
+    gate_up: (2 Ib, H/2) uint8, int4pack of gate/up rows interleaved per 64-neuron block;
+    gate_up_sz: per chunk of GATE_UP_CHUNK neurons, (H/g, 2 n, 2) bf16, the op's (scale, zero
+    term) per group and row;
+    down: (H / R, R Ib / 2) uint8, one int4pack (R, Ib) matrix per R rows of H, unit scales;
+    Ib = I rounded down to a multiple of 64 (the rest runs from ``packed``).
+    """
+
+    packed: PackedExpert
+    gate_up: torch.Tensor
+    gate_up_sz: tuple[torch.Tensor, ...]
+    down: torch.Tensor
+
+    @property
+    def blocked_width(self) -> int:
+        return self.gate_up.shape[0] // 2
+
+    @property
+    def down_rows(self) -> int:
+        return min(BLOCK_N, self.packed.fmt.group_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the int4pack copy (beside the host rows)."""
+        return self.gate_up.nbytes + sum(t.nbytes for t in self.gate_up_sz) + self.down.nbytes
+
+
+@dataclass(frozen=True)
+class CpuPreparedLayer:
+    """The int4pack copy of every expert of one host layer (see :func:`cpu_expert_prepare`)."""
+
+    layer: PackedLayer
+    experts: tuple[CpuExpert, ...]
+
+    def expert(self, index: int) -> CpuExpert:
+        return self.experts[index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.experts)
+
+
+def _int4pack(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) uint8 in [0, 15] -> torch's CPU int4pack (N, K/2) uint8."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
+def prepare_expert(packed: PackedExpert) -> CpuExpert:
+    """The int4pack copy of one host expert (reads it once; the host rows are kept as they are)."""
+    check_packed(packed)
+    _check_supported(packed)
+    if packed.device.type != "cpu":
+        raise ValueError(f"packed: the CPU kernel needs a host expert, got one on {packed.device}")
+    fmt, hidden = packed.fmt, packed.hidden_size
+    blocked = packed.width // BLOCK_N * BLOCK_N
+    groups = hidden // fmt.group_size
+    gate_up = torch.empty(2 * blocked, hidden // 2, dtype=torch.uint8)
+    sz = torch.empty(groups, 2 * blocked, 2, dtype=torch.bfloat16)
+    for start in range(0, blocked, _PREPARE_ROWS // 2):
+        stop = min(blocked, start + _PREPARE_ROWS // 2)
+        rows = packed.qweight[start:stop, : Proj.UP + 1]  # (n, 2, H/2)
+        n = stop - start
+        # Interleave per 64-neuron block: gate rows of block b, then its up rows.
+        q = unpack_nibbles(rows).view(n // BLOCK_N, BLOCK_N, 2, hidden).transpose(1, 2).reshape(2 * n, hidden)
+        gate_up[2 * start: 2 * stop] = _int4pack(q)
+        s = packed.scales[start:stop, : Proj.UP + 1].float()
+        z = (packed.zeros[start:stop, : Proj.UP + 1].float() if packed.zeros is not None
+             else torch.full_like(s, SYMMETRIC_ZERO))
+        # The op dequantizes (q - 8) * S + Z; the format is (q - z) * s = (q - 8) * s + (8 - z) * s.
+        pair = torch.stack((s, (SYMMETRIC_ZERO - z) * s), dim=-1)  # (n, 2, G, 2)
+        pair = pair.view(n // BLOCK_N, BLOCK_N, 2, groups, 2).transpose(1, 2).reshape(2 * n, groups, 2)
+        sz[:, 2 * start: 2 * stop] = pair.transpose(0, 1).to(torch.bfloat16)
+    sz_chunks = tuple(sz[:, 2 * c: 2 * min(blocked, c + GATE_UP_CHUNK)].contiguous()
+                      for c in range(0, blocked, GATE_UP_CHUNK))
+    rows_per = min(BLOCK_N, fmt.group_size)
+    down = torch.empty(hidden // rows_per, rows_per * blocked // 2, dtype=torch.uint8)
+    if blocked:
+        down_q = unpack_nibbles(packed.qweight[:blocked, Proj.DOWN])  # (Ib, H): column n of down^T
+        for b in range(hidden // rows_per):
+            down[b] = _int4pack(down_q[:, b * rows_per:(b + 1) * rows_per].t()).view(-1)
+    return CpuExpert(packed, gate_up, sz_chunks, down)
+
+
+def cpu_expert_prepare(layer: PackedLayer) -> CpuPreparedLayer:
+    """The int4pack copy of a host layer, for the fast path (memory cost: see the module doc)."""
+    if not isinstance(layer, PackedLayer):
+        raise TypeError(f"layer: expected a PackedLayer, got {type(layer).__name__}")
+    return CpuPreparedLayer(layer, tuple(prepare_expert(layer.expert(e)) for e in range(layer.num_experts)))
+
+
+def _check_supported(packed: PackedExpert) -> None:
+    bias = getattr(packed, "bias", None)
+    activation = getattr(packed, "activation", None)
+    kind = getattr(activation, "kind", None)
+    if bias is not None or (kind is not None and kind.value != "silu_glu"):
+        raise ValueError("packed: the CPU expert kernel computes silu(gate) * up without biases; this expert has "
+                         f"biases or another activation ({activation!r})")
+
+
+# ----------------------------------------------------------------------------- implementation
+
+
+def kernel_info(packed: PackedExpert | CpuExpert, x_dtype: torch.dtype = torch.bfloat16,
+                config: CpuExpertConfig = DEFAULT_CONFIG) -> CpuKernelInfo:
+    """The implementation a call with these arguments takes, and the extra host bytes it reads from."""
+    if config.resolve(x_dtype) is Precision.BF16 and isinstance(packed, CpuExpert):
+        return CpuKernelInfo(CpuImpl.INT4PACK_BF16, packed.nbytes)
+    return CpuKernelInfo(CpuImpl.DEQUANT_FP32, 0)
+
+
+def expert_mlp_cpu_accumulate_(
+    x: torch.Tensor,
+    packed: PackedExpert | CpuExpert,
+    token_widths: torch.Tensor | None,
+    width: int | None,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    config: CpuExpertConfig = DEFAULT_CONFIG,
+) -> None:
+    """``out += weights[:, None] * expert_k(x)`` on the CPU, reading the first ``width`` rows only.
+
+    x: (T, H) fp32 or bf16 on the CPU; packed: a :class:`CpuExpert` (``cpu_expert_prepare``) or a
+    host :class:`PackedExpert`; token_widths: (T,) int32/int64, token t uses neurons
+    j < min(width, token_widths[t]) (clamped, as in ``expert_mlp``), None = all ``width``;
+    weights: (T,) float32; out: (T, H) float32, contiguous.
+    """
+    prepared = packed if isinstance(packed, CpuExpert) else None
+    host = prepared.packed if prepared is not None else packed
+    check_packed(host)
+    _check_supported(host)
+    check_activations(x, host)
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x: expected fp32 or bf16 on the CPU, got {x.dtype} on {x.device}")
+    width = check_width(width, host)
+    tokens = x.shape[0]
+    check_token_vector(token_widths, "token_widths", tokens, x.device, INDEX_DTYPES)
+    check_token_vector(weights, "weights", tokens, x.device, (torch.float32,), required=True)
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != tuple(x.shape)
+            or not out.is_contiguous() or out.device != x.device):
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out: expected a contiguous float32 (T, H) = {tuple(x.shape)} on the CPU, got {got}")
+    if not isinstance(config, CpuExpertConfig):
+        raise TypeError(f"config: expected a CpuExpertConfig, got {type(config).__name__}")
+    if width == 0 or tokens == 0:
+        return
+    keep = None
+    if token_widths is not None:
+        k_t = token_widths.to(torch.int64).clamp(0, width)
+        keep = torch.arange(width).unsqueeze(0) < k_t.unsqueeze(1)  # (T, width)
+    scale = weights.unsqueeze(1)
+    blocked = 0
+    if prepared is not None and config.resolve(x.dtype) is Precision.BF16:
+        blocked = min(width // BLOCK_N * BLOCK_N, prepared.blocked_width)
+        xb = x.to(torch.bfloat16)  # the operand rounding Precision.BF16 allows (exact for bf16 x)
+        x = xb.float()
+        if blocked:
+            _int4pack_accumulate(xb, prepared, blocked, None if keep is None else keep[:, :blocked], scale, out)
+    if blocked < width:  # the fp32 path; under BF16 only the < 64 neurons past the last block
+        _dequant_accumulate(x.float(), host, blocked, width, None if keep is None else keep[:, blocked:], scale,
+                            out, config.chunk)
+
+
+def _dequant_accumulate(x, packed, start, stop, keep, scale, out, chunk) -> None:
+    """Neurons start..stop from the host rows, dequantized ``chunk`` at a time, in fp32."""
+    dtype = torch.float32
+    g = packed.fmt.group_size
+    acc = torch.zeros(out.shape, dtype=torch.float32)
+    for c0 in range(start, stop, chunk):
+        c1 = min(stop, c0 + chunk)
+        zeros = None if packed.zeros is None else packed.zeros[c0:c1]
+        rows = dequantize_rows(unpack_nibbles(packed.qweight[c0:c1]), packed.scales[c0:c1], zeros, g, dtype)
+        gate = F.linear(x, rows[:, Proj.GATE]).float()
+        up = F.linear(x, rows[:, Proj.UP]).float()
+        hidden = F.silu(gate) * up  # (T, n) fp32
+        if keep is not None:
+            hidden = hidden * keep[:, c0 - start:c1 - start]
+        acc += hidden @ rows[:, Proj.DOWN]
+    out.add_(acc * scale)
+
+
+def _int4pack_accumulate(xb, expert: CpuExpert, blocked: int, keep, scale, out) -> None:
+    """Neurons 0..blocked (a multiple of 64) through torch's int4pack CPU op."""
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    packed = expert.packed
+    g, hidden, tokens = packed.fmt.group_size, packed.hidden_size, xb.shape[0]
+    gu = torch.empty(tokens, 2 * blocked, dtype=torch.bfloat16)
+    for i, c0 in enumerate(range(0, blocked, GATE_UP_CHUNK)):
+        c1 = min(blocked, c0 + GATE_UP_CHUNK)
+        sz = expert.gate_up_sz[i]
+        if sz.shape[1] != 2 * (c1 - c0):
+            sz = sz[:, : 2 * (c1 - c0)].contiguous()
+        gu[:, 2 * c0: 2 * c1] = mm(xb, expert.gate_up[2 * c0: 2 * c1], g, sz)
+    gu = gu.view(tokens, blocked // BLOCK_N, 2, BLOCK_N).float()
+    h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens, blocked)  # fp32
+    if keep is not None:
+        h = h * keep
+    s = packed.scales[:blocked, Proj.DOWN].float()  # (blocked, G): neuron j's scale per group of H
+    rows = expert.down_rows
+    per_group = g // rows  # down blocks sharing one scale column (2 at g 128)
+    unit = torch.zeros(blocked // DOWN_K_GROUP, rows, 2, dtype=torch.bfloat16)
+    unit[..., 0] = 1.0  # weight = (q - 8) * 1 + 0, exact
+    y = torch.empty(tokens, hidden // rows, rows, dtype=torch.float32)
+    hs = torch.empty(tokens, blocked, dtype=torch.bfloat16)
+    for b in range(hidden // rows):
+        torch.mul(h, s[:, b // per_group], out=hs)
+        y[:, b] = mm(hs, expert.down[b, : rows * blocked // 2].view(rows, blocked // 2), DOWN_K_GROUP, unit)
+    # The zero points: (q - z) s = (q - 8) s - (z - 8) s, the second term per neuron and group.
+    z = packed.zeros[:blocked, Proj.DOWN].float() if packed.zeros is not None else None
+    y = y.view(tokens, hidden // g, g)
+    if z is not None:
+        y -= (h @ ((z - SYMMETRIC_ZERO) * s)).unsqueeze(-1)
+    out.add_(y.view(tokens, hidden) * scale)
+
+
+# ----------------------------------------------------------------------------- reference check
+
+
+def reference_check(x, packed: PackedExpert | CpuExpert, token_widths, width, weights,
+                    config: CpuExpertConfig = DEFAULT_CONFIG) -> float:
+    """Relative error ``||out - ref|| / ||ref||`` of one call against the float64 reference
+    (``expert_mlp_ref``) on the same host rows; what ``crisp-bench cpu`` checks before timing."""
+    from .expert_mlp import expert_mlp_ref
+
+    host = packed.packed if isinstance(packed, CpuExpert) else packed
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    expert_mlp_cpu_accumulate_(x, packed, token_widths, width, weights, out, config=config)
+    ref = expert_mlp_ref(x, host, width, token_widths=token_widths, compute_dtype=torch.float64)
+    ref = ref * weights.double().unsqueeze(1)
+    norm = ref.norm()
+    if norm == 0:
+        return 0.0 if torch.count_nonzero(out) == 0 else float("inf")
+    return ((out.double() - ref).norm() / norm).item()
+
+
+def tolerance(precision: Precision) -> float:
+    """The kernels' tolerances (tests/test_expert_mlp.py): 1e-5 in fp32, 2u of bf16 when the
+    operands are rounded to bf16."""
+    return 1e-5 if precision is Precision.FP32 else 2 * 2.0**-8

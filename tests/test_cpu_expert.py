@@ -1,0 +1,266 @@
+"""The CPU expert kernel (crisp_kernels.cpu_expert) against the float64 reference on the same rows.
+
+Error metric and tolerances as in tests/test_expert_mlp.py: ``||out - ref|| / ||ref||`` with
+``ref = weights * expert_mlp_ref(..., compute_dtype=float64)``;
+
+- Precision.FP32 (the dequant path): 1e-5, fp32 accumulation over at most H products per stage.
+- Precision.BF16 (torch's int4pack op): 2u of bf16 = 7.8e-3, the kernels' tolerance for outputs
+  computed from operands rounded to bf16. The activations given are bf16 values (exact), as they
+  are in the GPU tests; the op rounds its outputs and the gate/up scales to bf16 as well: measured
+  4e-3..6e-3 here.
+
+The poisoned-prefix tests put NaN scales and garbage weights in every row past the width, in the
+host rows AND in the int4pack copy, and require the output to be bitwise what the clean expert
+gives: rows past k are never read.
+"""
+
+import functools
+import threading
+
+import pytest
+import torch
+
+from crisp_kernels import PackedExpert, QuantFormat, pack_expert
+from crisp_kernels.cpu_expert import (
+    BLOCK_N,
+    DEFAULT_CHUNK,
+    GATE_UP_CHUNK,
+    CpuExpert,
+    CpuExpertConfig,
+    CpuImpl,
+    Precision,
+    _int4pack,
+    cpu_expert_prepare,
+    expert_mlp_cpu_accumulate_,
+    kernel_info,
+    prepare_expert,
+    reference_check,
+    tolerance,
+)
+from crisp_kernels.expert_mlp import expert_mlp_ref
+from crisp_kernels.format import pack_layer
+
+FP32_TOL = 1e-5
+BF16_TOL = 2 * 2.0**-8
+
+# (H, I, group, symmetric): odd intermediate sizes (not multiples of 64), every group size.
+SHAPES = [(256, 200, 64, False), (256, 130, 32, True), (384, 300, 128, False)]
+# I > GATE_UP_CHUNK and > DEFAULT_CHUNK, for the chunk boundaries.
+BIG = (128, GATE_UP_CHUNK + 76, 64, False)
+
+
+@functools.cache
+def expert(hidden, inter, group, symmetric, seed=0) -> PackedExpert:
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(inter, hidden, generator=gen) / hidden**0.5
+    up = torch.randn(inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(hidden, inter, generator=gen) / inter**0.5
+    return pack_expert(gate, up, down, QuantFormat(group_size=group, symmetric=symmetric))
+
+
+@functools.cache
+def prepared(hidden, inter, group, symmetric) -> CpuExpert:
+    return prepare_expert(expert(hidden, inter, group, symmetric))
+
+
+def inputs(tokens, hidden, dtype, width, per_token, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(dtype)  # bf16 values
+    weights = torch.rand(tokens, generator=gen) + 0.1
+    widths = None
+    if per_token:
+        widths = torch.randint(0, width + 2, (tokens,), generator=gen)  # > width is clamped
+        widths[0] = width
+    return x, weights, widths
+
+
+def run(x, packed, widths, width, weights, config=CpuExpertConfig()):
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    expert_mlp_cpu_accumulate_(x, packed, widths, width, weights, out, config=config)
+    return out
+
+
+def test_tolerances_are_the_kernels():
+    assert tolerance(Precision.FP32) == FP32_TOL and tolerance(Precision.BF16) == BF16_TOL
+
+
+def _widths(inter):
+    return sorted({0, 1, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, inter - 1, inter})
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.parametrize("kind", ["prepared", "host"])
+def test_equals_reference(shape, tokens, precision, kind):
+    packed = prepared(*shape) if kind == "prepared" else expert(*shape)
+    tol = FP32_TOL if precision is Precision.FP32 else BF16_TOL
+    for dtype in (torch.float32, torch.bfloat16):
+        for width in _widths(shape[1]):
+            for per_token in (False, True):
+                x, weights, widths = inputs(tokens, shape[0], dtype, width, per_token)
+                err = reference_check(x, packed, widths, width, weights, CpuExpertConfig(precision))
+                assert err <= tol, f"{dtype} width {width} per_token {per_token}: {err:.3e} > {tol:.1e}"
+
+
+@pytest.mark.parametrize("width", [DEFAULT_CHUNK - 1, DEFAULT_CHUNK + 1, GATE_UP_CHUNK - 1, GATE_UP_CHUNK,
+                                   GATE_UP_CHUNK + 1, BIG[1]])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+def test_chunk_boundaries(width, precision):
+    x, weights, widths = inputs(3, BIG[0], torch.float32, width, per_token=True)
+    err = reference_check(x, prepared(*BIG), widths, width, weights, CpuExpertConfig(precision))
+    assert err <= tolerance(precision), f"{err:.3e}"
+
+
+def test_width_zero_and_zero_token_widths_add_nothing():
+    shape = SHAPES[0]
+    x, weights, _ = inputs(3, shape[0], torch.bfloat16, 0, False)
+    out = torch.ones(3, shape[0])
+    expert_mlp_cpu_accumulate_(x, prepared(*shape), None, 0, weights, out)
+    assert torch.equal(out, torch.ones(3, shape[0]))
+    out2 = run(x, prepared(*shape), torch.zeros(3, dtype=torch.int64), shape[1], weights)
+    assert torch.count_nonzero(out2) == 0
+
+
+def test_accumulates_into_out():
+    shape = SHAPES[0]
+    x, weights, widths = inputs(3, shape[0], torch.bfloat16, 128, True)
+    once = run(x, prepared(*shape), widths, 128, weights)
+    out = torch.full((3, shape[0]), 0.5)
+    expert_mlp_cpu_accumulate_(x, prepared(*shape), widths, 128, weights, out)
+    assert torch.allclose(out, once + 0.5, rtol=0, atol=1e-6)
+
+
+def _poison_host(packed: PackedExpert, width: int) -> PackedExpert:
+    q, s = packed.qweight.clone(), packed.scales.clone()
+    q[width:] = 0xA5
+    s[width:] = float("nan")
+    z = None if packed.zeros is None else packed.zeros.clone()
+    if z is not None:
+        z[width:] = 15
+    return PackedExpert(packed.fmt, q, s, z)
+
+
+def _poison_prepared(ce: CpuExpert, width: int) -> CpuExpert:
+    blocked = width // BLOCK_N * BLOCK_N
+    gate_up = ce.gate_up.clone()
+    gate_up[2 * blocked:] = 0xA5
+    sz = []
+    for i, t in enumerate(ce.gate_up_sz):
+        t = t.clone()
+        t[:, max(0, 2 * (blocked - i * GATE_UP_CHUNK)):] = float("nan")
+        sz.append(t)
+    down = ce.down.clone()
+    down[:, ce.down_rows * blocked // 2:] = 0xA5
+    return CpuExpert(_poison_host(ce.packed, width), gate_up, tuple(sz), down)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], BIG])
+@pytest.mark.parametrize("width", [0, 1, BLOCK_N, BLOCK_N + 1, 2 * BLOCK_N - 1])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+def test_rows_past_width_are_never_read(shape, width, precision):
+    clean = prepared(*shape)
+    poisoned = _poison_prepared(clean, width)
+    x, weights, widths = inputs(3, shape[0], torch.bfloat16, width, True)
+    config = CpuExpertConfig(precision)
+    want = run(x, clean, widths, width, weights, config)
+    got = run(x, poisoned, widths, width, weights, config)
+    assert torch.equal(got, want)
+    if width:
+        assert torch.count_nonzero(want) > 0
+        # The poison is live: one more row reaches it.
+        assert not torch.isfinite(run(x, poisoned, None, width + 1, weights, config)).all()
+
+
+def test_int4pack_layout_prefixes():
+    """The layout facts the fast path relies on (torch's CPU int4pack): a prefix of 64 n rows and
+    a K prefix of a <= 64-row matrix are byte prefixes of the converted matrix."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (192, 512), generator=gen, dtype=torch.uint8)
+    full = _int4pack(q)
+    for rows in (64, 128):
+        assert torch.equal(_int4pack(q[:rows]), full[:rows])
+    for rows in (32, 64):
+        block = _int4pack(q[:rows])
+        for k in (64, 128, 448):
+            assert torch.equal(_int4pack(q[:rows, :k]).flatten(), block.flatten()[: rows * k // 2])
+
+
+def test_prepare_layer_and_info():
+    shape = SHAPES[0]
+    hidden, inter, group, _ = shape
+    gen = torch.Generator().manual_seed(4)
+    layer = pack_layer(torch.randn(2, 2 * inter, hidden, generator=gen) / 16,
+                       torch.randn(2, hidden, inter, generator=gen) / 16, QuantFormat(group_size=group))
+    prep = cpu_expert_prepare(layer)
+    blocked = inter // BLOCK_N * BLOCK_N
+    # int4pack weights (3 Ib H / 2) + bf16 (scale, zero term) per group of each gate/up row.
+    want = 3 * blocked * hidden // 2 + 2 * blocked * (hidden // group) * 2 * 2
+    assert prep.expert(1).nbytes == want and prep.nbytes == 2 * want
+    x, weights, widths = inputs(2, hidden, torch.bfloat16, inter, True)
+    out = run(x, prep.expert(1), widths, inter, weights)
+    ref = expert_mlp_ref(x, layer.expert(1), inter, token_widths=widths, compute_dtype=torch.float64)
+    ref = ref * weights.double().unsqueeze(1)
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= BF16_TOL
+    assert kernel_info(prep.expert(0), torch.bfloat16).impl is CpuImpl.INT4PACK_BF16
+    assert kernel_info(prep.expert(0), torch.float32).impl is CpuImpl.DEQUANT_FP32
+    assert kernel_info(layer.expert(0), torch.bfloat16).impl is CpuImpl.DEQUANT_FP32
+
+
+def test_runs_on_a_worker_thread():
+    shape = SHAPES[2]
+    x, weights, widths = inputs(4, shape[0], torch.bfloat16, shape[1], True)
+    want = run(x, prepared(*shape), widths, shape[1], weights)
+    outs = [torch.zeros(4, shape[0]) for _ in range(2)]
+    threads = [threading.Thread(target=expert_mlp_cpu_accumulate_,
+                                args=(x, prepared(*shape), widths, shape[1], weights, o)) for o in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in outs:
+        assert torch.equal(o, want)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("x_fp16", "x: expected fp32 or bf16"),
+    ("out_bf16", "out: expected a contiguous float32"),
+    ("out_shape", "out: expected a contiguous float32"),
+    ("weights_int", "weights: expected dtype"),
+    ("weights_len", r"weights: expected shape \(3,\)"),
+    ("widths_float", "token_widths: expected dtype"),
+    ("width_big", "out of range"),
+    ("config", "config: expected a CpuExpertConfig"),
+])
+def test_bad_arguments(case, match):
+    shape = SHAPES[0]
+    hidden, inter = shape[0], shape[1]
+    x, weights, _ = inputs(3, hidden, torch.bfloat16, inter, False)
+    args = dict(x=x, packed=prepared(*shape), token_widths=None, width=inter, weights=weights,
+                out=torch.zeros(3, hidden))
+    kw = {}
+    if case == "x_fp16":
+        args["x"] = x.half()
+    elif case == "out_bf16":
+        args["out"] = args["out"].bfloat16()
+    elif case == "out_shape":
+        args["out"] = torch.zeros(2, hidden)
+    elif case == "weights_int":
+        args["weights"] = torch.ones(3, dtype=torch.int64)
+    elif case == "weights_len":
+        args["weights"] = torch.ones(2)
+    elif case == "widths_float":
+        args["token_widths"] = torch.ones(3)
+    elif case == "width_big":
+        args["width"] = inter + 1
+    elif case == "config":
+        kw["config"] = "bf16"
+    with pytest.raises((ValueError, TypeError), match=match):
+        expert_mlp_cpu_accumulate_(**args, **kw)
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="chunk"):
+        CpuExpertConfig(chunk=0)
+    with pytest.raises(TypeError, match="precision"):
+        CpuExpertConfig(precision="bf16")
