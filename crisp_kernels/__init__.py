@@ -28,6 +28,7 @@ from .format import (
     dequantize_layer,
     gpt_oss_to_v5,
     layer_biases,
+    layer_sqnr_db,
     pack_expert,
     pack_layer,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "expert_mlp_ref",
     "gpt_oss_to_v5",
     "layer_biases",
+    "layer_sqnr_db",
     "load_packed",
     "pack_expert",
     "pack_layer",

@@ -642,3 +642,24 @@ def layer_biases(layer: PackedLayer) -> tuple[torch.Tensor, torch.Tensor] | None
     inverse = torch.argsort(layer.neuron_order.to(layer.bias.device), dim=1)  # (E, I)
     bias = layer.bias.gather(1, inverse.unsqueeze(-1).expand_as(layer.bias))
     return torch.cat((bias[..., 0], bias[..., 1]), dim=1), layer.down_bias
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB, ``10 log10(|w|^2 / |w - w_q|^2)``, in float64."""
+    reference, approx = reference.double(), approx.double()
+    noise = (reference - approx).pow(2).sum()
+    return float("inf") if noise == 0 else (10 * torch.log10(reference.pow(2).sum() / noise)).item()
+
+
+def layer_sqnr_db(layer: PackedLayer, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> dict[str, float]:
+    """SQNR (dB) of a packed layer against the weights it was packed from, in the v5 layout
+    (``gate_up_proj (E, 2I, H)`` gate half first, ``down_proj (E, H, I)``; gpt-oss's through
+    :func:`gpt_oss_to_v5`): per projection and over all three. Biases are stored exactly (fp32)."""
+    gate_up, down = dequantize_layer(layer, torch.float64)
+    inter = layer.intermediate_size
+    pairs = {"gate": (gate_up_proj[:, :inter], gate_up[:, :inter]), "up": (gate_up_proj[:, inter:], gate_up[:, inter:]),
+             "down": (down_proj, down)}
+    out = {name: sqnr_db(ref, approx) for name, (ref, approx) in pairs.items()}
+    out["all"] = sqnr_db(torch.cat([ref.reshape(-1).double() for ref, _ in pairs.values()]),
+                         torch.cat([approx.reshape(-1) for _, approx in pairs.values()]))
+    return out
