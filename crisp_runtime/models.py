@@ -209,7 +209,7 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayerRef]:
     if not refs:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no MoE experts module using transformers' experts interface "
-            "(@use_experts_implementation with gate_up_proj (E, 2I, H) / down_proj (E, H, I))"
+            "(@use_experts_implementation with gate_up_proj (E, 2I, H) / down_proj (E, H, I), or gpt-oss's experts)"
         )
     ids = [r.layer_id for r in refs]
     if len(set(ids)) != len(ids):
