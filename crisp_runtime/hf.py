@@ -59,6 +59,7 @@ from .pack import (
     check_weights_fingerprint,
     load_pack,
     pack_model,
+    recorded_weights_sha256,
 )
 from .plan import CrispPlan, PlanError
 from .prefetch import NextLayerPredictor, Prefetcher
@@ -627,10 +628,12 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
                serving=None):
     """Load a causal LM from a local checkpoint plus a CRISP pack: ``(model, handle)``.
 
-    The checkpoint is read on the CPU; its expert weights are checked against the pack's recorded
-    fingerprint (``allow_weights_mismatch=True`` skips that) and dropped there, only then is the
-    rest moved to ``device`` and CRISP applied with the pack's experts. Full-precision experts
-    never reach the GPU. Nothing is downloaded: ``checkpoint_dir`` must be a local folder.
+    The checkpoint (safetensors) is read on the CPU one tensor at a time into a model built on the
+    ``meta`` device: only the non-expert weights are materialised; the expert weights are never read
+    whole (their recorded fingerprint is checked from 4-row slices; ``allow_weights_mismatch=True``
+    skips that). Then the model is moved to ``device`` and CRISP applied with the pack's experts.
+    Full-precision experts never reach the GPU, nor host memory. Nothing is downloaded:
+    ``checkpoint_dir`` must be a local folder.
     serving: as in :func:`apply`.
     """
     path = _local_checkpoint(checkpoint_dir)  # before importing transformers: a wrong name fails at once
@@ -648,14 +651,17 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     top_k = pack.info.get("top_k")
     if budget is not None and isinstance(top_k, int) and top_k > 0:
         _check_budget_fits_layers(budget, pack.layers, top_k)  # apply() checks again; here before the checkpoint
-    from transformers import AutoModelForCausalLM
+    from .checkpoint import checkpoint_weights_sha256, load_skeleton
 
-    kwargs = {"dtype": dtype} if dtype is not None else {}
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)  # on the CPU (no device_map)
+    # One tensor at a time through safetensors; the experts stay on disk (meta placeholders): host memory
+    # holds the non-expert weights and the pack, never the full-precision experts (crisp_runtime.checkpoint).
+    model, cmap = load_skeleton(path, dtype)
     pack.check_model(model)
-    if not allow_weights_mismatch:
-        check_pack_weights(pack, model)
-    drop_expert_weights(model)
+    recorded = recorded_weights_sha256(pack.info)
+    if not allow_weights_mismatch and recorded is not None and recorded != checkpoint_weights_sha256(model, cmap):
+        raise PackMismatchError("this CRISP pack was made from other weights than this model (the weights "
+                                "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to use it "
+                                "anyway")
     model.to(device)
     config = RuntimeConfig() if config is None else config
     handle = apply(model, pack, plan=plan, gpu_budget=budget, config=replace(config, keep_original=False),
