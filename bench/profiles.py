@@ -87,7 +87,12 @@ class ModelShape:
 
 MIXTRAL_8X7B = ModelShape("mixtral-8x7b", num_layers=32, num_experts=8, top_k=2, hidden_size=4096,
                           intermediate_size=14336)
-TARGETS = {MIXTRAL_8X7B.name: MIXTRAL_8X7B}
+# DeepSeek-MoE-16B: 28 layers of which the first is dense, so 27 MoE layers; 64 routed experts of
+# I 1408, top-6. Its 2 shared experts per layer are dense MLPs computed for every token and always
+# resident (CRISP's plan never narrows them), so they are outside the expert bytes this shape counts.
+DEEPSEEK_MOE_16B = ModelShape("deepseek-moe-16b", num_layers=27, num_experts=64, top_k=6, hidden_size=2048,
+                              intermediate_size=1408)
+TARGETS = {MIXTRAL_8X7B.name: MIXTRAL_8X7B, DEEPSEEK_MOE_16B.name: DEEPSEEK_MOE_16B}
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,24 @@ class HardwareProfile:
     other_s: float
     description: str = ""
     source: str = ""
+    # The host CPU (hybrid placement, issue 11; None = a profile without a CPU, GPU-only configurations):
+    # prefix bytes per second its expert kernel streams at batch 1, a fixed time per expert, the H2D
+    # rate while it streams host memory, and the join of its (T, H) partial output into the GPU's.
+    cpu_bytes_per_s: float | None = None
+    cpu_latency_s: float = 0.0
+    h2d_bytes_per_s_cpu_busy: float | None = None
+    join_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for f in ("cpu_bytes_per_s", "h2d_bytes_per_s_cpu_busy"):
+            v = getattr(self, f)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                      and v > 0):
+                raise ProfileError(f"profile {self.name!r}: {f} must be a positive number or null, got {v!r}")
+        for f in ("cpu_latency_s", "join_s"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise ProfileError(f"profile {self.name!r}: {f} must be a non-negative number, got {v!r}")
         for f in ("h2d_bytes_per_s", "compute_bytes_per_s"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -122,6 +143,35 @@ class HardwareProfile:
         """Time to run one expert over a prefix of ``nbytes`` bytes; 0 for a skipped expert."""
         return 0.0 if nbytes <= 0 else self.compute_latency_s + nbytes / self.compute_bytes_per_s
 
+    @property
+    def has_cpu(self) -> bool:
+        return self.cpu_bytes_per_s is not None
+
+    def load_busy_s(self, nbytes: int) -> float:
+        """Copy time while the CPU streams host memory (the reduced H2D rate)."""
+        rate = self.h2d_bytes_per_s if self.h2d_bytes_per_s_cpu_busy is None else self.h2d_bytes_per_s_cpu_busy
+        return 0.0 if nbytes <= 0 else self.copy_latency_s + nbytes / rate
+
+    def cpu_s(self, nbytes: int) -> float:
+        """Time for the CPU to run one expert (batch 1) over a prefix of ``nbytes``; inf without a CPU."""
+        if self.cpu_bytes_per_s is None:
+            return math.inf
+        return 0.0 if nbytes <= 0 else self.cpu_latency_s + nbytes / self.cpu_bytes_per_s
+
+    def cost_model(self):
+        """The runtime scheduler's cost model with this profile's bandwidths (its split decisions)."""
+        from crisp_runtime.scheduler import CostModel
+
+        return CostModel(h2d_bytes_per_s=self.h2d_bytes_per_s, device_bytes_per_s=self.compute_bytes_per_s,
+                         cpu_bytes_per_s=self.cpu_bytes_per_s, cpu_latency_s=self.cpu_latency_s,
+                         h2d_bytes_per_s_cpu_busy=self.h2d_bytes_per_s_cpu_busy, join_s=self.join_s)
+
+    def with_cpu(self, cpu_bytes_per_s: float) -> HardwareProfile:
+        """The same machine with a CPU of another bandwidth (for sweeps)."""
+        from dataclasses import replace
+
+        return replace(self, name=f"{self.name}@cpu{cpu_bytes_per_s / 1e9:g}GBps", cpu_bytes_per_s=cpu_bytes_per_s)
+
     # ------------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict:
@@ -137,7 +187,8 @@ class HardwareProfile:
                 f"profile version {data.get('version')!r} is not supported (this reads {PROFILE_VERSION})"
             )
         names = {f.name for f in fields(cls)}
-        missing = {f.name for f in fields(cls) if f.name not in ("description", "source")} - set(data)
+        optional = ("description", "source", "cpu_bytes_per_s", "cpu_latency_s", "h2d_bytes_per_s_cpu_busy", "join_s")
+        missing = {f.name for f in fields(cls) if f.name not in optional} - set(data)
         if missing:
             raise ProfileError(f"profile is missing {sorted(missing)}")
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -184,7 +235,45 @@ def _rtx4090() -> HardwareProfile:
     )
 
 
-BUILTIN_PROFILES = {"rtx4090-pcie4": _rtx4090}
+# The desktop host of the hybrid profiles (issue 11). Figures and where they come from (/work/shared/ANCHORS.md):
+# - H2D 25 GB/s: pinned copies measured by others on an RTX 4090 over PCIe 4.0 x16 (the paper's loader
+#   reached 13 GB/s, profile rtx4090-pcie4); ~15 GB/s while the CPU streams host memory at the same time
+#   (reported for a 4090 desktop);
+# - CPU 50 GB/s of 4-bit prefix bytes at batch 1: the middle of the 30-72 GB/s CPU GEMV range FreeToken
+#   reports for desktop DDR5 hosts (dual-channel DDR5-6000 peaks at 96 GB/s); the simulator sweeps 30-72;
+# - assumed (no measurement): 20 us per copy and 50 us per CPU expert call (thread-pool wake-up and
+#   dispatch), 20 us to join the (T, H) partial output (a 16 KB copy and an add);
+# - GPU compute, router and other per-layer work: the paper's RTX 4090 figures (profile rtx4090-pcie4).
+DESKTOP_CPU_BYTES_PER_S = 50e9
+CPU_SWEEP_BYTES_PER_S = (30e9, 50e9, 72e9)
+
+
+def _desktop(name: str, h2d: float, h2d_busy: float, description: str) -> HardwareProfile:
+    base = _rtx4090()
+    return HardwareProfile(
+        name=name, h2d_bytes_per_s=h2d, copy_latency_s=20e-6, compute_bytes_per_s=base.compute_bytes_per_s,
+        compute_latency_s=base.compute_latency_s, router_s=base.router_s, other_s=base.other_s,
+        description=description, source="ANCHORS (bandwidths) + paper (GPU compute, router, other)",
+        cpu_bytes_per_s=DESKTOP_CPU_BYTES_PER_S, cpu_latency_s=50e-6, h2d_bytes_per_s_cpu_busy=h2d_busy,
+        join_s=20e-6)
+
+
+def _rtx4090_ddr5() -> HardwareProfile:
+    return _desktop("rtx4090-pcie4-ddr5", 25e9, 15e9,
+                    "RTX 4090 + PCIe 4.0 (25 GB/s, 15 GB/s while the CPU streams) + desktop DDR5 host (CPU 50 GB/s "
+                    "of 4-bit prefix bytes); GPU compute, router, other from the CRISP paper")
+
+
+def _rtx4090_pcie5_ddr5() -> HardwareProfile:
+    # Hypothetical: the same GPU on a PCIe 5.0 link, whose 50 GB/s equals the CPU's; the busy rate keeps the
+    # PCIe 4.0 host's ratio (15/25).
+    return _desktop("rtx4090-pcie5-ddr5", 50e9, 30e9,
+                    "the rtx4090-pcie4-ddr5 host with a PCIe 5.0 link: H2D 50 GB/s (30 while the CPU streams), equal "
+                    "to the CPU's 50 GB/s (hypothetical: where hybrid placement should gain least)")
+
+
+BUILTIN_PROFILES = {"rtx4090-pcie4": _rtx4090, "rtx4090-pcie4-ddr5": _rtx4090_ddr5,
+                    "rtx4090-pcie5-ddr5": _rtx4090_pcie5_ddr5}
 # Paper's measured MoE layer, for comparison in reports.
 PAPER_LAYER_MS = {"total": 14.4, "load": 11.2, "compute": 2.6, "router": 0.4}
 

@@ -229,6 +229,8 @@ def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None,
         if ev["family"] != record["policy"] or ev["exact"] != exact:
             continue
         if not exact:
+            if sp.get("placement", "gpu") != "gpu":  # evaluated on the GPU's residency, not a CPU placement's
+                continue
             b = ev["budget_fraction"]
             if (ev["serving"] != tuple(sp.get(k) for k in _SERVING_KEYS) or b is None
                     or abs(float(b) - record["budget_fraction"]) > 1e-9 or ev["prefetch"] != record["prefetch"]

@@ -38,6 +38,17 @@ step's experts), but only rows that are copied before layer l+1's router ends, w
 copies may start: a prefetch never delays a demanded copy. Predictions come with the trace
 (``predicted``, recorded by ``crisp_runtime.prefetch``); without them there is no prefetch.
 
+Hybrid placement (issue 11; ``ServingPolicy.placement`` other than GPU, the profile with a CPU,
+widest-first order only): the runtime's ``plan_step(placement=...)`` splits each step between the
+GPU and the CPU on the profile's cost model (``HardwareProfile.cost_model``); only the GPU's
+experts go through the ledger (a CPU-served expert is neither copied nor admitted). The step's
+time is ``scheduler.split_makespan`` on the profile's times: the GPU's flow shop (copies at the
+reduced H2D rate when the CPU works) against the CPU's experts back to back plus one join.
+``static_hybrid`` and ``hybrid`` start with the most used experts of the trace (counts of the
+plan's routed slots over the whole trace: the placement a user of ``--n-cpu-moe`` picks offline,
+an oracle for both) resident at full width within the budget; ``static_hybrid`` never changes
+them, ``hybrid`` copies (and evicts, LRU) when the split says a copy is faster.
+
 Everything here is plain Python and deterministic; times are seconds.
 """
 
@@ -53,7 +64,7 @@ import torch
 from crisp_runtime.eviction import BeladyPolicy, EvictionPolicy, make_policy
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.residency import LedgerCounters, ResidencyLedger
-from crisp_runtime.scheduler import CostModel, johnson_order, plan_step
+from crisp_runtime.scheduler import CostModel, HybridJob, Placement, johnson_order, plan_step, split_makespan
 from crisp_runtime.serving import ServingPolicy, serve_slots
 
 from .profiles import HardwareProfile, ModelShape
@@ -189,6 +200,8 @@ class SimResult:
     fallbacks: int = 0  # slots served narrower than the plan wanted
     skips: int = 0  # slots the plan wanted but serving skipped
     wider: int = 0  # slots served wider than wanted (resident rows, no extra bytes)
+    cpu_s: float = 0.0  # sum of the CPU's expert durations (hybrid placement)
+    cpu_runs: int = 0  # experts computed on the CPU
     peak_bytes: int = 0  # most bytes resident at once (all caches)
     per_order: dict[str, OrderTotals] = field(default_factory=dict)
 
@@ -225,6 +238,8 @@ class SimResult:
             "skips_per_token": self.skips / tokens,
             "wider_per_token": self.wider / tokens,
             "experts_per_layer": self.experts_run / steps,
+            "cpu_experts_per_layer": self.cpu_runs / steps,
+            "cpu_ms": 1e3 * self.cpu_s / steps,
             "layer_ms": 1e3 * tot.time_s / steps,
             "load_ms": 1e3 * self.load_s / steps,
             "compute_ms": 1e3 * self.compute_s / steps,
@@ -276,6 +291,14 @@ def simulate_decode(
         raise ValueError(f"cache_scope must be 'global' or 'layer', got {cache_scope!r}")
     if policy.prefetch and list(orders) != ["widest_first"]:
         raise ValueError("prefetch is simulated in the runtime's order only: orders=['widest_first']")
+    placement = policy.serving.placement
+    if placement.uses_cpu:
+        if not profile.has_cpu:
+            raise ValueError(f"placement {placement.value!r} needs a hardware profile with a CPU (cpu_bytes_per_s); "
+                             f"{profile.name!r} has none (try rtx4090-pcie4-ddr5)")
+        if list(orders) != ["widest_first"] or policy.prefetch or timeline is not None:
+            raise ValueError(f"placement {placement.value!r} is simulated in the runtime's order only, without "
+                             "prefetch or timeline: orders=['widest_first']")
     num_tokens, src_layers, inter = trace.num_tokens, trace.num_layers, trace.intermediate_size
     if not 0 <= warmup < num_tokens:
         raise ValueError(f"warmup ({warmup}) must lie in [0, {num_tokens}) (the number of tokens)")
@@ -305,6 +328,10 @@ def simulate_decode(
     want_rows = [list(w.split(1)) for w in wanted]
     dom_rows = [None if d is None else list(d.split(1)) for d in dominant]
     cost = CostModel(h2d_bytes_per_s=profile.h2d_bytes_per_s, device_bytes_per_s=profile.compute_bytes_per_s)
+    if placement.uses_cpu:
+        cost = profile.cost_model()
+        if placement in (Placement.STATIC, Placement.HYBRID):
+            _pin_hot_experts(ledgers, routed, wanted, layers, nb, inter)
     res = SimResult(0, layers, ledgers[0].counters, per_order={o: OrderTotals() for o in orders})
     lead = profile.other_s + profile.router_s
     requests = prefetch_requests(plan, trace, predicted) if policy.prefetch else None
@@ -326,7 +353,11 @@ def simulate_decode(
                                  num_experts=trace.num_experts, full_width=inter,
                                  resident_width=lambda e, led=led, layer=layer: led.width(layer, e))
             step = plan_step(index_row, served.widths, num_experts=trace.num_experts, neuron_nbytes=nb,
-                             resident_width=lambda e, led=led, layer=layer: led.width(layer, e), cost=cost)
+                             resident_width=lambda e, led=led, layer=layer: led.width(layer, e), cost=cost,
+                             placement=placement)
+            if placement.uses_cpu:
+                _hybrid_step(res, led, layer, step, served, profile, nb, lead, counting)
+                continue
             pending = {(layer, task.expert) for task in step.tasks}
             jobs: dict[int, Job] = {}
             for task in step.tasks:  # the runtime's issue order
@@ -360,6 +391,58 @@ def simulate_decode(
             progress(t + 1, num_tokens)
     res.peak_bytes = max(led.peak for led in ledgers) if cache_scope == "global" else sum(l.peak for l in ledgers)
     return res
+
+
+def _pin_hot_experts(ledgers, routed, wanted, layers: int, nb: int, inter: int) -> None:
+    """Make the trace's most used (layer, expert) pairs resident at full width, while they fit (no eviction)."""
+    src = len(routed)
+    counts: dict[tuple[int, int], int] = {}
+    for layer in range(layers):
+        li = layer % src
+        for e, w in zip(routed[li].reshape(-1).tolist(), wanted[li].reshape(-1).tolist(), strict=True):
+            if w > 0:
+                counts[(layer, e)] = counts.get((layer, e), 0) + 1
+    for (layer, e), _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        led = ledgers[layer]
+        if led.used + inter * nb <= led.budget:
+            led.prefetch(layer, e, inter)
+
+
+def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: HardwareProfile, nb: int, lead: float,
+                 counting: bool) -> None:
+    """One layer step under a CPU placement: the GPU's tasks through the ledger, the time of the split."""
+    pending = {(layer, t.expert) for t in step.tasks if not t.on_cpu}
+    jobs, gpu, cpu = [], [], []
+    for i, task in enumerate(step.tasks):  # GPU tasks first (issue order), then the CPU's
+        nbytes = task.width * nb
+        if task.on_cpu:
+            jobs.append(HybridJob(0.0, 0.0, profile.compute_s(nbytes), profile.cpu_s(nbytes)))
+            cpu.append(i)
+            continue
+        decision = led.request(layer, task.expert, task.width, protected=pending)
+        pending.discard((layer, task.expert))
+        jobs.append(HybridJob(profile.load_s(decision.copy_bytes), profile.load_busy_s(decision.copy_bytes),
+                              profile.compute_s(nbytes), profile.cpu_s(nbytes)))
+        gpu.append(i)
+    if not counting:
+        return
+    span = split_makespan(gpu, cpu, jobs, profile.join_s) if jobs else 0.0
+    busy = bool(cpu)
+    res.bytes_computed += sum(t.width * nb for t in step.tasks)
+    res.load_s += sum(jobs[i].load_busy_s if busy else jobs[i].load_s for i in gpu)
+    res.compute_s += sum(jobs[i].gpu_s for i in gpu)
+    res.cpu_s += sum(jobs[i].cpu_s for i in cpu)
+    res.cpu_runs += len(cpu)
+    res.router_s += profile.router_s
+    res.other_s += profile.other_s
+    res.experts_run += len(jobs)
+    res.fallbacks += served.fallbacks
+    res.skips += served.skips
+    res.wider += served.wider
+    tot = res.per_order["widest_first"]
+    tot.time_s += lead + span
+    tot.expert_s += span
+    tot.bound_s += lead + span  # the split is exact for decode steps: its makespan is the bound
 
 
 def _ledgers(policy: SimPolicy, budget: int, layers: int, scope: str, nb: int, inter: int, wanted, routed,
@@ -491,7 +574,7 @@ def simulate_policies(
     budget = int(budget_fraction * shape.total_expert_nbytes)
     records = []
     for p in policies:
-        run_orders = ["widest_first"] if p.prefetch else list(orders)
+        run_orders = ["widest_first"] if p.prefetch or p.serving.placement.uses_cpu else list(orders)
         res = simulate_decode(trace, p, profile, shape, budget, orders=run_orders, warmup=warmup,
                               cache_scope=cache_scope, predicted=predicted,
                               progress=None if progress is None else (lambda d, n, p=p: progress(p, d, n)))

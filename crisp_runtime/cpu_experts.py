@@ -48,7 +48,10 @@ def accumulate_cpu_(partial: torch.Tensor, x: torch.Tensor, packed, width: int, 
         expert_mlp_accumulate_unchecked_(partial, x, packed, width, rows, weights, token_widths, Backend.TORCH)
         return
     part = torch.zeros((rows.numel(), partial.shape[1]), dtype=torch.float32)
-    kernel(x.index_select(0, rows), packed, token_widths, width, weights, part)
+    xs = x.index_select(0, rows)
+    if xs.dtype not in (torch.float32, torch.bfloat16):  # H1's kernel takes fp32 or bf16 (fp16 from a GPU model)
+        xs = xs.float()
+    kernel(xs, packed, token_widths, width, weights, part)
     partial.index_add_(0, rows, part)
 
 

@@ -162,6 +162,7 @@ class CrispRuntime:
         self._step_keys: frozenset = frozenset()  # keys of the last planned step: a prefetch never evicts them
         self._copy_stream = None  # GPU-only, created on first use
         self._cpu = CpuWorker()  # hybrid placement: the CPU's experts run on its thread (created on first use)
+        self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu_knob.CpuDecision), for stats()
         self._cpu_kernel = cpu_kernel() if self.serving.placement.uses_cpu else None
         if self.serving.placement.uses_cpu:
             if self.store is None:

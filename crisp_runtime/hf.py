@@ -277,6 +277,8 @@ class CrispHandle:
         cache = self.runtime.cache
         out["cache"] = {"budget_bytes": getattr(cache, "budget", None), "used_bytes": cache.used,
                         "peak_bytes": cache.peak, "policy": self.plan.policy.value}
+        decision = getattr(self.runtime, "cpu_decision", None)
+        out["cpu"] = None if decision is None else decision.to_dict()
         return out
 
     def reset_stats(self) -> None:
@@ -286,6 +288,7 @@ class CrispHandle:
         """Bring back the original expert weights and experts implementation (idempotent)."""
         if not self.active:
             return
+        self.runtime.close()  # the CPU worker thread of hybrid execution, if one was started
         kept = True
         for ref in self.refs:
             module = ref.module
@@ -422,7 +425,7 @@ def _clear_attention_mask(tokens: _TokenMask, module, args, kwargs, output=None)
 
 def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None, fmt: QuantFormat | None = None,
           config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False, serving=None,
-          shapes=None) -> CrispHandle:
+          shapes=None, cpu="off") -> CrispHandle:
     """Run ``model``'s MoE experts through CRISP; returns a :class:`CrispHandle`.
 
     A model without v5 experts modules but with per-expert MoE blocks (DeepSeek-MoE remote code,
@@ -441,7 +444,14 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     serving: how routed experts are served from what the cache holds (``crisp_runtime.serving``):
     a ServingPolicy, a name ("plan", "resident", "resident-floor75") or its dict; None = the
     config's (default "plan": every slot at the plan's width, outputs independent of the cache).
+    cpu: "off" (default: as configured), "on" (offloaded experts computed on the host CPU when the
+    per-step split says it is faster than copying them: hybrid placement, issue 11) or "auto"
+    (on when the measured bandwidths say it pays); ``stats()["cpu"]`` says what was decided
+    (``crisp_runtime.cpu_knob``).
     """
+    from .cpu_knob import CpuMode, decide_cpu, parse_cpu_mode
+
+    cpu_mode = parse_cpu_mode(cpu)
     config = RuntimeConfig() if config is None else config
     if not isinstance(config, RuntimeConfig):
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
@@ -458,6 +468,8 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
 
     shapes = blocks.BLOCK_SHAPES if shapes is None else tuple(shapes)
     if isinstance(model, torch.nn.Module) and blocks.uses_per_expert_blocks(model, shapes):
+        if cpu_mode is not CpuMode.OFF:
+            raise ValueError(f"cpu={cpu!r}: hybrid execution is not wired for per-expert MoE blocks; use cpu='off'")
         return blocks.apply_blocks(model, source, plan=plan, gpu_budget=gpu_budget, fmt=fmt, config=config,
                                    allow_weights_mismatch=allow_weights_mismatch, shapes=shapes)
     if not (hasattr(model, "set_experts_implementation") and hasattr(model, "get_experts_implementation")):
@@ -514,7 +526,10 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     if budget is not None:
         _check_budget_fits_layers(budget, layers, top_k)
         _check_budget_fits_device(budget, device)
+    config, cpu_decision = decide_cpu(cpu_mode, config=config, budget=budget, device=torch.device(device),
+                                      layers=layers)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
+    runtime.cpu_decision = cpu_decision
     prefetcher = None
     if config.prefetch is not None:
         experts = min(first.num_experts, top_k + config.prefetch.extra_experts)

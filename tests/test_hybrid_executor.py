@@ -73,6 +73,7 @@ def test_outputs_equal_reference_at_served_widths(placement, serving, plan_name)
     budget = min_budget_bytes(LAYERS, TOP_K) + 3 * INTER * NB
     runtime = CrispRuntime(LAYERS, plan, device="cpu", gpu_budget=budget,
                            config=RuntimeConfig(serving=policy(serving, placement), cost=COST))
+    runtime._cpu_kernel = None  # the torch reference (float32) here; H1's kernel has its own tolerance test
     if placement is Placement.STATIC:  # the pinned experts: two per layer at full width
         for layer_id in LAYER_IDS:
             runtime.prefetch(layer_id, [(0, INTER), (1, INTER)])

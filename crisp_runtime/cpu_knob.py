@@ -1,0 +1,125 @@
+"""The user's knob for hybrid execution: ``apply(..., cpu="off"|"on"|"auto")`` (issue 11).
+
+- ``off`` (default): the configuration as given (GPU-only placement unless the serving policy
+  says otherwise): today's behaviour exactly.
+- ``on``: the serving policy's placement becomes ``hybrid`` (per step, the GPU / CPU split of
+  minimal makespan, ``scheduler.split_step``); the cost model gets the CPU's bandwidth measured
+  here (one expert at full width, batch 1, best of 3) unless the configuration's cost model has one.
+- ``auto``: ``on`` when it can pay, from the measured bandwidths: experts offloaded
+  (``gpu_budget`` set), a GPU to offload from (on a CPU-only machine the experts already run on
+  the CPU: nothing to split), and a CPU streaming prefix bytes at >= 1/4 of the copy rate
+  (below that the CPU finishes one full expert in the time of four copies, and the overlap it adds
+  is within the planner's own overhead); ``off`` otherwise.
+
+The decision and its reasons are in ``CrispHandle.stats()["cpu"]``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from .cpu_experts import accumulate_cpu_, cpu_kernel, cpu_kernel_name
+from .scheduler import Placement
+
+# auto: hybrid when the CPU streams prefix bytes at least this fraction of the H2D rate (see the docstring).
+AUTO_MIN_CPU_TO_H2D = 0.25
+
+
+class CpuMode(enum.Enum):
+    OFF = "off"
+    ON = "on"
+    AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class CpuDecision:
+    """What ``cpu=`` decided, on which figures."""
+
+    mode: CpuMode
+    placement: Placement
+    reason: str
+    cpu_bytes_per_s: float | None = None  # measured here (or the configuration's)
+    h2d_bytes_per_s: float | None = None  # measured here on CUDA (or the configuration's)
+    kernel: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode.value, "placement": self.placement.value, "reason": self.reason,
+                "cpu_bytes_per_s": self.cpu_bytes_per_s, "h2d_bytes_per_s": self.h2d_bytes_per_s,
+                "kernel": self.kernel}
+
+
+def parse_cpu_mode(cpu) -> CpuMode:
+    if isinstance(cpu, CpuMode):
+        return cpu
+    try:
+        return CpuMode(cpu)
+    except ValueError:
+        raise ValueError(f"cpu: expected 'off', 'on' or 'auto', got {cpu!r}") from None
+
+
+def measure_cpu_bytes_per_s(layer, repeats: int = 3) -> float:
+    """Prefix bytes per second of the CPU kernel: expert 0 of ``layer`` (host tensors) at full width, batch 1."""
+    expert = layer.expert(0)
+    if expert.device.type != "cpu":
+        raise ValueError("measure_cpu_bytes_per_s: the layer must be in host memory")
+    width = layer.intermediate_size
+    x = torch.randn(1, layer.hidden_size)
+    rows, weights, widths = torch.zeros(1, dtype=torch.int64), torch.ones(1), torch.full((1,), width)
+    out = torch.zeros(1, layer.hidden_size)
+    kernel = cpu_kernel()
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms up (allocations, thread pool)
+        t0 = time.perf_counter()
+        accumulate_cpu_(out, x, expert, width, rows, weights, widths, kernel)
+        best = min(best, time.perf_counter() - t0)
+    return expert.nbytes(width) / best
+
+
+def _measure_h2d_bytes_per_s(layer, device: torch.device) -> float:  # GPU-only
+    host = layer.expert(0).qweight.pin_memory()
+    dev = torch.empty_like(host, device=device)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return host.numel() * host.element_size() / (time.perf_counter() - t0)
+
+
+def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers) -> tuple[object, CpuDecision]:
+    """The configuration to run and what was decided (``layers``: the packed layers, for measuring)."""
+    mode = parse_cpu_mode(cpu)
+    placement = config.serving.placement
+    if mode is CpuMode.OFF:
+        return config, CpuDecision(mode, placement, "cpu='off': the configuration as given")
+    if budget is None:
+        if mode is CpuMode.ON:
+            raise ValueError("cpu='on' computes offloaded experts on the CPU: it needs a gpu_budget")
+        return config, CpuDecision(mode, placement, "no gpu_budget: every expert resident on the device")
+    first = layers[min(layers)]
+    cost = config.cost
+    cpu_bps = cost.cpu_bytes_per_s if cost.has_cpu else measure_cpu_bytes_per_s(first)
+    h2d_bps = cost.h2d_bytes_per_s
+    if device.type == "cuda":  # GPU-only
+        h2d_bps = _measure_h2d_bytes_per_s(first, device)
+    name = cpu_kernel_name()
+    if mode is CpuMode.AUTO:
+        if device.type != "cuda":
+            return config, CpuDecision(mode, placement, f"the experts run on {device.type}: no GPU to split with",
+                                       cpu_bps, None, name)
+        if cpu_bps < AUTO_MIN_CPU_TO_H2D * h2d_bps:
+            return config, CpuDecision(mode, placement, f"CPU {cpu_bps / 1e9:.1f} GB/s < {AUTO_MIN_CPU_TO_H2D} x H2D "
+                                       f"{h2d_bps / 1e9:.1f} GB/s", cpu_bps, h2d_bps, name)
+    new_placement = Placement.HYBRID if placement is Placement.GPU else placement
+    serving = replace(config.serving, placement=new_placement,
+                      name=config.serving.name if placement is not Placement.GPU else
+                      ("hybrid" if config.serving.name == "plan" else f"{config.serving.name}+hybrid"))
+    new_cost = replace(cost, cpu_bytes_per_s=cpu_bps, h2d_bytes_per_s=h2d_bps)
+    reason = ("cpu='on'" if mode is CpuMode.ON else
+              f"CPU {cpu_bps / 1e9:.1f} GB/s >= {AUTO_MIN_CPU_TO_H2D} x H2D {h2d_bps / 1e9:.1f} GB/s")
+    return replace(config, serving=serving, cost=new_cost), CpuDecision(mode, new_placement, reason, cpu_bps,
+                                                                        h2d_bps, name)

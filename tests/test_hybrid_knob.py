@@ -1,0 +1,78 @@
+"""apply(..., cpu="off"|"on"|"auto") on the tiny Mixtral (issue 11): off keeps today's behaviour, on runs the
+hybrid path with outputs equal to the CPU reference, auto decides and says so in stats()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from crisp_runtime import apply
+from crisp_runtime.cpu_knob import AUTO_MIN_CPU_TO_H2D, CpuMode, decide_cpu, measure_cpu_bytes_per_s
+from crisp_runtime.executor import RuntimeConfig
+from crisp_runtime.scheduler import CostModel, Placement
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    return transformers.MixtralForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("cpu", ["off", "on", "auto"])
+def test_knob_outputs_and_stats(cpu):
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    model = tiny_model()
+    # The reference: the same packed experts, all resident (no budget, GPU-only placement).
+    ref_handle = apply(model)
+    with torch.no_grad():
+        ref = model(ids).logits
+    ref_handle.restore()
+    budget = 2 * 32 * 64  # two full experts of 32 neurons x 64 bytes: a budget that offloads
+    handle = apply(model, gpu_budget=budget * 2, cpu=cpu,
+                   config=RuntimeConfig(cost=CostModel(cpu_bytes_per_s=1e9)) if cpu == "on" else None)
+    with torch.no_grad():
+        out = model(ids).logits
+    stats = handle.stats()
+    decision = stats["cpu"]
+    assert decision["mode"] == cpu
+    if cpu == "on":
+        assert decision["placement"] == "hybrid" and handle.runtime.serving.placement is Placement.HYBRID
+    else:  # off: as configured; auto on this CPU-only machine: no GPU to split with
+        assert decision["placement"] == "gpu" and handle.runtime.serving.placement is Placement.GPU
+        assert stats["cpu_runs"] == 0
+    # the widths served are the plan's (full here) whatever the placement: the logits equal the reference's
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
+    handle.restore()
+    assert not handle.runtime._cpu.started
+
+
+def test_on_needs_a_budget_and_bad_values():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="needs a gpu_budget"):
+        apply(model, cpu="on")
+    with pytest.raises(ValueError, match="cpu: expected 'off', 'on' or 'auto'"):
+        apply(model, gpu_budget=10**6, cpu=True)
+
+
+def test_auto_rule_and_measurement(monkeypatch):
+    from runtime_helpers import random_layers
+
+    import crisp_runtime.cpu_knob as knob
+
+    layers = random_layers(layer_ids=(0,), num_experts=2, inter=64, hidden=256)
+    assert measure_cpu_bytes_per_s(layers[0]) > 0
+
+    class FakeCuda:  # the rule as on a GPU; the H2D rate is then the cost model's, not measured
+        type = "cuda"
+
+    monkeypatch.setattr(knob, "_measure_h2d_bytes_per_s", lambda layer, device: 25e9)
+    slow, fast = AUTO_MIN_CPU_TO_H2D * 0.5 * 25e9, AUTO_MIN_CPU_TO_H2D * 2 * 25e9
+    for cpu_bps, expect in ((slow, Placement.GPU), (fast, Placement.HYBRID)):
+        config = RuntimeConfig(cost=CostModel(h2d_bytes_per_s=25e9, cpu_bytes_per_s=cpu_bps))
+        new, decision = decide_cpu("auto", config=config, budget=10**6, device=FakeCuda(), layers=layers)
+        assert decision.placement is expect and new.serving.placement is expect
+        assert decision.mode is CpuMode.AUTO and decision.cpu_bytes_per_s == cpu_bps
