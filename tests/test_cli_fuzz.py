@@ -40,6 +40,7 @@ PROFILE = _cases("profile", {
     "--holdout-fraction": OPEN_UNIT, "--dominance-samples": POS_INT, "--dominance-min-tokens": POS_INT,
     "--dominance-max-windows": POS_INT, "--dominance": ["best", ""], "--search-target-bytes": HALF_OPEN_UNIT,
     "--search-samples": POS_INT, "--model": [""], "--data": [""], "--out": [""], "--work-dir": [""],
+    "--num-dominant": POS_INT,
 })
 EVAL = _cases("eval", {
     "--samples": POS_INT, "--seq-len": SEQ_LEN, "--batch-size": POS_INT, "--device": DEVICES,
@@ -86,6 +87,8 @@ TRAIN = _cases("train", {
     "--intermediate-size": POS_INT, "--layers": POS_INT, "--experts": ["1", "0", "abc"], "--top-k": POS_INT,
     "--heads": POS_INT, "--kv-heads": POS_INT, "--max-positions": SEQ_LEN, "--aux-coef": ["-1", "nan"],
     "--eval-samples": POS_INT, "--eval-seed": SEED, "--threads": THREADS, "--log-every": POS_INT,
+    "--family": ["gpt2", "", "Mixtral"], "--moe-intermediate-size": POS_INT, "--shared-experts": POS_INT,
+    "--dense-layers": POS_INT,
 })
 ALL = PROFILE + EVAL + EVIDENCE + BENCH + KERNELS + CORPUS + TRAIN
 # The size of the campaign when it was written; shrinking a table must be a decision, not an accident.

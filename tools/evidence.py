@@ -16,7 +16,9 @@ the text measured here, so that no figure selects on the data it reports.
    combinations: loss increase per masked token, re-measured here on text the dominance
    measurement never saw (dominance labels from calibration).
 5. Dropping one whole expert of a layer: accuracy change of the tokens where it is auxiliary vs
-   where it is dominant.
+   where it is dominant (members of the leading pair, labels from calibration); with routing wider
+   than top-2 also of the tokens where it is routed outside the leading pair ("rest": ranks 2..k-1,
+   the experts CRISP's tiers narrow together with the auxiliary).
 """
 
 from __future__ import annotations
@@ -255,8 +257,10 @@ class Evidence:
     # 5
     def _drop_expert(self, base, codes, index):
         rows = []
+        wide = self.plan.top_k > 2
         for lid in self.layer_ids:
             code = codes[lid][:, :-1]
+            routed = index[lid][:, :-1]  # (n, S-1, k): the tokens whose next-token prediction is scored
             for x in range(self.E):
                 def widths_fn(layer, idx, w, lid=lid, x=x):
                     if layer != lid:
@@ -279,7 +283,11 @@ class Evidence:
                     else:
                         as_aux |= sel
                 rec = {"layer": lid, "expert": x}
-                for name, m in (("auxiliary", as_aux), ("dominant", as_dom)):
+                classes = [("auxiliary", as_aux), ("dominant", as_dom)]
+                if wide:  # routed to x, but x is not a member of the token's leading pair
+                    pair_member = (code // self.E == x) | (code % self.E == x)
+                    classes.append(("rest", (routed == x).any(-1) & ~pair_member))
+                for name, m in classes:
                     t = int(m.sum())
                     bc = float(base.correct[m].double().sum())
                     dc = float(dropped.correct[m].double().sum())
@@ -295,7 +303,10 @@ class Evidence:
                 return None
             return {"mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
-        return {"per_expert": rows, "auxiliary": stats("auxiliary"), "dominant": stats("dominant")}
+        out = {"per_expert": rows, "auxiliary": stats("auxiliary"), "dominant": stats("dominant")}
+        if wide:
+            out["rest"] = stats("rest")
+        return out
 
 
 def _f(x, spec: str) -> str:
@@ -350,6 +361,9 @@ def to_markdown(ev: dict, title: str) -> str:
                  f"{d['auxiliary']['n']} layer-experts); where it is dominant: mean {d['dominant']['mean']:.2%} "
                  f"(range {d['dominant']['min']:.2%} to {d['dominant']['max']:.2%}). (Only layer-experts with >= 50 "
                  f"tokens in the class.)\n")
+    if d.get("rest"):
+        L.append(f"Routed outside the leading pair (ranks 2..k-1): mean {d['rest']['mean']:.2%} (range "
+                 f"{d['rest']['min']:.2%} to {d['rest']['max']:.2%}, {d['rest']['n']} layer-experts).\n")
     L.append("Paper (Expert 3 of Mixtral): 0.5-1.2% where auxiliary, 12.5-18.7% where dominant.\n")
     return "\n".join(L)
 

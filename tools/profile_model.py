@@ -109,6 +109,12 @@ SEARCH_HOT = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 # (routing weight) on calibration windows, so per-token information beats a per-pair label there.
 DOMINANCE_RULES = ("auto", "routing-weight", "measured")
 SEARCH_COLD = (0.0, 0.1, 0.2, 0.3, 0.5)
+# Routing wider than top-2: how many experts of a token run full width (the plan's num_dominant).
+# At top-k the dominants alone cost num_dominant / k of the full-width bytes (1/6 = 17% at top-6,
+# 2/6 = 33%, 3/6 = 50%), so a target F admits every count with num_dominant / k <= F; the search
+# tries each of them (at top-2 only 1: two dominants are full width). With two or more dominants
+# both leading-pair members are full width, so a per-pair label cannot change any width and only
+# the routing-weight rule is searched there.
 
 
 class ProfileInterrupted(RuntimeError):
@@ -137,6 +143,7 @@ class ProfileConfig:
     dominance_min_tokens: int = 32
     dominance_max_windows: int = 8
     dominance: str = "auto"
+    num_dominant: int | None = None  # None: 1, or searched with search_target_bytes (see above)
     search_target_bytes: float | None = None
     search_samples: int = 32
     work_dir: str | None = None
@@ -332,6 +339,9 @@ class Profiler:
         self.top_k = model_top_k(self.model)
         if self.top_k < 2:
             raise CliError(f"--model: routes top-{self.top_k}; CRISP's combinations need top-k >= 2")
+        if cfg.num_dominant is not None and not 1 <= cfg.num_dominant < self.top_k:
+            raise CliError(f"--num-dominant {cfg.num_dominant}: the model routes top-{self.top_k}, expected "
+                           f"1..{self.top_k - 1} (top-k dominants would be full width everywhere)")
         try:
             self.fmt.check_hidden_size(self.hidden)
         except ValueError as exc:
@@ -564,9 +574,11 @@ class Profiler:
                     rows.append(entry)
             per_layer[str(layer_id)] = sorted(rows, key=lambda r: -r["count"])
         warm = round(cfg.warm_width * self.inter)
+        dominants = cfg.num_dominant or 1
         plan = CrispPlan.crisp(
             E, self.top_k, self.inter, self._layer_plans(stats, self.cutoffs, rule), TierWidths(self.inter, warm, 0),
-            unseen_tier=Tier.WARM, description=self._description(self.cutoffs, warm, rule),
+            unseen_tier=Tier.WARM, num_dominant=dominants,
+            description=self._description(self.cutoffs, warm, rule, dominants),
         )
         info = {
             "dominance_measured_pairs": measured,
@@ -580,7 +592,15 @@ class Profiler:
         )
         return plan, info
 
-    def _description(self, cutoffs: TierCutoffs, warm: int, rule: str) -> str:
+    def _description(self, cutoffs: TierCutoffs, warm: int, rule: str, num_dominant: int = 1) -> str:
+        if self.top_k > 2:
+            return self._description_pair(cutoffs, warm, rule) + (
+                f" Top-{self.top_k} routing: the {num_dominant} dominant expert(s) of a token (ranks below "
+                f"{num_dominant}: the leading pair's dominant, then the other experts by routing weight) run full "
+                f"width, the other {self.top_k - num_dominant} routed experts take the tier's width.")
+        return self._description_pair(cutoffs, warm, rule)
+
+    def _description_pair(self, cutoffs: TierCutoffs, warm: int, rule: str) -> str:
         if rule == "routing-weight":
             return (
                 f"CRISP plan from crisp-profile: combination = leading pair by routing weight; tiers by share of "
@@ -621,29 +641,38 @@ class Profiler:
             routing = {lid: (torch.cat(inst.trace.index[lid]), torch.cat(inst.trace.weights[lid]))
                        for lid in self.layer_ids}
         candidates = []
-        for hot in SEARCH_HOT:
-            for cold in SEARCH_COLD:
-                if hot + cold > 1.0:
-                    continue
-                cut = TierCutoffs(hot, cold)
-                base_plan = plan.with_tiers(TierWidths(self.inter, 0, 0), self._layer_plans(stats, cut, rules[0]))
-                lo = bytes_fraction(base_plan, routing)
-                if lo > target + 1e-9:
-                    continue
-                one = bytes_fraction(base_plan.with_tiers(TierWidths(self.inter, self.inter, 0)), routing)
-                slope = (one - lo) / self.inter  # bytes fraction per Warm neuron (linear in the width)
-                warm = self.inter if slope <= 0 else min(self.inter, int((target - lo) / slope + 1e-9))
-                # bytes depend on the tiers only (dominant experts run full whichever they are)
-                candidates.extend((hot, cold, warm, cut, rule) for rule in rules)
+        dominant_counts = ([cfg.num_dominant] if cfg.num_dominant is not None
+                           else [d for d in range(1, self.top_k) if d / self.top_k <= target + 1e-9])
+        for dominants in dominant_counts:
+            with_d = CrispPlan.crisp(self.num_experts, self.top_k, self.inter, plan.layers, plan.tier_widths,
+                                     unseen_tier=plan.unseen_tier, num_dominant=dominants)
+            # two or more dominants: both leading-pair members full width, a per-pair label changes nothing
+            rules_d = rules if dominants == 1 else ["routing-weight"]
+            for hot in SEARCH_HOT:
+                for cold in SEARCH_COLD:
+                    if hot + cold > 1.0:
+                        continue
+                    cut = TierCutoffs(hot, cold)
+                    base_plan = with_d.with_tiers(TierWidths(self.inter, 0, 0), self._layer_plans(stats, cut, rules_d[0]))
+                    lo = bytes_fraction(base_plan, routing)
+                    if lo > target + 1e-9:
+                        continue
+                    one = bytes_fraction(base_plan.with_tiers(TierWidths(self.inter, self.inter, 0)), routing)
+                    slope = (one - lo) / self.inter  # bytes fraction per Warm neuron (linear in the width)
+                    warm = self.inter if slope <= 0 else min(self.inter, int((target - lo) / slope + 1e-9))
+                    # bytes depend on the tiers only (dominant experts run full whichever they are)
+                    candidates.extend((hot, cold, warm, cut, rule, with_d) for rule in rules_d)
         self.log(f"search: {len(candidates)} candidates within {target:.0%} of full-width bytes")
         results = []
         best = None
-        for hot, cold, warm, cut, rule in candidates:
-            cand = plan.with_tiers(TierWidths(self.inter, warm, 0), self._layer_plans(stats, cut, rule))
+        for hot, cold, warm, cut, rule, with_d in candidates:
+            cand = with_d.with_tiers(TierWidths(self.inter, warm, 0), self._layer_plans(stats, cut, rule))
             with MaskedExperts(self.model, self.layers, weights=weights, widths_fn=cand.token_widths):
                 sc = score_windows(self.model, self.search_windows, cfg.batch_size)
             rec = {"hot_mass": hot, "cold_mass": cold, "warm_width": warm, "dominance": rule,
                    "bytes_fraction": bytes_fraction(cand, routing), "loss": sc.loss, "accuracy": sc.accuracy}
+            if self.top_k > 2:
+                rec["num_dominant"] = cand.num_dominant
             results.append(rec)
             if best is None or rec["loss"] < best[0]["loss"]:
                 best = (rec, cand, cut, warm, rule)
@@ -652,11 +681,12 @@ class Profiler:
                            f"need more); raise the target")
         rec, cand, cut, warm, rule = best
         self.log(f"search: chose hot_mass={rec['hot_mass']} cold_mass={rec['cold_mass']} warm_width={warm} "
-                 f"dominance={rule} "
+                 f"dominance={rule} num_dominant={cand.num_dominant} "
                  f"(bytes {rec['bytes_fraction']:.1%}, loss {rec['loss']:.4f} vs full {full_scores.loss:.4f})")
         chosen = CrispPlan.crisp(
             self.num_experts, self.top_k, self.inter, cand.layers, cand.tier_widths, unseen_tier=cand.unseen_tier,
-            description=self._description(cut, warm, rule) + f" Tier cut-offs and Warm width chosen by a search for "
+            num_dominant=cand.num_dominant,
+            description=self._description(cut, warm, rule, cand.num_dominant) + f" Tier cut-offs and Warm width chosen by a search for "
             f"<= {target:.0%} of full-width bytes per token on held-out calibration windows (lowest loss).",
         )
         info = {"target_bytes_fraction": target, "chosen": rec, "full_width": {"loss": full_scores.loss,
@@ -799,6 +829,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dominant expert of a combination: a per-pair label measured by masking (measured), the "
                         "heavier expert of each token (routing-weight), or whichever has the lower loss on held-out "
                         "calibration windows (auto, default)")
+    p.add_argument("--num-dominant", type=ca.positive_int, default=None, metavar="N",
+                   help="routed experts per token at full width (1..top_k-1; default 1, or with "
+                        "--search-target-bytes every N whose dominants alone fit the target is searched)")
     p.add_argument("--search-target-bytes", type=ca.float_in(0.0, 1.0, low_open=True), default=None, metavar="FRACTION",
                    help="search tier cut-offs and Warm width for <= FRACTION of full-width bytes per token "
                         "(lowest loss on held-out calibration windows); overrides --hot-mass/--cold-mass/--warm-width")

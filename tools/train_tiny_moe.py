@@ -1,9 +1,21 @@
 #!/usr/bin/env python3
-"""Train a tiny byte-level Mixtral (8 experts, top-2) from scratch for CRISP demos and tests.
+"""Train a tiny byte-level MoE (Mixtral or DeepSeek-MoE shape) from scratch for CRISP demos and tests.
 
-Nothing is downloaded: the model is ``transformers.MixtralForCausalLM`` built from a
-``MixtralConfig`` with random initialisation, trained on the byte corpus written by
-``tools/make_corpus.py`` (the Python standard library's sources).
+Nothing is downloaded: the model is a transformers class built from its config with random
+initialisation, trained on the byte corpus written by ``tools/make_corpus.py`` (the Python
+standard library's sources). Two families (``--family``):
+
+  mixtral      ``MixtralForCausalLM``: every layer MoE, ``--experts`` experts of width
+               ``--intermediate-size``, top ``--top-k`` (softmax router). models/tiny-mixtral.
+  deepseek_v3  ``DeepseekV3ForCausalLM`` in the DeepSeek-MoE shape: fine-grained routed experts
+               of width ``--moe-intermediate-size``, ``--shared-experts`` shared experts (one dense
+               MLP of shared * moe width in every MoE layer), the first ``--dense-layers`` layers
+               a dense MLP of width ``--intermediate-size``; sigmoid router without group limit
+               (n_group = topk_group = 1), top-k weights normalised to sum 1
+               (routed_scaling_factor 1). Attention is DeepSeek's MLA with head sizes derived from
+               --hidden-size / --heads (see build_config). models/tiny-deepseek.
+
+The Mixtral recipe is unchanged by the second family: the same command gives the same weights.
 
 Deterministic: fixed seeds, ``torch.use_deterministic_algorithms(True)``, a fixed number of
 threads, and training windows drawn from a seeded ``torch.Generator``. The same command on
@@ -16,6 +28,7 @@ expert-pair skew on the calibration text).
 
 Usage:
     nice -n 10 python tools/train_tiny_moe.py --steps 2400 --out models/tiny-mixtral
+    python tools/train_tiny_moe.py --family deepseek_v3 ... --out models/tiny-deepseek  # see its training.json
     python tools/train_tiny_moe.py --steps 20 --out /tmp/tiny --no-save   # speed probe
 """
 
@@ -47,7 +60,14 @@ from crisp_runtime.outputs import write_text  # noqa: E402
 from crisp_runtime.text import VOCAB_SIZE, read_texts, sample_sequences  # noqa: E402
 
 
+FAMILIES = ("mixtral", "deepseek_v3")
+# Options that only the deepseek_v3 family reads (None = not given).
+_DEEPSEEK_ONLY = ("moe_intermediate_size", "shared_experts", "dense_layers")
+
+
 def build_config(args: argparse.Namespace):
+    if args.family == "deepseek_v3":
+        return _deepseek_config(args)
     from transformers import MixtralConfig
 
     return MixtralConfig(
@@ -62,6 +82,50 @@ def build_config(args: argparse.Namespace):
         num_experts_per_tok=args.top_k,
         router_aux_loss_coef=args.aux_coef,
         output_router_logits=False,  # saved config: inference default; training passes True
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        use_cache=True,
+    )
+
+
+def _deepseek_config(args: argparse.Namespace):
+    """DeepSeek-MoE shape on transformers' DeepSeek-V3 classes (the drop-in runs them).
+
+    Routing: n_group = topk_group = 1 (no group-limited routing: one group of all experts),
+    norm_topk_prob with routed_scaling_factor 1.0 so that a token's routed weights sum to 1 as in
+    the Mixtral model; e_score_correction_bias stays zero (DeepSeek-V3's aux-loss-free bias update is
+    not part of transformers; per_layer_balance_loss balances instead). MLA attention without the
+    query low-rank (q_lora_rank None); per head: value and q/k width hidden/heads, half of it rotary
+    (qk_rope_head_dim), half not (qk_nope_head_dim); the compressed KV width (kv_lora_rank) is
+    hidden/2.
+    """
+    from transformers import DeepseekV3Config
+
+    head = args.hidden_size // args.heads
+    return DeepseekV3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        moe_intermediate_size=args.moe_intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        n_routed_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        n_shared_experts=args.shared_experts,
+        first_k_dense_replace=args.dense_layers,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        q_lora_rank=None,
+        kv_lora_rank=args.hidden_size // 2,
+        qk_rope_head_dim=head // 2,
+        qk_nope_head_dim=head - head // 2,
+        v_head_dim=head,
+        max_position_embeddings=args.max_positions,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=None,
@@ -142,7 +206,8 @@ def pair_skew(model, seqs: torch.Tensor, top_fraction: float = 0.25, bottom_frac
     return report
 
 
-def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int,
+                           scoring: str = "softmax") -> torch.Tensor:
     """Switch-style load-balancing loss, computed per layer and averaged over layers.
 
     For layer l with router logits (T, E): f_e = share of the T*top_k routed slots that go to
@@ -150,10 +215,19 @@ def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) 
     which is 1.0 for perfectly balanced routing. transformers' built-in aux loss pools the
     tokens of all layers before taking f and P, so one layer's collapse can be offset by
     another's; with it, whole experts died in our probe runs. Per-layer balance avoids that.
+    ``scoring``: how the router turns logits into scores; "softmax" (Mixtral) or "sigmoid"
+    (DeepSeek-V3: probabilities = sigmoid scores normalised to sum 1 per token, as in
+    DeepSeek-V3's sequence-wise balance loss). Top-k of either equals top-k of the logits.
     """
     losses = []
     for logits in router_logits:  # each (T, E)
-        probs = logits.float().softmax(dim=-1)  # (T, E)
+        if scoring == "softmax":
+            probs = logits.float().softmax(dim=-1)  # (T, E)
+        elif scoring == "sigmoid":
+            scores = logits.float().sigmoid()  # (T, E)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        else:
+            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
         num_experts = probs.shape[-1]
         chosen = probs.topk(top_k, dim=-1).indices  # (T, top_k)
         f = F.one_hot(chosen, num_experts).sum(dim=1).float().mean(dim=0) / top_k  # (E,)
@@ -172,6 +246,8 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 def parse_args(argv=None) -> argparse.Namespace:
     p = ca.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                   epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--family", choices=FAMILIES, default="mixtral",
+                   help="model family (see above); deepseek_v3 also takes the three options below it")
     p.add_argument("--data-dir", default="data", help="directory with stdlib-{train,calib,heldout}.txt")
     p.add_argument("--out", default="models/tiny-mixtral", help="output directory for the checkpoint")
     p.add_argument("--steps", type=ca.positive_int, default=2400)
@@ -188,6 +264,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=ca.positive_int, default=4)
     p.add_argument("--experts", type=ca.int_in(2), default=8)
     p.add_argument("--top-k", type=ca.positive_int, default=2)
+    p.add_argument("--moe-intermediate-size", type=ca.positive_int, default=None,
+                   help="deepseek_v3: width of each routed and shared expert")
+    p.add_argument("--shared-experts", type=ca.positive_int, default=None,
+                   help="deepseek_v3: shared experts per MoE layer (one dense MLP of this many expert widths)")
+    p.add_argument("--dense-layers", type=ca.positive_int, default=None,
+                   help="deepseek_v3: leading layers with a dense MLP of --intermediate-size instead of MoE")
     p.add_argument("--heads", type=ca.positive_int, default=4)
     p.add_argument("--kv-heads", type=ca.positive_int, default=2)
     p.add_argument("--max-positions", type=ca.int_in(2), default=512)
@@ -207,6 +289,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"--kv-heads {args.kv_heads}")
     if args.top_k > args.experts:
         problems.append(f"--top-k {args.top_k} is more than --experts {args.experts}")
+    given = [o for o in _DEEPSEEK_ONLY if getattr(args, o) is not None]
+    if args.family != "deepseek_v3" and given:
+        problems.append(f"--{given[0].replace('_', '-')} applies to --family deepseek_v3 only")
+    elif args.family == "deepseek_v3":
+        missing = [o for o in _DEEPSEEK_ONLY if getattr(args, o) is None]
+        if missing:
+            problems.append(f"--family deepseek_v3 needs --{missing[0].replace('_', '-')}")
+        elif args.dense_layers >= args.layers:
+            problems.append(f"--dense-layers {args.dense_layers} leaves no MoE layer of --layers {args.layers}")
+        elif (args.hidden_size // args.heads) % 2:
+            problems.append(f"--hidden-size / --heads = {args.hidden_size // args.heads} must be even (rotary half)")
     if args.seq_len > args.max_positions:
         problems.append(f"--seq-len {args.seq_len} is beyond --max-positions {args.max_positions}")
     out = Path(args.out)
@@ -228,7 +321,7 @@ def main(argv=None) -> int:
     torch.use_deterministic_algorithms(True)
 
     import transformers
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
     d = args.data_dir
     train_texts = read_texts([os.path.join(d, "stdlib-train.txt")])
@@ -239,7 +332,7 @@ def main(argv=None) -> int:
     sampler = WindowSampler(train_texts, args.seq_len, args.seed + 1)
 
     config = build_config(args)
-    model = MixtralForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.set_experts_implementation(args.train_experts_impl)
     n_params = sum(p.numel() for p in model.parameters())
     n_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
@@ -251,6 +344,7 @@ def main(argv=None) -> int:
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
+    scoring = "sigmoid" if args.family == "deepseek_v3" else "softmax"
     tokens_per_step = args.batch_size * args.seq_len
     t0 = time.perf_counter()
     t_log = t0
@@ -264,7 +358,7 @@ def main(argv=None) -> int:
         out = model(input_ids=batch[:, :-1], output_router_logits=True, use_cache=False)
         logits = out.logits  # (B, L, V)
         lm_loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch[:, 1:].reshape(-1))
-        aux_loss = per_layer_balance_loss(out.router_logits, config.num_experts_per_tok)
+        aux_loss = per_layer_balance_loss(out.router_logits, config.num_experts_per_tok, scoring)
         loss = lm_loss + args.aux_coef * aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -298,10 +392,13 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     # Reload and check what others rely on: transformers' own class, its expert layout, same metrics.
-    reloaded = MixtralForCausalLM.from_pretrained(args.out)
-    experts = reloaded.model.layers[0].mlp.experts
-    E, I, H = config.num_local_experts, config.intermediate_size, config.hidden_size
-    assert type(experts).__name__ == "MixtralExperts", type(experts)
+    reloaded = AutoModelForCausalLM.from_pretrained(args.out)
+    assert type(reloaded) is type(model), type(reloaded)
+    first_moe = args.dense_layers or 0
+    experts = reloaded.model.layers[first_moe].mlp.experts
+    E, H = config.num_local_experts, config.hidden_size
+    I = config.moe_intermediate_size if args.family == "deepseek_v3" else config.intermediate_size
+    assert type(experts).__name__ in ("MixtralExperts", "DeepseekV3Experts"), type(experts)
     assert tuple(experts.gate_up_proj.shape) == (E, 2 * I, H), experts.gate_up_proj.shape
     assert tuple(experts.down_proj.shape) == (E, H, I), experts.down_proj.shape
     with open(os.path.join(args.out, "config.json")) as f:
@@ -309,15 +406,25 @@ def main(argv=None) -> int:
     re_metrics = evaluate(reloaded, heldout)
     assert abs(re_metrics["loss"] - metrics["loss"]) < 1e-4, (re_metrics, metrics)
 
+    description = {
+        "mixtral": "Tiny byte-level Mixtral trained from scratch on Python stdlib sources (CRISP demos/tests)",
+        "deepseek_v3": "Tiny byte-level DeepSeek-MoE-shaped model (transformers DeepseekV3 classes: fine-grained "
+                       "routed experts, shared experts, dense first layer) trained from scratch on Python stdlib "
+                       "sources (CRISP beyond top-2)",
+    }[args.family]
     record = {
-        "description": "Tiny byte-level Mixtral trained from scratch on Python stdlib sources (CRISP demos/tests)",
+        "description": description,
         "command": "python tools/train_tiny_moe.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "hyperparameters": {k: v for k, v in vars(args).items() if k not in ("out", "no_save", "log_every")},
-        "aux_loss": "per-layer Switch-style balance loss (per_layer_balance_loss), not transformers' pooled one",
+        "hyperparameters": {k: v for k, v in vars(args).items()
+                            if k not in ("out", "no_save", "log_every") and v is not None},
+        "aux_loss": "per-layer Switch-style balance loss (per_layer_balance_loss), not transformers' pooled one"
+                    + ("; sigmoid scores normalised per token" if scoring == "sigmoid" else ""),
         "tokens_per_step": tokens_per_step,
         "train_tokens": tokens_per_step * args.steps,
         "parameters": n_params,
         "expert_parameters": n_expert,
+        **({"shared_expert_parameters": sum(p.numel() for n, p in model.named_parameters() if ".shared_experts." in n)}
+           if args.family == "deepseek_v3" else {}),
         "dtype": "float32",
         "tokenizer": "bytes (crisp_runtime.text: UTF-8 byte = token id, vocab 256, separator 0)",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
