@@ -24,8 +24,9 @@ for the figures behind the choice):
     (``h * s[:, group]``); the zero point's term ``sum_j h_j s_j (z_j - 8)`` is one fp32 matmul.
   Neurons past the last whole 64-block (< 64 of them) run on the dequant path, from the host
   rows themselves. Cost: a second copy of the experts, 3 I H / 2 bytes of int4pack weights plus
-  bf16 gate/up scales and zero terms (4 bytes per group per gate/up row): at H 4096, g 64 that is
-  6,656 bytes per neuron beside the format's 6,720, i.e. host memory for the experts doubles.
+  bf16 gate/up scales and zero terms (4 bytes per group per gate/up row) and the down scales (fp16)
+  and zero terms (fp32) transposed (6 bytes per group): at H 4096, g 64 that is 7,040 bytes per
+  neuron beside the format's 6,720, i.e. host memory for the experts doubles (x 2.05).
 - ``DEQUANT_FP32``: the host rows dequantized in chunks of ``chunk`` neurons (format's
   ``dequantize_rows``) and fp32 matmuls. Exact (fp32), no second copy, ~30x slower. Taken at
   Precision.FP32, for a bare PackedExpert, and for the < 64 neurons past the last 64-block.
@@ -125,6 +126,10 @@ class CpuExpert:
     gate_up_sz: per chunk of GATE_UP_CHUNK neurons, (H/g, 2 n, 2) bf16, the op's (scale, zero
     term) per group and row;
     down: (H / R, R Ib / 2) uint8, one int4pack (R, Ib) matrix per R rows of H, unit scales;
+    down_scales: (H/g, Ib) fp16, the down scales transposed (row g contiguous: read as one vector
+    per block; the strided column of the host rows cost 490 us per block at I 14336, as much as
+    the block's matmul);
+    down_zero: (H/g, Ib) fp32, ``(z - 8) * s`` (exact in fp32), None for the symmetric format;
     Ib = I rounded down to a multiple of 64 (the rest runs from ``packed``).
     """
 
@@ -132,6 +137,8 @@ class CpuExpert:
     gate_up: torch.Tensor
     gate_up_sz: tuple[torch.Tensor, ...]
     down: torch.Tensor
+    down_scales: torch.Tensor
+    down_zero: torch.Tensor | None
 
     @property
     def blocked_width(self) -> int:
@@ -144,7 +151,8 @@ class CpuExpert:
     @property
     def nbytes(self) -> int:
         """Bytes of the int4pack copy (beside the host rows)."""
-        return self.gate_up.nbytes + sum(t.nbytes for t in self.gate_up_sz) + self.down.nbytes
+        extra = (self.down_scales, *(() if self.down_zero is None else (self.down_zero,)))
+        return self.gate_up.nbytes + sum(t.nbytes for t in (*self.gate_up_sz, self.down, *extra))
 
 
 @dataclass(frozen=True)
@@ -200,7 +208,12 @@ def prepare_expert(packed: PackedExpert) -> CpuExpert:
         down_q = unpack_nibbles(packed.qweight[:blocked, Proj.DOWN])  # (Ib, H): column n of down^T
         for b in range(hidden // rows_per):
             down[b] = _int4pack(down_q[:, b * rows_per:(b + 1) * rows_per].t()).view(-1)
-    return CpuExpert(packed, gate_up, sz_chunks, down)
+    down_scales = packed.scales[:blocked, Proj.DOWN].t().contiguous()
+    down_zero = None
+    if packed.zeros is not None:
+        down_zero = ((packed.zeros[:blocked, Proj.DOWN].float() - SYMMETRIC_ZERO)
+                     * packed.scales[:blocked, Proj.DOWN].float()).t().contiguous()
+    return CpuExpert(packed, gate_up, sz_chunks, down, down_scales, down_zero)
 
 
 def cpu_expert_prepare(layer: PackedLayer) -> CpuPreparedLayer:
@@ -317,7 +330,7 @@ def _int4pack_accumulate(xb, expert: CpuExpert, blocked: int, keep, scale, out) 
     h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens, blocked)  # fp32
     if keep is not None:
         h = h * keep
-    s = packed.scales[:blocked, Proj.DOWN].float()  # (blocked, G): neuron j's scale per group of H
+    s = expert.down_scales[:, :blocked]  # (G, blocked): neuron j's scale per group of H
     rows = expert.down_rows
     per_group = g // rows  # down blocks sharing one scale column (2 at g 128)
     unit = torch.zeros(blocked // DOWN_K_GROUP, rows, 2, dtype=torch.bfloat16)
@@ -325,13 +338,12 @@ def _int4pack_accumulate(xb, expert: CpuExpert, blocked: int, keep, scale, out) 
     y = torch.empty(tokens, hidden // rows, rows, dtype=torch.float32)
     hs = torch.empty(tokens, blocked, dtype=torch.bfloat16)
     for b in range(hidden // rows):
-        torch.mul(h, s[:, b // per_group], out=hs)
+        torch.mul(h, s[b // per_group], out=hs)
         y[:, b] = mm(hs, expert.down[b, : rows * blocked // 2].view(rows, blocked // 2), DOWN_K_GROUP, unit)
     # The zero points: (q - z) s = (q - 8) s - (z - 8) s, the second term per neuron and group.
-    z = packed.zeros[:blocked, Proj.DOWN].float() if packed.zeros is not None else None
     y = y.view(tokens, hidden // g, g)
-    if z is not None:
-        y -= (h @ ((z - SYMMETRIC_ZERO) * s)).unsqueeze(-1)
+    if expert.down_zero is not None:
+        y -= (h @ expert.down_zero[:, :blocked].t()).unsqueeze(-1)
     out.add_(y.view(tokens, hidden) * scale)
 
 

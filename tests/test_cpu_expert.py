@@ -152,7 +152,12 @@ def _poison_prepared(ce: CpuExpert, width: int) -> CpuExpert:
         sz.append(t)
     down = ce.down.clone()
     down[:, ce.down_rows * blocked // 2:] = 0xA5
-    return CpuExpert(_poison_host(ce.packed, width), gate_up, tuple(sz), down)
+    scales = ce.down_scales.clone()
+    scales[:, blocked:] = float("nan")
+    zero = None if ce.down_zero is None else ce.down_zero.clone()
+    if zero is not None:
+        zero[:, blocked:] = float("nan")
+    return CpuExpert(_poison_host(ce.packed, width), gate_up, tuple(sz), down, scales, zero)
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], BIG])
@@ -194,8 +199,9 @@ def test_prepare_layer_and_info():
                        torch.randn(2, hidden, inter, generator=gen) / 16, QuantFormat(group_size=group))
     prep = cpu_expert_prepare(layer)
     blocked = inter // BLOCK_N * BLOCK_N
-    # int4pack weights (3 Ib H / 2) + bf16 (scale, zero term) per group of each gate/up row.
-    want = 3 * blocked * hidden // 2 + 2 * blocked * (hidden // group) * 2 * 2
+    # int4pack weights (3 Ib H / 2) + bf16 (scale, zero term) per group of each gate/up row
+    # + the down scales (fp16) and zero terms (fp32) per group of each down column.
+    want = 3 * blocked * hidden // 2 + 2 * blocked * (hidden // group) * 2 * 2 + blocked * (hidden // group) * 6
     assert prep.expert(1).nbytes == want and prep.nbytes == 2 * want
     x, weights, widths = inputs(2, hidden, torch.bfloat16, inter, True)
     out = run(x, prep.expert(1), widths, inter, weights)
