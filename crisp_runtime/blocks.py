@@ -311,6 +311,7 @@ class BlockHandle(CrispHandle):
         """Put the original expert Parameters (the same objects) and the class forward back (idempotent)."""
         if not self.active:
             return
+        self.runtime.close()  # the CPU worker thread of hybrid execution, if one was started
         for ref in self.refs:
             ref.module.__dict__.pop(_BLOCK_STATE, None)
             ref.module.__dict__.pop("forward", None)
