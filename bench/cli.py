@@ -28,6 +28,7 @@ DEFAULT_TEXT = REPO_ROOT / "data" / "stdlib-heldout.txt"
 POLICIES = ("full", "uniform", "skip_aux", "crisp")
 ORDERS = ("serial", "router", "widest_first")
 SERVING_NAMES = tuple(SERVING_POLICIES)
+PLACEMENTS = ("gpu", "hybrid", "static_hybrid", "cpu_only")  # crisp_runtime.scheduler.Placement values
 # evaluations whose accuracy_loss simulate attaches to its records (when of the traced model)
 DEFAULT_ACCURACY = ("docs/eval-tiny-mixtral.json", "docs/eval-serving-tiny-mixtral.json")
 SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
@@ -208,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-trace", metavar="PATH.npz", type=ca.nonempty_path,
                    help="save the routing of the decoded tokens (for `simulate --trace PATH.npz --compare E2E.json`)")
     p.add_argument("--policies", type=_csv(POLICIES), default=list(POLICIES))
+    p.add_argument("--placements", type=_csv(PLACEMENTS), default=["gpu"],
+                   help=f"where experts run, comma separated: {', '.join(PLACEMENTS)} (default gpu; the others use the "
+                   "host CPU: issue 11's hybrid and its baselines)")
     _outputs(p)
 
     p = sub.add_parser("simulate", help="predict decoding on another GPU from routing traces",

@@ -9,6 +9,17 @@ experts at 4 bits, least recently used evicted.
 
 On a CPU the "GPU" is host memory: the cache copies are memcpy, and the tokens/s are the
 CPU's, not an offloading system's (the output says so).
+
+``--placements`` (issue 11) runs the plans again with the experts placed by the serving policy's
+``placement``: ``hybrid`` (per step, the GPU / CPU split of minimal makespan on a cost model with
+the CPU's bandwidth measured here), ``static_hybrid`` (llama.cpp ``--n-cpu-moe`` style: the most
+used experts resident at full width, the others on the CPU) and ``cpu_only``. ``hybrid`` and
+``static_hybrid`` start with the most used experts of the decoded tokens' routing (recorded from
+the unquantized model: an oracle, as in the simulator) resident at full width within the budget.
+Each record of a CPU placement carries ``max_logit_diff_vs_gpu``: the largest difference of its
+logits from the same plan under the GPU placement (the same widths: equal up to float32
+summation order). On a CPU-only machine the "GPU" side runs on the CPU too: this checks the
+hybrid path end to end, it measures no offloading speed.
 """
 
 from __future__ import annotations
@@ -95,7 +106,7 @@ def _sync(device):
 
 
 @torch.no_grad()
-def decode(model, ids: torch.Tensor, warmup: int, handle=None) -> dict:
+def decode(model, ids: torch.Tensor, warmup: int, handle=None, logits: list | None = None) -> dict:
     """Teacher-forced batch-1 decode over ``ids`` (N,): one token per forward, KV cache on.
 
     Returns tokens/s and accuracy over the positions after ``warmup`` (the first ones fill the
@@ -118,6 +129,8 @@ def decode(model, ids: torch.Tensor, warmup: int, handle=None) -> dict:
         if t >= warmup:
             correct += int(out.logits[0, -1].argmax().item() == int(ids[t + 1]))
             counted += 1
+            if logits is not None:
+                logits.append(out.logits[0, -1].float().cpu())
     _sync(device)
     elapsed = time.perf_counter() - t0
     return {"tokens": counted, "seconds": elapsed, "tokens_per_s": counted / elapsed, "accuracy": correct / counted}
@@ -188,34 +201,53 @@ def run(args) -> int:
 
     records = [{"policy": "unquantized (no offload)", "tokens_per_s": ref["tokens_per_s"], "bytes_per_token": 0.0,
                 "hit_rate": None, "accuracy": ref["accuracy"], "tokens": ref["tokens"]}]
-    handle = apply(model, pack, plan=plans.get("full") or next(iter(plans.values())), gpu_budget=budget)
-    try:
-        for name, plan in plans.items():
-            handle.set_plan(plan)
-            handle.runtime.cache.clear()
-            prog = report.Progress(f"e2e {name}")
-            prog(0, 1)
-            res = decode(model, ids, warm, handle)
-            prog(1, 1)
-            st = handle.stats()
-            records.append({
-                "policy": name, "tokens_per_s": res["tokens_per_s"], "ms_per_token": 1e3 / res["tokens_per_s"],
-                "bytes_per_token": st["bytes_h2d_per_token"], "bytes_read_per_token": st["bytes_read_per_token"],
-                "hit_rate": st["hit_rate"], "accuracy": res["accuracy"], "tokens": res["tokens"],
-                "budget_bytes": budget, "budget_fraction": args.budget, "device": str(device),
-            })
-    finally:
-        handle.restore()
+    placements = list(getattr(args, "placements", None) or ["gpu"])
+    gpu_logits: dict[str, torch.Tensor] = {}
+    for placement in placements:
+        config = _placement_config(placement, pack)
+        handle = apply(model, pack, plan=plans.get("full") or next(iter(plans.values())), gpu_budget=budget,
+                       config=config)
+        try:
+            for name, plan in plans.items():
+                handle.set_plan(plan)
+                handle.runtime.cache.clear()
+                if placement in ("hybrid", "static_hybrid"):
+                    _pin_hot_experts(handle.runtime, trace, budget)
+                label = name if placement == "gpu" else f"{name}/{placement}"
+                prog = report.Progress(f"e2e {label}")
+                prog(0, 1)
+                logits: list = []
+                res = decode(model, ids, warm, handle, logits=logits)
+                prog(1, 1)
+                st = handle.stats()
+                rec = {
+                    "policy": label, "tokens_per_s": res["tokens_per_s"], "ms_per_token": 1e3 / res["tokens_per_s"],
+                    "bytes_per_token": st["bytes_h2d_per_token"], "bytes_read_per_token": st["bytes_read_per_token"],
+                    "hit_rate": st["hit_rate"], "accuracy": res["accuracy"], "tokens": res["tokens"],
+                    "budget_bytes": budget, "budget_fraction": args.budget, "device": str(device),
+                    "placement": placement, "cpu_runs_per_token": st["cpu_runs"] / max(1, st["tokens"]),
+                }
+                stacked = torch.stack(logits)
+                if placement == "gpu":
+                    gpu_logits[name] = stacked
+                elif name in gpu_logits:
+                    rec["max_logit_diff_vs_gpu"] = float((stacked - gpu_logits[name]).abs().max())
+                records.append(rec)
+        finally:
+            handle.restore()
     full = next((r for r in records if r["policy"] == "full"), None)
     for r in records:
         if full is not None:
             r["accuracy_loss_vs_full"] = full["accuracy"] - r["accuracy"]
             r["speedup_vs_full"] = r["tokens_per_s"] / full["tokens_per_s"]
-        if r["policy"] in plans and plans[r["policy"]].policy.value == "uniform":
-            r["uniform_width"] = plans[r["policy"]].uniform_width
+        plan_name = r["policy"].split("/")[0]
+        if plan_name in plans and plans[plan_name].policy.value == "uniform":
+            r["uniform_width"] = plans[plan_name].uniform_width
     cols = [("policy", "policy"), ("tokens_per_s", "tok/s"), ("speedup_vs_full", "x full"),
             ("kb_per_token", "kB copied/tok"), ("kb_read_per_token", "kB read/tok"), ("hit_rate", "hit rate"),
             ("accuracy", "next-token acc"), ("accuracy_loss_vs_full", "acc loss vs full")]
+    if placements != ["gpu"]:
+        cols += [("cpu_runs_per_token", "CPU experts/tok"), ("max_logit_diff_vs_gpu", "max |logit diff| vs GPU")]
     rows = [dict(r, kb_per_token=r["bytes_per_token"] / 1e3, kb_read_per_token=r.get("bytes_read_per_token", 0) / 1e3,
                  hit_rate=r["hit_rate"] if r["hit_rate"] is not None else "-") for r in records]
     print(report.table(rows, cols))
@@ -232,3 +264,31 @@ def run(args) -> int:
                           plans={k: json.loads(json.dumps(v.to_dict()))["policy"] for k, v in plans.items()})
         print(f"wrote {args.json}")
     return 0
+
+
+def _placement_config(placement: str, pack):
+    """The runtime configuration of one ``--placements`` entry: GPU (default) or a CPU placement, whose cost model
+    has the CPU's bandwidth measured here (``crisp_runtime.cpu_knob``)."""
+    from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
+    from crisp_runtime.executor import RuntimeConfig
+    from crisp_runtime.scheduler import CostModel, Placement
+    from crisp_runtime.serving import ServingPolicy
+
+    if placement == "gpu":
+        return None
+    first = pack.layers[min(pack.layers)]
+    cost = CostModel(cpu_bytes_per_s=measure_cpu_bytes_per_s(first))
+    return RuntimeConfig(serving=ServingPolicy(placement, placement=Placement(placement)), cost=cost)
+
+
+def _pin_hot_experts(runtime, trace, budget: int) -> None:
+    """Make the most used (layer, expert) pairs of ``trace`` resident at full width while they fit (no eviction)."""
+    counts: dict[tuple[int, int], int] = {}
+    for li, layer_id in enumerate(trace.layer_ids):
+        for e in trace.index[li].reshape(-1).tolist():
+            counts[(layer_id, e)] = counts.get((layer_id, e), 0) + 1
+    cache = runtime.cache
+    for (layer_id, e), _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        full = runtime.layers[layer_id].intermediate_size
+        if cache.used + cache.nbytes(layer_id, full) <= budget:
+            runtime.prefetch(layer_id, [(e, full)])

@@ -9,7 +9,9 @@ the calling thread issues the GPU's copies and kernels (torch ops release the GI
 (T, H) float32 partial output on the CPU, which joins the GPU accumulator with one small copy.
 
 The kernel: H1's ``crisp_kernels.cpu_expert.expert_mlp_cpu_accumulate_`` when that module
-exists, else the torch reference (``crisp_kernels.expert_mlp``) on the host store's tensors.
+exists (its fp32 chunked-dequant path on the host rows for fp32 activations: no second copy of
+the experts), else, and for experts it does not cover (biases, other activations), the torch
+reference (``crisp_kernels.expert_mlp``) on the host store's tensors.
 Both read only the first ``width`` rows of the expert's neuron-major prefix in host memory.
 """
 
@@ -44,7 +46,8 @@ def accumulate_cpu_(partial: torch.Tensor, x: torch.Tensor, packed, width: int, 
     partial: (T, H) float32; x: (T, H) activations; rows / weights / token_widths: (n,) CPU tensors
     of this expert's slots. ``kernel``: :func:`cpu_kernel`'s result (None = the torch reference).
     """
-    if kernel is None:
+    if kernel is None or packed.bias is not None or packed.activation.kind.value != "silu_glu":
+        # the reference also covers what H1's kernel does not (biases, other activations: gpt-oss)
         expert_mlp_accumulate_unchecked_(partial, x, packed, width, rows, weights, token_widths, Backend.TORCH)
         return
     part = torch.zeros((rows.numel(), partial.shape[1]), dtype=torch.float32)

@@ -64,7 +64,8 @@ BENCH = (
     + _cases("bench layer", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--steps": POS_INT,
                              "--policies": ["fastest", "", "full,x"]})
     + _cases("bench e2e", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--tokens": POS_INT,
-                           "--policies": ["fastest", ""], "--record-trace": ["", "DIR", "MISSING"]})
+                           "--policies": ["fastest", ""], "--record-trace": ["", "DIR", "MISSING"],
+                           "--placements": ["magic", "", "gpu,x"]})
     + _cases("bench simulate", {
         **OUTPUT_OPTIONS, **MODEL_OPTIONS, "--sequences": POS_INT, "--seq-len": POS_INT, "--tokens": POS_INT,
         "--budget": BENCH_FRACTION, "--policies": ["fastest", ""], "--orders": ["random", ""],

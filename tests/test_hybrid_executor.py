@@ -16,6 +16,7 @@ from runtime_helpers import random_layers
 from crisp_kernels import Backend, dequantize_expert
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_
 from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig, min_budget_bytes
+from crisp_runtime.cpu_experts import cpu_kernel
 from crisp_runtime.scheduler import CostModel, Placement
 from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy
 
@@ -65,15 +66,19 @@ def policy(name, placement):
                                                          if k != "name"}, placement=placement)
 
 
+@pytest.mark.parametrize("kernel", ["reference", "cpu_expert"])
 @pytest.mark.parametrize("placement", [Placement.HYBRID, Placement.STATIC, Placement.CPU])
 @pytest.mark.parametrize("serving", ["plan", "resident-floor75"])
 @pytest.mark.parametrize("plan_name", list(PLANS))
-def test_outputs_equal_reference_at_served_widths(placement, serving, plan_name):
+def test_outputs_equal_reference_at_served_widths(placement, serving, plan_name, kernel):
+    if kernel == "cpu_expert" and cpu_kernel() is None:
+        pytest.skip("crisp_kernels.cpu_expert (H1's CPU kernel) is not there")
     plan = PLANS[plan_name]
     budget = min_budget_bytes(LAYERS, TOP_K) + 3 * INTER * NB
     runtime = CrispRuntime(LAYERS, plan, device="cpu", gpu_budget=budget,
                            config=RuntimeConfig(serving=policy(serving, placement), cost=COST))
-    runtime._cpu_kernel = None  # the torch reference (float32) here; H1's kernel has its own tolerance test
+    # the torch reference, or H1's kernel (fp32 activations: its fp32 dequant path, same 1e-5 tolerance)
+    runtime._cpu_kernel = None if kernel == "reference" else cpu_kernel()
     if placement is Placement.STATIC:  # the pinned experts: two per layer at full width
         for layer_id in LAYER_IDS:
             runtime.prefetch(layer_id, [(0, INTER), (1, INTER)])

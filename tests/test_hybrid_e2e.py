@@ -1,0 +1,30 @@
+"""`crisp-bench e2e --placements` on the committed tiny Mixtral (issue 11): the hybrid path and its baselines run end
+to end on this CPU, and their logits equal the same plan's under the GPU placement (the same widths served)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from crisp_bench.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL, TEXT = ROOT / "models" / "tiny-mixtral", ROOT / "data" / "stdlib-heldout.txt"
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").is_file() or not TEXT.is_file(), reason="committed tiny model absent")
+def test_e2e_placements_equal_the_gpu_placement(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "e2e.json"
+    assert main(["e2e", "--model", str(MODEL), "--text", str(TEXT), "--tokens", "12", "--policies", "full,crisp",
+                 "--placements", "gpu,hybrid,static_hybrid,cpu_only", "--json", str(out), "--threads", "1"]) == 0
+    recs = {r["policy"]: r for r in json.loads(out.read_text())["records"]}
+    for plan in ("full", "crisp"):
+        for placement in ("hybrid", "static_hybrid", "cpu_only"):
+            r = recs[f"{plan}/{placement}"]
+            # float32 logits of a 64-wide model: a different summation order moves them by ~1e-6; 1e-4 is a bug
+            assert r["max_logit_diff_vs_gpu"] <= 1e-4, (plan, placement, r["max_logit_diff_vs_gpu"])
+            assert r["accuracy"] == pytest.approx(recs[plan]["accuracy"])
+        assert recs[f"{plan}/cpu_only"]["cpu_runs_per_token"] > 0 and recs[f"{plan}/cpu_only"]["bytes_per_token"] == 0
+        assert recs[f"{plan}/static_hybrid"]["bytes_per_token"] == 0  # nothing copied after the pinned experts
