@@ -1,0 +1,45 @@
+"""crisp-bench cpu and bench.cpu.measure_cpu_expert (the measured profile's entry), on a tiny shape."""
+
+import json
+
+import pytest
+
+from bench.cli import main
+from bench.cpu import CpuBenchError, measure_cpu_expert
+from bench.profiles import ModelShape
+
+TINY = ModelShape("t", 1, 2, 1, 128, 200)
+
+
+def test_measure_cpu_expert_reports_each_width():
+    got = measure_cpu_expert(TINY, [64, 200, 130], repeats=1)
+    assert got["widths"] == [64, 200, 130]
+    assert got["impl"] == "int4pack-bf16"
+    assert len(got["seconds"]) == 3 and all(s > 0 for s in got["seconds"])
+    assert got["prefix_bytes"] == [w * TINY.neuron_nbytes for w in (64, 200, 130)]
+    assert got["memcpy_gbps"] > 0 and got["read_gbps"] > 0
+
+
+@pytest.mark.parametrize("widths", [[], [0], [201]])
+def test_measure_cpu_expert_refuses_bad_widths(widths):
+    with pytest.raises(CpuBenchError, match="widths"):
+        measure_cpu_expert(TINY, widths, repeats=1)
+
+
+def test_cli_json(tmp_path, capsys):
+    path = tmp_path / "cpu.json"
+    assert main(["cpu", "--shapes", "tiny", "--widths", "0.5,1", "--tokens", "1,3", "--repeats", "1",
+                 "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["command"] == "cpu"
+    recs = doc["records"]
+    assert {(r["width_frac"] > 0.9, r["tokens"]) for r in recs} == {(False, 1), (False, 3), (True, 1), (True, 3)}
+    assert all(r["rel_err"] <= 2 * 2.0**-8 for r in recs)
+    assert "memcpy" in capsys.readouterr().out
+
+
+def test_cli_bad_shape(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["cpu", "--shapes", "nope"])
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
