@@ -146,6 +146,7 @@ def run(args) -> int:
     records = [{"kind": "bandwidth", "bytes": big, "gb_per_s": bw / 1e9, "device": str(device)}]
     compute_points: dict[str, list] = {}
     load_points: dict[str, list] = {}
+    cpu_points: dict[str, list] = {}
     for shape in shapes:
         host, dev = _expert_buffers(shape, device, pin=on_gpu)
         prog = report.Progress(f"transfer {shape.name}")
@@ -164,6 +165,15 @@ def run(args) -> int:
                 compute_points.setdefault(shape.name, []).append((nbytes, comp))
             prog(n + 1, len(widths))
         del host, dev
+        # The CPU's expert time against width (hybrid placement, issue 11): H1's kernel at batch 1, each width
+        # checked against the reference first (bench.cpu.measure_cpu_expert).
+        cpu = _measure_cpu(shape, widths, args.repeats)
+        if cpu is not None:
+            for w, sec, nbytes, gbps in zip(cpu["widths"], cpu["seconds"], cpu["prefix_bytes"], cpu["gbps"], strict=True):
+                records.append({"kind": "cpu_expert", "shape": shape.name, "width": w, "bytes": nbytes,
+                                "cpu_ms": 1e3 * sec, "gb_per_s": gbps, "impl": cpu["impl"],
+                                "memcpy_gb_per_s": cpu["memcpy_gbps"]})
+                cpu_points.setdefault(shape.name, []).append((nbytes, sec))
     cols = [("shape", "shape"), ("width_fraction", "width"), ("mb", "MB"), ("load_ms", "load ms"),
             ("gb_per_s", "GB/s"), ("compute_ms", "compute ms (1 token)"), ("load_over_compute", "load/compute")]
     rows = [dict(r, mb=r["bytes"] / 1e6, compute_ms=r["compute_ms"] if r["compute_ms"] is not None else "-",
@@ -171,6 +181,11 @@ def run(args) -> int:
             for r in records if r["kind"] == "load"]
     print(report.table(rows, cols, title="load and compute per width (paper, RTX 4090 Mixtral: 7.5/0.8 ms full, "
                                          "3.8/0.4 ms at 50%)"))
+    cpu_rows = [dict(r, mb=r["bytes"] / 1e6) for r in records if r["kind"] == "cpu_expert"]
+    if cpu_rows:
+        print(report.table(cpu_rows, [("shape", "shape"), ("width", "width"), ("mb", "MB"), ("cpu_ms", "CPU ms"),
+                                      ("gb_per_s", "GB/s of prefix"), ("impl", "kernel")],
+                           title="CPU expert time against width (batch 1; the hybrid placement's CPU side)"))
     if not on_gpu:
         print("compute on CPU is the pure-torch reference expert (dequantize + matmul), not a GPU kernel")
     else:  # the runtime's own prefix copies through its cache, vs a plain pinned copy
@@ -184,7 +199,7 @@ def run(args) -> int:
             print(f"(runtime transfer measurement unavailable: {exc})")
     extra = {}
     if args.profile_out is not None:
-        profile = measured_profile(load_points, compute_points, device, model_dir)
+        profile = measured_profile(load_points, compute_points, device, model_dir, cpu_points)
         profile.save(args.profile_out)  # atomically; checked up front by crisp-bench's main
         extra["profile"] = profile.to_dict()
         print(f"wrote the measured profile {args.profile_out}: H2D {profile.h2d_bytes_per_s / 1e9:.2f} GB/s + "
@@ -203,8 +218,24 @@ def run(args) -> int:
     return 0
 
 
-def measured_profile(load_points, compute_points, device, model_dir=None) -> HardwareProfile:
-    """Affine fits over all shapes' points, plus router/other per layer from the committed model."""
+def _measure_cpu(shape: ModelShape, widths, repeats: int) -> dict | None:
+    """``bench.cpu.measure_cpu_expert`` at ``widths`` (fractions), or None where the kernel cannot run."""
+    try:
+        from .cpu import CpuBenchError, measure_cpu_expert
+    except ImportError:  # pragma: no cover
+        return None
+    neurons = sorted({max(1, round(f * shape.intermediate_size)) for f in widths})
+    try:
+        return measure_cpu_expert(shape, neurons, repeats=max(1, repeats))
+    except CpuBenchError as exc:
+        print(f"(CPU expert time not measured for {shape.name}: {exc})")
+        return None
+
+
+def measured_profile(load_points, compute_points, device, model_dir=None, cpu_points=None) -> HardwareProfile:
+    """Affine fits over all shapes' points, plus router/other per layer from the committed model, plus the
+    CPU's expert time (affine in prefix bytes) when measured. The copy rate while the CPU streams is not
+    measured here (it needs a GPU: ``bench/gpu_check.sh``): None, i.e. taken as unchanged."""
     lp = [p for pts in load_points.values() for p in pts]
     cp = [p for pts in compute_points.values() for p in pts]
     copy_lat, s_per_byte = fit_affine(lp)
@@ -213,11 +244,14 @@ def measured_profile(load_points, compute_points, device, model_dir=None) -> Har
         return comp_lat + nbytes * c_per_byte
 
     router_s, other_s = measure_layer_overheads(model_dir, device, comp)
+    cpu = [p for pts in (cpu_points or {}).values() for p in pts]
+    cpu_lat, cpu_per_byte = fit_affine(cpu) if cpu else (0.0, None)
     return HardwareProfile(
         name="measured", h2d_bytes_per_s=1.0 / max(s_per_byte, 1e-15), copy_latency_s=copy_lat,
         compute_bytes_per_s=1.0 / max(c_per_byte, 1e-15), compute_latency_s=comp_lat, router_s=router_s,
         other_s=other_s, source="crisp-bench transfer --profile-out",
         description=f"measured on {report.environment()['device']} {report.environment()['date']}",
+        cpu_bytes_per_s=None if cpu_per_byte is None else 1.0 / max(cpu_per_byte, 1e-15), cpu_latency_s=cpu_lat,
     )
 
 

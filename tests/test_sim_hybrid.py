@@ -81,3 +81,24 @@ def test_profiles_with_a_cpu_round_trip(tmp_path):
 def test_profile_cpu_fields_checked(field, value):
     with pytest.raises(ValueError, match=field):
         replace(PROFILE, **{field: value})
+
+
+def test_transfer_measures_the_cpu_and_its_profile_simulates_hybrid(tmp_path):
+    import json
+
+    from crisp_bench.cli import main
+
+    out, prof = tmp_path / "tr.json", tmp_path / "prof.json"
+    assert main(["transfer", "--shapes", "tiny", "--widths", "0.25,1.0", "--repeats", "1", "--json", str(out),
+                 "--profile-out", str(prof), "--threads", "1"]) == 0
+    cpu = [r for r in json.loads(out.read_text())["records"] if r["kind"] == "cpu_expert"]
+    assert [r["width"] for r in cpu] == [64, 256] and all(r["cpu_ms"] > 0 for r in cpu)
+    measured = HardwareProfile.load(prof)
+    assert measured.has_cpu and measured.cpu_bytes_per_s > 0
+    trace = synthetic_trace(num_layers=2, num_tokens=24)
+    trace.save(tmp_path / "t.npz")
+    assert main(["simulate", "--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--profile", "measured",
+                 "--profile-file", str(prof), "--target", "native", "--warmup", "4", "--matrix", "hybrid",
+                 "--budget", "0.5", "--json", str(tmp_path / "s.json")]) == 0
+    labels = {r["label"] for r in json.loads((tmp_path / "s.json").read_text())["records"]}
+    assert {"full/static_hybrid/lru", "full/cpu_only/lru", "crisp/hybrid/lru"} <= labels
