@@ -394,7 +394,10 @@ def simulate_decode(
 
 
 def _pin_hot_experts(ledgers, routed, wanted, layers: int, nb: int, inter: int) -> None:
-    """Make the trace's most used (layer, expert) pairs resident at full width, while they fit (no eviction)."""
+    """Make the trace's most used (layer, expert) pairs resident at full width, while they fit (no eviction).
+
+    Most used = most routed slots the plan runs (> 0 width). Weighting by the width wanted (the bytes
+    the CPU would otherwise read) was tried: 10.28 against 10.30 tok/s (rtx4090-pcie4-ddr5, 25%)."""
     src = len(routed)
     counts: dict[tuple[int, int], int] = {}
     for layer in range(layers):
