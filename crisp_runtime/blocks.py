@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -45,12 +44,11 @@ from crisp_kernels.experts_module import without_backward
 
 from .executor import CrispRuntime, RuntimeConfig
 from .hf import CrispHandle, _check_budget_fits_device, _check_budget_fits_layers, _check_device, parse_budget
-from .models import UnsupportedModelError, _is_experts_module, model_top_k
+from .models import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
 from .pack import CrispPack, PackMismatchError, load_pack, recorded_weights_sha256, weights_sha256
 from .plan import CrispPlan, PlanError
 from .serving import make_serving
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _BLOCK_STATE = "_crisp_block_state"
 
 # route(block, x (T, H)) -> (top_k_index (T, k) int, top_k_weights (T, k), router_logits or None)
