@@ -358,10 +358,9 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from crisp_runtime.pack import PackMismatchError
 
     errors += [UnsupportedModelError, PackMismatchError, PackFormatError]
+    from .cpu import CpuBenchError
     from .e2e import ModelInputError
     from .transfer import TransferError
-
-    from .cpu import CpuBenchError
 
     errors += [ModelInputError, TransferError, CpuBenchError]
     return tuple(errors)

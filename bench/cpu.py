@@ -28,6 +28,8 @@ import torch
 
 from crisp_kernels.cpu_expert import (
     CpuExpertConfig,
+    CpuImpl,
+    CpuKernelInfo,
     Precision,
     expert_mlp_cpu_accumulate_,
     kernel_info,
@@ -135,11 +137,12 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
     load_after = os.getloadavg()
     memcpy_gbps = memcpy_bytes / med["memcpy"] / 1e9
     read_gbps = memcpy_bytes / med["read"] / 1e9
-    impl = kernel_info(expert, torch.bfloat16 if precision is Precision.BF16 else torch.float32, config).impl.value
+    info = kernel_info(expert, torch.bfloat16 if precision is Precision.BF16 else torch.float32, config)
+    impl = info.impl.value
     full = {tokens: med[f"{shape.intermediate_size}/{tokens}"] for _, f, w, tokens, _ in points
             if w == shape.intermediate_size}
     records = []
-    for name, fraction, width, tokens, err in points:
+    for name, _, width, tokens, err in points:
         seconds = med[name]
         nbytes = packed.nbytes(width)
         gbps = nbytes / seconds / 1e9
@@ -151,8 +154,8 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
             rec["time_frac"] = seconds / full[tokens]  # against k / I: the prefix's proportionality
         records.append(rec)
     memory = {"memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps, "memcpy_bytes": memcpy_bytes,
-              "loadavg_before": load_before, "loadavg_after": load_after, "threads": torch.get_num_threads(),
-              "repeats": repeats}
+              "extra_nbytes": info.extra_nbytes, "loadavg_before": load_before, "loadavg_after": load_after,
+              "threads": torch.get_num_threads(), "repeats": repeats}
     return records, memory
 
 
@@ -161,7 +164,8 @@ def measure_cpu_expert(shape: ModelShape, widths, *, repeats: int = DEFAULT_REPE
     kernel the runtime uses (int4pack, bf16), with this machine's memcpy measured alongside.
 
     Returns ``{"impl", "widths", "seconds", "prefix_bytes", "gbps", "memcpy_gbps", "read_gbps",
-    "loadavg", "threads"}``; each width is checked against the reference before it is timed.
+    "loadavg", "threads", "info"}`` (``info``: a CpuKernelInfo with the full-width GB/s); each width
+    is checked against the reference before it is timed.
     """
     widths = [int(w) for w in widths]
     if not widths or any(not 1 <= w <= shape.intermediate_size for w in widths):
@@ -173,7 +177,9 @@ def measure_cpu_expert(shape: ModelShape, widths, *, repeats: int = DEFAULT_REPE
     return {"impl": chosen[0]["impl"], "widths": [r["width"] for r in chosen],
             "seconds": [r["ms"] / 1e3 for r in chosen], "prefix_bytes": [round(r["prefix_mb"] * 1e6) for r in chosen],
             "gbps": [r["gbps"] for r in chosen], "memcpy_gbps": memory["memcpy_gbps"],
-            "read_gbps": memory["read_gbps"], "loadavg": memory["loadavg_after"], "threads": memory["threads"]}
+            "read_gbps": memory["read_gbps"], "loadavg": memory["loadavg_after"], "threads": memory["threads"],
+            "info": CpuKernelInfo(CpuImpl(chosen[0]["impl"]), memory["extra_nbytes"],
+                                  by_width[shape.intermediate_size]["gbps"])}
 
 
 # ----------------------------------------------------------------------------- candidates

@@ -37,7 +37,7 @@ activations, the intermediate and the gate/up scales to bf16 and the op's output
 GPU prefill path rounds its dot operands: within 2u of bf16 (7.8e-3), the kernels' tolerance.
 
 Every torch op releases the GIL, so a worker thread runs this while the main thread drives the
-GPU; the Python between the ops (about 2 H / R + 10 ops per call) holds it. Threads: the ops use
+GPU; the Python between the ops (about H / R + 20 ops per call) holds it. Threads: the ops use
 torch's intra-op pool (``torch.get_num_threads()``, process-wide, not set here).
 """
 

@@ -24,6 +24,7 @@ from crisp_kernels import PackedExpert, QuantFormat, pack_expert
 from crisp_kernels.cpu_expert import (
     BLOCK_N,
     DEFAULT_CHUNK,
+    DEFAULT_CONFIG,
     GATE_UP_CHUNK,
     CpuExpert,
     CpuExpertConfig,
@@ -74,7 +75,7 @@ def inputs(tokens, hidden, dtype, width, per_token, seed=1):
     return x, weights, widths
 
 
-def run(x, packed, widths, width, weights, config=CpuExpertConfig()):
+def run(x, packed, widths, width, weights, config=DEFAULT_CONFIG):
     out = torch.zeros(x.shape, dtype=torch.float32)
     expert_mlp_cpu_accumulate_(x, packed, widths, width, weights, out, config=config)
     return out

@@ -18,6 +18,8 @@ def test_measure_cpu_expert_reports_each_width():
     assert len(got["seconds"]) == 3 and all(s > 0 for s in got["seconds"])
     assert got["prefix_bytes"] == [w * TINY.neuron_nbytes for w in (64, 200, 130)]
     assert got["memcpy_gbps"] > 0 and got["read_gbps"] > 0
+    info = got["info"]
+    assert info.impl.value == "int4pack-bf16" and info.extra_nbytes > 0 and info.measured_gbps > 0
 
 
 @pytest.mark.parametrize("widths", [[], [0], [201]])
