@@ -75,6 +75,11 @@ bench simulate-measured simulate --profile "$out/measured-profile.json" --target
   --plan models/tiny-mixtral-crisp --compare "$out/e2e.json" --json "$out/simulate-measured.json"
 t "$py" -c "import json; from crisp_bench.runtime import measure_planner_overhead as m; print(json.dumps(m(), indent=1))" \
   >"$out/planner-overhead.json" 2>&1
+# issue 11: copy rate with and without the CPU streaming; the hybrid path and its baselines end to end on the GPU
+t "$py" -c "from crisp_bench.hybrid_check import main; raise SystemExit(main())" >"$out/h2d-cpu-busy.json" 2>&1
+echo "h2d-cpu-busy: rc=$?" >>"$out/bench-rc.txt"
+bench e2e-hybrid e2e --tokens 64 --policies full,crisp --placements gpu,hybrid,static_hybrid,cpu_only \
+  --json "$out/e2e-hybrid.json"
 rc_runtime=$(grep -c -v "rc=0" "$out/bench-rc.txt")
 
 echo "pytest -m gpu:          rc=$rc_gpu  ($out/pytest-gpu.log)"

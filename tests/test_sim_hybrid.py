@@ -102,3 +102,14 @@ def test_transfer_measures_the_cpu_and_its_profile_simulates_hybrid(tmp_path):
                  "--budget", "0.5", "--json", str(tmp_path / "s.json")]) == 0
     labels = {r["label"] for r in json.loads((tmp_path / "s.json").read_text())["records"]}
     assert {"full/static_hybrid/lru", "full/cpu_only/lru", "crisp/hybrid/lru"} <= labels
+
+
+def test_hybrid_check_says_it_needs_a_gpu(capsys):
+    import torch
+
+    from crisp_bench import hybrid_check
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: bench/gpu_check.sh runs the measurement")
+    assert hybrid_check.main() == 2
+    assert capsys.readouterr().out.startswith("error: bench.hybrid_check needs a CUDA GPU")
