@@ -252,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="product (default): every --policies x --serving x --eviction x --prefetch; residency: "
                    "issue 10's comparison (full-width LRU / Belady, today's CRISP, residency-aware CRISP with and "
                    "without prefetch, Belady bound, uniform / skip_aux with the same machinery); frontier: each "
-                   "family swept over its knob (for --plot: tokens/s against accuracy loss)")
+                   "family swept over its knob (for --plot: tokens/s against accuracy loss); hybrid: issue 11's "
+                   "CPU placements (GPU-only full LRU, static_hybrid, cpu_only, CRISP GPU-only and hybrid; needs a "
+                   "--profile with a CPU, e.g. rtx4090-pcie4-ddr5; docs/hybrid.md)")
     p.add_argument("--serving", type=_csv(SERVING_NAMES), default=["plan"],
                    help=f"serving policies (crisp_runtime.serving), comma separated: {', '.join(SERVING_NAMES)} "
                    "(default plan: the plan's widths whatever is resident)")
