@@ -61,6 +61,9 @@ BENCH = (
     + _cases("bench kernels", {**OUTPUT_OPTIONS, "--widths": FRACTION_LIST, "--tokens": INT_LIST, "--shapes": SHAPES})
     + _cases("bench transfer", {**OUTPUT_OPTIONS, "--repeats": POS_INT, "--profile-out": ["", "DIR", "MISSING"],
                                 "--shapes": SHAPES, "--widths": FRACTION_LIST, "--model": [""]})
+    + _cases("bench cpu", {"--json": ["", "DIR", "MISSING"], "--threads": THREADS, "--repeats": POS_INT,
+                           "--shapes": SHAPES, "--widths": FRACTION_LIST, "--tokens": INT_LIST, "--model": [""],
+                           "--precision": ["fp16", ""]})
     + _cases("bench layer", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--steps": POS_INT,
                              "--policies": ["fastest", "", "full,x"]})
     + _cases("bench e2e", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--tokens": POS_INT,
