@@ -229,15 +229,34 @@ def split_step(jobs, *, placement: Placement = Placement.HYBRID, join_s: float =
         order = _best_gpu_order([i for i in range(n) if jobs[i].load_s <= 0], jobs, bool(cpu))
         return StepSplit(tuple(order), cpu, split_makespan(order, cpu, jobs, join_s), True)
     if n <= exact_max:
+        # Johnson's rule orders each job by a key of its own (and its group by load < compute), so the
+        # Johnson order of any subset is the whole set's Johnson order restricted to it: two orders
+        # (idle / busy copy rate) computed once, then each subset costs O(n) with no sort (docs/hybrid.md).
+        order_idle = _best_gpu_order(list(range(n)), jobs, False)
+        order_busy = _best_gpu_order(list(range(n)), jobs, True)
+        load_idle = [j.load_s for j in jobs]
+        load_busy = [j.load_busy_s for j in jobs]
+        gpu_s = [j.gpu_s for j in jobs]
+        cpu_s = [j.cpu_s for j in jobs]
         best = None
         for mask in range(1 << n):
-            cpu = [i for i in range(n) if mask >> i & 1]
-            order = _best_gpu_order([i for i in range(n) if not mask >> i & 1], jobs, bool(cpu))
-            key = (split_makespan(order, cpu, jobs, join_s), len(cpu), mask)
-            if best is None or key < best[0]:
-                best = (key, order, cpu)
-        (span, _, _), order, cpu = best
-        return StepSplit(tuple(order), tuple(cpu), span, True)
+            if mask:
+                order, load = order_busy, load_busy
+                cpu_span = join_s + sum(cpu_s[i] for i in range(n) if mask >> i & 1)
+            else:
+                order, load, cpu_span = order_idle, load_idle, 0.0
+            copy_done = compute_done = 0.0
+            for i in order:
+                if not mask >> i & 1:
+                    copy_done += load[i]
+                    compute_done = max(compute_done, copy_done) + gpu_s[i]
+            key = (max(compute_done, cpu_span), mask.bit_count(), mask)
+            if best is None or key < best:
+                best = key
+        span, _, mask = best
+        order = order_busy if mask else order_idle
+        return StepSplit(tuple(i for i in order if not mask >> i & 1),
+                         tuple(i for i in range(n) if mask >> i & 1), span, True)
 
     def span_of(flags):
         cpu = [i for i in range(n) if flags[i]]
