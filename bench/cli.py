@@ -14,95 +14,48 @@ import sys
 import time
 from pathlib import Path
 
+from crisp_kernels import PackFormatError
 from crisp_runtime import cli_args as ca
+from crisp_runtime.models import UnsupportedModelError
+from crisp_runtime.outputs import check_outputs
+from crisp_runtime.pack import PackMismatchError
+from crisp_runtime.plan import PlanError
+from crisp_runtime.prefetch import PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES
 
-from . import report
-from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, TARGETS
+from . import common, report
+from .common import (
+    DEFAULT_MODEL,
+    ORDERS,
+    POLICIES,
+    REPO_ROOT,
+    CliError,
+    find_plan_file,
+    load_model_for_bench,
+    pack_dir_for,
+)
+from .kernels import csv_shapes
+from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, TARGETS, ProfileError
 from .sim_policies import MATRICES as SIM_MATRICES
 from .simulate import EVICTIONS as SIM_EVICTIONS
+from .simulate import BudgetTooSmall
+from .traces import TraceError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-mixtral"
-DEFAULT_TEXT = REPO_ROOT / "data" / "stdlib-heldout.txt"
-POLICIES = ("full", "uniform", "skip_aux", "crisp")
-ORDERS = ("serial", "router", "widest_first")
-SERVING_NAMES = tuple(SERVING_POLICIES)
 PLACEMENTS = ("gpu", "hybrid", "static_hybrid", "cpu_only")  # crisp_runtime.scheduler.Placement values
+SERVING_NAMES = tuple(SERVING_POLICIES)
+PREFETCH_WIDTHS = tuple(w.value for w in PrefetchWidth)
 # evaluations whose accuracy_loss simulate attaches to its records (when of the traced model)
 DEFAULT_ACCURACY = ("docs/eval-tiny-mixtral.json", "docs/eval-serving-tiny-mixtral.json")
 SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
 
-
-class CliError(Exception):
-    """Bad input: printed as one line, exit code 2."""
-
-
-# ---------------------------------------------------------------------------- argument helpers
-
-
-def _csv(choices):
-    def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {', '.join(choices)}")
-        return items
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text.rstrip("%")) / (100.0 if text.endswith("%") else 1.0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 < v <= 1.0:  # also refuses nan; inf is > 1
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1] (or 0-100%), got {text!r}")
-    return v
-
-
-_positive_int = ca.positive_int
-
-
-def _fractions(text: str) -> list[float]:
-    """Comma-separated fractions in (0, 1] (or percentages)."""
-    return [_fraction(v) for v in _items(text)]
+# the argument types and option groups of bench.common under the names this module's simulate section uses
+_csv, _fraction, _fractions, _int_list, _positive_int = (
+    common.csv_choices, common.fraction, common.fractions, common.int_list, common.positive_int)
+_outputs, _model_args, _rel, _emit = common.add_outputs, common.add_model_args, common.rel, common.emit
 
 
 def _kernel_shapes(text: str) -> list[str]:
-    from .kernels import csv_shapes
-
     return csv_shapes(text)
-
-
-def _int_list(text: str) -> list[int]:
-    return [ca.positive_int(v) for v in _items(text)]
-
-
-def _items(text: str) -> list[str]:
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-    return items
-
-
-def _outputs(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
-                   help="write the records as JSON to PATH (atomically; never onto an input or into a pack)")
-    p.add_argument("--plot", metavar="PATH.png", type=ca.nonempty_path,
-                   help="write a plot to PATH.png (matplotlib; atomically)")
-    p.add_argument("--threads", type=ca.threads_int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy shared CPU)")
-
-
-def _model_args(p: argparse.ArgumentParser, *, pack_required: bool = True) -> None:
-    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL), type=ca.nonempty_path,
-                   help="transformers checkpoint (default: the committed models/tiny-mixtral)")
-    p.add_argument("--pack", metavar="DIR", default=None, type=ca.nonempty_path,
-                   help="CRISP pack + plan of that model (default: DIR-crisp beside it, or DIR itself)")
-    p.add_argument("--text", metavar="PATH", default=str(DEFAULT_TEXT), type=ca.nonempty_path,
-                   help="held-out text (.txt/.jsonl) to decode (default: data/stdlib-heldout.txt)")
 
 
 SIMULATE_EPILOG = """\
@@ -264,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", choices=("none", "trace"), default="none",
                    help="trace: also prefetch the next layer's experts the trace predicts (recorded by "
                    "crisp_runtime.prefetch); none (default)")
+    p.add_argument("--prefetch-width", type=_csv(PREFETCH_WIDTHS), default=["plan"],
+                   help="with --prefetch trace: the width each predicted slot is prefetched at, comma separated "
+                   "(each prefetching configuration once per width): plan (default: the plan's widths), serving "
+                   "(what the serving policy loads on a miss: a dominant's floor, an auxiliary at the plan's width or "
+                   "none if skipped), aux-none (dominants only, at the plan's width); crisp_runtime.prefetch")
     p.add_argument("--accuracy", metavar="EVAL.json", action="append", default=None, type=ca.nonempty_path,
                    help="evaluation JSON(s) giving accuracy_loss per configuration (crisp-eval --json; the "
                    "runtime-in-the-loop serving evaluation); default: those under docs/ for the traced model")
@@ -300,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - bad input must not end in a traceback
         if os.environ.get("CRISP_BENCH_DEBUG"):
             raise
-        known = _known_errors()
-        if isinstance(exc, (CliError, *known)):
+        if isinstance(exc, _known_errors()):
             print(f"crisp-bench {args.command or ''}: error: {exc}".replace("  ", " "), file=sys.stderr)
             return 2
         print(f"crisp-bench {args.command or ''}: internal error at {_where(exc)}: {type(exc).__name__}: {exc} "
@@ -323,10 +280,6 @@ def _where(exc: BaseException) -> str:
 def _check_paths(args) -> None:
     """Every output option checked before any work (``crisp_runtime.outputs``): writable, not a folder,
     not an input, not inside an input folder (model, pack) nor inside any CRISP pack."""
-    from crisp_runtime.outputs import check_outputs
-
-    from .e2e import pack_dir_for
-
     outputs = {f"--{n.replace('_', '-')}": getattr(args, n, None)
                for n in ("json", "plot", "record_trace", "profile_out")}
     if not any(outputs.values()):
@@ -347,32 +300,9 @@ def _check_paths(args) -> None:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from crisp_runtime.plan import PlanError
-
-    from .profiles import ProfileError
-    from .simulate import BudgetTooSmall
-    from .traces import TraceError
-
-    errors: list[type[BaseException]] = [PlanError, ProfileError, BudgetTooSmall, TraceError, report.OutputPathError,
-                                         ca.JsonInputError]
-    from crisp_kernels import PackFormatError
-    from crisp_runtime.models import UnsupportedModelError
-    from crisp_runtime.pack import PackMismatchError
-
-    errors += [UnsupportedModelError, PackMismatchError, PackFormatError]
-    from .cpu import CpuBenchError
-    from .e2e import ModelInputError
-    from .transfer import TransferError
-
-    errors += [ModelInputError, TransferError, CpuBenchError]
-    return tuple(errors)
-
-
-def _emit(args, command: str, records: list[dict], **extra) -> None:
-    """The --json document, written atomically (``report.write_json``)."""
-    if getattr(args, "json", None):
-        report.write_json(args.json, command, records, **extra)
-        print(f"wrote {args.json}")
+    """Bad input from the runtime and the bench's modules (CliError covers the bench's own errors)."""
+    return (CliError, PlanError, ProfileError, BudgetTooSmall, TraceError, report.OutputPathError, ca.JsonInputError,
+            UnsupportedModelError, PackMismatchError, PackFormatError)
 
 
 # ---------------------------------------------------------------------------- simulate
@@ -380,7 +310,7 @@ def _emit(args, command: str, records: list[dict], **extra) -> None:
 
 def _cmd_simulate(args) -> int:
     from . import simulate as sim
-    from .sim_policies import accuracy_for, configurations, frontier, knobs, read_accuracy
+    from .sim_policies import accuracy_for, configurations, frontier, knobs, read_accuracy, with_prefetch_widths
 
     t0 = time.perf_counter()
     profile, shape, trace, plans, notes = _simulation_inputs(args)
@@ -409,6 +339,10 @@ def _cmd_simulate(args) -> int:
                                  ([True] if args.prefetch == "trace" else [False]))
     except KeyError as exc:
         raise CliError(f"--matrix {args.matrix} needs policy {exc} in --policies") from None
+    if args.prefetch_width != ["plan"]:
+        if args.matrix == "frontier":
+            raise CliError("--prefetch-width: the frontier matrix prefetches at the plan's widths only (plan)")
+        configs = with_prefetch_widths(configs, args.prefetch_width)
     meta = {c.label: m for c, m in frontier(plans, prefetch[-1])} if args.matrix == "frontier" else {}
     for n in notes:
         print(f"  {n}")
@@ -467,8 +401,6 @@ def _simulation_inputs(args):
                      f"E={trace.num_experts}, top-{trace.top_k}, I={trace.intermediate_size} "
                      f"({trace.meta.get('model', '?')}, {trace.meta.get('source', '')})")
     else:
-        from .e2e import load_model_for_bench
-
         model, pack_dir = load_model_for_bench(args.model, args.pack, need_pack=args.plan is None)
         trace = _record(model, args)
         notes.append(f"trace recorded from {_rel(args.model)} on {_rel(args.text)}: {trace.num_layers} layers x "
@@ -515,14 +447,6 @@ def _simulation_inputs(args):
     return profile, shape, trace, plans, notes
 
 
-def _rel(path) -> str:
-    """A path relative to the repository when it lies inside it (for reports and plots)."""
-    try:
-        return str(Path(path).resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
-
-
 def _record(model, args):
     from crisp_runtime.models import max_positions
     from crisp_runtime.text import read_texts, sample_sequences
@@ -547,7 +471,6 @@ def _load_crisp_plan(spec, pack_dir, trace, notes):
     from crisp_runtime.plan import CrispPlan
 
     from . import traces as tr
-    from .e2e import find_plan_file
 
     if spec == "auto":
         notes.append("crisp plan: derived from the trace itself (tiers by pair frequency, warm aux at 50%)")

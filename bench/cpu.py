@@ -40,6 +40,7 @@ from crisp_kernels.cpu_expert import (
 from crisp_kernels.format import PackedExpert, QuantFormat, dequantize_rows, unpack_nibbles
 
 from . import report
+from .common import CliError, tiny_shape
 from .profiles import ModelShape
 
 # 256 MB: far beyond any cache of this class of machine (L3 tens of MB), small enough for a laptop.
@@ -47,7 +48,7 @@ MEMCPY_BYTES = 256 * 2**20
 DEFAULT_REPEATS = 5
 
 
-class CpuBenchError(ValueError):
+class CpuBenchError(CliError):
     pass
 
 
@@ -231,8 +232,6 @@ SHAPES = {"mixtral": ModelShape("mixtral-8x7b", 32, 8, 2, 4096, 14336)}
 
 
 def resolve_shapes(spec: list[str], model_dir=None) -> list[ModelShape]:
-    from .transfer import tiny_shape
-
     out = []
     for name in spec:
         if name == "tiny":

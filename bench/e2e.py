@@ -30,79 +30,27 @@ from pathlib import Path
 
 import torch
 
+from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
+from crisp_runtime.executor import RuntimeConfig
+from crisp_runtime.hf import apply
+from crisp_runtime.models import max_positions, record_routing
+from crisp_runtime.pack import load_pack
+from crisp_runtime.scheduler import CostModel, Placement
+from crisp_runtime.serving import ServingPolicy
+from crisp_runtime.text import read_texts, sample_sequences
+
 from . import report
-
-
-class ModelInputError(ValueError):
-    """A model path that is not a checkpoint, or has no CRISP pack."""
-
-
-def pack_dir_for(model_dir: str | Path, pack_dir: str | Path | None) -> Path | None:
-    """The CRISP pack folder of a model: ``pack_dir``, else ``<model_dir>-crisp``, else ``model_dir`` itself."""
-    from crisp_runtime.pack import INFO_FILE
-
-    if pack_dir is not None:
-        p = Path(pack_dir)
-        if not (p / INFO_FILE).is_file():
-            raise ModelInputError(f"--pack {pack_dir}: not a CRISP pack ({INFO_FILE} missing)")
-        return p
-    model_dir = Path(model_dir)
-    for cand in (model_dir.parent / f"{model_dir.name}-crisp", model_dir):
-        if (cand / INFO_FILE).is_file():
-            return cand
-    return None
-
-
-def find_plan_file(pack_dir: str | Path) -> Path | None:
-    from crisp_runtime.pack import PLAN_FILE
-
-    p = Path(pack_dir) / PLAN_FILE
-    return p if p.is_file() else None
-
-
-def load_model_for_bench(model_dir, pack_dir=None, *, need_pack: bool = True, device="cpu"):
-    """(unquantized model in eval mode on ``device``, pack folder or None)."""
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise ModelInputError(f"{model_dir}: not a transformers checkpoint (no config.json)")
-    pack = pack_dir_for(model_dir, pack_dir)
-    if need_pack and pack is None:
-        raise ModelInputError(f"{model_dir}: no CRISP pack found (looked for {model_dir.name}-crisp/ beside it and "
-                              f"in the folder itself); make one with `crisp-profile` or pass --pack DIR")
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as exc:  # pragma: no cover
-        raise ModelInputError("transformers is not installed (pip install 'crisp-moe[hf]')") from exc
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:  # transformers' errors for a broken checkpoint
-        raise ModelInputError(f"{model_dir}: cannot load the checkpoint ({type(exc).__name__}: {exc})") from exc
-    model.eval().to(device)
-    return model, pack
-
-
-def bench_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _cache_kwargs(model, past) -> dict:
-    """The KV-cache argument under its name in this transformers version (``cache`` in 5.x, else
-    ``past_key_values``)."""
-    import inspect
-
-    if past is None:
-        return {}
-    params = inspect.signature(model.forward).parameters
-    return {"cache": past} if "cache" in params else {"past_key_values": past}
-
-
-def _cache_of(out):
-    return getattr(out, "cache", None) if getattr(out, "cache", None) is not None else out.past_key_values
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from . import traces as tr
+from .common import (
+    ModelInputError,
+    bench_device,
+    cache_kwargs,
+    cache_of,
+    load_model_for_bench,
+    rel,
+    sync,
+)
+from .simulate import BudgetTooSmall
 
 
 @torch.no_grad()
@@ -120,35 +68,28 @@ def decode(model, ids: torch.Tensor, warmup: int, handle=None, logits: list | No
     t0 = None
     for t in range(len(ids) - 1):
         if t == warmup:
-            _sync(device)
+            sync(device)
             if handle is not None:
                 handle.reset_stats()
             t0 = time.perf_counter()
-        out = model(input_ids=ids[t:t + 1].unsqueeze(0), **_cache_kwargs(model, past), use_cache=True)
-        past = _cache_of(out)
+        out = model(input_ids=ids[t:t + 1].unsqueeze(0), **cache_kwargs(model, past), use_cache=True)
+        past = cache_of(out)
         if t >= warmup:
             correct += int(out.logits[0, -1].argmax().item() == int(ids[t + 1]))
             counted += 1
             if logits is not None:
                 logits.append(out.logits[0, -1].float().cpu())
-    _sync(device)
+    sync(device)
     elapsed = time.perf_counter() - t0
     return {"tokens": counted, "seconds": elapsed, "tokens_per_s": counted / elapsed, "accuracy": correct / counted}
 
 
 def run(args) -> int:
-    from crisp_runtime.pack import load_pack
-    from crisp_runtime.text import read_texts, sample_sequences
-
-    from . import traces as tr
-
     device = bench_device()
     model, pack_dir = load_model_for_bench(args.model, args.pack, need_pack=True, device=device)
     pack = load_pack(pack_dir)
     if pack.plan is None and "crisp" in args.policies:
         raise ModelInputError(f"{pack_dir}: the pack has no plan.json, so there is no CRISP policy to run")
-    from crisp_runtime.models import max_positions
-
     warm = min(16, args.tokens // 4)
     limit = max_positions(model)
     if limit is not None and args.tokens + 1 + warm > limit:  # one sequence, KV cache: positions grow per token
@@ -164,24 +105,18 @@ def run(args) -> int:
     top_k = pack.plan.top_k if pack.plan is not None else int(pack.info.get("top_k") or 2)
     full_expert = max(layer.nbytes() // layer.num_experts for layer in pack.layers.values())
     if budget < top_k * full_expert:
-        from .simulate import BudgetTooSmall
-
         raise BudgetTooSmall(f"--budget {args.budget:g} = {budget:,} B is below one token's experts at full width "
                              f"({top_k} x {full_expert:,} B = {top_k * full_expert / total:.1%} of the expert bytes)")
-    from .cli import _rel
 
     what = "GPU" if device.type == "cuda" else "CPU (cache 'copies' are host memcpy; not an offloading measurement)"
-    print(f"e2e: {_rel(args.model)} + pack {_rel(pack_dir)} on {what}; budget {args.budget:.0%} of "
+    print(f"e2e: {rel(args.model)} + pack {rel(pack_dir)} on {what}; budget {args.budget:.0%} of "
           f"{total / 1e6:.2f} MB expert bytes = {budget / 1e6:.2f} MB; {args.tokens} tokens (+{warm} warm-up) "
-          f"of {_rel(args.text)}")
+          f"of {rel(args.text)}")
 
     # The reference: the unquantized model, and its routing on these tokens (to match uniform's bytes).
     ref = decode(model, ids, warm)
-    with torch.no_grad():
-        from crisp_runtime.models import record_routing
-
-        with record_routing(model) as routing:
-            model(input_ids=ids[:-1].unsqueeze(0).to(device), use_cache=False)
+    with torch.no_grad(), record_routing(model) as routing:
+        model(input_ids=ids[:-1].unsqueeze(0).to(device), use_cache=False)
     layer_ids = sorted(routing.index)
     first = pack.layers[layer_ids[0]]
     trace = tr.Trace(
@@ -196,8 +131,6 @@ def run(args) -> int:
         print(f"routing of the decoded tokens saved to {args.record_trace} (simulate it with --warmup {warm})")
     plans = tr.policy_plans(trace, pack.plan if pack.plan is not None and pack.plan.policy.value == "crisp" else None)
     plans = {k: v for k, v in plans.items() if k in args.policies}
-
-    from crisp_runtime.hf import apply
 
     records = [{"policy": "unquantized (no offload)", "tokens_per_s": ref["tokens_per_s"], "bytes_per_token": 0.0,
                 "hit_rate": None, "accuracy": ref["accuracy"], "tokens": ref["tokens"]}]
@@ -260,7 +193,7 @@ def run(args) -> int:
                          note=report.environment()["date"])
         print(f"wrote {args.plot}")
     if args.json:
-        report.write_json(args.json, "e2e", records, model=_rel(args.model), pack=_rel(pack_dir),
+        report.write_json(args.json, "e2e", records, model=rel(args.model), pack=rel(pack_dir),
                           plans={k: json.loads(json.dumps(v.to_dict()))["policy"] for k, v in plans.items()})
         print(f"wrote {args.json}")
     return 0
@@ -269,11 +202,6 @@ def run(args) -> int:
 def _placement_config(placement: str, pack):
     """The runtime configuration of one ``--placements`` entry: GPU (default) or a CPU placement, whose cost model
     has the CPU's bandwidth measured here (``crisp_runtime.cpu_knob``)."""
-    from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
-    from crisp_runtime.executor import RuntimeConfig
-    from crisp_runtime.scheduler import CostModel, Placement
-    from crisp_runtime.serving import ServingPolicy
-
     if placement == "gpu":
         return None
     first = pack.layers[min(pack.layers)]

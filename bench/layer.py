@@ -30,15 +30,18 @@ import time
 import torch
 
 from crisp_runtime import CrispRuntime, RuntimeConfig, TaskOrder, flow_shop_makespan, johnson_order
+from crisp_runtime.models import find_moe_layers
+from crisp_runtime.pack import load_pack
+from crisp_runtime.text import read_texts, sample_sequences
 
 from . import report
+from . import runtime as rt
+from . import traces as tr
+from .common import ModelInputError, bench_device, load_model_for_bench, sync
+from .runtime import _random_packed
+from .simulate import BudgetTooSmall
 
 ORDERS = ("serial", "router", "widest_first")
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def order_config(order: str, device, **kw) -> RuntimeConfig:
@@ -55,23 +58,16 @@ def replay_steps(runtime: CrispRuntime, steps, x, *, timed_from: int = 0) -> lis
     dev = runtime.device
     times = []
     for n, (layer_id, index, weights) in enumerate(steps):
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         runtime.forward(layer_id, x, index, weights)
-        _sync(dev)
+        sync(dev)
         if n >= timed_from:
             times.append(time.perf_counter() - t0)
     return times
 
 
 def run(args) -> int:
-    from crisp_runtime.pack import load_pack
-    from crisp_runtime.text import read_texts, sample_sequences
-
-    from . import traces as tr
-    from .e2e import ModelInputError, bench_device, load_model_for_bench
-    from .simulate import BudgetTooSmall
-
     device = bench_device()
     model, pack_dir = load_model_for_bench(args.model, args.pack, need_pack=True, device=device)
     pack = load_pack(pack_dir)
@@ -194,8 +190,6 @@ def measure_expert_overhead(*, num_experts: int = 8, top_ks=(1, 8), hidden: int 
 
     from crisp_runtime import CrispPlan
 
-    from .runtime import _random_packed
-
     layer = _random_packed(num_experts, inter, hidden, seed=seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, hidden, generator=g)
@@ -229,8 +223,6 @@ def measure_expert_overhead(*, num_experts: int = 8, top_ks=(1, 8), hidden: int 
 @torch.no_grad()
 def _router_time(model, device, hidden) -> float:
     """Seconds of one MoE block's router (gate) on one token."""
-    from crisp_runtime.models import find_moe_layers
-
     ref = find_moe_layers(model)[0]
     parent = model.get_submodule(ref.name.rsplit(".", 1)[0])
     gate = getattr(parent, "gate", None) or getattr(parent, "router", None)
@@ -239,10 +231,10 @@ def _router_time(model, device, hidden) -> float:
     x = torch.randn(1, hidden, device=device)
     times = []
     for _ in range(20):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         gate(x)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[5:])
 
@@ -250,11 +242,6 @@ def _router_time(model, device, hidden) -> float:
 def _runtime_measurements(trace, device, hidden) -> list[dict]:
     """The runtime engineer's measurements (``crisp_bench.runtime``): the planner's CPU time per layer step,
     and on a GPU one runtime layer step (async copy stream) against the flow-shop bound."""
-    try:
-        from . import runtime as rt
-    except ImportError as exc:  # pragma: no cover - depends on the runtime package
-        print(f"(runtime measurements unavailable: {exc})")
-        return []
     out = []
     recs = rt.measure_planner_overhead(configs=((trace.num_experts, trace.top_k),), iters=300, warmup=30)
     for r in recs:

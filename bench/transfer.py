@@ -13,17 +13,27 @@ other per-layer time, and writes the ``measured`` profile.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from crisp_kernels.format import QuantFormat
 
 from . import report
+from .common import (
+    DEFAULT_MODEL,
+    CliError,
+    ModelInputError,
+    cache_kwargs,
+    cache_of,
+    load_model_for_bench,
+    sync,
+    tiny_shape,
+)
+from .cpu import CpuBenchError, measure_cpu_expert
 from .profiles import HardwareProfile, ModelShape, fit_affine
+from .runtime import measure_transfer
 
 SHAPES = {
     "mixtral": ModelShape("mixtral-8x7b", 32, 8, 2, 4096, 14336),
@@ -31,19 +41,8 @@ SHAPES = {
 }
 
 
-class TransferError(ValueError):
+class TransferError(CliError):
     pass
-
-
-def tiny_shape(model_dir: Path | None = None) -> ModelShape:
-    from .cli import DEFAULT_MODEL
-
-    cfg_path = Path(model_dir or DEFAULT_MODEL) / "config.json"
-    if cfg_path.is_file():
-        c = json.loads(cfg_path.read_text())
-        return ModelShape("tiny-mixtral", c["num_hidden_layers"], c.get("num_local_experts", 8),
-                          c.get("num_experts_per_tok", 2), c["hidden_size"], c["intermediate_size"])
-    return ModelShape("tiny-mixtral (assumed)", 4, 8, 2, 128, 512)
 
 
 def resolve_shapes(spec: str, model_dir=None) -> list[ModelShape]:
@@ -67,11 +66,6 @@ def parse_widths(spec: str) -> list[float]:
     return ws
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _expert_buffers(shape: ModelShape, device, pin: bool):
     fmt = QuantFormat(group_size=shape.group_size)
     inter, hidden, groups = shape.intermediate_size, shape.hidden_size, shape.hidden_size // fmt.group_size
@@ -91,11 +85,11 @@ def time_load(host, dev, width: int, repeats: int, device) -> float:
     """Median seconds to copy rows 0..width of the three tensors host -> device."""
     times = []
     for _ in range(repeats + 1):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for h, d in zip(host, dev, strict=True):
             d[:width].copy_(h[:width], non_blocking=True)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -114,11 +108,11 @@ def time_compute(shape: ModelShape, width: int, repeats: int, device) -> float:
     x = torch.randn(1, h, generator=g).to(device, dtype)
     times = []
     for _ in range(repeats + 1):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         # On a CPU the runtime runs the torch reference (never Triton's interpreter): time the same.
         expert_mlp(x, packed, width, backend=Backend.TORCH if device.type == "cpu" else None)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -189,14 +183,9 @@ def run(args) -> int:
     if not on_gpu:
         print("compute on CPU is the pure-torch reference expert (dequantize + matmul), not a GPU kernel")
     else:  # the runtime's own prefix copies through its cache, vs a plain pinned copy
-        try:
-            from .runtime import measure_transfer
-
-            rt = measure_transfer(iters=5)
-            print(report.table(rt, [(k, k) for k in rt[0]], title="runtime prefix copies (crisp_bench.runtime)"))
-            records += [dict(r, kind="runtime_prefix_copy") for r in rt]
-        except ImportError as exc:  # pragma: no cover
-            print(f"(runtime transfer measurement unavailable: {exc})")
+        rt = measure_transfer(iters=5)
+        print(report.table(rt, [(k, k) for k in rt[0]], title="runtime prefix copies (crisp_bench.runtime)"))
+        records += [dict(r, kind="runtime_prefix_copy") for r in rt]
     extra = {}
     if args.profile_out is not None:
         profile = measured_profile(load_points, compute_points, device, model_dir, cpu_points)
@@ -220,10 +209,6 @@ def run(args) -> int:
 
 def _measure_cpu(shape: ModelShape, widths, repeats: int) -> dict | None:
     """``bench.cpu.measure_cpu_expert`` at ``widths`` (fractions), or None where the kernel cannot run."""
-    try:
-        from .cpu import CpuBenchError, measure_cpu_expert
-    except ImportError:  # pragma: no cover
-        return None
     neurons = sorted({max(1, round(f * shape.intermediate_size)) for f in widths})
     try:
         return measure_cpu_expert(shape, neurons, repeats=max(1, repeats))
@@ -266,9 +251,6 @@ def measure_layer_overheads(model_dir, device, expert_compute_s=None) -> tuple[f
     planner, grouping, kernel launches) is added to the router's time: it is serial per layer
     step, before the experts, so the simulator treats it alike.
     """
-    from .cli import DEFAULT_MODEL
-    from .e2e import ModelInputError, _cache_kwargs, _cache_of, load_model_for_bench
-
     try:
         model, pack_dir = load_model_for_bench(model_dir or DEFAULT_MODEL, need_pack=False, device=device)
     except ModelInputError:
@@ -293,13 +275,13 @@ def measure_layer_overheads(model_dir, device, expert_compute_s=None) -> tuple[f
 
     def pre(kind):
         def hook(*_):
-            _sync(device)
+            sync(device)
             marks[kind] = time.perf_counter()
         return hook
 
     def post(kind):
         def hook(*_):
-            _sync(device)
+            sync(device)
             spent[kind] += time.perf_counter() - marks[kind]
         return hook
 
@@ -317,11 +299,11 @@ def measure_layer_overheads(model_dir, device, expert_compute_s=None) -> tuple[f
         for t in range(ids.shape[1]):
             if t == 8:
                 spent.update(experts=0.0, router=0.0)
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
-            out = model(input_ids=ids[:, t:t + 1], **_cache_kwargs(model, past), use_cache=True)
-            _sync(device)
-            past = _cache_of(out)
+            out = model(input_ids=ids[:, t:t + 1], **cache_kwargs(model, past), use_cache=True)
+            sync(device)
+            past = cache_of(out)
             if t >= 8:
                 total += time.perf_counter() - t0
                 n += 1
