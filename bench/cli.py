@@ -23,9 +23,8 @@ from crisp_runtime.plan import PlanError
 from crisp_runtime.prefetch import PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES
 
-from . import common, report
+from . import common, cpu, e2e, kernels, layer, report, transfer
 from .common import (
-    DEFAULT_MODEL,
     ORDERS,
     POLICIES,
     REPO_ROOT,
@@ -34,14 +33,12 @@ from .common import (
     load_model_for_bench,
     pack_dir_for,
 )
-from .kernels import csv_shapes
 from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, TARGETS, ProfileError
 from .sim_policies import MATRICES as SIM_MATRICES
 from .simulate import EVICTIONS as SIM_EVICTIONS
 from .simulate import BudgetTooSmall
 from .traces import TraceError
 
-PLACEMENTS = ("gpu", "hybrid", "static_hybrid", "cpu_only")  # crisp_runtime.scheduler.Placement values
 SERVING_NAMES = tuple(SERVING_POLICIES)
 PREFETCH_WIDTHS = tuple(w.value for w in PrefetchWidth)
 # evaluations whose accuracy_loss simulate attaches to its records (when of the traced model)
@@ -52,10 +49,6 @@ SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
 _csv, _fraction, _fractions, _int_list, _positive_int = (
     common.csv_choices, common.fraction, common.fractions, common.int_list, common.positive_int)
 _outputs, _model_args, _rel, _emit = common.add_outputs, common.add_model_args, common.rel, common.emit
-
-
-def _kernel_shapes(text: str) -> list[str]:
-    return csv_shapes(text)
 
 
 SIMULATE_EPILOG = """\
@@ -99,73 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="checkpoint for the default suite (default: the committed models/tiny-mixtral)")
     sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,cpu,layer,e2e,simulate}")
 
-    p = sub.add_parser("kernels", help="expert kernels vs dequantize+F.linear and fp16 F.linear",
-                       description="The kernels sweep (widths x token counts x model shapes): us, GB/s of prefix "
-                       "bytes, % of measured copy bandwidth; every variant is checked against the reference first.")
-    p.add_argument("--shapes", default="tiny", type=_kernel_shapes,
-                   help="model shapes, comma separated (e.g. tiny,mixtral, or HxI)")
-    p.add_argument("--widths", type=_fractions, default="0.25,0.5,1.0",
-                   help="width fractions in (0, 1], comma separated")
-    p.add_argument("--tokens", type=_int_list, default="1,4", help="token counts (>= 1), comma separated")
-    p.add_argument("--quick", action="store_true", help="fewest repetitions")
-    _outputs(p)
-
-    p = sub.add_parser("cpu", help="the CPU expert kernel: GB/s of prefix bytes against memcpy",
-                       description="The CPU expert kernel (crisp_kernels.cpu_expert) per width and token count, "
-                       "checked against the reference, then timed with the host memcpy in the same rounds.")
-    p.add_argument("--shapes", type=_csv(("tiny", "mixtral")), default=["tiny", "mixtral"],
-                   help="model shapes: tiny, mixtral (comma separated)")
-    p.add_argument("--widths", type=_fractions, default="0.25,0.5,1.0", help="width fractions in (0, 1]")
-    p.add_argument("--tokens", type=_int_list, default="1,4,16", help="token counts (>= 1), comma separated")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="interleaved timed rounds")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16: torch's int4pack op (the fast path); fp32: the exact dequant path")
-    p.add_argument("--candidates", action="store_true",
-                   help="also time the other candidate implementations on one gate matrix")
-    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL), type=ca.nonempty_path,
-                   help="model whose shape is 'tiny' (default: the committed models/tiny-mixtral)")
-    p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
-                   help="write the records as JSON to PATH (atomically)")
-    p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads (default: torch's)")
-
-    p = sub.add_parser("transfer", help="host-to-device bandwidth and load time per width",
-                       description="Pinned host-to-device bandwidth, and load time per width for each model shape "
-                       "(the paper's 'load and compute scale together' table). On a CPU the 'transfer' is a memcpy.")
-    p.add_argument("--shapes", default="tiny,mixtral", help="model shapes: tiny, mixtral (comma separated)")
-    p.add_argument("--widths", default="0.125,0.25,0.5,0.75,1.0", help="width fractions, comma separated")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="timed repetitions per point")
-    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL), type=ca.nonempty_path,
-                   help="model whose shape is 'tiny' and whose router/other time goes into --profile-out "
-                   "(default: the committed models/tiny-mixtral)")
-    p.add_argument("--profile-out", metavar="PATH.json", nargs="?", const=MEASURED_PROFILE_FILE, type=ca.nonempty_path,
-                   help=f"also measure expert compute and write a 'measured' simulator profile "
-                   f"(default path {MEASURED_PROFILE_FILE})")
-    _outputs(p)
-
-    p = sub.add_parser("layer", help="one MoE layer step under load/compute orders and policies",
-                       description="One MoE layer step of the model under orders (serial, router, widest_first) "
-                       "and policies (full, uniform, skip_aux, crisp) at equal GPU memory, against the flow-shop "
-                       "bound, with the paper's breakdown (router, load, compute, share of load) for this machine.")
-    _model_args(p)
-    p.add_argument("--budget", type=_fraction, default=0.25, help="GPU budget, fraction of expert bytes")
-    p.add_argument("--steps", type=_positive_int, default=32, help="decode steps to time")
-    p.add_argument("--policies", type=_csv(POLICIES), default=list(POLICIES))
-    _outputs(p)
-
-    p = sub.add_parser("e2e", help="decode tokens/s, bytes/token, hit rate, accuracy per policy",
-                       description="End-to-end decoding of a model under each policy at equal GPU memory: tokens/s, "
-                       "bytes copied per token, cache hit rate and next-token accuracy. full = the "
-                       "mixtral-offloading-style full-width LRU baseline.")
-    _model_args(p)
-    p.add_argument("--budget", type=_fraction, default=0.25, help="GPU budget, fraction of expert bytes")
-    p.add_argument("--tokens", type=_positive_int, default=128, help="tokens to decode per policy")
-    p.add_argument("--record-trace", metavar="PATH.npz", type=ca.nonempty_path,
-                   help="save the routing of the decoded tokens (for `simulate --trace PATH.npz --compare E2E.json`)")
-    p.add_argument("--policies", type=_csv(POLICIES), default=list(POLICIES))
-    p.add_argument("--placements", type=_csv(PLACEMENTS), default=["gpu"],
-                   help=f"where experts run, comma separated: {', '.join(PLACEMENTS)} (default gpu; the others use the "
-                   "host CPU: issue 11's hybrid and its baselines)")
-    _outputs(p)
+    for module in (kernels, cpu, transfer, layer, e2e):  # the order of `crisp-bench --help`
+        module.add_parser(sub)
 
     p = sub.add_parser("simulate", help="predict decoding on another GPU from routing traces",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SIMULATE_EPILOG,
@@ -671,86 +599,12 @@ def _plot_simulation(path, records, budgets, profile, shape, trace, matrix) -> N
 # ---------------------------------------------------------------------------- other subcommands
 
 
-def _cmd_kernels(args) -> int:
-    """The kernels engineer's sweep (``crisp_bench.kernels.run_kernel_sweep``), printed and saved."""
-    import importlib
-    import inspect
-
-    try:
-        kernels = importlib.import_module("crisp_bench.kernels")
-    except ImportError as exc:
-        raise CliError(f"the kernels benchmark is not available in this install ({exc})") from exc
-    sweep = getattr(kernels, "run_kernel_sweep", None)
-    if sweep is None:
-        raise CliError("crisp_bench.kernels has no run_kernel_sweep()")
-
-    wanted = {"shapes": args.shapes,
-              "widths": args.widths, "tokens": args.tokens,
-              "quick": args.quick, "progress": report.Progress("kernels")}
-    params = inspect.signature(sweep).parameters
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in wanted.items() if accepts_any or k in params}
-    try:
-        records = sweep(**kwargs)
-    except (ValueError, KeyError) as exc:
-        raise CliError(f"kernels: {exc}") from exc
-    records = [dict(r) for r in records]
-    if records:
-        preferred = [("shape", "shape"), ("tokens", "T"), ("width_fraction", "width"), ("backend", "backend"),
-                     ("us_crisp", "crisp us"), ("us_dequant_linear", "dequant+linear us"),
-                     ("us_fp16_linear", "fp16 linear us"), ("gb_per_s", "crisp GB/s"), ("pct_copy_bw", "% copy bw"),
-                     ("x_vs_dequant_linear", "x dequant"), ("x_vs_fp16_linear", "x fp16"),
-                     ("width_scaling", "width scaling")]
-        cols = [c for c in preferred if c[0] in records[0]] or [(k, k) for k in records[0]]
-        print(report.table(records, cols, title="kernels (us, GB/s of prefix bytes, % of copy bandwidth)"))
-    else:
-        print("kernels: the sweep returned no records")
-    if args.plot and records:
-        _plot_kernels(args.plot, records)
-        print(f"wrote {args.plot}")
-    _emit(args, "kernels", records)
-    return 0
-
-
-def _plot_kernels(path, records) -> None:
-    """GB/s (or us) against width, one line per (variant, tokens) where the records say so."""
-    ykey = next((k for k in ("gb_per_s", "gbps", "GB/s", "us", "time_us") if k in records[0]), None)
-    xkey = next((k for k in ("width_fraction", "width", "k") if k in records[0]), None)
-    if ykey is None or xkey is None:
-        report.plot_bars(path, {str(i): {"value": 0.0} for i in range(1)}, ylabel="-", title="no plottable fields")
-        return
-    series: dict = {}
-    for r in records:
-        label = " ".join(f"{k[0].upper()}={r[k]}" if k == "tokens" else str(r[k])
-                         for k in ("variant", "impl", "shape", "tokens") if k in r)
-        if isinstance(r.get(ykey), (int, float)) and isinstance(r.get(xkey), (int, float)):
-            series.setdefault(label or "kernel", []).append((r[xkey], r[ykey]))
-    title = f"crisp expert kernel ({records[0].get('device', '')})"
-    report.plot_lines(path, series, xlabel=xkey, ylabel=ykey, title=title, note=report.environment()["date"])
-
-
-def _cmd_cpu(args) -> int:
-    from .cpu import run
-
-    return run(args)
-
-
-def _cmd_transfer(args) -> int:
-    from .transfer import run
-
-    return run(args)
-
-
-def _cmd_layer(args) -> int:
-    from .layer import run
-
-    return run(args)
-
-
-def _cmd_e2e(args) -> int:
-    from .e2e import run
-
-    return run(args)
+# The handlers main dispatches to, looked up when it runs (tests replace them on this module).
+_cmd_kernels = kernels.run
+_cmd_cpu = cpu.run
+_cmd_transfer = transfer.run
+_cmd_layer = layer.run
+_cmd_e2e = e2e.run
 
 
 def _default_suite(args) -> int:

@@ -38,8 +38,9 @@ from crisp_kernels.cpu_expert import (
     tolerance,
 )
 from crisp_kernels.format import PackedExpert, QuantFormat, dequantize_rows, unpack_nibbles
+from crisp_runtime import cli_args as ca
 
-from . import report
+from . import common, report
 from .common import CliError, tiny_shape
 from .profiles import ModelShape
 
@@ -241,6 +242,28 @@ def resolve_shapes(spec: list[str], model_dir=None) -> list[ModelShape]:
         else:
             raise CpuBenchError(f"--shapes: unknown shape {name!r}; choose from tiny, {', '.join(SHAPES)}")
     return out
+
+
+def add_parser(subparsers) -> None:
+    """The ``crisp-bench cpu`` subcommand's options."""
+    p = subparsers.add_parser(
+        "cpu", help="the CPU expert kernel: GB/s of prefix bytes against memcpy",
+        description="The CPU expert kernel (crisp_kernels.cpu_expert) per width and token count, "
+        "checked against the reference, then timed with the host memcpy in the same rounds.")
+    p.add_argument("--shapes", type=common.csv_choices(("tiny", "mixtral")), default=["tiny", "mixtral"],
+                   help="model shapes: tiny, mixtral (comma separated)")
+    p.add_argument("--widths", type=common.fractions, default="0.25,0.5,1.0", help="width fractions in (0, 1]")
+    p.add_argument("--tokens", type=common.int_list, default="1,4,16", help="token counts (>= 1), comma separated")
+    p.add_argument("--repeats", type=common.positive_int, default=5, help="interleaved timed rounds")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: torch's int4pack op (the fast path); fp32: the exact dequant path")
+    p.add_argument("--candidates", action="store_true",
+                   help="also time the other candidate implementations on one gate matrix")
+    p.add_argument("--model", metavar="DIR", default=str(common.DEFAULT_MODEL), type=ca.nonempty_path,
+                   help="model whose shape is 'tiny' (default: the committed models/tiny-mixtral)")
+    p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
+                   help="write the records as JSON to PATH (atomically)")
+    p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads (default: torch's)")
 
 
 def run(args) -> int:

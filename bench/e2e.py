@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from crisp_runtime import cli_args as ca
 from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
 from crisp_runtime.executor import RuntimeConfig
 from crisp_runtime.hf import apply
@@ -39,7 +40,7 @@ from crisp_runtime.scheduler import CostModel, Placement
 from crisp_runtime.serving import ServingPolicy
 from crisp_runtime.text import read_texts, sample_sequences
 
-from . import report
+from . import common, report
 from . import traces as tr
 from .common import (
     ModelInputError,
@@ -51,6 +52,8 @@ from .common import (
     sync,
 )
 from .simulate import BudgetTooSmall
+
+PLACEMENTS = ("gpu", "hybrid", "static_hybrid", "cpu_only")  # crisp_runtime.scheduler.Placement values
 
 
 @torch.no_grad()
@@ -82,6 +85,25 @@ def decode(model, ids: torch.Tensor, warmup: int, handle=None, logits: list | No
     sync(device)
     elapsed = time.perf_counter() - t0
     return {"tokens": counted, "seconds": elapsed, "tokens_per_s": counted / elapsed, "accuracy": correct / counted}
+
+
+def add_parser(subparsers) -> None:
+    """The ``crisp-bench e2e`` subcommand's options."""
+    p = subparsers.add_parser(
+        "e2e", help="decode tokens/s, bytes/token, hit rate, accuracy per policy",
+        description="End-to-end decoding of a model under each policy at equal GPU memory: tokens/s, "
+        "bytes copied per token, cache hit rate and next-token accuracy. full = the "
+        "mixtral-offloading-style full-width LRU baseline.")
+    common.add_model_args(p)
+    p.add_argument("--budget", type=common.fraction, default=0.25, help="GPU budget, fraction of expert bytes")
+    p.add_argument("--tokens", type=common.positive_int, default=128, help="tokens to decode per policy")
+    p.add_argument("--record-trace", metavar="PATH.npz", type=ca.nonempty_path,
+                   help="save the routing of the decoded tokens (for `simulate --trace PATH.npz --compare E2E.json`)")
+    p.add_argument("--policies", type=common.csv_choices(common.POLICIES), default=list(common.POLICIES))
+    p.add_argument("--placements", type=common.csv_choices(PLACEMENTS), default=["gpu"],
+                   help=f"where experts run, comma separated: {', '.join(PLACEMENTS)} (default gpu; the others use the "
+                   "host CPU: issue 11's hybrid and its baselines)")
+    common.add_outputs(p)
 
 
 def run(args) -> int:

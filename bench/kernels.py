@@ -1,4 +1,5 @@
-"""``python -m crisp_bench.kernels``: the expert kernels against what one would use instead.
+"""``crisp-bench kernels`` (and ``python -m crisp_bench.kernels``, with the device and format options): the
+expert kernels against what one would use instead.
 
 For each model shape, token count T and width k (a fraction of I), one random packed expert is
 timed three ways on the same activations:
@@ -19,14 +20,13 @@ activations), that as % of this device's copy bandwidth measured in the same run
 time(k) / (time(I) * k / I): 1.0 when time is proportional to width, above 1 when fixed costs
 (launches, tails) dominate narrow widths.
 
-``run_kernel_sweep(...) -> list[dict]`` is what ``crisp-bench kernels`` calls.
+``run_kernel_sweep(...) -> list[dict]`` is what both call; ``add_parser`` / ``run`` are the subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -40,7 +40,9 @@ import torch.nn.functional as F
 from crisp_kernels import Backend, PackedExpert, QuantFormat, dequantize_expert, expert_mlp, expert_mlp_ref
 from crisp_kernels.expert_mlp import select_backend
 from crisp_runtime import cli_args as ca
-from crisp_runtime.outputs import OutputPathError, check_output, write_json
+from crisp_runtime.outputs import OutputPathError, check_output
+
+from . import common, report
 
 
 @dataclass(frozen=True)
@@ -390,13 +392,61 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"copy bandwidth {r['copy_gb_per_s']:.1f} GB/s (read + write)")  # fmt: skip
     print(format_table(records))
     if args.json:
-        write_json(args.json, [{k: _jsonable(v) for k, v in r.items()} for r in records])
+        report.write_json(args.json, "kernels", records)  # the schema of `crisp-bench kernels --json`
         print(f"wrote {len(records)} records to {args.json}")
     return 0
 
 
-def _jsonable(v):
-    return None if isinstance(v, float) and not math.isfinite(v) else v
+# ---------------------------------------------------------------------------- crisp-bench kernels
+
+# (record field, column title) of the subcommand's table
+SUBCOMMAND_COLUMNS = [("shape", "shape"), ("tokens", "T"), ("width_fraction", "width"), ("backend", "backend"),
+                      ("us_crisp", "crisp us"), ("us_dequant_linear", "dequant+linear us"),
+                      ("us_fp16_linear", "fp16 linear us"), ("gb_per_s", "crisp GB/s"), ("pct_copy_bw", "% copy bw"),
+                      ("x_vs_dequant_linear", "x dequant"), ("x_vs_fp16_linear", "x fp16"),
+                      ("width_scaling", "width scaling")]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("kernels", help="expert kernels vs dequantize+F.linear and fp16 F.linear",
+                              description="The kernels sweep (widths x token counts x model shapes): us, GB/s of "
+                              "prefix bytes, % of measured copy bandwidth; every variant is checked against the "
+                              "reference first.")
+    p.add_argument("--shapes", default="tiny", type=csv_shapes,
+                   help="model shapes, comma separated (e.g. tiny,mixtral, or HxI)")
+    p.add_argument("--widths", type=common.fractions, default="0.25,0.5,1.0",
+                   help="width fractions in (0, 1], comma separated")
+    p.add_argument("--tokens", type=common.int_list, default="1,4", help="token counts (>= 1), comma separated")
+    p.add_argument("--quick", action="store_true", help="fewest repetitions")
+    common.add_outputs(p)
+
+
+def run(args) -> int:
+    """``run_kernel_sweep`` on the device of this machine, printed, plotted and saved."""
+    try:
+        records = run_kernel_sweep(args.shapes, args.widths, args.tokens, quick=args.quick,
+                                   progress=report.Progress("kernels"))
+    except (ValueError, KeyError) as exc:
+        raise common.CliError(f"kernels: {exc}") from exc
+    if records:
+        print(report.table(records, SUBCOMMAND_COLUMNS,
+                           title="kernels (us, GB/s of prefix bytes, % of copy bandwidth)"))
+    else:
+        print("kernels: the sweep returned no records")
+    if args.plot and records:
+        plot(args.plot, records)
+        print(f"wrote {args.plot}")
+    common.emit(args, "kernels", records)
+    return 0
+
+
+def plot(path, records: Sequence[dict]) -> None:
+    """GB/s of prefix bytes against width fraction, one line per (shape, tokens)."""
+    series: dict = {}
+    for r in records:
+        series.setdefault(f"{r['shape']} T={r['tokens']}", []).append((r["width_fraction"], r["gb_per_s"]))
+    report.plot_lines(path, series, xlabel="width_fraction", ylabel="gb_per_s",
+                      title=f"crisp expert kernel ({records[0]['device']})", note=report.environment()["date"])
 
 
 if __name__ == "__main__":

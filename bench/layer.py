@@ -34,7 +34,7 @@ from crisp_runtime.models import find_moe_layers
 from crisp_runtime.pack import load_pack
 from crisp_runtime.text import read_texts, sample_sequences
 
-from . import report
+from . import common, report
 from . import runtime as rt
 from . import traces as tr
 from .common import ModelInputError, bench_device, load_model_for_bench, sync
@@ -65,6 +65,20 @@ def replay_steps(runtime: CrispRuntime, steps, x, *, timed_from: int = 0) -> lis
         if n >= timed_from:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def add_parser(subparsers) -> None:
+    """The ``crisp-bench layer`` subcommand's options."""
+    p = subparsers.add_parser(
+        "layer", help="one MoE layer step under load/compute orders and policies",
+        description="One MoE layer step of the model under orders (serial, router, widest_first) "
+        "and policies (full, uniform, skip_aux, crisp) at equal GPU memory, against the flow-shop "
+        "bound, with the paper's breakdown (router, load, compute, share of load) for this machine.")
+    common.add_model_args(p)
+    p.add_argument("--budget", type=common.fraction, default=0.25, help="GPU budget, fraction of expert bytes")
+    p.add_argument("--steps", type=common.positive_int, default=32, help="decode steps to time")
+    p.add_argument("--policies", type=common.csv_choices(common.POLICIES), default=list(common.POLICIES))
+    common.add_outputs(p)
 
 
 def run(args) -> int:

@@ -19,8 +19,9 @@ import time
 import torch
 
 from crisp_kernels.format import QuantFormat
+from crisp_runtime import cli_args as ca
 
-from . import report
+from . import common, report
 from .common import (
     DEFAULT_MODEL,
     CliError,
@@ -32,7 +33,7 @@ from .common import (
     tiny_shape,
 )
 from .cpu import CpuBenchError, measure_cpu_expert
-from .profiles import HardwareProfile, ModelShape, fit_affine
+from .profiles import MEASURED_PROFILE_FILE, HardwareProfile, ModelShape, fit_affine
 from .runtime import measure_transfer
 
 SHAPES = {
@@ -125,6 +126,24 @@ def bandwidth(device, nbytes: int, repeats: int) -> float:
     return nbytes / time_load([src], [dst], nbytes, repeats, device)
 
 
+def add_parser(subparsers) -> None:
+    """The ``crisp-bench transfer`` subcommand's options."""
+    p = subparsers.add_parser(
+        "transfer", help="host-to-device bandwidth and load time per width",
+        description="Pinned host-to-device bandwidth, and load time per width for each model shape "
+        "(the paper's 'load and compute scale together' table). On a CPU the 'transfer' is a memcpy.")
+    p.add_argument("--shapes", default="tiny,mixtral", help="model shapes: tiny, mixtral (comma separated)")
+    p.add_argument("--widths", default="0.125,0.25,0.5,0.75,1.0", help="width fractions, comma separated")
+    p.add_argument("--repeats", type=common.positive_int, default=5, help="timed repetitions per point")
+    p.add_argument("--model", metavar="DIR", default=str(common.DEFAULT_MODEL), type=ca.nonempty_path,
+                   help="model whose shape is 'tiny' and whose router/other time goes into --profile-out "
+                   "(default: the committed models/tiny-mixtral)")
+    p.add_argument("--profile-out", metavar="PATH.json", nargs="?", const=MEASURED_PROFILE_FILE, type=ca.nonempty_path,
+                   help=f"also measure expert compute and write a 'measured' simulator profile "
+                   f"(default path {MEASURED_PROFILE_FILE})")
+    common.add_outputs(p)
+
+
 def run(args) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model_dir = getattr(args, "model", None)
@@ -163,7 +182,8 @@ def run(args) -> int:
         # checked against the reference first (bench.cpu.measure_cpu_expert).
         cpu = _measure_cpu(shape, widths, args.repeats)
         if cpu is not None:
-            for w, sec, nbytes, gbps in zip(cpu["widths"], cpu["seconds"], cpu["prefix_bytes"], cpu["gbps"], strict=True):
+            for w, sec, nbytes, gbps in zip(cpu["widths"], cpu["seconds"], cpu["prefix_bytes"], cpu["gbps"],
+                                            strict=True):
                 records.append({"kind": "cpu_expert", "shape": shape.name, "width": w, "bytes": nbytes,
                                 "cpu_ms": 1e3 * sec, "gb_per_s": gbps, "impl": cpu["impl"],
                                 "memcpy_gb_per_s": cpu["memcpy_gbps"]})
