@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from crisp_runtime.plan import CrispPlan
@@ -98,6 +99,13 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
             out += [SimPolicy("crisp", plans["crisp"]), SimPolicy("crisp", plans["crisp"], SERVING_POLICIES["hybrid"])]
         return out
     raise ValueError(f"matrix {matrix!r}: choose one of {', '.join(MATRICES)}")
+
+
+def with_prefetch_widths(configs: Sequence[SimPolicy], widths: Sequence[str]) -> list[SimPolicy]:
+    """Each prefetching configuration once per prefetch width (``crisp_runtime.prefetch.PrefetchWidth``
+    values, in the order given); the others as they are."""
+    return [replace(c, prefetch_width=w) if c.prefetch else c
+            for c in configs for w in (widths if c.prefetch else [None])]
 
 
 def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolicy, dict]]:
@@ -194,14 +202,23 @@ def _evaluated(r) -> dict | None:
         exact = bool(serving.get("exact", False))
         return {"family": r.get("plan"), "exact": exact, "eviction": r.get("eviction", RUNTIME_EVICTION),
                 "serving": None if exact else tuple(serving.get(k) for k in _SERVING_KEYS),
-                "budget_fraction": r.get("budget_fraction"), "prefetch": r.get("prefetch") is not None,
+                "budget_fraction": r.get("budget_fraction"), "prefetch": _prefetch_width(r.get("prefetch")),
                 "uniform_width": detail.get("uniform_width"), "skip_threshold": detail.get("skip_threshold"),
                 "accuracy_loss": loss}
     family = {"skip_aux_all": "skip_aux"}.get(r["policy"], r["policy"])  # batch evaluation: exact serving
     return {"family": family, "exact": True, "eviction": None, "serving": None, "budget_fraction": None,
-            "prefetch": False,
+            "prefetch": None,
             "uniform_width": r.get("uniform_width"), "skip_threshold": r.get("skip_threshold"),
             "accuracy_loss": loss}
+
+
+def _prefetch_width(prefetch) -> str | None:
+    """None (no prefetch) or the prefetch width's name (``PrefetchWidth`` value); records written before
+    the width was an option prefetched at the plan's widths."""
+    if prefetch is None or prefetch is False:
+        return None
+    width = prefetch.get("width") if isinstance(prefetch, dict) else prefetch
+    return "plan" if width is None or width is True else str(width)
 
 
 def _loss(r) -> float | None:
@@ -219,7 +236,8 @@ def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None,
 
     Exact serving (outputs independent of the cache): any budget, eviction and prefetch.
     Residency-aware serving: the same serving parameters, budget fraction, eviction policy (an
-    evaluation that names none ran the runtime's default, LRU) and prefetch setting.
+    evaluation that names none ran the runtime's default, LRU) and prefetch setting (none, or the same
+    prefetch width).
     """
     sp = record["serving_policy"]
     # Exact: every slot at the plan's width (the "plan" policy, and the CPU placements, which change where an
@@ -233,7 +251,9 @@ def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None,
                 continue
             b = ev["budget_fraction"]
             if (ev["serving"] != tuple(sp.get(k) for k in _SERVING_KEYS) or b is None
-                    or abs(float(b) - record["budget_fraction"]) > 1e-9 or ev["prefetch"] != record["prefetch"]
+                    or abs(float(b) - record["budget_fraction"]) > 1e-9
+                    or ev["prefetch"] != _prefetch_width(record.get("prefetch_width", "plan") if record["prefetch"]
+                                                         else None)
                     or ev["eviction"] != record["eviction"]):
                 continue
         if record["policy"] == "uniform" and ev["uniform_width"] != record.get("uniform_width"):

@@ -33,7 +33,7 @@ orders share its decisions.
 
 Prefetch (``SimPolicy.prefetch``, widest-first order only): after layer l's demanded copies, the
 copy engine copies what the runtime's prefetcher asks for layer l+1 (the predicted top-k at the
-plan's widths, widest first) through ``ResidencyLedger.prefetch`` (same budget; never evicts the
+widths ``SimPolicy.prefetch_width`` gives them, the runtime's own rule; widest first) through ``ResidencyLedger.prefetch`` (same budget; never evicts the
 step's experts), but only rows that are copied before layer l+1's router ends, when its demanded
 copies may start: a prefetch never delays a demanded copy. Predictions come with the trace
 (``predicted``, recorded by ``crisp_runtime.prefetch``); without them there is no prefetch.
@@ -63,6 +63,7 @@ import torch
 
 from crisp_runtime.eviction import BeladyPolicy, EvictionPolicy, make_policy
 from crisp_runtime.plan import CrispPlan
+from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth, merge_requests, slot_widths, widest_first
 from crisp_runtime.residency import LedgerCounters, ResidencyLedger
 from crisp_runtime.scheduler import CostModel, HybridJob, Placement, johnson_order, plan_step, split_makespan
 from crisp_runtime.serving import ServingPolicy, serve_slots
@@ -89,17 +90,24 @@ class SimPolicy:
     serving: ServingPolicy = field(default_factory=ServingPolicy)
     eviction: str = "lru"
     prefetch: bool = False
+    # The width each prefetched slot is asked at (``crisp_runtime.prefetch.PrefetchWidth``), when ``prefetch``.
+    prefetch_width: PrefetchWidth = PrefetchWidth.PLAN
     variant: str = ""  # the plan's knob when one run sweeps it, e.g. "w96" (uniform width), "t0.3" (threshold)
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTIONS:
             raise ValueError(f"eviction {self.eviction!r}: choose one of {', '.join(EVICTIONS)}")
+        object.__setattr__(self, "prefetch_width", PrefetchPolicy(width=self.prefetch_width).width)
 
     @property
     def label(self) -> str:
-        """e.g. ``crisp/resident/next_use+prefetch``, ``uniform@w96/plan/next_use``: unique in one run."""
+        """e.g. ``crisp/resident/next_use+prefetch``, ``crisp/resident-floor75/lru+prefetch-serving``,
+        ``uniform@w96/plan/next_use``: unique in one run (prefetch at the plan's widths: ``+prefetch``)."""
         name = f"{self.name}@{self.variant}" if self.variant else self.name
-        return f"{name}/{self.serving.name}/{self.eviction}" + ("+prefetch" if self.prefetch else "")
+        suffix = ""
+        if self.prefetch:
+            suffix = "+prefetch" + ("" if self.prefetch_width is PrefetchWidth.PLAN else f"-{self.prefetch_width.value}")
+        return f"{name}/{self.serving.name}/{self.eviction}" + suffix
 
 
 # ---------------------------------------------------------------------------- flow shop
@@ -334,7 +342,8 @@ def simulate_decode(
             _pin_hot_experts(ledgers, routed, wanted, layers, nb, inter)
     res = SimResult(0, layers, ledgers[0].counters, per_order={o: OrderTotals() for o in orders})
     lead = profile.other_s + profile.router_s
-    requests = prefetch_requests(plan, trace, predicted) if policy.prefetch else None
+    requests = (prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=policy.prefetch_width), serving)
+                if policy.prefetch else None)
     copy_free = 0.0  # widest-first: when the copy engine is free, relative to the current layer's start
     clock = 0.0  # widest-first: absolute time of the current layer's start (for the timeline)
     for t in range(num_tokens):
@@ -496,15 +505,22 @@ def _account(res: SimResult, jobs: list[Job], served, profile: HardwareProfile, 
         tot.bound_s += lead + bound
 
 
-def prefetch_requests(plan: CrispPlan, trace, predicted) -> list[list[list[tuple[int, int]]]]:
+def prefetch_requests(plan: CrispPlan, trace, predicted, policy: PrefetchPolicy | None = None,
+                      serving: ServingPolicy | None = None) -> list[list[list[tuple[int, int]]]]:
     """Per traced layer j and token: [(expert, width)] to prefetch for layer j + 1, as the runtime's
-    ``crisp_runtime.prefetch.Prefetcher`` asks (``PrefetchPolicy()``): the predicted top-k at the
-    widths the plan gives those slots, widest first. The trace keeps the predicted experts in the
-    router's order but not its weights: the slots get decreasing stand-in weights, which keeps the
-    plan's dominant (the heavier) and tier exact; a skip threshold sees the stand-ins.
+    ``crisp_runtime.prefetch.Prefetcher`` asks (its ``slot_widths`` / ``merge_requests`` /
+    ``widest_first``; ``policy`` default ``PrefetchPolicy()``: the predicted top-k at the plan's
+    widths; ``serving`` default the plan's): widest first. The trace keeps the predicted experts in
+    the router's order but not its weights: the slots get decreasing stand-in weights, which keeps the
+    plan's dominant (the heavier) and tier exact; a skip threshold sees the stand-ins. The trace has
+    no predictions beyond the top-k: ``policy.extra_experts`` is not simulated (refused).
     """
     if predicted is None:
         raise ValueError("prefetch: the trace holds no next-layer predictions")
+    policy = PrefetchPolicy() if policy is None else policy
+    serving = ServingPolicy() if serving is None else serving
+    if policy.extra_experts:
+        raise ValueError("prefetch: extra_experts is not simulated (the trace holds the predicted top-k only)")
     k = trace.top_k
     stand_in = torch.arange(k, 0, -1, dtype=torch.float32)
     stand_in = (stand_in / stand_in.sum()).expand(trace.num_tokens, k)
@@ -514,15 +530,9 @@ def prefetch_requests(plan: CrispPlan, trace, predicted) -> list[list[list[tuple
             out.append([[] for _ in range(trace.num_tokens)])
             continue
         index = torch.from_numpy(np.ascontiguousarray(predicted[li][:, :k])).to(torch.int64)
-        widths = plan.token_widths(trace.layer_ids[li + 1], index, stand_in.contiguous())
-        rows = []
-        for es, ws in zip(index.tolist(), widths.tolist(), strict=True):
-            wanted: dict[int, int] = {}
-            for e, w in zip(es, ws, strict=True):
-                if e >= 0 and w > wanted.get(e, 0):
-                    wanted[e] = w
-            rows.append(sorted(wanted.items(), key=lambda item: -item[1]))
-        out.append(rows)
+        widths = slot_widths(policy, plan, serving, trace.layer_ids[li + 1], index, stand_in.contiguous())
+        out.append([widest_first(merge_requests(es, ws))
+                    for es, ws in zip(index.tolist(), widths.tolist(), strict=True)])
     return out
 
 
@@ -583,6 +593,8 @@ def simulate_policies(
                               progress=None if progress is None else (lambda d, n, p=p: progress(p, d, n)))
         for o in run_orders:
             records.append({"policy": p.name, "serving": p.serving.name, "eviction": p.eviction,
-                            "prefetch": p.prefetch, "label": p.label, "budget_fraction": budget_fraction,
+                            "prefetch": p.prefetch,
+                            "prefetch_width": p.prefetch_width.value if p.prefetch else None, "label": p.label,
+                            "budget_fraction": budget_fraction,
                             "budget_bytes": budget, "cache_scope": cache_scope, **res.summary(o)})
     return records

@@ -21,7 +21,8 @@ logit. Nothing here touches a device beyond the one the hidden state is on.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import enum
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from .models import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
+from .serving import ServingPolicy, miss_width
 
 
 @dataclass(frozen=True)
@@ -182,26 +184,84 @@ def record_predictions(model: nn.Module, predictor: NextLayerPredictor,
             h.remove()
 
 
+class PrefetchWidth(enum.Enum):
+    """The width a prefetch asks for each predicted (token, expert) slot of the next layer.
+
+    Why not always the plan's (docs/bench-results.md, 2026-12-01, 25% budget): under a dominant floor
+    of 75% a missed dominant is served at 75%, yet PLAN prefetches it at full width, so up to a quarter
+    of the 0.46 GB/token of prefetch is rows a floor-served dominant would not have loaded; but PLAN is
+    also what widens a floor-loaded dominant (a hit serves the resident width), which kept the
+    accuracy loss at 1.96% against 3.44% without prefetch.
+    """
+
+    PLAN = "plan"  # every predicted slot at the plan's width (the default)
+    SERVING = "serving"  # what the serving policy loads on a miss: the floor for a dominant, the plan's
+    # width for an auxiliary, nothing for an auxiliary it would skip (``serving.miss_width``)
+    AUX_NONE = "aux-none"  # dominants only, at the plan's width; no auxiliary is prefetched
+
+
 @dataclass(frozen=True)
 class PrefetchPolicy:
     """Prefetch across layers: while layer l runs, copy what layer l+1 is predicted to need.
 
     The request for layer l+1: each expert the next router picks for a token of this step (its top-k,
-    see :class:`NextLayerPredictor`) at the width the plan gives that predicted slot (the largest
-    over the step's tokens), plus ``extra_experts`` more per token by router logit at the narrowest
-    width the plan gives that token's predicted slots (a cheap speculative prefix: the recall of
-    top-k + 1 is higher, see docs/profile-and-eval.md). The runtime admits a request only within
-    its budget (``CrispRuntime.prefetch``).
+    see :class:`NextLayerPredictor`) at the width ``width`` gives that predicted slot (the largest
+    over the step's tokens; :func:`slot_widths`), plus ``extra_experts`` more per token by router logit
+    at the narrowest width the plan gives that token's predicted slots (a cheap speculative prefix: the
+    recall of top-k + 1 is higher, see docs/profile-and-eval.md); an extra expert is an auxiliary, so
+    none under ``AUX_NONE`` or a serving policy that skips a missing auxiliary. The runtime admits a
+    request only within its budget (``CrispRuntime.prefetch``).
     """
 
     extra_experts: int = 0
+    width: PrefetchWidth = PrefetchWidth.PLAN
 
     def __post_init__(self) -> None:
         if isinstance(self.extra_experts, bool) or not isinstance(self.extra_experts, int) or self.extra_experts < 0:
             raise ValueError(f"PrefetchPolicy: extra_experts must be a non-negative int, got {self.extra_experts!r}")
+        if not isinstance(self.width, PrefetchWidth):
+            try:
+                object.__setattr__(self, "width", PrefetchWidth(self.width))
+            except ValueError:
+                choices = ", ".join(m.value for m in PrefetchWidth)
+                raise ValueError(f"PrefetchPolicy: width must be one of {choices}, got {self.width!r}") from None
 
     def to_dict(self) -> dict:
-        return {"rule": "next-layer router on this layer's MoE input", "extra_experts": self.extra_experts}
+        return {"rule": "next-layer router on this layer's MoE input", "extra_experts": self.extra_experts,
+                "width": self.width.value}
+
+
+def slot_widths(policy: PrefetchPolicy, plan, serving: ServingPolicy, layer_id: int, index: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """(T, k) int64 width to prefetch for each predicted slot of layer ``layer_id`` (0 = none).
+
+    index / weights: the next layer's predicted routing (T, k), as its router gives it; index values
+    outside [0, E) get 0. The one rule of the runtime's :class:`Prefetcher` and the simulator.
+    """
+    if policy.width is PrefetchWidth.PLAN:
+        return plan.token_widths(layer_id, index, weights)
+    wanted, dominant = plan.token_widths_and_roles(layer_id, index, weights, roles=True)
+    if policy.width is PrefetchWidth.AUX_NONE:
+        return torch.where(dominant, wanted, torch.zeros_like(wanted))
+    full = plan.intermediate_size
+    flat = [miss_width(serving, w, d, full) for w, d in zip(wanted.reshape(-1).tolist(),
+                                                            dominant.reshape(-1).tolist(), strict=True)]
+    return torch.tensor(flat, dtype=torch.int64).reshape(wanted.shape)
+
+
+def merge_requests(experts: Iterable[int], widths: Iterable[int],
+                   into: dict[int, int] | None = None) -> dict[int, int]:
+    """{expert: widest width asked} over slots (an expert < 0 or a width 0 asks nothing), in first-asked order."""
+    wanted: dict[int, int] = {} if into is None else into
+    for e, w in zip(experts, widths, strict=True):
+        if e >= 0 and w > 0 and w > wanted.get(e, 0):
+            wanted[e] = w
+    return wanted
+
+
+def widest_first(wanted: dict[int, int]) -> list[tuple[int, int]]:
+    """The request in issue order: widest first (ties in first-asked order)."""
+    return sorted(wanted.items(), key=lambda item: -item[1])
 
 
 class Prefetcher:
@@ -221,23 +281,28 @@ class Prefetcher:
         if routed is None:
             return None
         nxt, index, weights = routed
-        widths = self.runtime.plan.token_widths(nxt, index, weights)
-        wanted: dict[int, int] = {}
-        for e, w in zip(index.reshape(-1).tolist(), widths.reshape(-1).tolist(), strict=True):
-            if w > 0 and w > wanted.get(e, 0):
-                wanted[e] = w
-        if self.policy.extra_experts:
+        plan, serving = self.runtime.plan, self.runtime.serving
+        widths = slot_widths(self.policy, plan, serving, nxt, index, weights)
+        wanted = merge_requests(index.reshape(-1).tolist(), widths.reshape(-1).tolist())
+        if self.policy.extra_experts and _prefetches_extra(self.policy, serving):
             extra = self.predictor.predict(layer_id, hidden_states)[:, index.shape[1]:][:, : self.policy.extra_experts]
-            narrow = torch.where(widths > 0, widths, widths.new_full((), self.runtime.plan.intermediate_size))
+            plan_widths = plan.token_widths(nxt, index, weights)
+            narrow = torch.where(plan_widths > 0, plan_widths, plan_widths.new_full((), plan.intermediate_size))
             narrow = narrow.min(dim=1).values
             for row, w in zip(extra.tolist(), narrow.tolist(), strict=True):
-                for e in row:
-                    if w > wanted.get(e, 0):
-                        wanted[e] = w
-        return nxt, sorted(wanted.items(), key=lambda item: -item[1])
+                merge_requests(row, [w] * len(row), into=wanted)
+        return nxt, widest_first(wanted)
 
     def __call__(self, layer_id: int, hidden_states: torch.Tensor):
         req = self.requests(layer_id, hidden_states)
         if req is None or not req[1]:
             return []
         return self.runtime.prefetch(req[0], req[1])
+
+
+def _prefetches_extra(policy: PrefetchPolicy, serving: ServingPolicy) -> bool:
+    """An extra (non-top-k) predicted expert would be an auxiliary: prefetched unless the policy
+    prefetches dominants only, or serves by the serving policy and that skips a missing auxiliary."""
+    if policy.width is PrefetchWidth.AUX_NONE:
+        return False
+    return policy.width is PrefetchWidth.PLAN or miss_width(serving, 1, False, 1) > 0

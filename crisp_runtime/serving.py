@@ -221,6 +221,13 @@ def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor
                        aux_neurons)
 
 
+def miss_width(policy: ServingPolicy, wanted: int, dominant: bool, full: int) -> int:
+    """The prefix ``policy`` loads for a slot whose expert holds nothing (0 = skipped): the floor for a
+    dominant, the wanted width for an auxiliary (0 under ``AuxMissing.SKIP``). What a prefetch at the
+    serving policy's widths asks (``crisp_runtime.prefetch.PrefetchWidth.SERVING``)."""
+    return _serve_one(policy, wanted, dominant, 0, full) if wanted > 0 else 0
+
+
 def _serve_one(policy: ServingPolicy, wanted: int, dominant: bool, resident: int, full: int) -> int:
     if resident >= wanted:
         return wanted

@@ -12,6 +12,7 @@ from crisp_bench.traces import plan_from_trace, synthetic_trace
 from runtime_helpers import random_layers
 
 from crisp_runtime import CrispRuntime, RuntimeConfig
+from crisp_runtime.prefetch import Prefetcher, PrefetchPolicy, PrefetchWidth
 from crisp_runtime.residency import ResidencyLedger
 from crisp_runtime.scheduler import CostModel
 from crisp_runtime.serving import SERVING_POLICIES
@@ -71,10 +72,28 @@ def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, evict
         stats["hits"], stats["misses"], stats["widenings"], stats["evictions"], stats["bytes_h2d"])
 
 
+class _TracePredictor:
+    """The next layer's routing as the trace records it, with the simulator's stand-in weights
+    (decreasing over the top-k): what ``Prefetcher.requests`` asks of a ``NextLayerPredictor``."""
+
+    def __init__(self, predicted: np.ndarray, token: list[int]) -> None:
+        self.predicted, self.token = predicted, token
+
+    def predict_routing(self, layer_id, hidden_states):
+        if layer_id + 1 >= LAYERS:
+            return None
+        index = torch.from_numpy(self.predicted[layer_id, self.token[0]:self.token[0] + 1]).to(torch.int64)
+        k = index.shape[1]
+        weights = torch.arange(k, 0, -1, dtype=torch.float32)
+        return layer_id + 1, index, (weights / weights.sum()).expand(1, k).contiguous()
+
+
+@pytest.mark.parametrize("width", list(PrefetchWidth))
 @pytest.mark.parametrize("serving", ["plan", "resident-floor75"])
-def test_prefetch_makes_the_same_decisions(decisions, monkeypatch, serving):
-    """The runtime's CrispRuntime.prefetch and the simulator's prefetch of the same requests (the next
-    layer's routed experts at the plan's widths) through the same ledger: identical decisions."""
+def test_prefetch_makes_the_same_decisions(decisions, monkeypatch, serving, width):
+    """The runtime's Prefetcher (its requests for the next layer's predicted experts at ``width``) and
+    CrispRuntime.prefetch, against the simulator's prefetch of the same trace through the same ledger:
+    identical requests and decisions."""
     log = decisions
     prefetch = ResidencyLedger.prefetch
 
@@ -96,20 +115,31 @@ def test_prefetch_makes_the_same_decisions(decisions, monkeypatch, serving):
     profile = HardwareProfile("fast-copy", h2d_bytes_per_s=1e15, copy_latency_s=0.0, compute_bytes_per_s=1e6,
                               compute_latency_s=0.0, router_s=1e-5, other_s=2e-5)
     cost = CostModel(h2d_bytes_per_s=profile.h2d_bytes_per_s, device_bytes_per_s=profile.compute_bytes_per_s)
-    requests = prefetch_requests(plan, trace, predicted)
+    policy = PrefetchPolicy(width=width)
     runtime = CrispRuntime(layers, plan, device="cpu", gpu_budget=budget,
                            config=RuntimeConfig(serving=serving, eviction="next_use", cost=cost))
+    token = [0]
+    prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, policy)
+    asked = []
     g = torch.Generator().manual_seed(0)
     for t in range(trace.num_tokens):
+        token[0] = t
         for layer in range(LAYERS):
             index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
-            runtime.forward(layer, torch.randn(1, HIDDEN, generator=g), index,
-                            torch.from_numpy(trace.weights[layer, t:t + 1]))
-            if layer + 1 < LAYERS:
-                runtime.prefetch(layer + 1, requests[layer][t])
+            hidden = torch.randn(1, HIDDEN, generator=g)
+            runtime.forward(layer, hidden, index, torch.from_numpy(trace.weights[layer, t:t + 1]))
+            req = prefetcher.requests(layer, hidden)
+            asked.append([] if req is None else req[1])
+            prefetcher(layer, hidden)
     by_runtime = list(log)
     log.clear()
-    res = simulate_decode(trace, SimPolicy("crisp", plan, SERVING_POLICIES[serving], "next_use", prefetch=True),
-                          profile, shape, budget, orders=["widest_first"], predicted=predicted)
+    sim_policy = SimPolicy("crisp", plan, SERVING_POLICIES[serving], "next_use", prefetch=True, prefetch_width=width)
+    res = simulate_decode(trace, sim_policy, profile, shape, budget, orders=["widest_first"], predicted=predicted)
+    requests = prefetch_requests(plan, trace, predicted, policy, SERVING_POLICIES[serving])
+    assert asked == [requests[layer][t] for t in range(trace.num_tokens) for layer in range(LAYERS)]
     assert log == by_runtime
     assert res.counters.prefetches > 0 and res.counters.prefetch_hits > 0 and res.peak_bytes <= budget
+    # the option changes the requests where it should: floor-width dominants, no auxiliaries
+    plan_asked = prefetch_requests(plan, trace, predicted, PrefetchPolicy(), SERVING_POLICIES[serving])
+    changes = width is PrefetchWidth.AUX_NONE or (width is PrefetchWidth.SERVING and serving != "plan")
+    assert (requests != plan_asked) == changes
