@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from crisp_tools.calibration import MaskedExperts
+from crisp_tools.profile_model import _stored_weights, load_pack_dir
 
 from crisp_kernels import dequantize_layer
 from crisp_runtime import CrispPlan, apply
 from crisp_runtime.models import find_moe_layers, model_top_k
 from crisp_runtime.text import VOCAB_SIZE, read_texts, sample_sequences
-from crisp_tools.calibration import MaskedExperts
-from crisp_tools.profile_model import _stored_weights, load_pack_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "tiny-deepseek"

@@ -653,7 +653,8 @@ class Profiler:
                     if hot + cold > 1.0:
                         continue
                     cut = TierCutoffs(hot, cold)
-                    base_plan = with_d.with_tiers(TierWidths(self.inter, 0, 0), self._layer_plans(stats, cut, rules_d[0]))
+                    base_plan = with_d.with_tiers(TierWidths(self.inter, 0, 0),
+                                                  self._layer_plans(stats, cut, rules_d[0]))
                     lo = bytes_fraction(base_plan, routing)
                     if lo > target + 1e-9:
                         continue
@@ -686,7 +687,8 @@ class Profiler:
         chosen = CrispPlan.crisp(
             self.num_experts, self.top_k, self.inter, cand.layers, cand.tier_widths, unseen_tier=cand.unseen_tier,
             num_dominant=cand.num_dominant,
-            description=self._description(cut, warm, rule, cand.num_dominant) + f" Tier cut-offs and Warm width chosen by a search for "
+            description=self._description(cut, warm, rule, cand.num_dominant)
+            + f" Tier cut-offs and Warm width chosen by a search for "
             f"<= {target:.0%} of full-width bytes per token on held-out calibration windows (lowest loss).",
         )
         info = {"target_bytes_fraction": target, "chosen": rec, "full_width": {"loss": full_scores.loss,
