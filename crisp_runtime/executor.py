@@ -48,12 +48,12 @@ import torch
 from crisp_kernels import Backend, PackedLayer
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_, resolve_backend
 
+from .cpu_experts import CpuWorker, accumulate_cpu_, cpu_kernel
 from .device_cache import PrefixCache, ResidentExperts
 from .eviction import make_policy
 from .host_store import HostStore
 from .plan import CrispPlan
 from .prefetch import PrefetchPolicy
-from .cpu_experts import CpuWorker, accumulate_cpu_, cpu_kernel
 from .residency import Decision
 from .scheduler import CostModel, StepPlan, TaskOrder
 from .serving import ServedSlots, ServingPolicy, make_serving, plan_served_step

@@ -9,8 +9,15 @@ import random
 import pytest
 import torch
 
-from crisp_runtime.scheduler import (CostModel, HybridJob, Placement, flow_shop_makespan, plan_step,
-                                     split_makespan, split_step)
+from crisp_runtime.scheduler import (
+    CostModel,
+    HybridJob,
+    Placement,
+    flow_shop_makespan,
+    plan_step,
+    split_makespan,
+    split_step,
+)
 
 
 def _brute_force(jobs, join_s):
@@ -99,8 +106,8 @@ def test_plan_step_places_tasks(placement, tokens):
     base = plan_step(index, widths, num_experts=E, neuron_nbytes=nb, resident_width=lambda e: resident.get(e, 0),
                      cost=cost)
     # the same slots and widths, grouped the same, only placed and ordered differently
-    assert sorted(zip(step.flat_pos.tolist(), step.flat_widths.tolist())) == sorted(
-        zip(base.flat_pos.tolist(), base.flat_widths.tolist()))
+    assert sorted(zip(step.flat_pos.tolist(), step.flat_widths.tolist(), strict=True)) == sorted(
+        zip(base.flat_pos.tolist(), base.flat_widths.tolist(), strict=True))
     for t in step.tasks:
         got = sorted(step.flat_pos[t.start:t.stop].tolist())
         assert all(int(index.reshape(-1)[p]) == t.expert for p in got)

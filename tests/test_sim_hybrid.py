@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
 from crisp_bench.profiles import BUILTIN_PROFILES, HardwareProfile, ModelShape, get_profile
 from crisp_bench.simulate import SimPolicy, simulate_decode
 from crisp_bench.traces import synthetic_trace
+
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.serving import SERVING_POLICIES
 
@@ -106,7 +106,6 @@ def test_transfer_measures_the_cpu_and_its_profile_simulates_hybrid(tmp_path):
 
 def test_hybrid_check_says_it_needs_a_gpu(capsys):
     import torch
-
     from crisp_bench import hybrid_check
 
     if torch.cuda.is_available():

@@ -59,7 +59,6 @@ from crisp_runtime.models import find_moe_layers, record_routing  # noqa: E402
 from crisp_runtime.outputs import write_text  # noqa: E402
 from crisp_runtime.text import VOCAB_SIZE, read_texts, sample_sequences  # noqa: E402
 
-
 FAMILIES = ("mixtral", "deepseek_v3")
 # Options that only the deepseek_v3 family reads (None = not given).
 _DEEPSEEK_ONLY = ("moe_intermediate_size", "shared_experts", "dense_layers")
