@@ -11,6 +11,7 @@ import gzip
 
 import pytest
 from crisp_bench import cli as bench_cli
+from crisp_bench import simulate_cmd
 from crisp_bench import traces as tr
 from crisp_tools import evaluate
 from crisp_tools import profile_model as prof
@@ -99,5 +100,5 @@ def test_bad_compare_file_names_the_file(name, tmp_path):
     path = tmp_path / "e2e.json"
     _write(path, CONTENTS[name], ".json")
     with pytest.raises((bench_cli.CliError, ValueError)) as exc:
-        bench_cli._compare_e2e(path, [], 0.25)
+        simulate_cmd._compare_e2e(path, [], 0.25)
     assert str(path) in str(exc.value) and "--compare" in str(exc.value)

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from crisp_bench import cli as bench_cli  # noqa: E402
+from crisp_bench import simulate_cmd  # noqa: E402
 from crisp_bench import traces as tr  # noqa: E402
 from crisp_tools import evaluate, evidence  # noqa: E402
 from crisp_tools import profile_model as prof  # noqa: E402
@@ -401,7 +402,7 @@ def test_corrupt_inputs_are_clear_errors(tmp_path, kind):
     needle = {"not utf-8 json": "not UTF-8", "deep json": "nested too deeply", "records not a list": "'records'",
               "record field": "records[0].tokens_per_s"}[kind]
     with pytest.raises((bench_cli.CliError, ValueError), match="--compare") as exc:
-        bench_cli._compare_e2e(path, [], 0.25)
+        simulate_cmd._compare_e2e(path, [], 0.25)
     assert needle in str(exc.value) and str(path) in str(exc.value)
 
 
