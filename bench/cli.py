@@ -4,6 +4,11 @@ Subcommands: kernels, transfer, layer, e2e, simulate. With no subcommand a quick
 suite runs all of them on the committed trained model (about a minute on a 2-core CPU; it
 uses the GPU when there is one). Every subcommand prints tables, and takes ``--json PATH``
 and ``--plot PATH.png``. Bad input exits with code 2 and a one-line message.
+
+This module only dispatches: each subcommand is a module with ``add_parser(subparsers)`` and
+``run(args) -> int`` (kernels, cpu, transfer, layer, e2e, simulate_cmd); what they share (paths,
+the CliError base class, argument types, model loading, device sync, the JSON emit) is in
+``common``, tables and plots in ``report``. No module of the package imports this one.
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
+
+import torch
 
 from crisp_kernels import PackFormatError
 from crisp_runtime import cli_args as ca
@@ -22,10 +30,7 @@ from crisp_runtime.pack import PackMismatchError
 from crisp_runtime.plan import PlanError
 
 from . import cpu, e2e, kernels, layer, report, simulate_cmd, transfer
-from .common import (
-    CliError,
-    pack_dir_for,
-)
+from .common import CliError, pack_dir_for
 from .profiles import ProfileError
 from .simulate import BudgetTooSmall
 from .traces import TraceError
@@ -61,8 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             return _default_suite(args)
         if getattr(args, "threads", None):
-            import torch
-
             torch.set_num_threads(args.threads)
         handler = {"kernels": _cmd_kernels, "transfer": _cmd_transfer, "layer": _cmd_layer, "e2e": _cmd_e2e,
                    "simulate": _cmd_simulate, "cpu": _cmd_cpu}[args.command]
@@ -82,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _where(exc: BaseException) -> str:
     """file:line (function) of the innermost frame that raised ``exc``."""
-    import traceback
-
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return "?"
@@ -119,8 +120,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
             UnsupportedModelError, PackMismatchError, PackFormatError)
 
 
-# ---------------------------------------------------------------------------- other subcommands
-
+# ---------------------------------------------------------------------------- subcommands
 
 # The handlers main dispatches to, looked up when it runs (tests replace them on this module).
 _cmd_kernels = kernels.run
