@@ -33,10 +33,11 @@ orders share its decisions.
 
 Prefetch (``SimPolicy.prefetch``, widest-first order only): after layer l's demanded copies, the
 copy engine copies what the runtime's prefetcher asks for layer l+1 (the predicted top-k at the
-widths ``SimPolicy.prefetch_width`` gives them, the runtime's own rule; widest first) through ``ResidencyLedger.prefetch`` (same budget; never evicts the
-step's experts), but only rows that are copied before layer l+1's router ends, when its demanded
-copies may start: a prefetch never delays a demanded copy. Predictions come with the trace
-(``predicted``, recorded by ``crisp_runtime.prefetch``); without them there is no prefetch.
+widths ``SimPolicy.prefetch_width`` gives them, the runtime's own rule; widest first) through
+``ResidencyLedger.prefetch`` (same budget; never evicts the step's experts), but only rows that
+are copied before layer l+1's router ends, when its demanded copies may start: a prefetch never
+delays a demanded copy. Predictions come with the trace (``predicted``, recorded by
+``crisp_runtime.prefetch``); without them there is no prefetch.
 
 Hybrid placement (issue 11; ``ServingPolicy.placement`` other than GPU, the profile with a CPU,
 widest-first order only): the runtime's ``plan_step(placement=...)`` splits each step between the
@@ -106,7 +107,8 @@ class SimPolicy:
         name = f"{self.name}@{self.variant}" if self.variant else self.name
         suffix = ""
         if self.prefetch:
-            suffix = "+prefetch" + ("" if self.prefetch_width is PrefetchWidth.PLAN else f"-{self.prefetch_width.value}")
+            width = self.prefetch_width
+            suffix = "+prefetch" + ("" if width is PrefetchWidth.PLAN else f"-{width.value}")
         return f"{name}/{self.serving.name}/{self.eviction}" + suffix
 
 

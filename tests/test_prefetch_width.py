@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from crisp_bench.sim_policies import accuracy_for, configurations, knobs, read_accuracy, with_prefetch_widths
@@ -87,3 +88,33 @@ def test_accuracy_attached_only_at_the_evaluated_prefetch_width(trace, tmp_path)
     # every prefetching configuration once per width, the others once
     assert len(configs) == len(configurations(plans, "residency", prefetch=[False, True])) + 2 * sum(
         c.prefetch for c in configurations(plans, "residency", prefetch=[False, True]))
+
+
+def test_simulate_cli_runs_each_prefetch_width(trace, tmp_path, capsys):
+    from crisp_bench import traces as tr
+    from crisp_bench.cli import main
+
+    predicted = np.full((trace.num_layers, trace.num_tokens, 2), -1, dtype=np.int64)
+    predicted[:-1] = trace.index[1:]  # a perfect prediction of the next layer
+    tr.Trace(trace.index, trace.weights, trace.layer_ids, {**trace.meta, "model": "synthetic"},
+             predicted=predicted).save(tmp_path / "t.npz")
+    (tmp_path / "none.json").write_text(json.dumps({"records": []}))
+    common = ["simulate", "--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--target", "native", "--warmup", "8",
+              "--policies", "full,crisp", "--serving", "resident-floor75", "--orders", "widest_first",
+              "--prefetch", "trace", "--accuracy", str(tmp_path / "none.json")]
+    assert main([*common, "--prefetch-width", "plan,serving,aux-none", "--json", str(tmp_path / "a.json")]) == 0
+    records = json.loads((tmp_path / "a.json").read_text())["records"]
+    widths = {r["label"]: r["prefetch_width"] for r in records if r["policy"] == "crisp"}
+    assert widths == {"crisp/resident-floor75/lru+prefetch": "plan",
+                      "crisp/resident-floor75/lru+prefetch-serving": "serving",
+                      "crisp/resident-floor75/lru+prefetch-aux-none": "aux-none"}
+    by = {r["label"]: r for r in records}
+    assert (by["crisp/resident-floor75/lru+prefetch-serving"]["prefetch_bytes_per_token"]
+            < by["crisp/resident-floor75/lru+prefetch"]["prefetch_bytes_per_token"])  # floor-width dominants
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:  # argparse: usage error, exit status 2
+        main([*common, "--prefetch-width", "full"])
+    assert exc.value.code == 2
+    assert "--prefetch-width" in capsys.readouterr().err
+    assert main([*common, "--prefetch-width", "serving", "--matrix", "frontier"]) == 2
+    assert "frontier" in capsys.readouterr().err
