@@ -32,7 +32,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +53,7 @@ class Shape:
 
 def _tiny_shape() -> Shape:
     """The committed tiny model's expert shape when present, else a small stand-in."""
-    cfg = Path(__file__).resolve().parent.parent / "models" / "tiny-mixtral" / "config.json"
+    cfg = common.DEFAULT_MODEL / "config.json"
     if cfg.is_file():
         c = json.loads(cfg.read_text())
         return Shape("tiny", int(c["hidden_size"]), int(c["intermediate_size"]))
@@ -104,16 +103,11 @@ def random_packed_expert(shape: Shape, fmt: QuantFormat, device, seed: int = 0) 
     return PackedExpert(fmt, q, scales, zeros)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_us(fn: Callable[[], object], device: torch.device, *, warmup: int, iters: int, flush: bool = True) -> float:
     """Median microseconds per call: CUDA events (L2 flushed before each call) or perf_counter."""
     for _ in range(warmup):
         fn()
-    _synchronize(device)
+    common.sync(device)
     times = []
     if device.type == "cuda":
         scratch = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if flush else None

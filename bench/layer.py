@@ -37,11 +37,9 @@ from crisp_runtime.text import read_texts, sample_sequences
 from . import common, report
 from . import runtime as rt
 from . import traces as tr
-from .common import ModelInputError, bench_device, load_model_for_bench, sync
+from .common import ORDERS, ModelInputError, bench_device, load_model_for_bench, sync
 from .runtime import _random_packed
 from .simulate import BudgetTooSmall
-
-ORDERS = ("serial", "router", "widest_first")
 
 
 def order_config(order: str, device, **kw) -> RuntimeConfig:
