@@ -76,7 +76,7 @@ BENCH = (
         "--eviction": ["fifo", ""], "--warmup": NONNEG_INT, "--record-trace": ["", "DIR", "MISSING"],
         "--trace": [""], "--compare": [""], "--profile-file": [""], "--profile": ["", "gtx480"], "--plan": [""],
         "--matrix": ["bogus", ""], "--serving": ["magic", "", "plan,x"], "--prefetch": ["always", ""],
-        "--accuracy": [""], "--from-json": [""]})
+        "--prefetch-width": ["full", "", "plan,x"], "--accuracy": [""], "--from-json": [""]})
 )
 KERNELS = _cases("kernels", {
     "--shapes": SHAPES, "--widths": FRACTION_LIST, "--tokens": INT_LIST, "--device": DEVICES, "--dtype": ["fp64", ""],
