@@ -118,3 +118,28 @@ def test_simulate_cli_runs_each_prefetch_width(trace, tmp_path, capsys):
     assert "--prefetch-width" in capsys.readouterr().err
     assert main([*common, "--prefetch-width", "serving", "--matrix", "frontier"]) == 2
     assert "frontier" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("eviction", ["lru", "next_use"])
+def test_serving_case_eviction_is_recorded_for_the_accuracy_match(trace, eviction):
+    """An evaluation's record names a non-default eviction, so that the simulator attaches its accuracy
+    to that eviction only (an unnamed one ran the runtime's default, LRU)."""
+    from types import SimpleNamespace
+
+    from crisp_tools.serving_eval import ServingCase, record
+
+    case = ServingCase("c", "crisp", "resident-floor75", PrefetchPolicy(width="serving"), eviction=eviction)
+    scores = SimpleNamespace(accuracy=0.7, perplexity=2.0, loss=0.7, nll=torch.zeros(10))
+    rec = record(case, 0.25, 100, scores, {"tokens": 10}, scores, plan_from_trace(trace), 1.0)
+    assert rec.get("eviction") == (None if eviction == "lru" else eviction)
+    ev = read_accuracy_rows([{**rec, "accuracy_loss": 0.03}])
+    assert ev["eviction"] == eviction and ev["prefetch"] == "serving"
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        ServingCase("c", eviction="fifo")
+
+
+def read_accuracy_rows(records):
+    from crisp_bench.sim_policies import _evaluated
+
+    (row,) = [_evaluated(r) for r in records]
+    return row

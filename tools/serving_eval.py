@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from crisp_runtime.baselines import equal_bytes_plans, full_plan
+from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
 from crisp_runtime.executor import RuntimeConfig
 from crisp_runtime.hf import apply
 from crisp_runtime.models import record_routing
@@ -71,7 +72,9 @@ class ServingCase:
     plan: "crisp" (the pack's plan), "uniform" / "skip_aux" (matched to CRISP's bytes, exact
     serving), "full" (4-bit full width). serving: a ``crisp_runtime.serving`` policy spec (name, dict
     or instance) or None for the runtime's default (exact: the plan's widths). prefetch: a
-    ``crisp_runtime.prefetch.PrefetchPolicy`` or None (no prefetch).
+    ``crisp_runtime.prefetch.PrefetchPolicy`` or None (no prefetch). eviction: the runtime's eviction
+    policy by name (``crisp_runtime.eviction.POLICIES``; default its default, LRU); a record names it
+    only when it is not LRU (records written before it was a field ran LRU).
     """
 
     name: str
@@ -79,8 +82,12 @@ class ServingCase:
     serving: ServingPolicy | str | None = None
     prefetch: PrefetchPolicy | None = None
     extra: dict = field(default_factory=dict)
+    eviction: str = "lru"
 
     def __post_init__(self) -> None:
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"ServingCase {self.name!r}: eviction must be one of {', '.join(EVICTION_POLICIES)}, "
+                             f"got {self.eviction!r}")
         if self.plan not in ("crisp", "uniform", "skip_aux", "full"):
             raise ValueError(f"ServingCase {self.name!r}: plan must be crisp, uniform, skip_aux or full, "
                              f"got {self.plan!r}")
@@ -122,7 +129,8 @@ def _serving_dict(spec) -> dict:
 @contextlib.contextmanager
 def applied(model, pack, plan: CrispPlan, budget_bytes: int | None, case: ServingCase):
     """``crisp_runtime.apply`` for one case (restored on exit)."""
-    config = RuntimeConfig(serving="plan" if case.serving is None else case.serving, prefetch=case.prefetch)
+    config = RuntimeConfig(serving="plan" if case.serving is None else case.serving, prefetch=case.prefetch,
+                           eviction=case.eviction)
     handle = apply(model, pack, plan=plan, gpu_budget=budget_bytes, config=config)
     try:
         yield handle
@@ -174,6 +182,7 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         "served": served,
         "prefetch_stats": prefetch,
         "elapsed_s": round(seconds, 1),
+        **({} if case.eviction == "lru" else {"eviction": case.eviction}),
         **case.extra,
     }
 
@@ -203,6 +212,7 @@ def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
             "served": {fallbacks, serving_skips, served_wider, served_{dominant,aux}_{slots,neurons},
                        {dominant,aux}_width_mean}   (handle.stats(); absent keys: runtime without them),
             "prefetch_stats": {prefetches, prefetch_bytes, prefetch_rejected, prefetch_hits},
+            "eviction": str          only when not the runtime's default LRU (ServingCase.eviction),
             "elapsed_s": float}, ...]}
     """
     dump_json(path, {"format": SERVING_EVAL_FORMAT, "version": SERVING_EVAL_VERSION, **meta,
