@@ -30,7 +30,6 @@ applied (it lacks the experts: restore first), ``crisp-profile`` (it needs the v
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -45,7 +44,7 @@ from crisp_kernels.experts_module import without_backward
 from .executor import CrispRuntime, RuntimeConfig
 from .hf import CrispHandle, _check_budget_fits_device, _check_budget_fits_layers, _check_device, parse_budget
 from .models import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
-from .pack import CrispPack, PackMismatchError, load_pack, recorded_weights_sha256, weights_sha256
+from .pack import CrispPack, PackMismatchError, layers_from_source, recorded_weights_sha256, weights_sha256
 from .plan import CrispPlan, PlanError
 from .serving import make_serving
 
@@ -381,31 +380,16 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
                       torch.device("cpu"))
     top_k = model_top_k(model)
 
-    pack_plan = None
-    if source is None:
-        layers = pack_blocks(refs, fmt)
-    else:
-        if fmt is not None:
-            raise ValueError("fmt applies only when apply() packs the model (source=None); a pack has its format")
-        if isinstance(source, (str, os.PathLike)):
-            source = load_pack(source)
-        if isinstance(source, CrispPack):
-            check_layers_fit_blocks(source.layers, refs)
-            recorded = recorded_weights_sha256(source.info)
-            if recorded is not None and not allow_weights_mismatch and recorded != blocks_weights_sha256(refs):
-                raise PackMismatchError("this CRISP pack was made from other weights than this model (the weights "
-                                        "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to "
-                                        "use it anyway")
-            layers, pack_plan = dict(source.layers), source.plan
-        elif isinstance(source, Mapping):
-            layers = {int(k): v for k, v in source.items()}
-            for k, v in layers.items():
-                if not isinstance(v, PackedLayer):
-                    raise TypeError(f"source[{k}]: expected PackedLayer, got {type(v).__name__}")
-            check_layers_fit_blocks(layers, refs)
-        else:
-            raise TypeError(f"source: expected None, a pack folder, a CrispPack or {{layer_id: PackedLayer}}, got "
-                            f"{type(source).__name__}")
+    def check_pack(pack: CrispPack) -> None:
+        check_layers_fit_blocks(pack.layers, refs)
+        recorded = recorded_weights_sha256(pack.info)
+        if recorded is not None and not allow_weights_mismatch and recorded != blocks_weights_sha256(refs):
+            raise PackMismatchError("this CRISP pack was made from other weights than this model (the weights "
+                                    "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to "
+                                    "use it anyway")
+
+    layers, pack_plan = layers_from_source(source, fmt, pack=lambda f: pack_blocks(refs, f), check_pack=check_pack,
+                                           check_layers=lambda ls: check_layers_fit_blocks(ls, refs))
     first = layers[refs[0].layer_id]
     layer_ids = sorted(layers)
     plan = pack_plan if plan is None else plan

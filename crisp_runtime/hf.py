@@ -39,7 +39,6 @@ import numbers
 import os
 import re
 import warnings
-from collections.abc import Mapping
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -57,6 +56,7 @@ from .pack import (
     PackMismatchError,
     check_layers_fit_model,
     check_weights_fingerprint,
+    layers_from_source,
     load_pack,
     pack_model,
     recorded_weights_sha256,
@@ -486,28 +486,13 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     top_k = model_top_k(model)
 
     # ---- the packed layers
-    pack_plan = None
-    if source is None:
-        layers = pack_model(model, fmt)
-    else:
-        if fmt is not None:
-            raise ValueError("fmt applies only when apply() packs the model (source=None); a pack has its format")
-        if isinstance(source, (str, os.PathLike)):
-            source = load_pack(Path(source))
-        if isinstance(source, CrispPack):
-            source.check_model(model)
-            if not allow_weights_mismatch:
-                check_pack_weights(source, model)
-            layers, pack_plan = dict(source.layers), source.plan
-        elif isinstance(source, Mapping):
-            layers = {int(k): v for k, v in source.items()}
-            for k, v in layers.items():
-                if not isinstance(v, PackedLayer):
-                    raise TypeError(f"source[{k}]: expected PackedLayer, got {type(v).__name__}")
-            check_layers_fit_model(layers, model)
-        else:
-            raise TypeError(f"source: expected None, a pack folder, a CrispPack or {{layer_id: PackedLayer}}, got "
-                            f"{type(source).__name__}")
+    def check_pack(pack: CrispPack) -> None:
+        pack.check_model(model)
+        if not allow_weights_mismatch:
+            check_pack_weights(pack, model)
+
+    layers, pack_plan = layers_from_source(source, fmt, pack=lambda f: pack_model(model, f), check_pack=check_pack,
+                                           check_layers=lambda ls: check_layers_fit_model(ls, model))
     first = layers[refs[0].layer_id]
     layer_ids = sorted(layers)
 

@@ -559,3 +559,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ok: " + "; ".join(result.lines()))
     return status
 
+
+
+def layers_from_source(source, fmt, *, pack, check_pack, check_layers):
+    """``apply``'s ``source`` as ``(layers, the pack's plan or None)``: one reading for every adapter.
+
+    source: None = ``pack(fmt)`` (the model's own weights), a pack folder path, a :class:`CrispPack`
+    (``check_pack(pack)`` refuses another model's or other weights' pack) or ``{layer_id: PackedLayer}``
+    (``check_layers(layers)`` refuses layers that do not fit the model).
+    """
+    if source is None:
+        return pack(fmt), None
+    if fmt is not None:
+        raise ValueError("fmt applies only when apply() packs the model (source=None); a pack has its format")
+    if isinstance(source, (str, os.PathLike)):
+        source = load_pack(Path(source))
+    if isinstance(source, CrispPack):
+        check_pack(source)
+        return dict(source.layers), source.plan
+    if isinstance(source, Mapping):
+        layers = {int(k): v for k, v in source.items()}
+        for k, v in layers.items():
+            if not isinstance(v, PackedLayer):
+                raise TypeError(f"source[{k}]: expected PackedLayer, got {type(v).__name__}")
+        check_layers(layers)
+        return layers, None
+    raise TypeError(f"source: expected None, a pack folder, a CrispPack or {{layer_id: PackedLayer}}, got "
+                    f"{type(source).__name__}")
