@@ -255,6 +255,7 @@ def expert_mlp_cpu_accumulate_(
     out: torch.Tensor,
     *,
     config: CpuExpertConfig = DEFAULT_CONFIG,
+    row_start: int = 0,
 ) -> None:
     """``out += weights[:, None] * expert_k(x)`` on the CPU, reading the first ``width`` rows only.
 
@@ -262,6 +263,14 @@ def expert_mlp_cpu_accumulate_(
     host :class:`PackedExpert`; token_widths: (T,) int32/int64, token t uses neurons
     j < min(width, token_widths[t]) (clamped, as in ``expert_mlp``), None = all ``width``;
     weights: (T,) float32; out: (T, H) float32, contiguous.
+
+    row_start: the neuron split (issue 11's neuron-split hybrid): only neurons
+    ``row_start <= j < min(width, token_widths[t])`` are computed and read. An expert's output is a
+    sum over its neurons, so ``rows [0, s)`` (e.g. on the GPU) plus ``rows [s, width)`` here is the
+    expert at ``width``, up to the summation order. A bias of the down projection belongs to the
+    part with ``row_start == 0`` (the GPU's in a split), added once there; this kernel refuses
+    biased experts anyway (see ``_check_supported``). 0 <= row_start <= width; row_start == width
+    adds nothing.
     """
     prepared = packed if isinstance(packed, CpuExpert) else None
     host = prepared.packed if prepared is not None else packed
@@ -280,23 +289,33 @@ def expert_mlp_cpu_accumulate_(
         raise ValueError(f"out: expected a contiguous float32 (T, H) = {tuple(x.shape)} on the CPU, got {got}")
     if not isinstance(config, CpuExpertConfig):
         raise TypeError(f"config: expected a CpuExpertConfig, got {type(config).__name__}")
-    if width == 0 or tokens == 0:
+    if isinstance(row_start, bool) or not isinstance(row_start, int) or not 0 <= row_start <= width:
+        raise ValueError(f"row_start: expected an int in [0, width = {width}], got {row_start!r}")
+    if row_start == width or tokens == 0:
         return
-    keep = None
+    keep = None  # (T, width - row_start): token t uses neuron row_start + j
     if token_widths is not None:
         k_t = token_widths.to(torch.int64).clamp(0, width)
-        keep = torch.arange(width).unsqueeze(0) < k_t.unsqueeze(1)  # (T, width)
+        keep = torch.arange(row_start, width).unsqueeze(0) < k_t.unsqueeze(1)
     scale = weights.unsqueeze(1)
-    blocked = 0
+
+    def kept(a, b):
+        return None if keep is None else keep[:, a - row_start:b - row_start]
+
+    # The int4pack op runs whole 64-neuron blocks: [b0, b1); the fp32 path the < 64 neurons before
+    # b0 (a split inside a block) and after b1 (past the last block), from the host rows.
+    b0 = b1 = row_start
     if prepared is not None and config.resolve(x.dtype) is Precision.BF16:
-        blocked = min(width // BLOCK_N * BLOCK_N, prepared.blocked_width)
+        b0 = min(width, -(-row_start // BLOCK_N) * BLOCK_N)
+        b1 = max(b0, min(width // BLOCK_N * BLOCK_N, prepared.blocked_width))
         xb = x.to(torch.bfloat16)  # the operand rounding Precision.BF16 allows (exact for bf16 x)
         x = xb.float()
-        if blocked:
-            _int4pack_accumulate(xb, prepared, blocked, None if keep is None else keep[:, :blocked], scale, out)
-    if blocked < width:  # the fp32 path; under BF16 only the < 64 neurons past the last block
-        _dequant_accumulate(x.float(), host, blocked, width, None if keep is None else keep[:, blocked:], scale,
-                            out, config.chunk)
+        if b1 > b0:
+            _int4pack_accumulate(xb, prepared, b0, b1, kept(b0, b1), scale, out)
+        if b0 > row_start:
+            _dequant_accumulate(x, host, row_start, b0, kept(row_start, b0), scale, out, config.chunk)
+    if b1 < width:  # the fp32 path; under BF16 only the < 64 neurons past the last block
+        _dequant_accumulate(x.float(), host, b1, width, kept(b1, width), scale, out, config.chunk)
 
 
 def _dequant_accumulate(x, packed, start, stop, keep, scale, out, chunk) -> None:
@@ -317,37 +336,43 @@ def _dequant_accumulate(x, packed, start, stop, keep, scale, out, chunk) -> None
     out.add_(acc * scale)
 
 
-def _int4pack_accumulate(xb, expert: CpuExpert, blocked: int, keep, scale, out) -> None:
-    """Neurons 0..blocked (a multiple of 64) through torch's int4pack CPU op."""
+def _int4pack_accumulate(xb, expert: CpuExpert, start: int, stop: int, keep, scale, out) -> None:
+    """Neurons start..stop (multiples of 64) through torch's int4pack CPU op.
+
+    A neuron range is a row range of the gate/up matrix (64-row blocks) and a K range of each down
+    block (K-major: bytes [R start / 2, R stop / 2), checked in the tests)."""
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     packed = expert.packed
     g, hidden, tokens = packed.fmt.group_size, packed.hidden_size, xb.shape[0]
-    gu = torch.empty(tokens, 2 * blocked, dtype=torch.bfloat16)
-    for i, c0 in enumerate(range(0, blocked, GATE_UP_CHUNK)):
-        c1 = min(blocked, c0 + GATE_UP_CHUNK)
+    n = stop - start
+    gu = torch.empty(tokens, 2 * n, dtype=torch.bfloat16)
+    for i in range(start // GATE_UP_CHUNK, -(-stop // GATE_UP_CHUNK)):
+        c0, c1 = max(start, i * GATE_UP_CHUNK), min(stop, (i + 1) * GATE_UP_CHUNK)
         sz = expert.gate_up_sz[i]
-        if sz.shape[1] != 2 * (c1 - c0):
-            sz = sz[:, : 2 * (c1 - c0)].contiguous()
-        gu[:, 2 * c0: 2 * c1] = mm(xb, expert.gate_up[2 * c0: 2 * c1], g, sz)
-    gu = gu.view(tokens, blocked // BLOCK_N, 2, BLOCK_N).float()
-    h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens, blocked)  # fp32
+        lo, hi = 2 * (c0 - i * GATE_UP_CHUNK), 2 * (c1 - i * GATE_UP_CHUNK)
+        if (lo, hi) != (0, sz.shape[1]):  # the op reads its scales as contiguous: copy a partial chunk's
+            sz = sz[:, lo:hi].contiguous()
+        gu[:, 2 * (c0 - start): 2 * (c1 - start)] = mm(xb, expert.gate_up[2 * c0: 2 * c1], g, sz)
+    gu = gu.view(tokens, n // BLOCK_N, 2, BLOCK_N).float()
+    h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens, n)  # fp32
     if keep is not None:
         h = h * keep
-    s = expert.down_scales[:, :blocked]  # (G, blocked): neuron j's scale per group of H
+    s = expert.down_scales[:, start:stop]  # (G, n): neuron j's scale per group of H
     rows = expert.down_rows
     per_group = g // rows  # down blocks sharing one scale column (2 at g 128)
-    unit = torch.zeros(blocked // DOWN_K_GROUP, rows, 2, dtype=torch.bfloat16)
+    unit = torch.zeros(n // DOWN_K_GROUP, rows, 2, dtype=torch.bfloat16)
     unit[..., 0] = 1.0  # weight = (q - 8) * 1 + 0, exact
     blocks = hidden // rows
-    weights_b = expert.down[:, : rows * blocked // 2].view(blocks, rows, blocked // 2)  # each block contiguous
+    # each block's K range is contiguous (a view of its byte range)
+    weights_b = expert.down[:, rows * start // 2: rows * stop // 2].view(blocks, rows, n // 2)
     # h * s[g] for the groups at once into one bf16 buffer (one op, not one per block: the per-call
     # overhead dominated at small widths), in batches of at most _HS_ELEMENTS.
     groups = hidden // g
-    per_batch = max(1, _HS_ELEMENTS // (tokens * blocked))
+    per_batch = max(1, _HS_ELEMENTS // (tokens * n))
     ys = []
     for g0 in range(0, groups, per_batch):
         g1 = min(groups, g0 + per_batch)
-        hs = torch.empty(g1 - g0, tokens, blocked, dtype=torch.bfloat16)
+        hs = torch.empty(g1 - g0, tokens, n, dtype=torch.bfloat16)
         torch.mul(s[g0:g1].unsqueeze(1), h.unsqueeze(0), out=hs)
         ys += [mm(hs[b // per_group - g0], weights_b[b], DOWN_K_GROUP, unit)
                for b in range(g0 * per_group, g1 * per_group)]
@@ -355,7 +380,7 @@ def _int4pack_accumulate(xb, expert: CpuExpert, blocked: int, keep, scale, out) 
     # The zero points: (q - z) s = (q - 8) s - (z - 8) s, the second term per neuron and group.
     y = y.view(tokens, hidden // g, g).float()
     if expert.down_zero is not None:
-        y -= (h @ expert.down_zero[:, :blocked].t()).unsqueeze(-1)
+        y -= (h @ expert.down_zero[:, start:stop].t()).unsqueeze(-1)
     out.add_(y.view(tokens, hidden) * scale)
 
 
@@ -363,15 +388,19 @@ def _int4pack_accumulate(xb, expert: CpuExpert, blocked: int, keep, scale, out) 
 
 
 def reference_check(x, packed: PackedExpert | CpuExpert, token_widths, width, weights,
-                    config: CpuExpertConfig = DEFAULT_CONFIG) -> float:
+                    config: CpuExpertConfig = DEFAULT_CONFIG, row_start: int = 0) -> float:
     """Relative error ``||out - ref|| / ||ref||`` of one call against the float64 reference
-    (``expert_mlp_ref``) on the same host rows; what ``crisp-bench cpu`` checks before timing."""
+    (``expert_mlp_ref``) on the same host rows; what ``crisp-bench cpu`` checks before timing.
+    With ``row_start`` the reference is the float64 expert at ``width`` minus at ``row_start``
+    (the rows [row_start, width), same token widths)."""
     from .expert_mlp import expert_mlp_ref
 
     host = packed.packed if isinstance(packed, CpuExpert) else packed
     out = torch.zeros(x.shape, dtype=torch.float32)
-    expert_mlp_cpu_accumulate_(x, packed, token_widths, width, weights, out, config=config)
+    expert_mlp_cpu_accumulate_(x, packed, token_widths, width, weights, out, config=config, row_start=row_start)
     ref = expert_mlp_ref(x, host, width, token_widths=token_widths, compute_dtype=torch.float64)
+    if row_start:
+        ref = ref - expert_mlp_ref(x, host, row_start, token_widths=token_widths, compute_dtype=torch.float64)
     ref = ref * weights.double().unsqueeze(1)
     norm = ref.norm()
     if norm == 0:

@@ -271,3 +271,107 @@ def test_config_checks():
         CpuExpertConfig(chunk=0)
     with pytest.raises(TypeError, match="precision"):
         CpuExpertConfig(precision="bf16")
+
+
+# ----------------------------------------------------------------------------- row ranges (neuron split)
+
+
+def _starts(width):
+    """Split points: 0, 1, block - 1, block, block + 1, a block boundary past a gate/up chunk's
+    start, width - 1 and width (nothing left), those in [0, width]."""
+    return sorted({s for s in (0, 1, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, 3 * BLOCK_N + 5, width - 1, width)
+                   if 0 <= s <= width})
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, BIG])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.parametrize("kind", ["prepared", "host"])
+def test_row_range_equals_reference(shape, precision, kind):
+    """Rows [row_start, width) against the float64 expert at width minus at row_start, for odd
+    shapes, starts inside and on 64-blocks, full and partial widths, per-token widths."""
+    packed = prepared(*shape) if kind == "prepared" else expert(*shape)
+    tol = tolerance(precision)
+    for width in sorted({shape[1], shape[1] - 1, 2 * BLOCK_N + 3} & set(range(1, shape[1] + 1))):
+        for start in _starts(width):
+            for per_token in (False, True):
+                x, weights, widths = inputs(3, shape[0], torch.bfloat16, width, per_token)
+                if start == width:
+                    assert torch.count_nonzero(run_range(x, packed, widths, width, weights, start, precision)) == 0
+                    continue
+                err = reference_check(x, packed, widths, width, weights, CpuExpertConfig(precision), row_start=start)
+                assert err <= tol, f"width {width} start {start} per_token {per_token}: {err:.3e} > {tol:.1e}"
+
+
+def run_range(x, packed, widths, width, weights, start, precision):
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    expert_mlp_cpu_accumulate_(x, packed, widths, width, weights, out, config=CpuExpertConfig(precision),
+                               row_start=start)
+    return out
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], BIG])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+def test_split_equals_unsplit(shape, precision):
+    """rows [0, s) + rows [s, k) is the expert at k (a split is exact up to the summation order):
+    fp32 within 1e-5 of the unsplit output; bf16 within 2u (the op rounds each call's down sum)."""
+    packed = prepared(*shape)
+    width = shape[1]
+    x, weights, widths = inputs(4, shape[0], torch.bfloat16, width, per_token=True)
+    whole = run(x, packed, widths, width, weights, CpuExpertConfig(precision))
+    for s in _starts(width):
+        head = run(x, packed, widths, s, weights, CpuExpertConfig(precision))
+        tail = run_range(x, packed, widths, width, weights, s, precision)
+        err = ((head + tail - whole).norm() / whole.norm()).item()
+        assert err <= tolerance(precision), f"split at {s}: {err:.3e}"
+
+
+def _poison_before(ce: CpuExpert, start: int) -> CpuExpert:
+    """NaN / garbage in the host rows below ``start`` and in the int4pack blocks below the first
+    64-block at or past it (rows [floor64(start), start) of the copy are not read either: they run
+    from the host rows)."""
+    b0 = -(-start // BLOCK_N) * BLOCK_N
+    q, s = ce.packed.qweight.clone(), ce.packed.scales.clone()
+    q[:start] = 0xA5
+    s[:start] = float("nan")
+    z = None if ce.packed.zeros is None else ce.packed.zeros.clone()
+    if z is not None:
+        z[:start] = 15
+    gate_up = ce.gate_up.clone()
+    gate_up[: 2 * b0] = 0xA5
+    sz = []
+    for i, t in enumerate(ce.gate_up_sz):
+        t = t.clone()
+        t[:, : max(0, 2 * (b0 - i * GATE_UP_CHUNK))] = float("nan")
+        sz.append(t)
+    down = ce.down.clone()
+    down[:, : ce.down_rows * b0 // 2] = 0xA5
+    scales = ce.down_scales.clone()
+    scales[:, :b0] = float("nan")
+    zero = None if ce.down_zero is None else ce.down_zero.clone()
+    if zero is not None:
+        zero[:, :b0] = float("nan")
+    return CpuExpert(PackedExpert(ce.packed.fmt, q, s, z), gate_up, tuple(sz), down, scales, zero)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], BIG])
+@pytest.mark.parametrize("start", [1, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, 2 * BLOCK_N])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+def test_rows_before_start_are_never_read(shape, start, precision):
+    clean = prepared(*shape)
+    poisoned = _poison_before(clean, start)
+    width = shape[1]
+    x, weights, widths = inputs(3, shape[0], torch.bfloat16, width, True)
+    want = run_range(x, clean, widths, width, weights, start, precision)
+    assert torch.equal(run_range(x, poisoned, widths, width, weights, start, precision), want)
+    assert torch.count_nonzero(want) > 0
+    # The poison is live: one row earlier reaches it.
+    assert not torch.isfinite(run_range(x, poisoned, None, width, weights, start - 1, precision)).all()
+
+
+@pytest.mark.parametrize("start", [-1, 201, True, 1.0])
+def test_bad_row_start(start):
+    shape = SHAPES[0]
+    x, weights, _ = inputs(3, shape[0], torch.bfloat16, shape[1], False)
+    with pytest.raises(ValueError, match="row_start: expected an int in"):
+        expert_mlp_cpu_accumulate_(x, prepared(*shape), None, shape[1], weights, torch.zeros(3, shape[0]),
+                                   row_start=start)
