@@ -159,6 +159,22 @@ def recorded_weights_sha256(info: Mapping) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def recorded_model(directory: str | os.PathLike) -> dict | None:
+    """The model record (crisp-profile's fingerprint: model_type, shapes, layer_ids, weights_sha256) in a
+    pack folder's pack.json, or None where there is no readable pack.json or it records no model
+    (older packs kept it under ``info.model``)."""
+    try:
+        data = json.loads((Path(directory) / INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    for holder in (data.get("info"), data):
+        if isinstance(holder, dict) and isinstance(holder.get("model"), dict):
+            return holder["model"]
+    return None
+
+
 def check_weights_fingerprint(pack: CrispPack | Mapping, model, *, allow_mismatch: bool = False
                               ) -> FingerprintStatus:
     """Check that ``pack`` (a CrispPack or its pack.json ``info``) was made from ``model``'s weights.

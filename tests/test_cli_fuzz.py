@@ -13,7 +13,7 @@ import torch
 from crisp_bench import cli as bench_cli
 from crisp_bench import kernels as bench_kernels
 from crisp_tools import evaluate, evidence, make_corpus, train_tiny_moe
-from crisp_tools import profile_model as prof
+from crisp_tools import profiler as prof
 
 POS_INT = ["0", "-1", "-3", "1.5", "abc", "", "nan", "1e3", "0x10"]
 NONNEG_INT = ["-1", "-100", "1.5", "abc", "", "nan"]

@@ -14,7 +14,7 @@ from crisp_bench import cli as bench_cli
 from crisp_bench import simulate_cmd
 from crisp_bench import traces as tr
 from crisp_tools import evaluate
-from crisp_tools import profile_model as prof
+from crisp_tools import profiler as prof
 
 CONTENTS: dict[str, bytes | None] = {
     "empty": b"",

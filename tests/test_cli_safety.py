@@ -22,7 +22,8 @@ from crisp_bench import cli as bench_cli  # noqa: E402
 from crisp_bench import simulate_cmd  # noqa: E402
 from crisp_bench import traces as tr  # noqa: E402
 from crisp_tools import evaluate, evidence  # noqa: E402
-from crisp_tools import profile_model as prof  # noqa: E402
+from crisp_tools import profiler as prof  # noqa: E402
+from crisp_tools.calibration import CliError  # noqa: E402
 from crisp_tools.workdir import MARKER, WorkFolder  # noqa: E402
 from profile_helpers import make_tiny_mixtral, write_text  # noqa: E402
 
@@ -161,7 +162,7 @@ def test_same_run_twice_at_once_is_refused(tmp_path):
     b = WorkFolder(tmp_path / "w", "k" * 64, "stats.safetensors")
     a.open()
     try:
-        with pytest.raises(prof.CliError, match="another crisp-profile run"):
+        with pytest.raises(CliError, match="another crisp-profile run"):
             b.open()
     finally:
         a.remove()

@@ -372,8 +372,7 @@ def test_pack_json_info_with_bad_types_is_refused(tmp_path, layers):
 
 def test_tools_verify_digests_when_loading_a_pack(tmp_path, layers):
     """crisp-eval and evidence read packs through load_pack_dir, which checks every tensor digest."""
-    from tools.calibration import CliError
-    from tools.profile_model import load_pack_dir
+    from tools.calibration import CliError, load_pack_dir
 
     save_pack(tmp_path / "p", layers, plan=_plan(layers))
     assert sorted(load_pack_dir(tmp_path / "p")[0]) == [0, 1]

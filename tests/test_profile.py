@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from crisp_tools import profile_model as prof  # noqa: E402
+from crisp_tools import profiler as prof  # noqa: E402
 from crisp_tools.calibration import load_model, reorder_expert_weights  # noqa: E402
 from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text  # noqa: E402
 

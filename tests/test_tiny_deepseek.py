@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from crisp_tools.calibration import MaskedExperts
-from crisp_tools.profile_model import _stored_weights, load_pack_dir
+from crisp_tools.calibration import MaskedExperts, load_pack_dir, stored_weights
 
 from crisp_kernels import dequantize_layer
 from crisp_runtime import CrispPlan, apply
@@ -106,7 +105,7 @@ def test_crisp_plan_runtime_equals_reference_engine(model, pack, windows):
     """The pack's plan through apply() = the dequantized experts masked to the plan's widths."""
     layers, plan, _ = pack
     refs = find_moe_layers(model)
-    weights = {lid: _stored_weights(layer) for lid, layer in layers.items()}
+    weights = {lid: stored_weights(layer) for lid, layer in layers.items()}
     with MaskedExperts(model, refs, weights=weights, widths_fn=plan.token_widths, record=True) as inst:
         expected = _logits(model, windows)
     neuron_bytes = layers[refs[0].layer_id].fmt.neuron_nbytes(refs[0].hidden_size)

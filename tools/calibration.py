@@ -404,3 +404,36 @@ def dump_json(path: str | os.PathLike, data) -> None:
     from crisp_runtime.outputs import write_json
 
     write_json(path, data, allow_nan=True)
+
+
+# ----------------------------------------------------------------------------- packs read by the tools
+
+
+def load_pack_dir(directory: str | os.PathLike):
+    """(layers {layer_id: PackedLayer}, plan or None, info dict) of a pack folder given as ``--crisp``;
+    CliError if unreadable.
+
+    Every tensor's sha256 is checked against the digests recorded at save (crisp-eval and evidence run
+    a model over text for minutes to hours; hashing even a Mixtral-8x7B pack costs seconds).
+    """
+    from crisp_kernels.io import PackCheck
+    from crisp_runtime.pack import load_pack
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CliError(f"--crisp {directory}: not a folder")
+    try:
+        pack = load_pack(directory, check=PackCheck.DIGESTS)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CliError(f"--crisp {directory}: not a readable CRISP pack ({exc})") from exc
+    return pack.layers, pack.plan, dict(pack.info or {})
+
+
+def stored_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized weights of a packed layer in STORED (importance) order, transformers layout: what
+    :class:`MaskedExperts` takes so that width k is the pack's width-k prefix."""
+    from crisp_kernels.format import PackedLayer, dequantize_layer
+
+    stored = PackedLayer(layer.fmt, layer.qweight, layer.scales, layer.zeros,
+                         torch.arange(layer.intermediate_size).expand(layer.num_experts, -1).contiguous())
+    return dequantize_layer(stored)

@@ -44,14 +44,15 @@ from .calibration import (
     contiguous_windows,
     dump_json,
     load_model,
+    load_pack_dir,
     load_texts,
     log,
     model_fingerprint,
     resolve_device,
     score_windows,
+    stored_weights,
     threads,
 )
-from .profile_model import _stored_weights, load_pack_dir
 
 
 class Evaluator:
@@ -179,7 +180,7 @@ class Evaluator:
     def _reference_runner(self):
         import contextlib
 
-        weights = {lid: _stored_weights(layer) for lid, layer in self.layers.items()}
+        weights = {lid: stored_weights(layer) for lid, layer in self.layers.items()}
 
         @contextlib.contextmanager
         def runner():

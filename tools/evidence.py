@@ -42,13 +42,14 @@ from .calibration import (
     contiguous_windows,
     dump_json,
     load_model,
+    load_pack_dir,
     load_texts,
     log,
     model_fingerprint,
     score_windows,
+    stored_weights,
     threads,
 )
-from .profile_model import _stored_weights, load_pack_dir
 
 
 class Evidence:
@@ -69,7 +70,7 @@ class Evidence:
         check_seq_len(self.model, seq_len)
         self.windows = contiguous_windows(texts, samples, seq_len)
         check_vocab(self.model, self.windows)
-        self.weights = {lid: _stored_weights(layer) for lid, layer in self.layers.items()}
+        self.weights = {lid: stored_weights(layer) for lid, layer in self.layers.items()}
         self.layer_ids = sorted(self.layers)
         self.E = self.plan.num_experts
         self.inter = self.plan.intermediate_size

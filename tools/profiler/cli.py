@@ -1,0 +1,110 @@
+"""The ``crisp-profile`` command line: options, ``main`` (exit 2 with ``crisp-profile: error: ...`` on bad
+input, 130 on Ctrl-C with the checkpoint kept for resuming)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from crisp_runtime import cli_args as ca
+from crisp_runtime.outputs import OutputPathError
+
+from ..calibration import DTYPES, CliError
+from .config import (
+    DEFAULT_COLD_MASS,
+    DEFAULT_HOT_MASS,
+    DEFAULT_WARM_WIDTH,
+    DOMINANCE_RULES,
+    IMPORTANCE_KINDS,
+    ProfileConfig,
+)
+from .pipeline import Profiler
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ca.Parser(
+        prog="crisp-profile",
+        description="Profile an MoE model on calibration text and write a CRISP pack (experts reordered by "
+        "importance, 4-bit, neuron-major) with its plan (Hot/Warm/Cold tiers; dominance measured by masking "
+        "or per token by routing weight).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", required=True, type=ca.nonempty_path,
+                   help="local transformers checkpoint folder (nothing is downloaded)")
+    p.add_argument("--data", required=True, nargs="+", type=ca.nonempty_path,
+                   help="calibration text: .txt, .jsonl/.jsonl.gz/.json.gz with a 'text' field, or a saved "
+                        "`datasets` folder (byte-level tokens)")
+    p.add_argument("--out", required=True, type=ca.nonempty_path,
+                   help="output pack folder (written atomically; refused if it holds anything but a pack of this "
+                        "model)")
+    p.add_argument("--samples", type=ca.positive_int, default=2048,
+                   help="calibration windows for the statistics (the paper: 2048)")
+    p.add_argument("--seq-len", type=ca.int_in(2), default=256, help="tokens per window")
+    p.add_argument("--batch-size", type=ca.positive_int, default=16,
+                   help="windows per forward pass (and per checkpoint)")
+    p.add_argument("--seed", type=ca.seed_int, default=0, help="seed of the window sampling")
+    p.add_argument("--device", type=ca.device_name, default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
+                   help="dtype the model is loaded in (auto: the checkpoint's); statistics are float32 either way")
+    p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="4-bit quantization group along H")
+    p.add_argument("--symmetric", action="store_true", help="symmetric 4-bit (no zero points)")
+    p.add_argument("--importance", default="weighted", choices=IMPORTANCE_KINDS,
+                   help="neuron score: sum of routing_weight*|act|*||down col|| (weighted) or without the weight")
+    p.add_argument("--hot-mass", type=ca.float_in(0.0, 1.0), default=DEFAULT_HOT_MASS,
+                   help="Hot = most frequent combinations carrying this share of activations")
+    p.add_argument("--cold-mass", type=ca.float_in(0.0, 1.0), default=DEFAULT_COLD_MASS,
+                   help="Cold = least frequent combinations carrying at most this share")
+    p.add_argument("--warm-width", type=ca.float_in(0.0, 1.0), default=DEFAULT_WARM_WIDTH,
+                   help="width of the auxiliary expert in Warm combinations, as a fraction of full width")
+    p.add_argument("--holdout-fraction", type=ca.float_in(0.0, 1.0, low_open=True, high_open=True), default=0.1,
+                   help="last share of the calibration text kept out of the statistics, for --search-target-bytes")
+    p.add_argument("--dominance-samples", type=ca.positive_int, default=64,
+                   help="calibration windows for measuring dominance")
+    p.add_argument("--dominance-min-tokens", type=ca.positive_int, default=32,
+                   help="pairs seen on fewer tokens (in the dominance windows) use the routing-weight proxy")
+    p.add_argument("--dominance-max-windows", type=ca.positive_int, default=8,
+                   help="windows per pair in each masking run")
+    p.add_argument("--dominance", default="auto", choices=DOMINANCE_RULES,
+                   help="dominant expert of a combination: a per-pair label measured by masking (measured), the "
+                        "heavier expert of each token (routing-weight), or whichever has the lower loss on held-out "
+                        "calibration windows (auto, default)")
+    p.add_argument("--num-dominant", type=ca.positive_int, default=None, metavar="N",
+                   help="routed experts per token at full width (1..top_k-1; default 1, or with "
+                        "--search-target-bytes every N whose dominants alone fit the target is searched)")
+    p.add_argument("--search-target-bytes", type=ca.float_in(0.0, 1.0, low_open=True), default=None, metavar="FRACTION",
+                   help="search tier cut-offs and Warm width for <= FRACTION of full-width bytes per token "
+                        "(lowest loss on held-out calibration windows); overrides --hot-mass/--cold-mass/--warm-width")
+    p.add_argument("--search-samples", type=ca.positive_int, default=32,
+                   help="held-out calibration windows for the search")
+    p.add_argument("--work-dir", default=None, type=ca.nonempty_path,
+                   help="checkpoint folder for resuming (default: .<out>.crisp-work next to --out); the run keeps "
+                        "its files in a run-<key> folder inside it and deletes only those")
+    p.add_argument("--keep-work", action="store_true", help="keep the run's checkpoint after success")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ProfileConfig:
+    values = vars(args)
+    return ProfileConfig(**{k: values[k] for k in ProfileConfig.__dataclass_fields__ if k in values})
+
+
+def main(argv: list[str] | None = None, *, interrupt_after: int | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        info = Profiler(config_from_args(args)).run(interrupt_after=interrupt_after)
+    except (CliError, OutputPathError) as exc:
+        print(f"crisp-profile: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return ca.interrupted("crisp-profile", resumable=True)
+    if not args.quiet:
+        summary = {k: info[k] for k in ("dominance_measured_pairs", "dominance_proxy_agreement", "skew")}
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""``crisp-profile``'s output: the pack, its pack.json record, and the checks on ``--out``.
+
+The experts are packed 4-bit, group-wise, neuron-major and reordered (``crisp_kernels.pack_layer``)
+and written with the plan and pack.json by ``crisp_runtime.pack.save_pack`` (a staging folder
+beside ``--out``, swapped in). crisp-profile is stricter than ``save_pack`` about ``--out``: it
+replaces only an older pack of the same model, and refuses a folder holding anything else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from crisp_kernels.format import pack_layer
+from crisp_runtime.outputs import OutputPathError, check_writable_folder
+from crisp_runtime.pack import PACK_FILES, recorded_model, save_pack
+from crisp_runtime.pairs import pair_skew
+from crisp_runtime.plan import CrispPlan
+
+from ..calibration import CliError
+from .statistics import PROFILE_VERSION, Stats
+
+if TYPE_CHECKING:
+    from .inputs import ProfileInputs
+
+# The fingerprint fields that must match for --out's pack to be replaced by this model's.
+_SAME_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_experts", "layer_ids")
+
+
+def check_out_files(out: Path) -> dict | None:
+    """Refuse an --out that is not a folder or holds anything besides a pack's own files (no model needed,
+    so this runs before the model is loaded). Returns the model fingerprint of the pack found there, if any."""
+    try:  # the pack is staged beside --out and swapped in: its parent must take new files
+        check_writable_folder(f"--out {out}", out.parent)
+    except OutputPathError as exc:
+        raise CliError(str(exc)) from exc
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise CliError(f"--out {out}: exists and is not a folder")
+    if not any(out.iterdir()):
+        return None
+    existing = recorded_model(out)
+    if existing is None:
+        raise CliError(f"--out {out}: the folder is not empty and holds no CRISP pack; refusing to replace it")
+    others = sorted(p.name for p in out.iterdir() if p.name not in PACK_FILES)
+    if others:
+        listed = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise CliError(f"--out {out}: beside the CRISP pack the folder holds other files ({listed}); refusing to "
+                       f"replace it (give an empty or new folder)")
+    return existing
+
+
+def check_out_dir(out: Path, fingerprint: dict) -> None:
+    """Refuse an --out that holds something other than an older pack of this same model (and only that)."""
+    existing = check_out_files(out)
+    if existing is None:
+        return
+    if existing.get("weights_sha256") != fingerprint["weights_sha256"] or any(
+        existing.get(k) != fingerprint[k] for k in _SAME_MODEL_KEYS
+    ):
+        raise CliError(
+            f"--out {out}: holds the pack of a different model ({existing.get('model_type')}, "
+            f"weights {str(existing.get('weights_sha256'))[:12]}...); choose another --out or delete it"
+        )
+
+
+def pack_layers(inputs: ProfileInputs, order: dict[int, torch.Tensor]) -> dict:
+    """{layer_id: PackedLayer} of the model's experts, neurons in ``order`` (most important first)."""
+    packed = {}
+    for ref in inputs.layers:
+        packed[ref.layer_id] = pack_layer(
+            ref.module.gate_up_proj.detach().float().cpu(), ref.module.down_proj.detach().float().cpu(),
+            inputs.fmt, neuron_order=order[ref.layer_id],
+        )
+    return packed
+
+
+def profile_info(inputs: ProfileInputs, stats: Stats, plan_info: dict, search: dict | None,
+                 elapsed_s: float) -> dict:
+    """What pack.json records about the run: model, calibration, skew, expert use, search, plan choice."""
+    cfg = inputs.cfg
+    skew = {}
+    for i, layer_id in enumerate(inputs.layer_ids):
+        s = pair_skew(stats.pair_counts[i], 0.25, 0.29)
+        skew[str(layer_id)] = {"top25_share": s.top_share, "bottom29_share": s.bottom_share,
+                               "seen_pairs": s.seen, "possible_pairs": s.possible}
+    return {
+        "tool": "crisp-profile",
+        "profile_version": PROFILE_VERSION,
+        "model": inputs.fingerprint,
+        "model_path": str(cfg.model),
+        "model_type": inputs.fingerprint["model_type"],
+        "num_hidden_layers": getattr(inputs.model.config.get_text_config(), "num_hidden_layers", None),
+        "top_k": inputs.top_k,
+        "neuron_bytes": inputs.fmt.neuron_nbytes(inputs.hidden),
+        "importance": ("sum over routed tokens of routing_weight * |silu(gate x) * (up x)| * ||down column||"
+                       if cfg.importance == "weighted" else
+                       "sum over routed tokens of |silu(gate x) * (up x)| * ||down column||"),
+        "calibration": {"data": [str(p) for p in cfg.data], "samples": cfg.samples, "seq_len": cfg.seq_len,
+                        "seed": cfg.seed, "holdout_fraction": cfg.holdout_fraction,
+                        "dominance_samples": cfg.dominance_samples},
+        "tier_cutoffs": {"hot_mass": inputs.cutoffs.hot_mass, "cold_mass": inputs.cutoffs.cold_mass},
+        "skew": skew,
+        "expert_tokens": stats.expert_tokens.tolist(),
+        "search": search,
+        "elapsed_s": round(elapsed_s, 1),
+        **plan_info,
+    }
+
+
+def write_pack(inputs: ProfileInputs, packed, plan: CrispPlan, info: dict) -> None:
+    """The pack into --out as one change (see the module docstring)."""
+    check_out_dir(inputs.out, inputs.fingerprint)  # again: something may have appeared meanwhile
+    save_pack(inputs.out, packed, plan=plan, info=info)
