@@ -16,10 +16,15 @@ the CPU's bandwidth measured here), ``static_hybrid`` (llama.cpp ``--n-cpu-moe``
 used experts resident at full width, the others on the CPU) and ``cpu_only``. ``hybrid`` and
 ``static_hybrid`` start with the most used experts of the decoded tokens' routing (recorded from
 the unquantized model: an oracle, as in the simulator) resident at full width within the budget.
-Each record of a CPU placement carries ``max_logit_diff_vs_gpu``: the largest difference of its
-logits from the same plan under the GPU placement (the same widths: equal up to float32
-summation order). On a CPU-only machine the "GPU" side runs on the CPU too: this checks the
-hybrid path end to end, it measures no offloading speed.
+Each record of a CPU placement carries the check of every MoE layer step against the float64
+reference at the widths that step served (:class:`StepCheck`: ``steps_checked``,
+``max_err_over_bound``, ``within_tolerance``; the bound is each expert's tolerance times its
+contribution's norm, summed: the CPU's precision contract, ``crisp_runtime.cpu_experts``, for its
+experts, the kernels' for the GPU's), and ``max_logit_diff_vs_gpu``: the largest difference of its
+logits from the same plan under the GPU placement (information: with ``--cpu-precision fp32``
+they differ only by float32 summation order, with bf16 by the bf16 path's rounding). On a
+CPU-only machine the "GPU" side runs on the CPU too: this checks the hybrid path end to end, it
+measures no offloading speed.
 """
 
 from __future__ import annotations
@@ -29,8 +34,12 @@ import time
 from pathlib import Path
 
 import torch
+from crisp_tools.text import read_texts, sample_sequences
 
+from crisp_kernels.cpu_expert import Precision
+from crisp_kernels.expert_mlp import expert_mlp_ref
 from crisp_runtime import cli_args as ca
+from crisp_runtime.cpu_experts import EXACT, TOLERANCE, CpuExpertsConfig
 from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
 from crisp_runtime.executor import RuntimeConfig
 from crisp_runtime.hf import apply
@@ -38,7 +47,6 @@ from crisp_runtime.models import max_positions, record_routing
 from crisp_runtime.pack import load_pack
 from crisp_runtime.scheduler import CostModel, Placement
 from crisp_runtime.serving import ServingPolicy
-from crisp_runtime.text import read_texts, sample_sequences
 
 from . import common, report
 from . import traces as tr
@@ -54,6 +62,59 @@ from .common import (
 from .simulate import BudgetTooSmall
 
 PLACEMENTS = ("gpu", "hybrid", "static_hybrid", "cpu_only")  # crisp_runtime.scheduler.Placement values
+CPU_PRECISIONS = tuple(p.value for p in Precision)  # RuntimeConfig.cpu_experts: bf16 (the fast path) or fp32 (exact)
+
+
+class StepCheck:
+    """Every layer step of ``runtime`` against the float64 reference at the widths it served.
+
+    Installed as the runtime's ``forward`` (an instance attribute; :meth:`close` removes it). After each
+    step, each expert's reference contribution (``expert_mlp_ref`` in float64 on its host rows at the
+    step's per-slot widths) is summed, and ``||out - ref||`` is compared with the step's bound:
+    ``sum over experts of tol(side) * ||ref_e||``, tol = the CPU's precision contract
+    (``cpu_experts.TOLERANCE``) for a CPU-served expert, the kernels' for a GPU-served one (1e-5 with
+    fp32 activations, 2u = ``finfo.eps`` of fp16/bf16 ones), plus the output's rounding to the
+    activations' dtype. ``worst``: the largest ratio error / bound (<= 1: within tolerance).
+    """
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self._forward = runtime.forward
+        self.cpu_tol = TOLERANCE[runtime.config.cpu_experts.precision]
+        self.steps = 0
+        self.worst = 0.0
+        runtime.forward = self
+
+    def __call__(self, layer_id, hidden_states, top_k_index, top_k_weights):
+        out = self._forward(layer_id, hidden_states, top_k_index, top_k_weights)
+        step = self.runtime.last_step[layer_id]
+        dtype = hidden_states.dtype
+        gpu_tol = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+        x = hidden_states.detach().to("cpu", torch.float64)
+        weights = top_k_weights.detach().reshape(-1).to("cpu", torch.float64)
+        ref = torch.zeros(x.shape, dtype=torch.float64)
+        bound = 0.0
+        for t in step.tasks:
+            pos, widths = step.flat_pos[t.start:t.stop], step.flat_widths[t.start:t.stop]
+            rows = torch.div(pos, step.top_k, rounding_mode="floor")
+            host = self.runtime.store.expert(layer_id, t.expert)  # host rows (every CPU placement has a budget)
+            part = expert_mlp_ref(x[rows], host, t.width, token_widths=widths,
+                                  compute_dtype=torch.float64) * weights[pos].unsqueeze(1)
+            ref.index_add_(0, rows, part)
+            bound += (self.cpu_tol if t.on_cpu else gpu_tol) * float(part.norm())
+        if dtype != torch.float32:
+            bound += torch.finfo(dtype).eps / 2 * float(ref.norm())
+        err = float((out.detach().to("cpu", torch.float64) - ref).norm())
+        self.steps += 1
+        self.worst = max(self.worst, err / bound if bound > 0 else (0.0 if err == 0 else float("inf")))
+        return out
+
+    def close(self) -> None:
+        del self.runtime.forward
+
+    def record(self) -> dict:
+        return {"steps_checked": self.steps, "max_err_over_bound": self.worst,
+                "within_tolerance": self.steps > 0 and self.worst <= 1.0}
 
 
 @torch.no_grad()
@@ -103,6 +164,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--placements", type=common.csv_choices(PLACEMENTS), default=["gpu"],
                    help=f"where experts run, comma separated: {', '.join(PLACEMENTS)} (default gpu; the others use the "
                    "host CPU: issue 11's hybrid and its baselines)")
+    p.add_argument("--cpu-precision", choices=CPU_PRECISIONS, default="bf16",
+                   help="how the CPU placements compute their experts: bf16 (default: torch's int4pack op on an "
+                   "int4pack copy built lazily, within 2u of bf16 of the reference) or fp32 (the exact path on the "
+                   "host rows, ~45x slower)")
     common.add_outputs(p)
 
 
@@ -158,8 +223,9 @@ def run(args) -> int:
                 "hit_rate": None, "accuracy": ref["accuracy"], "tokens": ref["tokens"]}]
     placements = list(getattr(args, "placements", None) or ["gpu"])
     gpu_logits: dict[str, torch.Tensor] = {}
+    cpu_experts = EXACT if getattr(args, "cpu_precision", "bf16") == "fp32" else CpuExpertsConfig()
     for placement in placements:
-        config = _placement_config(placement, pack)
+        config = _placement_config(placement, pack, cpu_experts)
         handle = apply(model, pack, plan=plans.get("full") or next(iter(plans.values())), gpu_budget=budget,
                        config=config)
         try:
@@ -172,7 +238,12 @@ def run(args) -> int:
                 prog = report.Progress(f"e2e {label}")
                 prog(0, 1)
                 logits: list = []
-                res = decode(model, ids, warm, handle, logits=logits)
+                check = StepCheck(handle.runtime) if placement != "gpu" else None
+                try:
+                    res = decode(model, ids, warm, handle, logits=logits)
+                finally:
+                    if check is not None:
+                        check.close()
                 prog(1, 1)
                 st = handle.stats()
                 rec = {
@@ -182,6 +253,9 @@ def run(args) -> int:
                     "budget_bytes": budget, "budget_fraction": args.budget, "device": str(device),
                     "placement": placement, "cpu_runs_per_token": st["cpu_runs"] / max(1, st["tokens"]),
                 }
+                if check is not None:
+                    rec.update(check.record(), cpu_precision=cpu_experts.precision.value,
+                               cpu_experts=(st["cpu"] or {}).get("experts"))
                 stacked = torch.stack(logits)
                 if placement == "gpu":
                     gpu_logits[name] = stacked
@@ -202,12 +276,21 @@ def run(args) -> int:
             ("kb_per_token", "kB copied/tok"), ("kb_read_per_token", "kB read/tok"), ("hit_rate", "hit rate"),
             ("accuracy", "next-token acc"), ("accuracy_loss_vs_full", "acc loss vs full")]
     if placements != ["gpu"]:
-        cols += [("cpu_runs_per_token", "CPU experts/tok"), ("max_logit_diff_vs_gpu", "max |logit diff| vs GPU")]
+        cols += [("cpu_runs_per_token", "CPU experts/tok"), ("max_err_over_bound", "max err/bound"),
+                 ("max_logit_diff_vs_gpu", "max |logit diff| vs GPU")]
     rows = [dict(r, kb_per_token=r["bytes_per_token"] / 1e3, kb_read_per_token=r.get("bytes_read_per_token", 0) / 1e3,
                  hit_rate=r["hit_rate"] if r["hit_rate"] is not None else "-") for r in records]
     print(report.table(rows, cols))
     print("full = 4-bit whole experts + LRU cache: the mixtral-offloading-style baseline. "
           f"Accuracy over {ref['tokens']} tokens is noisy below ~1,000 tokens.")
+    checked = [r for r in records if "within_tolerance" in r]
+    if checked:
+        bad = [r["policy"] for r in checked if not r["within_tolerance"]]
+        print(f"CPU placements ({checked[0]['cpu_precision']}): every layer step against the float64 reference at the "
+              f"widths served: {'all within tolerance' if not bad else 'OUT OF TOLERANCE: ' + ', '.join(bad)} "
+              f"(max error / bound {max(r['max_err_over_bound'] for r in checked):.3f})")
+        if bad:
+            return 1
     if args.plot:
         groups = {r["policy"]: {"tokens/s": r["tokens_per_s"]} for r in records[1:]}
         report.plot_bars(args.plot, groups, ylabel="decode tokens/s",
@@ -221,14 +304,16 @@ def run(args) -> int:
     return 0
 
 
-def _placement_config(placement: str, pack):
-    """The runtime configuration of one ``--placements`` entry: GPU (default) or a CPU placement, whose cost model
-    has the CPU's bandwidth measured here (``crisp_runtime.cpu_knob``)."""
+def _placement_config(placement: str, pack, cpu_experts: CpuExpertsConfig):
+    """The runtime configuration of one ``--placements`` entry: GPU (default) or a CPU placement computing its
+    experts as ``cpu_experts`` says, whose cost model has the CPU's bandwidth measured here that way
+    (``crisp_runtime.cpu_knob``)."""
     if placement == "gpu":
         return None
     first = pack.layers[min(pack.layers)]
-    cost = CostModel(cpu_bytes_per_s=measure_cpu_bytes_per_s(first))
-    return RuntimeConfig(serving=ServingPolicy(placement, placement=Placement(placement)), cost=cost)
+    cost = CostModel(cpu_bytes_per_s=measure_cpu_bytes_per_s(first, config=cpu_experts))
+    return RuntimeConfig(serving=ServingPolicy(placement, placement=Placement(placement)), cost=cost,
+                         cpu_experts=cpu_experts)
 
 
 def _pin_hot_experts(runtime, trace, budget: int) -> None:

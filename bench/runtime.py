@@ -288,6 +288,66 @@ def measure_layer_step(
     return records
 
 
+def measure_cpu_worker(
+    *,
+    hidden: int = 4096,
+    intermediate: int = 14336,
+    top_k: int = 2,
+    fractions=(0.25, 1.0),
+    tokens: int = 1,
+    repeats: int = 3,
+    config: RuntimeConfig | None = None,
+) -> list[dict]:
+    """The runtime's CPU worker (hybrid placement ``cpu_only``) per expert, through ``CrispRuntime.forward``.
+
+    One layer of ``top_k`` experts of random 4-bit rows (timing only: the values do not matter), every
+    token routed to all of them at ``fraction`` of the full width (a uniform plan). Each record: the
+    median wall time of a layer step over ``repeats`` (after one warm-up step, which also builds the
+    int4pack copy of a lazily prepared expert) divided by ``top_k``, and the GB/s of the format's
+    prefix bytes. ``config``: the runtime configuration (its serving policy becomes ``cpu_only``).
+    """
+    from dataclasses import replace
+
+    from crisp_kernels import PackedLayer
+    from crisp_runtime.scheduler import CostModel
+
+    fmt = QuantFormat(group_size=64)
+    g = torch.Generator().manual_seed(0)
+    groups = hidden // fmt.group_size
+    shape = (top_k, intermediate, 3)
+    layer = PackedLayer(fmt, torch.randint(0, 256, (*shape, hidden // 2), dtype=torch.uint8, generator=g),
+                        (torch.rand(*shape, groups, generator=g) * 1e-2).half(),
+                        torch.randint(0, 16, (*shape, groups), dtype=torch.uint8, generator=g),
+                        torch.arange(intermediate).repeat(top_k, 1))
+    base = RuntimeConfig() if config is None else config
+    config = replace(base, serving="cpu_only",
+                     cost=base.cost if base.cost.has_cpu else CostModel(cpu_bytes_per_s=1e9))
+    x = torch.randn(tokens, hidden)
+    index = torch.arange(top_k).repeat(tokens, 1)
+    weights = torch.full((tokens, top_k), 1.0 / top_k)
+    records = []
+    for fraction in fractions:
+        width = max(1, round(fraction * intermediate))
+        plan = CrispPlan.uniform(top_k, top_k, intermediate, [0], width=width)
+        runtime = CrispRuntime({0: layer}, plan, device="cpu", gpu_budget=top_k * intermediate * layer.neuron_nbytes,
+                               config=config)
+        try:
+            runtime.forward(0, x, index, weights)  # warm-up (and a lazy preparation)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runtime.forward(0, x, index, weights)
+                times.append(time.perf_counter() - t0)
+        finally:
+            runtime.close()
+        per_expert = statistics.median(times) / top_k
+        records.append({"hidden": hidden, "intermediate": intermediate, "width": width, "fraction": fraction,
+                        "tokens": tokens, "ms_per_expert": per_expert * 1e3,
+                        "gbps": width * layer.neuron_nbytes / per_expert / 1e9, "repeats": repeats,
+                        "threads_main": torch.get_num_threads()})
+    return records
+
+
 def _to_cpu_layer(layer):
     from crisp_kernels import PackedLayer
 

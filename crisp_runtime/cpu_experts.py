@@ -1,68 +1,138 @@
 """Experts computed on the host CPU (hybrid placement, issue 11): the worker thread and the kernel call.
 
 The scheduler (``scheduler.split_step``) puts some of a step's experts on the CPU; the executor
-hands them, as one job, to :class:`CpuWorker`, one persistent single-thread pool per runtime,
-created on first use and shut down by :meth:`CpuWorker.close` (``CrispHandle.restore``). One
-thread, not one per expert: the CPU kernel is itself multi-threaded (torch's intra-op pool) and
-memory-bound, so two experts at once would only share the same bandwidth. The job runs while
-the calling thread issues the GPU's copies and kernels (torch ops release the GIL) and writes a
-(T, H) float32 partial output on the CPU, which joins the GPU accumulator with one small copy.
+hands them, as one job, to :class:`CpuExperts`' worker: one persistent single-thread pool per
+runtime, created on first use and shut down by :meth:`CpuExperts.close` (``CrispHandle.restore``).
+One thread, not one per expert: the kernel is itself multi-threaded (torch's intra-op pool) and
+memory-bound, so two experts at once would only share the same bandwidth. The job runs while the
+calling thread issues the GPU's copies and kernels (torch ops release the GIL) and writes a (T, H)
+float32 partial output on the CPU, which joins the GPU accumulator with one small copy.
 
-The kernel: H1's ``crisp_kernels.cpu_expert.expert_mlp_cpu_accumulate_`` when that module
-exists (its fp32 chunked-dequant path on the host rows for fp32 activations: no second copy of
-the experts), else, and for experts it does not cover (biases, other activations), the torch
-reference (``crisp_kernels.expert_mlp``) on the host store's tensors.
-Both read only the first ``width`` rows of the expert's neuron-major prefix in host memory.
+The kernel is ``crisp_kernels.cpu_expert.expert_mlp_cpu_accumulate_`` (docs/cpu-kernel.md), set by
+a frozen :class:`CpuExpertsConfig` (``RuntimeConfig.cpu_experts``):
+
+- **precision** ``BF16`` (default): the activations are rounded to bf16 on the CPU and the 64-neuron
+  blocks of the prefix go through torch's int4pack op (bf16 operands and outputs, fp32 sums of the
+  partial products and fp32 accumulation into the partial output); each expert's contribution is
+  within 2u of bf16 (2 * 2**-8 = 7.8e-3, the kernels' tolerance) of the float64 reference at the
+  served width, in relative norm. ``FP32``: the exact chunked-dequant path on the host rows (1e-5),
+  ~45x slower (docs/cpu-kernel.md, 1 thread).
+- **prepare**: the int4pack op reads a second layout of the experts (``cpu_expert_prepare``),
+  7,040 B per neuron beside the format's 6,720 at H 4096, g 64: host memory for the experts
+  x 2.05 when every expert is prepared (Mixtral-8x7B: +25.8 GB on the pack's 24.7 GB), built at
+  0.87 s per Mixtral expert (1 thread, this loaded VM). ``LAZY`` (default) builds an expert's copy
+  the first time the CPU computes it, on the worker thread (a one-off stall of that step), so
+  only the experts the CPU actually runs cost memory (all of them under ``cpu_only``, the
+  non-pinned ones under ``static_hybrid``, those the split sends to the CPU under ``hybrid``);
+  ``EAGER`` builds every expert of every layer when the runtime is made (no stall, the whole
+  x 2.05 up front); ``NONE`` keeps no second copy and computes every CPU expert on the exact
+  fp32 path (the only choice with ``FP32``, which never reads the copy). ``stats()["cpu"]["experts"]``
+  reports the copies held and their bytes.
+- **threads**: the worker's torch intra-op threads. torch's OpenMP thread count is per OS thread
+  (``omp_set_num_threads`` sets the calling thread's), so the worker sets its own at start and the
+  thread that made it puts torch's process default back (new threads take that default). None:
+  one fewer than the calling thread has (at least 1), leaving a core to the thread that drives the
+  GPU. On this 2-core VM that is 1, which is also what the kernel wants here: with 2 threads each
+  of its ~80 op calls per expert waits on a preempted OpenMP partner (0.14-0.39 GB/s against
+  2.2-3.1 GB/s at 1 thread, Mixtral expert, T = 1; docs/cpu-kernel.md).
+
+Experts the kernel does not cover (biases, other activations: gpt-oss) run the torch reference
+(``crisp_kernels.expert_mlp``) in fp32 on the host rows. Every path reads only the first ``width``
+rows of the expert's neuron-major prefix.
 """
 
 from __future__ import annotations
 
-import importlib
+import enum
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from crisp_kernels import Backend
+from crisp_kernels import Backend, PackedExpert
+from crisp_kernels.cpu_expert import (
+    CpuExpert,
+    CpuExpertConfig,
+    CpuImpl,
+    Precision,
+    expert_mlp_cpu_accumulate_,
+    prepare_expert,
+)
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_
 
 
-def cpu_kernel():
-    """H1's CPU expert kernel when ``crisp_kernels.cpu_expert`` provides it, else None (the reference)."""
-    try:
-        module = importlib.import_module("crisp_kernels.cpu_expert")
-    except ImportError:
-        return None
-    return getattr(module, "expert_mlp_cpu_accumulate_", None)
+class CpuPrepare(enum.Enum):
+    """When the int4pack copy of an expert (the fast path's layout) is built; see the module docstring."""
+
+    LAZY = "lazy"  # the first time the CPU computes the expert (default)
+    EAGER = "eager"  # every expert of every layer when the runtime is made
+    NONE = "none"  # never: the exact fp32 path on the host rows
 
 
-def cpu_kernel_name() -> str:
-    return "crisp_kernels.cpu_expert" if cpu_kernel() is not None else "torch-reference"
+@dataclass(frozen=True)
+class CpuExpertsConfig:
+    """How the CPU computes its experts (``RuntimeConfig.cpu_experts``); see the module docstring."""
+
+    precision: Precision = Precision.BF16
+    prepare: CpuPrepare = CpuPrepare.LAZY
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, kind in (("precision", Precision), ("prepare", CpuPrepare)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                try:
+                    object.__setattr__(self, name, kind(value))
+                except ValueError:
+                    raise ValueError(f"CpuExpertsConfig.{name}: expected one of {[m.value for m in kind]}, "
+                                     f"got {value!r}") from None
+        if self.precision is Precision.FP32 and self.prepare is not CpuPrepare.NONE:
+            raise ValueError("CpuExpertsConfig: precision 'fp32' runs the exact path on the host rows, which never "
+                             "reads the int4pack copy: use prepare='none' (cpu_experts.EXACT)")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"CpuExpertsConfig.threads: expected None or a positive int, got {self.threads!r}")
+
+    @property
+    def impl(self) -> CpuImpl:
+        """The implementation of the 64-neuron blocks of a covered expert."""
+        return CpuImpl.INT4PACK_BF16 if self.prepare is not CpuPrepare.NONE else CpuImpl.DEQUANT_FP32
+
+    def worker_threads(self) -> int:
+        """The worker's intra-op threads: ``threads``, or one fewer than the calling thread has (>= 1)."""
+        return self.threads if self.threads is not None else max(1, torch.get_num_threads() - 1)
+
+    def to_dict(self) -> dict:
+        return {"precision": self.precision.value, "prepare": self.prepare.value, "threads": self.threads}
 
 
-def accumulate_cpu_(partial: torch.Tensor, x: torch.Tensor, packed, width: int, rows: torch.Tensor,
-                    weights: torch.Tensor, token_widths: torch.Tensor, kernel=None) -> None:
-    """``partial[rows] += weights[:, None] * expert_width(x[rows])`` on the CPU (per-token widths <= width).
+EXACT = CpuExpertsConfig(Precision.FP32, CpuPrepare.NONE)  # fp32 on the host rows, no second copy
 
-    partial: (T, H) float32; x: (T, H) activations; rows / weights / token_widths: (n,) CPU tensors
-    of this expert's slots. ``kernel``: :func:`cpu_kernel`'s result (None = the torch reference).
-    """
-    if kernel is None or packed.bias is not None or packed.activation.kind.value != "silu_glu":
-        # the reference also covers what H1's kernel does not (biases, other activations: gpt-oss)
-        expert_mlp_accumulate_unchecked_(partial, x, packed, width, rows, weights, token_widths, Backend.TORCH)
-        return
-    part = torch.zeros((rows.numel(), partial.shape[1]), dtype=torch.float32)
-    xs = x.index_select(0, rows)
-    if xs.dtype not in (torch.float32, torch.bfloat16):  # H1's kernel takes fp32 or bf16 (fp16 from a GPU model)
-        xs = xs.float()
-    kernel(xs, packed, token_widths, width, weights, part)
-    partial.index_add_(0, rows, part)
+# Relative error of one CPU expert's contribution against the float64 reference at its served
+# width (crisp_kernels.cpu_expert.tolerance): 2u of bf16 with bf16 operands, 1e-5 in fp32.
+TOLERANCE = {Precision.BF16: 2 * 2.0**-8, Precision.FP32: 1e-5}
+
+
+def covered(packed: PackedExpert) -> bool:
+    """The CPU kernel computes this expert (silu(gate) * up without biases); else the torch reference."""
+    return packed.bias is None and packed.activation.kind.value == "silu_glu"
+
+
+def _set_worker_threads(threads: int) -> None:
+    """The worker's initializer: its OpenMP threads. torch initialises a thread's count lazily, on its
+    first parallel op, from the process default; ``get_num_threads`` does that initialisation now,
+    while the default is still ``threads``, so that putting the default back later cannot undo it."""
+    torch.set_num_threads(threads)
+    torch.get_num_threads()
 
 
 class CpuWorker:
-    """One lazily created single-thread pool for the CPU's experts of every layer step."""
+    """One lazily created single-thread pool whose thread runs torch at ``threads`` intra-op threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
+        self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
+        self.threads: int | None = None  # the worker's, once started
 
     @property
     def started(self) -> bool:
@@ -70,11 +140,97 @@ class CpuWorker:
 
     def submit(self, fn, /, *args) -> Future:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crisp-cpu-experts")
+            self._start()
         return self._pool.submit(fn, *args)
+
+    def _start(self) -> None:
+        default = torch.get_num_threads()  # this thread's (initialised here before the worker changes the default)
+        threads = self._threads if self._threads is not None else max(1, default - 1)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crisp-cpu-experts",
+                                  initializer=_set_worker_threads, initargs=(threads,))
+        pool.submit(int).result()  # the initializer has run: the worker's OpenMP threads are set
+        # torch.set_num_threads also set torch's default for threads not yet initialised; put it back
+        # (on this thread it is the count it already had).
+        torch.set_num_threads(default)
+        self._pool, self.threads = pool, threads
 
     def close(self) -> None:
         """Wait for a job in flight and stop the thread (a later submit starts a new one)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+class CpuExperts:
+    """The CPU side of one runtime: its worker, its config and the int4pack copies it holds.
+
+    ``layers``: ``{layer_id: PackedLayer}`` in host memory (the host store's). ``kernel``: the
+    function called per covered expert (``expert_mlp_cpu_accumulate_``'s signature); tests swap it.
+    The copies are built and read on the worker thread only (``EAGER``: here, before any job).
+    """
+
+    def __init__(self, layers, config: CpuExpertsConfig) -> None:
+        if not isinstance(config, CpuExpertsConfig):
+            raise TypeError(f"cpu_experts: expected a CpuExpertsConfig, got {type(config).__name__}")
+        self.layers = layers
+        self.config = config
+        self.kernel = expert_mlp_cpu_accumulate_
+        self.worker = CpuWorker(config.threads)
+        self._kernel_config = CpuExpertConfig(config.precision)
+        self._prepared: dict[tuple[int, int], CpuExpert] = {}
+        self._prepared_nbytes = 0
+        if config.prepare is CpuPrepare.EAGER:
+            for layer_id, layer in layers.items():
+                for e in range(layer.num_experts):
+                    self._expert(layer_id, e)
+
+    @property
+    def started(self) -> bool:
+        return self.worker.started
+
+    def submit(self, fn, /, *args) -> Future:
+        return self.worker.submit(fn, *args)
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def _expert(self, layer_id: int, expert: int) -> PackedExpert | CpuExpert:
+        """What the kernel reads for this expert: its int4pack copy (built on first use) or its host rows."""
+        packed = self.layers[layer_id].expert(expert)
+        if self.config.prepare is CpuPrepare.NONE or not covered(packed):
+            return packed
+        key = (layer_id, expert)
+        got = self._prepared.get(key)
+        if got is None:
+            got = self._prepared[key] = prepare_expert(packed)
+            self._prepared_nbytes += got.nbytes
+        return got
+
+    def accumulate_(self, partial: torch.Tensor, x: torch.Tensor, layer_id: int, expert: int, width: int,
+                    rows: torch.Tensor, weights: torch.Tensor, token_widths: torch.Tensor) -> None:
+        """``partial[rows] += weights[:, None] * expert_width(x[rows])`` (per-token widths <= width), on the CPU.
+
+        partial: (T, H) float32; x: (T, H) activations on the CPU; rows / weights / token_widths: (n,)
+        CPU tensors of this expert's slots.
+        """
+        source = self._expert(layer_id, expert)
+        host = source.packed if isinstance(source, CpuExpert) else source
+        if not covered(host):  # the kernel computes silu(gate) * up without biases: gpt-oss goes here
+            expert_mlp_accumulate_unchecked_(partial, x, host, width, rows, weights, token_widths, Backend.TORCH)
+            return
+        xs = x.index_select(0, rows)
+        if xs.dtype not in (torch.float32, torch.bfloat16):  # fp16 from a GPU model: exact in fp32
+            xs = xs.float()
+        part = torch.zeros((rows.numel(), partial.shape[1]), dtype=torch.float32)
+        self.kernel(xs, source, token_widths, width, weights, part, config=self._kernel_config)
+        partial.index_add_(0, rows, part)
+
+    def info(self) -> dict:
+        """For ``stats()["cpu"]["experts"]``: the config, the worker's threads, the copies held and their bytes."""
+        host = sum(layer.nbytes() for layer in self.layers.values())
+        return {**self.config.to_dict(), "impl": self.config.impl.value,
+                "worker_threads": self.worker.threads if self.worker.started else self.config.worker_threads(),
+                "tolerance": TOLERANCE[self.config.precision],
+                "prepared_experts": len(self._prepared), "prepared_bytes": self._prepared_nbytes,
+                "host_expert_bytes": host,
+                "prepared_over_host": self._prepared_nbytes / host if host else 0.0}

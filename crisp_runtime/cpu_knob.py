@@ -4,7 +4,8 @@
   says otherwise): today's behaviour exactly.
 - ``on``: the serving policy's placement becomes ``hybrid`` (per step, the GPU / CPU split of
   minimal makespan, ``scheduler.split_step``); the cost model gets the CPU's bandwidth measured
-  here (one expert at full width, batch 1, best of 3) unless the configuration's cost model has one.
+  here (one expert at full width, batch 1, best of 3, on a worker thread set up as the runtime's:
+  ``RuntimeConfig.cpu_experts``) unless the configuration's cost model has one.
 - ``auto``: ``on`` when it can pay, from the measured bandwidths: experts offloaded
   (``gpu_budget`` set), a GPU to offload from (on a CPU-only machine the experts already run on
   the CPU: nothing to split), and a CPU streaming prefix bytes at >= 1/4 of the copy rate
@@ -22,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .cpu_experts import accumulate_cpu_, cpu_kernel, cpu_kernel_name
+from .cpu_experts import CpuExperts, CpuExpertsConfig
 from .scheduler import Placement
 
 # auto: hybrid when the CPU streams prefix bytes at least this fraction of the H2D rate (see the docstring).
@@ -61,21 +62,31 @@ def parse_cpu_mode(cpu) -> CpuMode:
         raise ValueError(f"cpu: expected 'off', 'on' or 'auto', got {cpu!r}") from None
 
 
-def measure_cpu_bytes_per_s(layer, repeats: int = 3) -> float:
-    """Prefix bytes per second of the CPU kernel: expert 0 of ``layer`` (host tensors) at full width, batch 1."""
+def measure_cpu_bytes_per_s(layer, repeats: int = 3, config: CpuExpertsConfig | None = None) -> float:
+    """Prefix bytes (the format's) per second of the runtime's CPU path: expert 0 of ``layer`` (host
+    tensors) at full width, batch 1, best of ``repeats``, timed on a worker thread set up as the
+    runtime's (``config``: its precision, int4pack copy and threads; the copy's build is not timed)."""
     expert = layer.expert(0)
     if expert.device.type != "cpu":
         raise ValueError("measure_cpu_bytes_per_s: the layer must be in host memory")
+    cpu = CpuExperts({0: layer}, CpuExpertsConfig() if config is None else config)
     width = layer.intermediate_size
     x = torch.randn(1, layer.hidden_size)
     rows, weights, widths = torch.zeros(1, dtype=torch.int64), torch.ones(1), torch.full((1,), width)
-    out = torch.zeros(1, layer.hidden_size)
-    kernel = cpu_kernel()
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first call warms up (allocations, thread pool)
-        t0 = time.perf_counter()
-        accumulate_cpu_(out, x, expert, width, rows, weights, widths, kernel)
-        best = min(best, time.perf_counter() - t0)
+
+    def timed() -> float:
+        out = torch.zeros(1, layer.hidden_size)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first call warms up (and builds a lazy int4pack copy)
+            t0 = time.perf_counter()
+            cpu.accumulate_(out, x, 0, 0, width, rows, weights, widths)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    try:
+        best = cpu.submit(timed).result()
+    finally:
+        cpu.close()
     return expert.nbytes(width) / best
 
 
@@ -102,11 +113,11 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers)
         return config, CpuDecision(mode, placement, "no gpu_budget: every expert resident on the device")
     first = layers[min(layers)]
     cost = config.cost
-    cpu_bps = cost.cpu_bytes_per_s if cost.has_cpu else measure_cpu_bytes_per_s(first)
+    cpu_bps = cost.cpu_bytes_per_s if cost.has_cpu else measure_cpu_bytes_per_s(first, config=config.cpu_experts)
     h2d_bps = cost.h2d_bytes_per_s
     if device.type == "cuda":  # GPU-only
         h2d_bps = _measure_h2d_bytes_per_s(first, device)
-    name = cpu_kernel_name()
+    name = config.cpu_experts.impl.value
     if mode is CpuMode.AUTO:
         if device.type != "cuda":
             return config, CpuDecision(mode, placement, f"the experts run on {device.type}: no GPU to split with",

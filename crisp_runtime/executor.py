@@ -25,8 +25,9 @@ CUDA (``async_copies=True``, the default there), GPU-only code marked below:
 
 Hybrid placement (``ServingPolicy.placement`` other than GPU, issue 11): the scheduler marks
 some tasks ``on_cpu``. Before the GPU's tasks are issued, those go as one job to the runtime's
-CPU worker thread (``cpu_experts.CpuWorker``): it reads each expert's prefix rows from the host
-store (nothing copied, nothing admitted to the ledger) and accumulates into a (T, H) float32
+CPU worker thread (``cpu_experts.CpuExperts``): it reads each expert's prefix from host memory
+(nothing copied to the device, nothing admitted to the ledger; the int4pack copy of the fast path,
+or the host store's rows: ``RuntimeConfig.cpu_experts``) and accumulates into a (T, H) float32
 partial output on the CPU; after the GPU's tasks are issued the executor waits for the job and
 adds the partial to the accumulator (one small host-to-device copy on CUDA). On a CPU-only
 machine the same path runs, the "GPU" tasks on the CPU too.
@@ -48,7 +49,7 @@ import torch
 from crisp_kernels import Backend, PackedLayer
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_, resolve_backend
 
-from .cpu_experts import CpuWorker, accumulate_cpu_, cpu_kernel
+from .cpu_experts import CpuExperts, CpuExpertsConfig
 from .device_cache import PrefixCache, ResidentExperts
 from .eviction import make_policy
 from .host_store import HostStore
@@ -83,6 +84,8 @@ class RuntimeConfig:
     synchronous path (CPU, or ``async_copies=False``) also each expert's load and compute time,
     the device synchronised after each (``CrispRuntime.last_timings``, ``stats.copy_ms``).
     device: where the experts run (None = the device of the model's other parameters).
+    cpu_experts: how the CPU computes the experts a CPU placement gives it (precision bf16 / fp32,
+    when the int4pack copy is built, the worker's threads: ``crisp_runtime.cpu_experts``).
     """
 
     kernel_backend: Backend | str | None = None
@@ -96,8 +99,12 @@ class RuntimeConfig:
     serving: ServingPolicy | str | Mapping = field(default_factory=ServingPolicy)
     order: TaskOrder | str = TaskOrder.JOHNSON
     prefetch: PrefetchPolicy | None = None
+    cpu_experts: CpuExpertsConfig = field(default_factory=CpuExpertsConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cpu_experts, CpuExpertsConfig):
+            raise TypeError(f"RuntimeConfig.cpu_experts: expected a CpuExpertsConfig, got "
+                            f"{type(self.cpu_experts).__name__}")
         object.__setattr__(self, "serving", make_serving(self.serving))
         if self.prefetch is not None and not isinstance(self.prefetch, PrefetchPolicy):
             raise TypeError(f"RuntimeConfig.prefetch: expected PrefetchPolicy or None, got "
@@ -161,9 +168,7 @@ class CrispRuntime:
         self.last_timings: dict[int, list[tuple[float, float]]] = {}
         self._step_keys: frozenset = frozenset()  # keys of the last planned step: a prefetch never evicts them
         self._copy_stream = None  # GPU-only, created on first use
-        self._cpu = CpuWorker()  # hybrid placement: the CPU's experts run on its thread (created on first use)
         self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu_knob.CpuDecision), for stats()
-        self._cpu_kernel = cpu_kernel() if self.serving.placement.uses_cpu else None
         if self.serving.placement.uses_cpu:
             if self.store is None:
                 raise ValueError(f"serving placement {self.serving.placement.value!r} computes experts on the CPU "
@@ -171,12 +176,26 @@ class CrispRuntime:
             if not config.cost.has_cpu:
                 raise ValueError(f"serving placement {self.serving.placement.value!r} needs RuntimeConfig.cost "
                                  "with cpu_bytes_per_s (the CPU's measured bandwidth)")
+        # The CPU's experts run on its worker thread (created on first use); an EAGER int4pack copy is built
+        # here, and only for a placement that uses the CPU.
+        self._cpu = CpuExperts(self.store.layers if self.serving.placement.uses_cpu else {}, config.cpu_experts)
         # GPU-only: with no offload (ResidentExperts) nothing is ever copied, so there is nothing to overlap.
         self._async = config.async_copies and self.device.type == "cuda" and isinstance(self.cache, PrefixCache)
 
     def close(self) -> None:
         """Stop the CPU worker thread, if one was started (``CrispHandle.restore`` calls this)."""
         self._cpu.close()
+
+    def cpu_stats(self) -> dict | None:
+        """``stats()["cpu"]``: what ``apply(cpu=...)`` decided (``CpuDecision``) and, for a placement that uses
+        the CPU, how its experts run (``CpuExperts.info``: precision, threads, int4pack copies and their bytes);
+        None when neither applies."""
+        uses_cpu = self.serving.placement.uses_cpu
+        if self.cpu_decision is None and not uses_cpu:
+            return None
+        out = {} if self.cpu_decision is None else self.cpu_decision.to_dict()
+        out["experts"] = self._cpu.info() if uses_cpu else None
+        return out
 
     def set_plan(self, plan: CrispPlan) -> None:
         first = self.layers[self.layer_ids[0]]
@@ -260,7 +279,7 @@ class CrispRuntime:
 
     def _submit_cpu(self, layer_id: int, step: StepPlan, x, top_k_weights, tasks, stats: LayerStats):
         """Hand the step's CPU tasks to the worker; returns the future of their (T, H) float32 partial."""
-        store, nb, kernel = self.store, self._nb[layer_id], self._cpu_kernel
+        cpu, nb = self._cpu, self._nb[layer_id]
         first, last = tasks[0].start, tasks[-1].stop
         pos = step.flat_pos[first:last]  # CPU tasks are contiguous at the end of the step's order
         widths = step.flat_widths[first:last]
@@ -276,7 +295,7 @@ class CrispRuntime:
         def work():
             partial = torch.zeros(x_cpu.shape, dtype=torch.float32)
             for t, r, w, tw in parts:
-                accumulate_cpu_(partial, x_cpu, store.expert(layer_id, t.expert), t.width, r, w, tw, kernel)
+                cpu.accumulate_(partial, x_cpu, layer_id, t.expert, t.width, r, w, tw)
             return partial
 
         return self._cpu.submit(work)

@@ -277,8 +277,7 @@ class CrispHandle:
         cache = self.runtime.cache
         out["cache"] = {"budget_bytes": getattr(cache, "budget", None), "used_bytes": cache.used,
                         "peak_bytes": cache.peak, "policy": self.plan.policy.value}
-        decision = getattr(self.runtime, "cpu_decision", None)
-        out["cpu"] = None if decision is None else decision.to_dict()
+        out["cpu"] = self.runtime.cpu_stats()  # apply(cpu=...)'s decision, and how the CPU's experts run
         return out
 
     def reset_stats(self) -> None:

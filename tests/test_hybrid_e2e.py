@@ -1,5 +1,7 @@
 """`crisp-bench e2e --placements` on the committed tiny Mixtral (issue 11): the hybrid path and its baselines run end
-to end on this CPU, and their logits equal the same plan's under the GPU placement (the same widths served)."""
+to end on this CPU; every layer step of a CPU placement equals the float64 reference at the widths it served within
+the precision contract (bf16: 2u per CPU expert; fp32: 1e-5), and with the exact fp32 CPU path the logits equal the
+same plan's under the GPU placement (the same widths served)."""
 
 from __future__ import annotations
 
@@ -14,17 +16,26 @@ MODEL, TEXT = ROOT / "models" / "tiny-mixtral", ROOT / "data" / "stdlib-heldout.
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").is_file() or not TEXT.is_file(), reason="committed tiny model absent")
-def test_e2e_placements_equal_the_gpu_placement(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_e2e_placements_equal_the_reference(tmp_path, precision):
     pytest.importorskip("transformers")
     out = tmp_path / "e2e.json"
     assert main(["e2e", "--model", str(MODEL), "--text", str(TEXT), "--tokens", "12", "--policies", "full,crisp",
-                 "--placements", "gpu,hybrid,static_hybrid,cpu_only", "--json", str(out), "--threads", "1"]) == 0
+                 "--placements", "gpu,hybrid,static_hybrid,cpu_only", "--cpu-precision", precision,
+                 "--json", str(out), "--threads", "1"]) == 0
     recs = {r["policy"]: r for r in json.loads(out.read_text())["records"]}
     for plan in ("full", "crisp"):
         for placement in ("hybrid", "static_hybrid", "cpu_only"):
             r = recs[f"{plan}/{placement}"]
-            # float32 logits of a 64-wide model: a different summation order moves them by ~1e-6; 1e-4 is a bug
-            assert r["max_logit_diff_vs_gpu"] <= 1e-4, (plan, placement, r["max_logit_diff_vs_gpu"])
-            assert r["accuracy"] == pytest.approx(recs[plan]["accuracy"])
+            # 12 tokens + 3 warm-up, 4 MoE layers: every step checked, each within its bound
+            assert r["steps_checked"] == 4 * 15 and r["within_tolerance"], (plan, placement, r["max_err_over_bound"])
+            assert r["cpu_precision"] == precision
+            if precision == "fp32":
+                # float32 logits of a 128-wide model: a different summation order moves them by ~1e-6; 1e-4 is a bug
+                assert r["max_logit_diff_vs_gpu"] <= 1e-4, (plan, placement, r["max_logit_diff_vs_gpu"])
+                assert r["accuracy"] == pytest.approx(recs[plan]["accuracy"])
+                assert r["cpu_experts"]["prepared_experts"] == 0
+            elif r["cpu_runs_per_token"] > 0:  # the bf16 path read int4pack copies, built for the experts it ran
+                assert 0 < r["cpu_experts"]["prepared_experts"] <= 4 * 8
         assert recs[f"{plan}/cpu_only"]["cpu_runs_per_token"] > 0 and recs[f"{plan}/cpu_only"]["bytes_per_token"] == 0
         assert recs[f"{plan}/static_hybrid"]["bytes_per_token"] == 0  # nothing copied after the pinned experts
