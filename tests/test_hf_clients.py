@@ -3,7 +3,7 @@
 The Python blocks of docs/clients.md are executed in order as one session, once as written (a
 small gpu_budget: experts streamed and evicted) and once with every expert resident; generate
 (greedy with padding and a KV cache, without the cache, sampling) and pipeline must give the same
-tokens both times. The committed tokenizer must be the byte encoding of crisp_runtime.text.
+tokens both times. The committed tokenizer must be the byte encoding of crisp_tools.text.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from crisp_runtime import text  # noqa: E402
+from crisp_tools import text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "clients.md"

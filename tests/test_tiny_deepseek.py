@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from crisp_tools.calibration import MaskedExperts, load_pack_dir, stored_weights
+from crisp_tools.text import VOCAB_SIZE, read_texts, sample_sequences
 
 from crisp_kernels import dequantize_layer
 from crisp_runtime import CrispPlan, apply
 from crisp_runtime.models import find_moe_layers, model_top_k
-from crisp_runtime.text import VOCAB_SIZE, read_texts, sample_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "tiny-deepseek"

@@ -1,4 +1,4 @@
-"""The committed tiny byte-level Mixtral (models/tiny-mixtral) and crisp_runtime.text."""
+"""The committed tiny byte-level Mixtral (models/tiny-mixtral) and crisp_tools.text."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from crisp_runtime.text import VOCAB_SIZE, decode, encode, read_texts, sample_sequences
+from crisp_tools.text import VOCAB_SIZE, decode, encode, read_texts, sample_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "tiny-mixtral"

@@ -104,10 +104,11 @@ def check_seq_len(model, seq_len: int) -> None:
         raise CliError(f"--seq-len {seq_len} is beyond the model's max_position_embeddings ({limit})")
 
 
-def model_fingerprint(model, layers: Sequence[MoeLayerRef]) -> dict:
+def model_fingerprint(model, layers: Sequence[MoeLayerRef], digest: str | None = None) -> dict:
     """What identifies a model for a pack: its shape and a digest of (a sample of) its expert weights
     (``crisp_runtime.pack.weights_sha256``: the first rows of every MoE layer, cheap even for
-    Mixtral-8x7B; ``check_weights_fingerprint`` compares it).
+    Mixtral-8x7B; ``check_weights_fingerprint`` compares it). ``digest``: that digest computed elsewhere
+    (``placement.ExpertSource.weights_sha256``: from the checkpoint when the experts are not resident).
     """
     from crisp_runtime.pack import weights_sha256
 
@@ -119,7 +120,7 @@ def model_fingerprint(model, layers: Sequence[MoeLayerRef]) -> dict:
         "num_experts": layers[0].num_experts,
         "top_k": model_top_k(model),
         "layer_ids": [r.layer_id for r in layers],
-        "weights_sha256": weights_sha256(layers),
+        "weights_sha256": weights_sha256(layers) if digest is None else digest,
     }
 
 
@@ -128,7 +129,7 @@ def model_fingerprint(model, layers: Sequence[MoeLayerRef]) -> dict:
 
 def load_texts(paths: Sequence[str]) -> list[str]:
     """Local documents from .txt / .jsonl / .jsonl.gz / .json.gz files or a saved `datasets` dataset."""
-    from crisp_runtime.text import read_texts
+    from .text import read_texts
 
     if not paths:
         raise CliError("--data: give at least one text file")
@@ -165,7 +166,7 @@ def _load_saved_dataset(path: Path) -> list[str]:
 
 
 def text_bytes(texts: Sequence[str]) -> bytes:
-    from crisp_runtime.text import DOC_SEPARATOR
+    from .text import DOC_SEPARATOR
 
     return bytes([DOC_SEPARATOR]).join(t.encode("utf-8") for t in texts)
 
@@ -182,7 +183,7 @@ def random_windows(
     texts: Sequence[str], num_samples: int, seq_len: int, seed: int, what: str = "--data"
 ) -> torch.Tensor:
     """(num_samples, seq_len) windows drawn at random (seeded) from the text; checks the text suffices."""
-    from crisp_runtime.text import sample_sequences
+    from .text import sample_sequences
 
     nbytes = len(text_bytes(texts))
     if nbytes < seq_len:
@@ -220,7 +221,7 @@ def check_vocab(model, windows: torch.Tensor) -> None:
     if int(windows.max()) >= vocab:
         raise CliError(
             f"the model's vocabulary has {vocab} ids but the byte-level text needs 256: "
-            "CRISP's tools feed raw UTF-8 bytes (crisp_runtime.text)"
+            "CRISP's tools feed raw UTF-8 bytes (crisp_tools.text)"
         )
 
 
@@ -288,16 +289,32 @@ class MaskedExperts:
     def reset_trace(self) -> None:
         self.trace = RunRecord({}, {}, {})
 
+    # accelerate's hooks (device_map placement) replace a module's forward on the instance by a wrapper that
+    # loads the module's weights (offloaded to CPU / disk), calls ``module._old_forward`` and frees them
+    # again: under a hook the reference goes in as ``_old_forward``, so it runs between load and free.
+    @staticmethod
+    def _slot(ref: MoeLayerRef) -> str:
+        hooked = "_hf_hook" in ref.module.__dict__ and "_old_forward" in ref.module.__dict__
+        return "_old_forward" if hooked else "forward"
+
     def __enter__(self) -> MaskedExperts:
+        self._saved = {}
         for ref in self.layers:
-            if "forward" in ref.module.__dict__:
+            slot = self._slot(ref)
+            if slot == "forward" and "forward" in ref.module.__dict__:
+                self.__exit__()
                 raise RuntimeError(f"{ref.name}: its forward is already overridden on this instance")
-            ref.module.forward = types.MethodType(self._make_forward(ref), ref.module)
+            self._saved[ref.name] = (slot, ref.module.__dict__.get("_old_forward"))
+            setattr(ref.module, slot, types.MethodType(self._make_forward(ref), ref.module))
         return self
 
     def __exit__(self, *exc) -> None:
         for ref in self.layers:
-            ref.module.__dict__.pop("forward", None)
+            slot, old = self._saved.pop(ref.name, ("forward", None))
+            if slot == "forward":
+                ref.module.__dict__.pop("forward", None)
+            else:
+                ref.module._old_forward = old
 
     def _make_forward(self, ref: MoeLayerRef):
         layer_id = ref.layer_id
@@ -336,13 +353,14 @@ class MaskedExperts:
                 if not bool(live.any()) and self.observer is None:
                     continue
             x = hidden_states[tok].float()
-            gate, up = F.linear(x, gate_up[e].float()).chunk(2, dim=-1)
+            # weights handed in (a pack, a checkpoint's layer) live on the CPU: one expert moved at a time
+            gate, up = F.linear(x, gate_up[e].to(x.device, torch.float32)).chunk(2, dim=-1)
             h = F.silu(gate) * up  # (n, I)
             if self.observer is not None:
                 self.observer(layer_id, e, h, routing)
             if widths is not None:
                 h = h * (neuron.unsqueeze(0) < keep_w.unsqueeze(1))
-            y = F.linear(h, down[e].float()) * routing.unsqueeze(1)
+            y = F.linear(h, down[e].to(x.device, torch.float32)) * routing.unsqueeze(1)
             out.index_add_(0, tok, y)
         return out.to(hidden_states.dtype)
 
@@ -370,9 +388,17 @@ class TokenScores:
         return float(self.correct.double().mean())
 
 
+def input_device(model) -> torch.device:
+    """Where a model takes its token ids: the CPU under accelerate's device_map (its hooks move inputs to each
+    module's device; a first parameter may be offloaded, ``meta``), else the device of its parameters."""
+    if getattr(model, "hf_device_map", None):
+        return torch.device("cpu")
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def score_windows(model, windows: torch.Tensor, batch_size: int = 16, progress: Callable | None = None) -> TokenScores:
-    device = next(model.parameters()).device
+    device = input_device(model)
     nll, correct = [], []
     for start in range(0, windows.shape[0], batch_size):
         batch = windows[start : start + batch_size].to(device)

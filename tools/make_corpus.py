@@ -67,7 +67,7 @@ def stdlib_sources(root: str) -> list[tuple[str, str]]:
         except (OSError, UnicodeDecodeError) as e:
             print(f"skipping {rel}: {type(e).__name__}", file=sys.stderr)
             continue
-        if "\x00" in text:  # byte 0 is the document separator of crisp_runtime.text
+        if "\x00" in text:  # byte 0 is the document separator of crisp_tools.text
             continue
         if GENERATED_MARKER in text[:500]:  # machine-made codec tables, not code
             continue

@@ -49,6 +49,8 @@ from pathlib import Path
 _TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _TOOLS_DIR]
 sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
+if not __package__:  # run as a script: its sibling modules are the repository's package `tools`
+    __package__ = "tools"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -57,7 +59,8 @@ from crisp_runtime import cli_args as ca  # noqa: E402
 from crisp_runtime import pairs  # noqa: E402
 from crisp_runtime.models import find_moe_layers, record_routing  # noqa: E402
 from crisp_runtime.outputs import write_text  # noqa: E402
-from crisp_runtime.text import VOCAB_SIZE, read_texts, sample_sequences  # noqa: E402
+
+from .text import VOCAB_SIZE, read_texts, sample_sequences  # noqa: E402
 
 FAMILIES = ("mixtral", "deepseek_v3")
 # Options that only the deepseek_v3 family reads (None = not given).
@@ -425,7 +428,7 @@ def main(argv=None) -> int:
         **({"shared_expert_parameters": sum(p.numel() for n, p in model.named_parameters() if ".shared_experts." in n)}
            if args.family == "deepseek_v3" else {}),
         "dtype": "float32",
-        "tokenizer": "bytes (crisp_runtime.text: UTF-8 byte = token id, vocab 256, separator 0)",
+        "tokenizer": "bytes (crisp_tools.text: UTF-8 byte = token id, vocab 256, separator 0)",
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
@@ -433,7 +436,7 @@ def main(argv=None) -> int:
         "training_wall_time_s": round(wall, 1),
         "heldout": {**metrics, "file": "stdlib-heldout.txt", "samples": args.eval_samples,
                     "seq_len": args.seq_len, "seed": args.eval_seed,
-                    "how": "crisp_runtime.text.sample_sequences(read_texts([file]), samples, seq_len, seed); "
+                    "how": "crisp_tools.text.sample_sequences(read_texts([file]), samples, seq_len, seed); "
                            "next-byte predictions at positions 1..seq_len-1"},
         "calib": {**calib_metrics, "file": "stdlib-calib.txt"},
         "combination_skew_calib": skew,
