@@ -24,9 +24,14 @@ memory: ``python -m crisp_tools.stream_rss`` (figures in docs/models.md).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 import os
 import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,7 +41,7 @@ from torch import nn
 
 from crisp_kernels import PackedLayer, QuantFormat, pack_layer
 
-from .models import UnsupportedModelError, find_moe_layers
+from .models import MoeLayerRef, UnsupportedModelError, find_moe_layers
 from .pack import weights_sha256
 
 _WEIGHT_NAMES = ("gate_up_proj", "down_proj")
@@ -105,6 +110,20 @@ class SafetensorsFile:
                 f.seek(offset)
                 if f.readinto(memoryview(buffer)) != buffer.nbytes:
                     raise CheckpointError(f"{self.path}: tensor {name!r} is truncated")
+        return out
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """``tensor[start:stop]`` (along the first dimension): one contiguous read of those bytes only."""
+        dtype, shape, offset = self._entry(name)
+        if not shape or not 0 <= start < stop <= shape[0]:
+            raise CheckpointError(f"{self.path}: tensor {name!r} {shape}: cannot take rows {start}:{stop}")
+        out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        row = torch.Size(shape[1:]).numel() * dtype.itemsize
+        buffer = out.view(-1).view(torch.uint8).numpy()
+        with open(self.path, "rb") as f:
+            f.seek(offset + start * row)
+            if f.readinto(memoryview(buffer)) != buffer.nbytes:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is truncated")
         return out
 
     def read_prefix(self, name: str, dim: int, n: int) -> torch.Tensor:
@@ -294,14 +313,21 @@ def _expert_sources(cmap: CheckpointMap, layer_name: str) -> dict[str, _ExpertSo
     return {n: s for n, s in cmap.experts.items() if s.layer_name == layer_name}
 
 
-def read_expert_layer(cmap: CheckpointMap, ref, prefix: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def read_expert_layer(cmap: CheckpointMap, ref, prefix: int | None = None,
+                      experts: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE layer's ``gate_up_proj (E, 2I, H)`` / ``down_proj (E, H, I)`` read from the checkpoint (dtype as stored).
 
     prefix: only the first ``prefix`` neurons of each expert: ``(E, prefix, H)`` gate rows (no up rows) and
     ``(E, H, prefix)`` down columns, read as such (the weights fingerprint reads 4).
+    experts: only these experts (a step-1 range), ``(len(experts), 2I, H)`` / ``(len(experts), H, I)``; only
+    their bytes are read (packing holds one expert, not a layer). Not with ``prefix``.
     """
     num_experts, inter, hidden = ref.num_experts, ref.intermediate_size, ref.hidden_size
-    sources = _expert_sources(cmap, ref.name)
+    if experts is not None and (prefix is not None or experts.step != 1 or not 0 <= experts.start < experts.stop
+                                <= num_experts):
+        raise ValueError(f"experts={experts!r}: expected a step-1 range within 0..{num_experts}, without prefix")
+    wanted = range(num_experts) if experts is None else experts
+    sources = {n: s for n, s in _expert_sources(cmap, ref.name).items() if s.expert < 0 or s.expert in wanted}
     if not sources:
         raise CheckpointError(f"{ref.name}: the checkpoint has no expert tensors for this layer")
     gate_up = down = None
@@ -318,10 +344,14 @@ def read_expert_layer(cmap: CheckpointMap, ref, prefix: int | None = None) -> tu
                                       f"{ref.name}.{src.target}")
             down_dim = len(want) - 1  # the neuron axis of a down tensor is its last; of gate/up, the one before H
             if src.expert < 0:  # fused
-                if src.target == "gate_up_proj":
-                    gate_up = f.read(name) if prefix is None else f.read_prefix(name, 1, prefix)
+                if prefix is not None:
+                    part = f.read_prefix(name, 1 if src.target == "gate_up_proj" else down_dim, prefix)
                 else:
-                    down = f.read(name) if prefix is None else f.read_prefix(name, down_dim, prefix)
+                    part = f.read(name) if experts is None else f.read_rows(name, experts.start, experts.stop)
+                if src.target == "gate_up_proj":
+                    gate_up = part
+                else:
+                    down = part
             elif src.target == "gate_up_proj":  # per expert (I, H): gate (part 0) or up (part 1)
                 if prefix is None:
                     per_expert[(src.target, src.part, src.expert)] = f.read(name)
@@ -334,40 +364,131 @@ def read_expert_layer(cmap: CheckpointMap, ref, prefix: int | None = None) -> tu
         if gate_up is None:
             parts = (0, 1) if prefix is None else (0,)
             gate_up = torch.stack([torch.cat([per_expert.pop(("gate_up_proj", p, e)) for p in parts])
-                                   for e in range(num_experts)])
+                                   for e in wanted])
         if down is None:
-            down = torch.stack([per_expert.pop(("down_proj", 0, e)) for e in range(num_experts)])
+            down = torch.stack([per_expert.pop(("down_proj", 0, e)) for e in wanted])
     except KeyError as exc:
         raise CheckpointError(f"{ref.name}: expert tensor {exc.args[0]} missing from the checkpoint") from exc
     return gate_up, down
 
 
-def pack_checkpoint(model, cmap: CheckpointMap, fmt: QuantFormat | None = None) -> dict[int, PackedLayer]:
-    """Every MoE layer packed 4-bit in its present neuron order, one layer of full-precision experts at a time."""
+def release_freed_memory() -> None:
+    """Hand the allocator's freed heap pages back to the OS (glibc ``malloc_trim``; nothing elsewhere).
+
+    Why: packing one expert allocates scratch below glibc's mmap threshold (up to 32 MiB), which lands in
+    the heap among the packed results that stay; freed, it is kept by the process. Measured on a 2.25 GB
+    float32 Mixtral checkpoint (12 layers, 21 MiB experts): +35 MiB resident per expert packed, 280 MiB
+    over a layer, all of it returned by one ``malloc_trim(0)``; with it, a layer's packing costs its
+    packed bytes. Only freed memory is released: no tensor, no Python object is touched.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # musl and other C libraries have no malloc_trim
+        return None
+
+
+ExpertReader = Callable[[MoeLayerRef, range], tuple[torch.Tensor, torch.Tensor]]
+
+
+def pack_layers(refs: Sequence[MoeLayerRef], read_experts: ExpertReader, fmt: QuantFormat | None = None,
+                neuron_order: Mapping[int, torch.Tensor] | None = None) -> dict[int, PackedLayer]:
+    """Every layer of ``refs`` packed 4-bit, one expert at a time: ``read_experts(ref, range(e, e + 1))``
+    gives that expert's full-precision ``(gate_up (1, 2I, H), down (1, H, I))`` (from the checkpoint:
+    ``read_expert_layer(..., experts=)``, or a slice of the module's own). ``neuron_order``:
+    ``{layer_id: (E, I)}`` as in ``pack_layer`` (None: the present order). The result equals
+    ``pack_layer`` of each whole layer, bit for bit: experts are quantized independently.
+
+    Why one expert: pack_layer's scratch is ~4x its float32 input (measured: +64 MiB for a 15 MiB layer), so
+    packing a whole Mixtral-8x7B layer (1.4 GB in bf16, 2.8 GB float32) at once would need ~10 GB more; one
+    expert (176 MiB in bf16) needs its own bytes and ~0.7 GB of scratch.
+    """
     fmt = QuantFormat() if fmt is None else fmt
     out = {}
-    for ref in find_moe_layers(model):
-        if getattr(ref.module, "has_bias", False) or getattr(ref.module, "is_transposed", False):
-            raise UnsupportedModelError(f"{ref.name}: packing biased / transposed experts (gpt-oss) from a streamed "
-                                        "checkpoint is not implemented; load the model and use pack_model")
-        gate_up, down = read_expert_layer(cmap, ref)
-        # One expert at a time: pack_layer's scratch is ~4x its input (measured: +64 MiB for a 15 MiB layer), so
-        # packing a whole Mixtral-8x7B layer (1.4 GB in bf16... 2.8 GB float32) at once would need ~10 GB more.
-        # Experts are quantized independently, so the concatenation is the whole layer's pack, bit for bit.
-        parts = [pack_layer(gate_up[e:e + 1], down[e:e + 1], fmt) for e in range(gate_up.shape[0])]
-        del gate_up, down
+    for ref in refs:
+        order = None if neuron_order is None else neuron_order[ref.layer_id]
+        parts = []
+        for e in range(ref.num_experts):
+            gate_up, down = read_experts(ref, range(e, e + 1))
+            parts.append(pack_layer(gate_up.float().cpu(), down.float().cpu(), fmt,
+                                    neuron_order=None if order is None else order[e:e + 1]))
+            del gate_up, down
+            release_freed_memory()
         out[ref.layer_id] = PackedLayer(
             parts[0].fmt, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
             None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]),
             torch.cat([p.neuron_order for p in parts]))
         del parts
+        release_freed_memory()
     return out
+
+
+def pack_checkpoint(model, cmap: CheckpointMap, fmt: QuantFormat | None = None,
+                    neuron_order: Mapping[int, torch.Tensor] | None = None) -> dict[int, PackedLayer]:
+    """Every MoE layer packed 4-bit (in ``neuron_order``, default the present order), one expert's
+    full-precision weights in memory at a time (:func:`pack_layers`)."""
+    refs = find_moe_layers(model)
+    for ref in refs:
+        if getattr(ref.module, "has_bias", False) or getattr(ref.module, "is_transposed", False):
+            raise UnsupportedModelError(f"{ref.name}: packing biased / transposed experts (gpt-oss) from a streamed "
+                                        "checkpoint is not implemented; load the model and use pack_model")
+    return pack_layers(refs, lambda ref, experts: read_expert_layer(cmap, ref, experts=experts), fmt, neuron_order)
+
+
+class CheckpointExperts(Mapping):
+    """``{layer_id: (gate_up, down)}`` read from the checkpoint at every access, nothing kept: the
+    ``weights`` of ``crisp_tools.calibration.MaskedExperts`` for a model whose experts stay on disk
+    (:func:`load_skeleton`, or offloaded by accelerate), so a forward holds one layer of full-precision
+    experts at a time. Every forward re-reads every layer: the OS's page cache, not this process, keeps
+    the file's pages when there is memory for them.
+
+    Tensors come on the CPU in the dtype of the model's expert weights (meta placeholders or offloaded
+    parameters: what ``from_pretrained`` makes of the stored ones), so that a streamed profile computes
+    on the values a resident one does.
+    """
+
+    def __init__(self, cmap: CheckpointMap, refs: Sequence[MoeLayerRef]) -> None:
+        self.cmap = cmap
+        self.refs = {ref.layer_id: ref for ref in refs}
+
+    def _as_model(self, ref, tensors: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = ref.module.gate_up_proj.dtype
+        return tensors[0].to(dtype), tensors[1].to(dtype)
+
+    def __getitem__(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ref = self.refs[layer_id]
+        return self._as_model(ref, read_expert_layer(self.cmap, ref))
+
+    def experts(self, layer_id: int, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only ``experts`` of the layer (``read_expert_layer``'s ``experts``)."""
+        ref = self.refs[layer_id]
+        return self._as_model(ref, read_expert_layer(self.cmap, ref, experts=experts))
+
+    def weights_sha256(self) -> str:
+        """``pack.weights_sha256`` of the experts in the model's dtype, read as 4-neuron prefixes."""
+        return _prefix_digest(self._as_model(ref, read_expert_layer(self.cmap, ref, prefix=4))
+                              for ref in self.refs.values())
+
+    def __iter__(self):
+        return iter(self.refs)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+
+def _prefix_digest(prefixes) -> str:
+    views = [SimpleNamespace(module=SimpleNamespace(gate_up_proj=gu, down_proj=down)) for gu, down in prefixes]
+    return weights_sha256(views)
 
 
 def checkpoint_weights_sha256(model, cmap: CheckpointMap) -> str:
     """``pack.weights_sha256`` of the checkpoint's experts, read as 4-row slices (the loaded model's digest)."""
-    views = []
-    for ref in find_moe_layers(model):
-        gate_up, down = read_expert_layer(cmap, ref, prefix=4)
-        views.append(SimpleNamespace(module=SimpleNamespace(gate_up_proj=gate_up, down_proj=down)))
-    return weights_sha256(views)
+    return _prefix_digest(read_expert_layer(cmap, ref, prefix=4) for ref in find_moe_layers(model))

@@ -11,6 +11,7 @@ from crisp_runtime import cli_args as ca
 from crisp_runtime.outputs import OutputPathError
 
 from ..calibration import DTYPES, CliError
+from ..placement import PLACEMENT_CHOICES
 from .config import (
     DEFAULT_COLD_MASS,
     DEFAULT_HOT_MASS,
@@ -78,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "(lowest loss on held-out calibration windows); overrides --hot-mass/--cold-mass/--warm-width")
     p.add_argument("--search-samples", type=ca.positive_int, default=32,
                    help="held-out calibration windows for the search")
+    p.add_argument("--placement", default="resident", choices=PLACEMENT_CHOICES,
+                   help="resident: the whole model on --device; stream: the non-expert weights on --device, each "
+                        "layer's experts read from the checkpoint (safetensors) per forward, one layer in memory")
+    p.add_argument("--device-map", default=None, metavar="auto|JSON",
+                   help="load with accelerate over GPUs, CPU and disk: auto / balanced / balanced_low_0 / sequential, "
+                        "or a JSON object {module name: GPU index, 'cpu' or 'disk'}")
+    p.add_argument("--max-memory", default=None, metavar="JSON",
+                   help="with --device-map: a JSON object {GPU index, 'cpu': size like '20GiB'}; what does not fit "
+                        "is offloaded further (CPU, then disk)")
+    p.add_argument("--offload-folder", default=None, type=ca.nonempty_path,
+                   help="with --device-map: a new folder for weights offloaded to disk (created for the run, removed "
+                        "after it; default: a .crisp-offload-* folder beside --out)")
     p.add_argument("--work-dir", default=None, type=ca.nonempty_path,
                    help="checkpoint folder for resuming (default: .<out>.crisp-work next to --out); the run keeps "
                         "its files in a run-<key> folder inside it and deletes only those")

@@ -57,6 +57,11 @@ class ProfileConfig:
     keep_work: bool = False
     threads: int | None = None
     quiet: bool = False
+    # where the model is measured (crisp_tools.placement): resident / stream, or accelerate's device_map
+    placement: str = "resident"
+    device_map: str | None = None  # "auto" | "balanced" | ... | a JSON object {module: device}
+    max_memory: str | None = None  # a JSON object {device: size}, with device_map
+    offload_folder: str | None = None  # created for the run and removed after it; default beside --out
     extra: dict = field(default_factory=dict)
 
     def candidate_rules(self) -> list[str]:

@@ -34,7 +34,8 @@ def measure_dominance(inputs: ProfileInputs, stats: Stats, log: Callable[[str], 
         return
     model, layers, dom_windows = inputs.model, inputs.layers, inputs.dom_windows
     E, S = inputs.num_experts, dom_windows.shape[1]
-    with MaskedExperts(model, layers, record=True) as inst:
+    experts = inputs.experts.forward_weights  # None: the modules' own
+    with MaskedExperts(model, layers, weights=experts, record=True) as inst:
         base = score_windows(model, dom_windows, cfg.batch_size)
         codes = {}
         n = dom_windows.shape[0]
@@ -66,7 +67,7 @@ def measure_dominance(inputs: ProfileInputs, stats: Stats, log: Callable[[str], 
                     kill = sub_mask.to(index.device).unsqueeze(1) & (index == member)
                     return torch.where(kill, torch.zeros_like(w), w)
 
-                with MaskedExperts(model, layers, widths_fn=widths_fn):
+                with MaskedExperts(model, layers, weights=experts, widths_fn=widths_fn):
                     # one batch, so that the flattened tokens line up with sub_mask
                     masked = score_windows(model, sub, batch_size=sub.shape[0])
                 damage = float((masked.nll.double().sum(1) - base_seq[rows]).sum()) / masked_tokens

@@ -25,7 +25,6 @@ from ..calibration import (
     CliError,
     check_seq_len,
     check_vocab,
-    load_model,
     load_texts,
     log,
     model_fingerprint,
@@ -33,6 +32,7 @@ from ..calibration import (
     resolve_device,
     split_texts,
 )
+from ..placement import ExpertSource, PlacedModel, load_placed, loading_from_options
 from ..workdir import WorkFolder
 from .config import DOMINANCE_RULES, IMPORTANCE_KINDS, ProfileConfig
 from .output import check_out_dir, check_out_files
@@ -71,6 +71,12 @@ class ProfileInputs:
     search_windows: torch.Tensor | None  # held-out calibration windows (search, --dominance auto)
     run_key: str
     work: WorkFolder
+    placed: PlacedModel  # the placement; its close() removes the offload folder (pipeline.Profiler.run)
+
+    @property
+    def experts(self) -> ExpertSource:
+        """The full-precision experts wherever they are (module, checkpoint): packing, scores, forwards."""
+        return self.placed.experts
 
     @property
     def layer_ids(self) -> list[int]:
@@ -156,10 +162,23 @@ def prepare(cfg: ProfileConfig) -> ProfileInputs:
     cutoffs, fmt = _check_settings(cfg)
     out, work_root = _check_paths(cfg)
     device = resolve_device(cfg.device)
+    loading = loading_from_options(cfg.placement, cfg.device_map, cfg.max_memory, cfg.offload_folder)
     texts = load_texts(cfg.data)  # cheap checks on the text before the (possibly slow) model load
-    model, layers = load_model(cfg.model, device, cfg.dtype)
+    placed = load_placed(cfg.model, device, cfg.dtype, loading, beside=out.parent,
+                         protected={"--model": cfg.model, "--data": list(cfg.data), "--out": str(out),
+                                    "--work-dir": str(work_root)})
+    try:
+        return _prepare_loaded(cfg, out, work_root, cutoffs, fmt, texts, placed)
+    except BaseException:
+        placed.close()  # the offload folder is the run's: gone with a refused run
+        raise
+
+
+def _prepare_loaded(cfg: ProfileConfig, out: Path, work_root: Path, cutoffs: TierCutoffs, fmt: QuantFormat,
+                    texts: list[str], placed: PlacedModel) -> ProfileInputs:
+    model, layers, device = placed.model, placed.layers, placed.input_device
     top_k = _check_model(cfg, model, layers, fmt)
-    fingerprint = model_fingerprint(model, layers)
+    fingerprint = model_fingerprint(model, layers, placed.experts.weights_sha256())
     check_out_dir(out, fingerprint)
 
     stats_texts, holdout_texts = split_texts(texts, cfg.holdout_fraction)
@@ -186,4 +205,4 @@ def prepare(cfg: ProfileConfig) -> ProfileInputs:
     work.check()
     return ProfileInputs(cfg=cfg, out=out, fmt=fmt, cutoffs=cutoffs, device=device, model=model, layers=layers,
                          top_k=top_k, fingerprint=fingerprint, windows=windows, dom_windows=dom_windows,
-                         search_windows=search_windows, run_key=run_key, work=work)
+                         search_windows=search_windows, run_key=run_key, work=work, placed=placed)

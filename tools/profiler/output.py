@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from crisp_kernels.format import pack_layer
+from crisp_runtime.checkpoint import pack_layers as pack_expert_by_expert
 from crisp_runtime.outputs import OutputPathError, check_writable_folder
 from crisp_runtime.pack import PACK_FILES, recorded_model, save_pack
 from crisp_runtime.pairs import pair_skew
@@ -69,13 +69,8 @@ def check_out_dir(out: Path, fingerprint: dict) -> None:
 
 def pack_layers(inputs: ProfileInputs, order: dict[int, torch.Tensor]) -> dict:
     """{layer_id: PackedLayer} of the model's experts, neurons in ``order`` (most important first)."""
-    packed = {}
-    for ref in inputs.layers:
-        packed[ref.layer_id] = pack_layer(
-            ref.module.gate_up_proj.detach().float().cpu(), ref.module.down_proj.detach().float().cpu(),
-            inputs.fmt, neuron_order=order[ref.layer_id],
-        )
-    return packed
+    # one expert of full-precision weights at a time (the checkpoint's when the model is not resident)
+    return pack_expert_by_expert(inputs.layers, inputs.experts.read, inputs.fmt, neuron_order=order)
 
 
 def profile_info(inputs: ProfileInputs, stats: Stats, plan_info: dict, search: dict | None,

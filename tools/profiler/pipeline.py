@@ -31,6 +31,10 @@ class Profiler:
         except BaseException:
             work.release()  # the checkpoint stays: rerunning resumes from it
             raise
+        finally:
+            left = self.inputs.placed.close()  # the offload folder (device_map) is removed with the run
+            if left:
+                self.log(f"left alone in the offload folder {self.inputs.placed.offload.path}: {', '.join(left)}")
         if self.cfg.keep_work:
             work.release()
         else:

@@ -16,7 +16,7 @@ import torch
 
 from crisp_runtime.plan import CrispPlan, TierCutoffs, TierWidths
 
-from ..calibration import CliError, MaskedExperts, score_windows, stored_weights
+from ..calibration import CliError, MaskedExperts, score_windows
 from .planning import description, initial_plan, layer_plans
 from .statistics import Stats
 
@@ -63,7 +63,7 @@ def choose_plan(inputs: ProfileInputs, stats: Stats, packed, log: Callable[[str]
 def choose_rule(inputs: ProfileInputs, stats: Stats, packed, rules: list[str], log: Callable[[str], None]
                 ) -> tuple[CrispPlan, str, dict]:
     """--dominance auto without a search: the rule whose plan has the lower held-out calibration loss."""
-    weights = {lid: stored_weights(layer) for lid, layer in packed.items()}
+    weights = inputs.experts.packed_weights(packed)
     losses, plans = {}, {}
     for rule in rules:
         plans[rule] = initial_plan(inputs, stats, rule, log)[0]
@@ -109,7 +109,7 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ru
     """The candidate with the lowest held-out calibration loss within the bytes target, and the search record."""
     cfg, model, inter = inputs.cfg, inputs.model, inputs.inter
     target = cfg.search_target_bytes
-    weights = {lid: stored_weights(layer) for lid, layer in packed.items()}
+    weights = inputs.experts.packed_weights(packed)
     with MaskedExperts(model, inputs.layers, weights=weights, record=True) as inst:
         full_scores = score_windows(model, inputs.search_windows, cfg.batch_size)
         routing = {lid: (torch.cat(inst.trace.index[lid]), torch.cat(inst.trace.weights[lid]))

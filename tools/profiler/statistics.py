@@ -115,7 +115,8 @@ def calibration_pass(inputs: ProfileInputs, stats: Stats, log: Callable[[str], N
 
     done_now = 0
     start = time.time()
-    with MaskedExperts(inputs.model, inputs.layers, observer=observer, record=True) as inst:
+    with MaskedExperts(inputs.model, inputs.layers, weights=inputs.experts.forward_weights, observer=observer,
+                       record=True) as inst:
         for b in range(stats.next_batch, num_batches):
             inst.reset_trace()
             batch = inputs.windows[b * cfg.batch_size : (b + 1) * cfg.batch_size].to(inputs.device)
@@ -144,7 +145,7 @@ def calibration_pass(inputs: ProfileInputs, stats: Stats, log: Callable[[str], N
 def importance_scores(inputs: ProfileInputs, stats: Stats) -> torch.Tensor:
     """Importance per (layer slot, expert, neuron), see the module docstring."""
     base = stats.imp_weighted if inputs.cfg.importance == "weighted" else stats.imp_abs
-    norms = torch.stack([r.module.down_proj.detach().float().norm(dim=1).cpu().double() for r in inputs.layers])
+    norms = inputs.experts.down_norms()  # (L, E, I), one expert read at a time
     return base * norms  # (L, E, I) * (L, E, I)
 
 
