@@ -30,6 +30,7 @@ every order.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ class Placement(enum.Enum):
     HYBRID = "hybrid"  # per step, the GPU / CPU split of minimal makespan (split_step)
     STATIC = "static_hybrid"  # resident experts on the GPU, every other on the CPU, nothing copied
     CPU = "cpu_only"  # every expert on the CPU from host memory
+    # HYBRID plus the neuron split (split_rows): an expert's rows [0, s) on the GPU (a resident prefix,
+    # widened by a copy or not) and rows [s, width) on the CPU, the two partial outputs added (exact).
+    SPLIT = "hybrid_split"
 
     @property
     def uses_cpu(self) -> bool:
@@ -144,6 +148,23 @@ class ExpertTask:
     compute_time: float
     on_cpu: bool = False  # computed on the host CPU from host memory (then copy_bytes == 0, nothing admitted)
     cpu_time: float = 0.0  # the cost model's CPU time of this expert (when the placement considered the CPU)
+    # Neuron split (Placement.SPLIT): rows [0, split_at) on the GPU, rows [split_at, width) on the CPU
+    # (0 < split_at < width; then on_cpu is False, copy_bytes/load_time/compute_time are the GPU
+    # prefix's and cpu_time the CPU rows'). None: the whole expert on one side (on_cpu says which).
+    split_at: int | None = None
+
+    @property
+    def gpu_width(self) -> int:
+        """Rows [0, gpu_width) run on the GPU: the width the ledger is asked for (0: none)."""
+        if self.split_at is not None:
+            return self.split_at
+        return 0 if self.on_cpu else self.width
+
+    @property
+    def cpu_rows(self) -> tuple[int, int] | None:
+        """Rows [start, stop) the CPU computes (``row_start``/``width`` of the CPU kernel), or None."""
+        g = self.gpu_width
+        return (g, self.width) if g < self.width else None
 
 
 @dataclass(frozen=True)
@@ -294,6 +315,179 @@ def split_step(jobs, *, placement: Placement = Placement.HYBRID, join_s: float =
     return StepSplit(tuple(order), tuple(cpu), span, False)
 
 
+# ----------------------------------------------------------------------------- neuron split
+
+# Neuron split search (split_rows) up to this many experts in one step (a Mixtral decode step has 2):
+# 3^n anchor combinations plus n 3^(n-1) bisections; beyond, plan_step splits whole experts only.
+SPLIT_MAX_EXPERTS = 3
+# Split points are multiples of this many neurons (besides the anchors 0, the resident width and the
+# width): the CPU kernel's int4pack block (crisp_kernels.cpu_expert.BLOCK_N). A start inside a block
+# runs up to 63 neurons on its fp32 path, ~30x slower per byte (docs/cpu-kernel.md).
+SPLIT_GRANULE = 64
+
+
+@dataclass(frozen=True)
+class RowJob:
+    """One expert of a step for :func:`split_rows`: its width, resident prefix and per-row costs (s).
+
+    GPU prefix of s rows: copy ``max(0, s - resident)`` rows (``load_row_s`` each, ``load_row_busy_s``
+    while the CPU streams), then ``s * gpu_row_s`` of kernels. CPU suffix: ``cpu_fixed_s +
+    (width - s) * cpu_row_s`` when ``s < width``, else nothing."""
+
+    width: int
+    resident: int
+    load_row_s: float
+    load_row_busy_s: float
+    gpu_row_s: float
+    cpu_row_s: float
+    cpu_fixed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """Per job the GPU prefix width s (0: all on the CPU; width: all on the GPU), the GPU issue order
+    (jobs with s > 0), and the makespan."""
+
+    gpu_widths: tuple[int, ...]
+    gpu_order: tuple[int, ...]
+    makespan: float
+
+
+def row_split_makespan(jobs, widths, join_s: float = 0.0) -> tuple[float, list[int]]:
+    """Makespan of GPU prefix widths ``widths`` (one per job) and the GPU order reaching it: the GPU
+    part as a flow shop in Johnson order (optimal for fixed times; copies at the busy rate when any
+    CPU rows run) in parallel with the CPU's rows back to back plus one join."""
+    gpu, cpu, order = _row_times(jobs, widths, join_s)
+    return max(gpu, cpu), order
+
+
+def _row_times(jobs, widths, join_s):
+    """(GPU flow shop makespan, CPU time (0 when no CPU rows), GPU order) of one split."""
+    busy = False
+    cpu = join_s
+    for j, s in zip(jobs, widths, strict=True):
+        if s < j.width:
+            busy = True
+            cpu += j.cpu_fixed_s + (j.width - s) * j.cpu_row_s
+    first, second = [], []  # Johnson's rule, inline (the search evaluates ~50 splits per step)
+    for i, (j, s) in enumerate(zip(jobs, widths, strict=True)):
+        if s > 0:
+            ld = (s - j.resident) * (j.load_row_busy_s if busy else j.load_row_s) if s > j.resident else 0.0
+            gp = s * j.gpu_row_s
+            if ld < gp:
+                first.append((ld, -gp, i, ld, gp))
+            else:
+                second.append((-gp, i, ld, gp))
+    first.sort()
+    second.sort()
+    copy_done = compute_done = 0.0
+    order = []
+    for *_, i, ld, gp in first:
+        copy_done += ld
+        compute_done = max(compute_done, copy_done) + gp
+        order.append(i)
+    for _, i, ld, gp in second:
+        copy_done += ld
+        compute_done = max(compute_done, copy_done) + gp
+        order.append(i)
+    return compute_done, (cpu if busy else 0.0), order
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def split_rows(jobs: tuple[RowJob, ...], *, join_s: float = 0.0, granule: int = SPLIT_GRANULE) -> RowSplit:
+    """The GPU prefix width of each job (the rest of its rows on the CPU) of small makespan.
+
+    Candidates per job: the anchors 0 (all on the CPU), its resident width (no copy, the CPU the
+    suffix) and its width (all on the GPU), and multiples of ``granule`` in between. The search:
+
+    1. every combination of anchors (3^n): this includes every whole-expert split, so the result is
+       never worse than :func:`split_step`'s HYBRID optimum on the same times;
+    2. for each job f and each anchor combination of the others, the best s_f on the grid: on
+       (0, width) the copy rate is the busy one, the GPU flow shop is nondecreasing in s_f (a longer
+       job never shortens an optimal F2 schedule) and the CPU time decreasing, so the makespan is
+       minimal where they cross; both are piecewise linear in s_f, so the crossing is found by
+       regula falsi on the grid (a bracket of grid points, 2 evaluations per round);
+    3. from the best so far, step 2 per job with the others at their best values (coordinate descent,
+       at most 3 rounds).
+
+    Step 2 finds optima with at most one job split at an interior point; an optimum with two (both
+    paths of the flow shop and the CPU tight) is missed by coordinate descent: the search is **not
+    exact**. Measured against brute force over the whole grid (tests/test_hybrid_scheduler.py): at the
+    profile's rates within 2.5% of the optimum, on random rates within 16% (docs/hybrid.md).
+
+    jobs: a tuple of :class:`RowJob` (hashable: results are memoised, a pure function; decode steps
+    repeat the same widths and residencies).
+    """
+    n = len(jobs)
+    if not isinstance(granule, int) or isinstance(granule, bool) or granule < 1:
+        raise ValueError(f"split_rows: granule must be a positive int, got {granule!r}")
+    if n == 0:
+        return RowSplit((), (), 0.0)
+    anchors = [sorted({0, min(max(j.resident, 0), j.width), j.width}) for j in jobs]
+    best_span, best = math.inf, None
+
+    def consider(widths):
+        """Evaluate a split, keep it if best; returns GPU - CPU (the crossing's sign)."""
+        nonlocal best_span, best
+        gpu, cpu, _ = _row_times(jobs, widths, join_s)
+        span = max(gpu, cpu)
+        if span < best_span - 1e-15 or (span <= best_span + 1e-15 and best is not None
+                                         and sum(widths) > sum(best)):  # ties: more rows on the GPU
+            best_span, best = span, list(widths)
+        return gpu - cpu
+
+    def line(widths, f):
+        """Job f's crossing on the grid points granule * m, 1 <= m <= top (all < width), others fixed."""
+        top = (jobs[f].width - 1) // granule
+        if top < 1:
+            return
+        widths = list(widths)
+
+        def h(m):
+            widths[f] = m * granule
+            return consider(widths)
+
+        lo, hi = 1, top
+        h_lo = h(lo)
+        if h_lo >= 0 or lo == hi:
+            return
+        h_hi = h(hi)
+        while h_hi >= 0 and hi - lo > 1:  # h(lo) < 0 <= h(hi): the first m with h(m) >= 0 is in (lo, hi]
+            m = lo + int((hi - lo) * (-h_lo) / (h_hi - h_lo))
+            m = min(max(m, lo + 1), hi - 1)
+            h_m = h(m)
+            if h_m >= 0:
+                hi, h_hi = m, h_m
+                continue
+            lo, h_lo = m, h_m
+            if hi - lo > 1:
+                h_n = h(m + 1)
+                if h_n >= 0:
+                    return
+                lo, h_lo = m + 1, h_n
+
+    for combo in _product(anchors):
+        consider(combo)
+    for f in range(n):
+        for combo in _product([a if i != f else [0] for i, a in enumerate(anchors)]):
+            line(combo, f)
+    for _ in range(3):
+        before = best_span
+        for f in range(n):
+            line(best, f)
+        if best_span >= before - 1e-15:
+            break
+    span, order = row_split_makespan(jobs, best, join_s)
+    return RowSplit(tuple(best), tuple(order), span)
+
+
+def _product(choices):
+    out = [[]]
+    for c in choices:
+        out = [p + [v] for p in out for v in c]
+    return out
+
+
 def johnson_order(load: list[float], compute: list[float]) -> list[int]:
     """Johnson's rule for the two-stage flow shop F2||Cmax: an order of minimal makespan."""
     n = len(load)
@@ -324,6 +518,7 @@ def plan_step(
     cost: CostModel = CostModel(),
     order: TaskOrder = TaskOrder.JOHNSON,
     placement: Placement = Placement.GPU,
+    split_granule: int = SPLIT_GRANULE,
 ) -> StepPlan:
     """Group the routed slots of one layer step by expert and order the experts.
 
@@ -334,6 +529,11 @@ def plan_step(
     placement: GPU (default: every expert on the GPU) or a placement using the host CPU
     (:func:`split_step` on the cost model's times; needs ``cost.cpu_bytes_per_s``): the GPU tasks
     come first in issue order, then the CPU tasks (``on_cpu``, nothing copied for them).
+    Placement.SPLIT (up to :data:`SPLIT_MAX_EXPERTS` experts; whole experts as HYBRID beyond): per
+    expert the GPU prefix width of :func:`split_rows`; a task split inside (``split_at``) is a GPU
+    task (its prefix, ``copy_bytes`` the rows missing below ``split_at``) whose rows
+    ``[split_at, width)`` the CPU computes (``ExpertTask.cpu_rows``). split_granule: split points
+    are multiples of it, in this call's neuron units (:data:`SPLIT_GRANULE`).
     """
     if not isinstance(placement, Placement):
         raise ValueError(f"plan_step: placement must be a Placement, got {placement!r}")
@@ -359,12 +559,37 @@ def plan_step(
     compute = [cost.compute_time(w * neuron_nbytes, n) for w, n in zip(required, counts, strict=True)]
     cpu_set: frozenset = frozenset()
     cpu_times = None
+    split_at: dict[int, int] = {}  # Placement.SPLIT: group index -> GPU prefix width, for the split ones
     extra = {}
-    if placement.uses_cpu:
+    if placement is Placement.SPLIT and len(experts) <= SPLIT_MAX_EXPERTS:
+        lat = cost.cpu_latency_s
+        busy_rate = cost.h2d_bytes_per_s if cost.h2d_bytes_per_s_cpu_busy is None else cost.h2d_bytes_per_s_cpu_busy
+        jobs = [RowJob(w, r, neuron_nbytes / cost.h2d_bytes_per_s, neuron_nbytes / busy_rate,
+                       cost.compute_time(neuron_nbytes, n), cost.cpu_time(neuron_nbytes, n) - lat, lat)
+                for w, r, n in zip(required, residents, counts, strict=True)]
+        rsplit = split_rows(tuple(jobs), join_s=cost.join_s, granule=split_granule)
+        gw = rsplit.gpu_widths
+        cpu_set = frozenset(i for i in range(len(experts)) if gw[i] == 0)
+        split_at = {i: gw[i] for i in range(len(experts)) if 0 < gw[i] < required[i]}
+        for i, g in split_at.items():
+            copy_bytes[i] = max(0, g - residents[i]) * neuron_nbytes
+            load[i] = cost.load_time(copy_bytes[i])
+            compute[i] = cost.compute_time(g * neuron_nbytes, counts[i])
+        cpu_times = [0.0 if gw[i] >= required[i] else cost.cpu_time((required[i] - gw[i]) * neuron_nbytes, counts[i])
+                     for i in range(len(experts))]
+        extra = {"makespan": rsplit.makespan, "exact": False, "split_rows": True}
+        if order is TaskOrder.JOHNSON:
+            seq = list(rsplit.gpu_order) + sorted(cpu_set)
+        else:
+            seq = sorted(range(len(experts)), key=first.__getitem__)
+            seq = [i for i in seq if i not in cpu_set] + [i for i in seq if i in cpu_set]
+    elif placement.uses_cpu:
         cpu_times = [cost.cpu_time(w * neuron_nbytes, n) for w, n in zip(required, counts, strict=True)]
         jobs = [HybridJob(lt, cost.load_time_cpu_busy(b), ct, pt)
                 for lt, b, ct, pt in zip(load, copy_bytes, compute, cpu_times, strict=True)]
-        split = split_step(jobs, placement=placement, join_s=cost.join_s)
+        # SPLIT beyond SPLIT_MAX_EXPERTS (prefill): whole experts, as HYBRID
+        split = split_step(jobs, placement=Placement.HYBRID if placement is Placement.SPLIT else placement,
+                           join_s=cost.join_s)
         cpu_set = frozenset(split.cpu)
         extra = {"makespan": split.makespan, "exact": split.exact}
         if order is TaskOrder.JOHNSON:
@@ -388,7 +613,8 @@ def plan_step(
                                     compute[i], True, cpu_times[i]))
         else:
             tasks.append(ExpertTask(experts[i], required[i], residents[i], copy_bytes[i], counts[i], start, stop,
-                                    load[i], compute[i], False, 0.0 if cpu_times is None else cpu_times[i]))
+                                    load[i], compute[i], False, 0.0 if cpu_times is None else cpu_times[i],
+                                    split_at.get(i)))
         start = stop
     if isinstance(pos_parts, list):  # python path: flat lists per expert
         flat_pos = torch.tensor([p for i in seq for p in pos_parts[i]], dtype=torch.int64)
