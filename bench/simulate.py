@@ -64,12 +64,14 @@ import torch
 
 from crisp_runtime.eviction import BeladyPolicy, EvictionPolicy, make_policy
 from crisp_runtime.plan import CrispPlan
-from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth, merge_requests, slot_widths, widest_first
+from crisp_runtime.prefetch import (PrefetchPolicy, PrefetchWidth, merge_requests, slot_widths, topup_requests,
+                                    widest_first)
 from crisp_runtime.residency import LedgerCounters, ResidencyLedger
 from crisp_runtime.scheduler import CostModel, HybridJob, Placement, johnson_order, plan_step, split_makespan
 from crisp_runtime.serving import ServingPolicy, serve_slots
 
-from .profiles import HardwareProfile, ModelShape
+from .profiles import HardwareProfile
+from .shapes import ModelShape
 
 ORDERS = ("serial", "router", "widest_first")
 # Eviction of every cache: the runtime's online policies (crisp_runtime/eviction.py) and Belady's
@@ -210,6 +212,7 @@ class SimResult:
     fallbacks: int = 0  # slots served narrower than the plan wanted
     skips: int = 0  # slots the plan wanted but serving skipped
     wider: int = 0  # slots served wider than wanted (resident rows, no extra bytes)
+    widened: int = 0  # dominant slots widened on demand (DominantWiden.HIT)
     cpu_s: float = 0.0  # sum of the CPU's expert durations (hybrid placement)
     cpu_runs: int = 0  # experts computed on the CPU
     peak_bytes: int = 0  # most bytes resident at once (all caches)
@@ -247,6 +250,7 @@ class SimResult:
             "fallbacks_per_token": self.fallbacks / tokens,
             "skips_per_token": self.skips / tokens,
             "wider_per_token": self.wider / tokens,
+            "widened_per_token": self.widened / tokens,
             "experts_per_layer": self.experts_run / steps,
             "cpu_experts_per_layer": self.cpu_runs / steps,
             "cpu_ms": 1e3 * self.cpu_s / steps,
@@ -344,8 +348,11 @@ def simulate_decode(
             _pin_hot_experts(ledgers, routed, wanted, layers, nb, inter)
     res = SimResult(0, layers, ledgers[0].counters, per_order={o: OrderTotals() for o in orders})
     lead = profile.other_s + profile.router_s
-    requests = (prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=policy.prefetch_width), serving)
-                if policy.prefetch else None)
+    requests = topups = None
+    if policy.prefetch:
+        requests = prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=policy.prefetch_width), serving)
+        topups = prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=policy.prefetch_width), serving,
+                                   phase=2)
     copy_free = 0.0  # widest-first: when the copy engine is free, relative to the current layer's start
     clock = 0.0  # widest-first: absolute time of the current layer's start (for the timeline)
     for t in range(num_tokens):
@@ -383,10 +390,16 @@ def simulate_decode(
                 end, slots = schedule(router_jobs, "widest_first", start=lead, copy_free=copy_free)
                 demand_done = max([lead, copy_free] + [s.copy_end for s in slots if s.copy_end > s.copy_start])
                 deadline = end + lead  # the next layer's router end: its demanded copies may start then
-                wanted_next = [] if requests is None or layer + 1 >= layers else requests[li][t]
-                issued = _prefetch(led if cache_scope == "global" else ledgers[layer + 1], layer + 1, wanted_next,
-                                   nb, profile, demand_done, deadline, step_keys={(layer, j.expert) for j in
-                                                                                  router_jobs})
+                last = requests is None or layer + 1 >= layers
+                wanted_next = [] if last else requests[li][t]
+                next_led = led if cache_scope == "global" else ledgers[layer + 1]
+                step_keys = {(layer, j.expert) for j in router_jobs}
+                issued, cut = _prefetch(next_led, layer + 1, wanted_next, nb, profile, demand_done, deadline,
+                                        step_keys=step_keys)
+                if not last and not cut and topups[li][t]:  # the second phase, in the time the first left
+                    more, _ = _prefetch(next_led, layer + 1, topups[li][t], nb, profile,
+                                        issued[-1][3] if issued else demand_done, deadline, step_keys=step_keys)
+                    issued += more
                 copy_free = (issued[-1][3] if issued else demand_done) - end
                 copy_free = max(0.0, copy_free)
                 if timeline is not None and counting:
@@ -453,6 +466,7 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: Hardwar
     res.fallbacks += served.fallbacks
     res.skips += served.skips
     res.wider += served.wider
+    res.widened += served.widened
     tot = res.per_order["widest_first"]
     tot.time_s += lead + span
     tot.expert_s += span
@@ -498,6 +512,7 @@ def _account(res: SimResult, jobs: list[Job], served, profile: HardwareProfile, 
     res.fallbacks += served.fallbacks
     res.skips += served.skips
     res.wider += served.wider
+    res.widened += served.widened
     bound = flow_shop_bound(jobs)
     for o in orders:
         end, _ = schedule(jobs, o)
@@ -508,7 +523,7 @@ def _account(res: SimResult, jobs: list[Job], served, profile: HardwareProfile, 
 
 
 def prefetch_requests(plan: CrispPlan, trace, predicted, policy: PrefetchPolicy | None = None,
-                      serving: ServingPolicy | None = None) -> list[list[list[tuple[int, int]]]]:
+                      serving: ServingPolicy | None = None, *, phase: int = 1) -> list[list[list[tuple[int, int]]]]:
     """Per traced layer j and token: [(expert, width)] to prefetch for layer j + 1, as the runtime's
     ``crisp_runtime.prefetch.Prefetcher`` asks (its ``slot_widths`` / ``merge_requests`` /
     ``widest_first``; ``policy`` default ``PrefetchPolicy()``: the predicted top-k at the plan's
@@ -516,7 +531,11 @@ def prefetch_requests(plan: CrispPlan, trace, predicted, policy: PrefetchPolicy 
     the router's order but not its weights: the slots get decreasing stand-in weights, which keeps the
     plan's dominant (the heavier) and tier exact; a skip threshold sees the stand-ins. The trace has
     no predictions beyond the top-k: ``policy.extra_experts`` is not simulated (refused).
+    phase 2: the second phase, issued after the first (``crisp_runtime.prefetch.topup_requests``:
+    dominants widened ahead of demand under ``DominantWiden.AHEAD``; empty lists otherwise).
     """
+    if phase not in (1, 2):
+        raise ValueError(f"prefetch phase must be 1 or 2, got {phase!r}")
     if predicted is None:
         raise ValueError("prefetch: the trace holds no next-layer predictions")
     policy = PrefetchPolicy() if policy is None else policy
@@ -532,6 +551,10 @@ def prefetch_requests(plan: CrispPlan, trace, predicted, policy: PrefetchPolicy 
             out.append([[] for _ in range(trace.num_tokens)])
             continue
         index = torch.from_numpy(np.ascontiguousarray(predicted[li][:, :k])).to(torch.int64)
+        if phase == 2:
+            out.append([topup_requests(policy, plan, serving, trace.layer_ids[li + 1], index[t:t + 1],
+                                       stand_in[t:t + 1].contiguous()) for t in range(trace.num_tokens)])
+            continue
         widths = slot_widths(policy, plan, serving, trace.layer_ids[li + 1], index, stand_in.contiguous())
         out.append([widest_first(merge_requests(es, ws))
                     for es, ws in zip(index.tolist(), widths.tolist(), strict=True)])
@@ -539,13 +562,13 @@ def prefetch_requests(plan: CrispPlan, trace, predicted, policy: PrefetchPolicy 
 
 
 def _prefetch(led: ResidencyLedger, layer: int, wanted: list[tuple[int, int]], nb: int, profile: HardwareProfile,
-              start: float, deadline: float, step_keys: set) -> list[tuple[int, int, float, float]]:
+              start: float, deadline: float, step_keys: set) -> tuple[list[tuple[int, int, float, float]], bool]:
     """Prefetch ``wanted`` [(expert, width)] of ``layer`` in order, as ``CrispRuntime.prefetch`` does
     (protecting the step's keys and every requested key), but only rows that arrive before ``deadline``:
     a request that does not fit in the time left is cut to the rows that do (a narrower prefix is
     still a prefix), and nothing is issued after it.
 
-    Returns (expert, new width, copy start, copy end) per admitted prefetch.
+    Returns ((expert, new width, copy start, copy end) per admitted prefetch, whether the time ran out).
     """
     issued = []
     t = start
@@ -557,7 +580,7 @@ def _prefetch(led: ResidencyLedger, layer: int, wanted: list[tuple[int, int]], n
         room = deadline - t - profile.copy_latency_s
         rows = min(width - have, math.floor(room * profile.h2d_bytes_per_s / nb)) if room > 0 else 0
         if rows <= 0:
-            break
+            return issued, True
         decision = led.prefetch(layer, e, have + rows, protected=protected)
         if decision is None:
             continue
@@ -565,8 +588,8 @@ def _prefetch(led: ResidencyLedger, layer: int, wanted: list[tuple[int, int]], n
         issued.append((e, decision.new_width, t, t + took))
         t += took
         if rows < width - have:
-            break
-    return issued
+            return issued, True
+    return issued, False
 
 
 # ---------------------------------------------------------------------------- policies at a budget

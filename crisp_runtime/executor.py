@@ -438,6 +438,7 @@ def _add_served(stats: LayerStats, served: ServedSlots) -> None:
     stats.fallbacks += served.fallbacks
     stats.serving_skips += served.skips
     stats.served_wider += served.wider
+    stats.served_widened += served.widened
     stats.served_dominant_slots += served.dominant_slots
     stats.served_dominant_neurons += served.dominant_neurons
     stats.served_aux_slots += served.aux_slots

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .models import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
-from .serving import ServingPolicy, miss_width
+from .serving import DominantWiden, ServingPolicy, ahead_width
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,8 @@ class PrefetchWidth(enum.Enum):
 
     PLAN = "plan"  # every predicted slot at the plan's width (the default)
     SERVING = "serving"  # what the serving policy loads on a miss: the floor for a dominant, the plan's
-    # width for an auxiliary, nothing for an auxiliary it would skip (``serving.miss_width``)
+    # width for an auxiliary, nothing for an auxiliary it would skip; the plan's width for a dominant the
+    # policy widens once resident (``serving.ahead_width``: its first use would copy nothing more)
     AUX_NONE = "aux-none"  # dominants only, at the plan's width; no auxiliary is prefetched
 
 
@@ -244,9 +245,26 @@ def slot_widths(policy: PrefetchPolicy, plan, serving: ServingPolicy, layer_id: 
     if policy.width is PrefetchWidth.AUX_NONE:
         return torch.where(dominant, wanted, torch.zeros_like(wanted))
     full = plan.intermediate_size
-    flat = [miss_width(serving, w, d, full) for w, d in zip(wanted.reshape(-1).tolist(),
+    flat = [ahead_width(serving, w, d, full) for w, d in zip(wanted.reshape(-1).tolist(),
                                                             dominant.reshape(-1).tolist(), strict=True)]
     return torch.tensor(flat, dtype=torch.int64).reshape(wanted.shape)
+
+
+def topup_requests(policy: PrefetchPolicy, plan, serving: ServingPolicy, layer_id: int, index: torch.Tensor,
+                   weights: torch.Tensor) -> list[tuple[int, int]]:
+    """The second phase of a prefetch, issued after the first (:func:`slot_widths`) is admitted: each
+    predicted dominant at the plan's width, widest first, when ``serving`` widens dominants ahead of
+    demand (``DominantWiden.AHEAD``) and the prefetch asks the serving widths; else none.
+
+    The first phase loads each predicted miss at what serving needs (a dominant at its floor); this one
+    copies the rows a floor-resident dominant lacks, so the copy link widens dominants only with the
+    time the misses leave (the simulator cuts it at the next layer's demand).
+    """
+    if serving.dominant_widen is not DominantWiden.AHEAD or policy.width is not PrefetchWidth.SERVING:
+        return []
+    wanted, dominant = plan.token_widths_and_roles(layer_id, index, weights, roles=True)
+    widths = torch.where(dominant, wanted, torch.zeros_like(wanted))
+    return widest_first(merge_requests(index.reshape(-1).tolist(), widths.reshape(-1).tolist()))
 
 
 def merge_requests(experts: Iterable[int], widths: Iterable[int],
@@ -277,6 +295,13 @@ class Prefetcher:
 
     def requests(self, layer_id: int, hidden_states: torch.Tensor) -> tuple[int, list[tuple[int, int]]] | None:
         """(next layer id, [(expert, width), ...]) to prefetch, or None after the last MoE layer."""
+        phases = self.phases(layer_id, hidden_states)
+        return None if phases is None else (phases[0], phases[1])
+
+    def phases(self, layer_id: int, hidden_states: torch.Tensor
+               ) -> tuple[int, list[tuple[int, int]], list[tuple[int, int]]] | None:
+        """(next layer id, first phase, second phase) of this layer's prefetch, or None after the last
+        MoE layer: the first as :meth:`requests`, the second :func:`topup_requests` (usually [])."""
         routed = self.predictor.predict_routing(layer_id, hidden_states)
         if routed is None:
             return None
@@ -291,13 +316,17 @@ class Prefetcher:
             narrow = narrow.min(dim=1).values
             for row, w in zip(extra.tolist(), narrow.tolist(), strict=True):
                 merge_requests(row, [w] * len(row), into=wanted)
-        return nxt, widest_first(wanted)
+        return nxt, widest_first(wanted), topup_requests(self.policy, plan, serving, nxt, index, weights)
 
     def __call__(self, layer_id: int, hidden_states: torch.Tensor):
-        req = self.requests(layer_id, hidden_states)
-        if req is None or not req[1]:
+        phases = self.phases(layer_id, hidden_states)
+        if phases is None:
             return []
-        return self.runtime.prefetch(req[0], req[1])
+        nxt, first, second = phases
+        out = self.runtime.prefetch(nxt, first) if first else []
+        if second:  # after the first phase: on a GPU queued behind its copies on the copy stream
+            out += self.runtime.prefetch(nxt, second)
+        return out
 
 
 def _prefetches_extra(policy: PrefetchPolicy, serving: ServingPolicy) -> bool:
@@ -305,4 +334,4 @@ def _prefetches_extra(policy: PrefetchPolicy, serving: ServingPolicy) -> bool:
     prefetches dominants only, or serves by the serving policy and that skips a missing auxiliary."""
     if policy.width is PrefetchWidth.AUX_NONE:
         return False
-    return policy.width is PrefetchWidth.PLAN or miss_width(serving, 1, False, 1) > 0
+    return policy.width is PrefetchWidth.PLAN or ahead_width(serving, 1, False, 1) > 0

@@ -13,8 +13,11 @@ wanted 0 (the plan skips)   none: skipped, whatever is resident
 ``r >= wanted``             ``wanted`` (a hit)
 auxiliary, ``0 < r < w``    ``r`` if ``aux_narrower`` is RESIDENT (no copy), else ``wanted``
 auxiliary, ``r == 0``       ``wanted`` if ``aux_missing`` is LOAD, none (skip) if SKIP
-dominant, ``r < wanted``    ``max(r, floor)``, ``floor = min(wanted, ceil(dominant_floor * full))``:
-                            a missed dominant loads only the floor prefix, never less
+dominant, ``r == 0``        ``floor = min(wanted, ceil(dominant_floor * full))``: a missed
+                            dominant loads only the floor prefix, never less
+dominant, ``0 < r < w``     ``max(r, floor)`` if ``dominant_widen`` is NEVER or AHEAD (no demand
+                            copy beyond the floor), ``wanted`` if it is HIT (rows ``r..wanted``
+                            copied on demand)
 ==========================  =================================================================
 
 Then each slot is served from its expert's width *available* after the step's copies
@@ -60,6 +63,14 @@ class AuxNarrower(enum.Enum):
     RESIDENT = "resident"  # ... runs at the resident width (no copy)
 
 
+class DominantWiden(enum.Enum):
+    """A dominant whose expert is resident narrower than wanted (e.g. loaded at the floor)..."""
+
+    NEVER = "never"  # ... runs at max(resident, floor): the floor holds for every use
+    HIT = "hit"  # ... is widened on demand to the wanted width (rows r..wanted copied): the floor holds for a miss
+    AHEAD = "ahead"  # ... runs at max(resident, floor), and the prefetcher tops it up ahead of its next use
+
+
 class AuxMissing(enum.Enum):
     """An auxiliary not resident at all..."""
 
@@ -80,12 +91,13 @@ class ServingPolicy:
     # (``scheduler.Placement``): a CPU-served expert runs at its served width from host memory and is
     # neither copied nor admitted by the residency ledger.
     placement: Placement = Placement.GPU
+    dominant_widen: DominantWiden = DominantWiden.NEVER
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ServingPolicy: name must be a non-empty string, got {self.name!r}")
         for attr, kind in (("hit_width", HitWidth), ("aux_narrower", AuxNarrower), ("aux_missing", AuxMissing),
-                           ("placement", Placement)):
+                           ("placement", Placement), ("dominant_widen", DominantWiden)):
             value = getattr(self, attr)
             if not isinstance(value, kind):
                 try:
@@ -111,11 +123,14 @@ class ServingPolicy:
                "aux_missing": self.aux_missing.value, "dominant_floor": self.dominant_floor}
         if self.placement is not Placement.GPU:  # GPU-only dicts stay as they were before issue 11
             out["placement"] = self.placement.value
+        if self.dominant_widen is not DominantWiden.NEVER:  # dicts of the policies before it stay as they were
+            out["dominant_widen"] = self.dominant_widen.value
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> ServingPolicy:
-        unknown = set(data) - {"name", "hit_width", "aux_narrower", "aux_missing", "dominant_floor", "placement"}
+        unknown = set(data) - {"name", "hit_width", "aux_narrower", "aux_missing", "dominant_floor", "placement",
+                                "dominant_widen"}
         if unknown:
             raise ValueError(f"ServingPolicy: unknown keys {sorted(unknown)}")
         return cls(**data)
@@ -128,6 +143,12 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
     "resident": ServingPolicy("resident", HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD, 1.0),
     "resident-floor75": ServingPolicy("resident-floor75", HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD,
                                       0.75),
+    # the same, and a dominant resident narrower than wanted is widened: on its next use ("-widen") or
+    # by the prefetcher ahead of it ("-ahead")
+    "resident-floor75-widen": ServingPolicy("resident-floor75-widen", HitWidth.RESIDENT, AuxNarrower.RESIDENT,
+                                            AuxMissing.LOAD, 0.75, dominant_widen=DominantWiden.HIT),
+    "resident-floor75-ahead": ServingPolicy("resident-floor75-ahead", HitWidth.RESIDENT, AuxNarrower.RESIDENT,
+                                            AuxMissing.LOAD, 0.75, dominant_widen=DominantWiden.AHEAD),
     # Issue 11, with the host CPU: every slot at the plan's width; per step the split GPU / CPU of
     # minimal makespan ("hybrid"); resident experts on the GPU and all others on the CPU, nothing
     # copied ("static_hybrid", llama.cpp --n-cpu-moe style with pinned experts); all on the CPU.
@@ -163,6 +184,7 @@ class ServedSlots:
     dominant_neurons: int = 0
     aux_slots: int = 0
     aux_neurons: int = 0
+    widened: int = 0  # dominant slots widened on demand beyond what NEVER would serve (DominantWiden.HIT)
 
 
 def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor, dominant: torch.Tensor | None, *,
@@ -179,6 +201,8 @@ def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor
     flat_d = [v for row in dominant.tolist() for v in row]
     resident: dict[int, int] = {}
     served = [0] * len(flat_w)
+    widen = policy.dominant_widen is DominantWiden.HIT
+    widened = 0
     for p, (e, w, dom) in enumerate(zip(flat_e, flat_w, flat_d, strict=True)):
         if w <= 0 or not 0 <= e < num_experts:
             continue
@@ -186,6 +210,8 @@ def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor
         if r is None:
             r = resident[e] = resident_width(e)
         served[p] = _serve_one(policy, w, dom, r, full_width)
+        if widen and dom and 0 < r < w and served[p] > max(r, policy.floor_width(w, full_width)):
+            widened += 1
     # A slot served below what its expert will hold after the step's copies gets those rows for free.
     available = dict(resident)
     for e, s in zip(flat_e, served, strict=True):
@@ -218,7 +244,7 @@ def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor
             aux_neurons += s
     widths = torch.tensor(served, dtype=torch.int64).reshape(shape)
     return ServedSlots(widths, wanted, dominant, fallbacks, skips, wider, dom_slots, dom_neurons, aux_slots,
-                       aux_neurons)
+                       aux_neurons, widened)
 
 
 def miss_width(policy: ServingPolicy, wanted: int, dominant: bool, full: int) -> int:
@@ -228,10 +254,21 @@ def miss_width(policy: ServingPolicy, wanted: int, dominant: bool, full: int) ->
     return _serve_one(policy, wanted, dominant, 0, full) if wanted > 0 else 0
 
 
+def ahead_width(policy: ServingPolicy, wanted: int, dominant: bool, full: int) -> int:
+    """The prefix a copy made ahead of demand (a prefetch) should have for a slot whose expert holds
+    nothing, so that its first use copies nothing more: :func:`miss_width`, except a dominant under
+    ``DominantWiden.HIT``, which its first use would widen to ``wanted`` (the expert is then resident)."""
+    if dominant and wanted > 0 and policy.dominant_widen is DominantWiden.HIT:
+        return wanted
+    return miss_width(policy, wanted, dominant, full)
+
+
 def _serve_one(policy: ServingPolicy, wanted: int, dominant: bool, resident: int, full: int) -> int:
     if resident >= wanted:
         return wanted
     if dominant:
+        if resident and policy.dominant_widen is DominantWiden.HIT:
+            return wanted
         return max(resident, policy.floor_width(wanted, full))
     if resident > 0:
         return resident if policy.aux_narrower is AuxNarrower.RESIDENT else wanted

@@ -26,7 +26,8 @@ Definitions (all JSON-friendly ints/floats):
 - Serving (``crisp_runtime.serving``; zero under the default policy, which serves the plan's
   widths): ``fallbacks`` slots served narrower than the plan wanted, ``serving_skips`` slots the
   plan wanted but the policy skipped, ``served_wider`` slots served wider than wanted (free,
-  from a wider resident prefix); ``served_{dominant,aux}_{slots,neurons}`` served slots and
+  from a wider resident prefix), ``served_widened`` dominant slots widened on demand
+  (``DominantWiden.HIT``); ``served_{dominant,aux}_{slots,neurons}`` served slots and
   their summed widths per role (``served_width_mean`` in ``as_dict``).
 - Prefetch (``CrispRuntime.prefetch``): ``prefetches`` admitted, ``prefetch_bytes`` copied,
   ``prefetch_rejected`` (did not fit without evicting what the step needs), ``prefetch_hits``
@@ -64,6 +65,7 @@ class LayerStats:
     fallbacks: int = 0
     serving_skips: int = 0
     served_wider: int = 0
+    served_widened: int = 0
     served_dominant_slots: int = 0
     served_dominant_neurons: int = 0
     served_aux_slots: int = 0
@@ -81,7 +83,8 @@ class LayerStats:
 
 
 _SUMMED = ("bytes_h2d", "bytes_read", "bytes_routed", "hits", "misses", "widenings", "evictions", "expert_runs",
-           "skipped", "copy_ms", "step_ms", "fallbacks", "serving_skips", "served_wider", "served_dominant_slots",
+           "skipped", "copy_ms", "step_ms", "fallbacks", "serving_skips", "served_wider", "served_widened",
+           "served_dominant_slots",
            "served_dominant_neurons", "served_aux_slots", "served_aux_neurons", "prefetches", "prefetch_bytes",
            "prefetch_rejected", "prefetch_hits", "cpu_runs", "cpu_bytes_read")
 

@@ -17,9 +17,12 @@ from crisp_runtime.serving import (
     SERVING_POLICIES,
     AuxMissing,
     AuxNarrower,
+    DominantWiden,
     HitWidth,
     ServingPolicy,
+    ahead_width,
     make_serving,
+    miss_width,
     serve_slots,
 )
 
@@ -30,7 +33,8 @@ NB = LAYERS[1].fmt.neuron_nbytes(LAYERS[1].hidden_size)
 DEQ = {i: [dequantize_expert(layer.expert(e), dtype=torch.float64) for e in range(E)] for i, layer in LAYERS.items()}
 
 policies = st.builds(ServingPolicy, st.just("p"), st.sampled_from(list(HitWidth)), st.sampled_from(list(AuxNarrower)),
-                     st.sampled_from(list(AuxMissing)), st.sampled_from([1.0, 0.75, 0.5, 0.0625]))
+                     st.sampled_from(list(AuxMissing)), st.sampled_from([1.0, 0.75, 0.5, 0.0625]),
+                     dominant_widen=st.sampled_from(list(DominantWiden)))
 
 
 def reference(layer_id, x, index, weights, widths):
@@ -58,7 +62,9 @@ def brute_serve(policy, index, wanted, dominant, resident, full):
             need.append(0)
         elif r >= w:
             need.append(w)
-        elif d:
+        elif d and r > 0 and policy.dominant_widen is DominantWiden.HIT:  # widened on demand
+            need.append(w)
+        elif d:  # NEVER and AHEAD: no demand copy beyond the floor
             need.append(max(r, min(w, math.ceil(policy.dominant_floor * full))))
         elif r > 0:
             need.append(r if policy.aux_narrower is AuxNarrower.RESIDENT else w)
@@ -94,6 +100,29 @@ def test_serve_slots_equals_brute_force(policy, tokens, k, seed):
     assert got.dominant_neurons == int(want[dominant].sum()) and got.aux_neurons == int(want[~dominant].sum())
     floor = torch.clamp(wanted, max=math.ceil(policy.dominant_floor * INTER))
     assert bool((want[dominant & active] >= floor[dominant & active]).all())  # the dominant floor
+    # widened on demand: dominants resident narrower than both the wanted width and the floor-served width
+    res = torch.tensor([resident[int(e)] for e in index.reshape(-1)]).reshape(index.shape)
+    never = torch.maximum(res, floor)
+    if policy.dominant_widen is DominantWiden.HIT:
+        assert got.widened == int((dominant & active & (res > 0) & (res < wanted) & (never < wanted)).sum())
+        assert bool((want[dominant & active & (res > 0)] >= wanted[dominant & active & (res > 0)]).all())
+    else:
+        assert got.widened == 0
+
+
+@pytest.mark.parametrize("widen", list(DominantWiden))
+@pytest.mark.parametrize("dominant", [True, False])
+def test_ahead_width_is_what_the_first_use_needs(widen, dominant):
+    """A prefetch at ahead_width leaves the slot's first use nothing to copy: served at most that width
+    from a prefix of that width (HIT would widen a floor prefix on its first use: it asks the wanted width)."""
+    policy = ServingPolicy("p", HitWidth.WANTED, AuxNarrower.RESIDENT, AuxMissing.LOAD, 0.5, dominant_widen=widen)
+    for wanted in (1, 5, 8, 12, 16):
+        ahead = ahead_width(policy, wanted, dominant, INTER)
+        served = serve_slots(policy, torch.tensor([[0]]), torch.tensor([[wanted]]), torch.tensor([[dominant]]),
+                             num_experts=1, full_width=INTER, resident_width=lambda e, a=ahead: a)
+        assert int(served.widths) <= ahead
+        assert ahead == (wanted if dominant and widen is DominantWiden.HIT else miss_width(policy, wanted, dominant,
+                                                                                             INTER))
 
 
 def test_default_policy_serves_the_plan_whatever_is_resident():
@@ -109,6 +138,7 @@ def test_default_policy_serves_the_plan_whatever_is_resident():
     ({"dominant_floor": 0.0}, "dominant_floor"), ({"dominant_floor": 1.5}, "dominant_floor"),
     ({"dominant_floor": True}, "dominant_floor"), ({"hit_width": "sometimes"}, "hit_width"),
     ({"aux_missing": "maybe"}, "aux_missing"), ({"name": ""}, "name"),
+    ({"dominant_widen": "always"}, "dominant_widen"),
 ])
 def test_policy_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -125,6 +155,9 @@ def test_policy_names_and_dict_round_trip():
         RuntimeConfig(serving="fastest")
     with pytest.raises(ValueError, match="unknown keys"):
         ServingPolicy.from_dict({"name": "x", "floor": 1})
+    # a policy that does not widen keeps the dict it had before the knob existed
+    assert "dominant_widen" not in SERVING_POLICIES["resident-floor75"].to_dict()
+    assert SERVING_POLICIES["resident-floor75-ahead"].to_dict()["dominant_widen"] == "ahead"
 
 
 # ---------------------------------------------------------------------------- through the runtime
@@ -183,6 +216,7 @@ def test_residency_aware_runtime_matches_reference_at_served_widths(plan, policy
     changed = [0, 0, 0]  # fallbacks, skips, wider: counted here from the served widths
     for layer_id, tokens, seed, prefetch in steps:
         x, index, weights = make_step(tokens, seed)
+        before = [runtime.cache.resident_width(layer_id, e) for e in range(E)]
         out = runtime.forward(layer_id, x, index, weights)
         served = runtime.last_served[layer_id]
         w, s = served.wanted, served.widths
@@ -194,6 +228,9 @@ def test_residency_aware_runtime_matches_reference_at_served_widths(plan, policy
         assert torch.equal(served.wanted, wanted)
         dom = dominant & (wanted > 0)
         assert bool((served.widths[dom] >= wanted[dom].clamp(max=floor)).all())  # the floor, never below
+        if policy.dominant_widen is DominantWiden.HIT:  # a dominant resident before the step: widened to wanted
+            was = torch.tensor([before[int(e)] for e in index.reshape(-1)]).reshape(index.shape) > 0
+            assert bool((served.widths[dom & was] >= wanted[dom & was]).all())
         assert runtime.cache.used <= budget
         other = LAYER_IDS[1 - LAYER_IDS.index(layer_id)]
         step_keys = {(layer_id, t.expert): runtime.cache.resident_width(layer_id, t.expert)

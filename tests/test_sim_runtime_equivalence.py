@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from crisp_bench.profiles import HardwareProfile, ModelShape
+from crisp_bench.profiles import HardwareProfile
+from crisp_bench.shapes import ModelShape
 from crisp_bench.simulate import SimPolicy, prefetch_requests, simulate_decode
 from crisp_bench.traces import plan_from_trace, synthetic_trace
 from runtime_helpers import random_layers
@@ -39,7 +40,7 @@ def decisions(monkeypatch):
     return log
 
 
-@pytest.mark.parametrize("serving", ["plan", "resident", "resident-floor75"])
+@pytest.mark.parametrize("serving", ["plan", "resident", "resident-floor75", "resident-floor75-widen"])
 @pytest.mark.parametrize(("eviction", "budget_experts"), [("lru", 4), ("next_use", 6)])
 def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, eviction, budget_experts):
     trace = synthetic_trace(num_layers=LAYERS, num_tokens=24, num_experts=EXPERTS, intermediate_size=INTER, seed=3)
@@ -66,6 +67,8 @@ def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, evict
     assert decisions == by_runtime
     kinds = {d[1] for d in by_runtime}
     assert "miss" in kinds and "hit" in kinds
+    if serving == "resident-floor75-widen":  # floor-loaded dominants widened on a later use, in both
+        assert "widen" in kinds and res.widened > 0 and runtime.stats.as_dict()["served_widened"] == res.widened
     stats = runtime.stats.as_dict()
     c = res.counters
     assert (c.hits, c.misses, c.widenings, c.evictions, c.bytes_copied) == (
@@ -89,7 +92,7 @@ class _TracePredictor:
 
 
 @pytest.mark.parametrize("width", list(PrefetchWidth))
-@pytest.mark.parametrize("serving", ["plan", "resident-floor75"])
+@pytest.mark.parametrize("serving", ["plan", "resident-floor75", "resident-floor75-ahead"])
 def test_prefetch_makes_the_same_decisions(decisions, monkeypatch, serving, width):
     """The runtime's Prefetcher (its requests for the next layer's predicted experts at ``width``) and
     CrispRuntime.prefetch, against the simulator's prefetch of the same trace through the same ledger:
@@ -128,18 +131,26 @@ def test_prefetch_makes_the_same_decisions(decisions, monkeypatch, serving, widt
             index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
             hidden = torch.randn(1, HIDDEN, generator=g)
             runtime.forward(layer, hidden, index, torch.from_numpy(trace.weights[layer, t:t + 1]))
-            req = prefetcher.requests(layer, hidden)
-            asked.append([] if req is None else req[1])
+            phases = prefetcher.phases(layer, hidden)
+            asked.append(([], []) if phases is None else phases[1:])
             prefetcher(layer, hidden)
     by_runtime = list(log)
     log.clear()
     sim_policy = SimPolicy("crisp", plan, SERVING_POLICIES[serving], "next_use", prefetch=True, prefetch_width=width)
     res = simulate_decode(trace, sim_policy, profile, shape, budget, orders=["widest_first"], predicted=predicted)
     requests = prefetch_requests(plan, trace, predicted, policy, SERVING_POLICIES[serving])
-    assert asked == [requests[layer][t] for t in range(trace.num_tokens) for layer in range(LAYERS)]
+    topups = prefetch_requests(plan, trace, predicted, policy, SERVING_POLICIES[serving], phase=2)
+    assert asked == [(requests[layer][t], topups[layer][t]) for t in range(trace.num_tokens) for layer in range(LAYERS)]
+    # the second phase (dominants widened ahead of demand) exactly for AHEAD with serving-width prefetch
+    ahead = serving == "resident-floor75-ahead" and width is PrefetchWidth.SERVING
+    assert any(x for layer in topups for x in layer) == ahead
+    if ahead:
+        assert any(d[0] == "prefetch" and d[4] is not None and d[4][0] == "widen" for d in by_runtime)
     assert log == by_runtime
     assert res.counters.prefetches > 0 and res.counters.prefetch_hits > 0 and res.peak_bytes <= budget
     # the option changes the requests where it should: floor-width dominants, no auxiliaries
     plan_asked = prefetch_requests(plan, trace, predicted, PrefetchPolicy(), SERVING_POLICIES[serving])
     changes = width is PrefetchWidth.AUX_NONE or (width is PrefetchWidth.SERVING and serving != "plan")
+    if serving == "resident-floor75-ahead" and width is PrefetchWidth.SERVING:  # first phase at the floor too
+        assert requests != plan_asked
     assert (requests != plan_asked) == changes
