@@ -155,6 +155,9 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
     "hybrid": ServingPolicy("hybrid", placement=Placement.HYBRID),
     "static_hybrid": ServingPolicy("static_hybrid", placement=Placement.STATIC),
     "cpu_only": ServingPolicy("cpu_only", placement=Placement.CPU),
+    # "hybrid" plus the neuron split: an expert's rows [0, s) on the GPU, [s, width) on the CPU
+    # (scheduler.split_rows; docs/hybrid.md)
+    "hybrid_split": ServingPolicy("hybrid_split", placement=Placement.SPLIT),
 }
 
 
