@@ -22,9 +22,13 @@ patched) by: route with the block's own router, run the routed experts through t
 :class:`CrispRuntime` (plans, budget, cache, stats), add the shared experts. The experts'
 Linear weights become ``meta`` placeholders (plain attributes, so ``model.to()`` skips them); the
 original ``Parameter`` objects are kept and ``restore()`` puts them back (the same objects, so
-bitwise). Not done for these blocks: next-layer prefetch (``RuntimeConfig.prefetch``, refused),
-padding-aware token counts (``stats()["tokens"]`` counts every position), ``state_dict()`` while
-applied (it lacks the experts: restore first), ``crisp-profile`` (it needs the v5 experts interface).
+bitwise). The runtime knobs are ``apply``'s, through the same code: ``cpu="off"|"on"|"auto"``
+(``cpu_knob.decide_cpu``; hybrid placement on the runtime's CPU worker) and next-layer prefetch
+(``RuntimeConfig.prefetch``: ``prefetch.Prefetcher`` with :class:`BlockRoutePredictor`, the next
+block's own routing on this block's input, in place of the v5 router call). Not done for these
+blocks: padding-aware token counts (``stats()["tokens"]`` counts every position), ``state_dict()``
+while applied (it lacks the experts: restore first), ``crisp-profile`` (it needs the v5 experts
+interface).
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ from torch import nn
 from crisp_kernels import PackedLayer, QuantFormat, pack_layer
 from crisp_kernels.experts_module import without_backward
 
+from .cpu_knob import decide_cpu, parse_cpu_mode
 from .executor import CrispRuntime, RuntimeConfig
 from .hf import CrispHandle, _check_budget_fits_device, _check_budget_fits_layers, _check_device, parse_budget
 from .models import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
 from .pack import CrispPack, PackMismatchError, layers_from_source, recorded_weights_sha256, weights_sha256
 from .plan import CrispPlan, PlanError
+from .prefetch import Prefetcher
 from .serving import make_serving
 
 _BLOCK_STATE = "_crisp_block_state"
@@ -69,6 +75,9 @@ class BlockShape:
     shared: the shared experts' contribution, or None when the shape has none.
     returns_router_logits: the block's forward returns ``(hidden, router_logits)`` (v4 Mixtral /
         Qwen2-MoE), not only ``hidden``.
+    route_logits: ``route`` returns the router's logits over every expert (not None): what a
+        prefetch of extra experts beyond the router's top-k ranks them by
+        (``PrefetchPolicy.extra_experts``; refused for a shape without them).
     """
 
     name: str
@@ -78,6 +87,7 @@ class BlockShape:
     experts: str = "experts"
     shared: Shared | None = None
     returns_router_logits: bool = False
+    route_logits: bool = True
 
 
 def route_softmax_topk(block: nn.Module, x: torch.Tensor, *, renormalize: bool):
@@ -114,7 +124,8 @@ def shared_sigmoid_gated(attr: str, gate_attr: str) -> Shared:
 
 
 BLOCK_SHAPES: tuple[BlockShape, ...] = (
-    BlockShape("deepseek-moe", ("DeepseekMoE",), route_gate_module, shared=shared_plain("shared_experts")),
+    BlockShape("deepseek-moe", ("DeepseekMoE",), route_gate_module, shared=shared_plain("shared_experts"),
+               route_logits=False),
     BlockShape("mixtral-v4", ("MixtralSparseMoeBlock",), functools.partial(route_softmax_topk, renormalize=True),
                projections=("w1", "w3", "w2"), returns_router_logits=True),
     BlockShape("qwen2-moe-v4", ("Qwen2MoeSparseMoeBlock",),
@@ -267,12 +278,74 @@ def check_layers_fit_blocks(layers: Mapping[int, PackedLayer], refs: Sequence[Mo
 # ---------------------------------------------------------------------- the block forward
 
 
-class _BlockState:
-    __slots__ = ("ref", "runtime")
+class BlockRoutePredictor:
+    """Predicts the next per-expert block's routed experts from this block's input: the interface of
+    ``prefetch.NextLayerPredictor`` (which calls a v5 router), with the next block's own ``route``.
 
-    def __init__(self, ref: MoeBlockRef, runtime: CrispRuntime) -> None:
+    As for v5 models, the next router sees this block's MoE input, not its own (see the
+    ``crisp_runtime.prefetch`` docstring). experts: predicted per token (the route's top-k first,
+    then the next ones by router logit; more than top-k needs a shape with ``route_logits``).
+    """
+
+    def __init__(self, refs: Sequence[MoeBlockRef], *, top_k: int, experts: int | None = None) -> None:
+        self.refs = {r.layer_id: r for r in refs}
+        self.layer_ids = [r.layer_id for r in refs]
+        self.num_experts = refs[0].num_experts
+        self.top_k = top_k
+        self.experts = top_k if experts is None else experts
+        if not top_k <= self.experts <= self.num_experts:
+            raise ValueError(f"experts: expected a count in [top_k={top_k}, num_experts={self.num_experts}], "
+                             f"got {experts}")
+        if self.experts > top_k:
+            lacking = sorted({r.shape.name for r in refs if not r.shape.route_logits})
+            if lacking:
+                raise ValueError(f"prefetch extra_experts: the {', '.join(lacking)} block routing gives no router "
+                                 "logits to rank experts beyond its top-k by; use PrefetchPolicy(extra_experts=0)")
+        self._next = dict(zip(self.layer_ids[:-1], self.layer_ids[1:], strict=True))
+
+    def next_layer(self, layer_id: int) -> int | None:
+        if layer_id not in self.refs:
+            raise KeyError(f"layer {layer_id} is not a MoE block of this model ({self.layer_ids})")
+        return self._next.get(layer_id)
+
+    def _route(self, layer_id: int, hidden_states: torch.Tensor):
+        nxt = self.next_layer(layer_id)
+        if nxt is None:
+            return None
+        ref = self.refs[nxt]
+        index, weights, logits = ref.shape.route(ref.module, hidden_states.reshape(-1, hidden_states.shape[-1]))
+        return nxt, index.long(), weights, logits
+
+    @torch.no_grad()
+    def predict_routing(self, layer_id: int, hidden_states: torch.Tensor):
+        """(next layer id, (T, k) index, (T, k) float32 weights), or None after the last MoE block."""
+        routed = self._route(layer_id, hidden_states)
+        if routed is None:
+            return None
+        nxt, index, weights, _ = routed
+        return nxt, index, weights.float()
+
+    @torch.no_grad()
+    def predict(self, layer_id: int, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """(T, experts) int64 predicted experts of the next block (its route's top-k first), or None."""
+        routed = self._route(layer_id, hidden_states)
+        if routed is None:
+            return None
+        _, index, _, logits = routed
+        extra = self.experts - index.shape[1]
+        if extra <= 0:
+            return index[:, : self.experts]
+        rest = logits.float().scatter(1, index, -float("inf"))  # the route's choice first, then by logit
+        return torch.cat([index, rest.topk(extra, dim=1).indices], dim=1)
+
+
+class _BlockState:
+    __slots__ = ("prefetcher", "ref", "runtime")
+
+    def __init__(self, ref: MoeBlockRef, runtime: CrispRuntime, prefetcher: Prefetcher | None = None) -> None:
         self.ref = ref
         self.runtime = runtime
+        self.prefetcher = prefetcher
 
 
 def _block_forward(state: _BlockState, hidden_states: torch.Tensor, *args, **kwargs):
@@ -285,6 +358,10 @@ def _block_forward(state: _BlockState, hidden_states: torch.Tensor, *args, **kwa
     y = without_backward(f"CRISP experts ({ref.name})", functools.partial(state.runtime.forward, ref.layer_id), x,
                          index, weights.to(x.dtype),
                          hint="Run inference under torch.no_grad(), or restore() the model before training it")
+    if state.prefetcher is not None:
+        # After this block's copies and kernels are enqueued, as for v5 models (hf._run_experts): the next
+        # block's predicted experts queue behind them on the copy stream (CUDA); on the CPU they are copied now.
+        state.prefetcher(ref.layer_id, x)
     if ref.shape.shared is not None:
         extra = ref.shape.shared(block, x)
         if extra is not None:
@@ -344,17 +421,16 @@ def _detach_expert_weights(ref: MoeBlockRef) -> list:
 def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
                  fmt: QuantFormat | None = None, config: RuntimeConfig | None = None,
                  allow_weights_mismatch: bool = False, serving=None,
-                 shapes: Sequence[BlockShape] = BLOCK_SHAPES):
-    """CRISP on ``model``'s per-expert MoE blocks (arguments as :func:`crisp_runtime.apply`); returns a handle
-    with the same surface as ``CrispHandle`` (stats, set_plan, restore, context manager)."""
+                 shapes: Sequence[BlockShape] = BLOCK_SHAPES, cpu="off"):
+    """CRISP on ``model``'s per-expert MoE blocks (arguments as :func:`crisp_runtime.apply`, ``cpu`` and
+    ``config.prefetch`` included); returns a handle with the same surface as ``CrispHandle`` (stats,
+    set_plan, restore, context manager)."""
+    cpu_mode = parse_cpu_mode(cpu)
     config = RuntimeConfig() if config is None else config
     if not isinstance(config, RuntimeConfig):
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
     if serving is not None:
         config = replace(config, serving=make_serving(serving))
-    if config.prefetch is not None:
-        raise ValueError("config.prefetch: next-layer prefetch is not wired for per-expert MoE blocks; use "
-                         "RuntimeConfig(prefetch=None)")
     if not config.keep_original:
         raise ValueError("config.keep_original=False: per-expert blocks always keep their original weights "
                          "(restore() puts the same Parameter objects back)")
@@ -403,7 +479,15 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     if budget is not None:
         _check_budget_fits_layers(budget, layers, top_k)
         _check_budget_fits_device(budget, device)
+    predictor = None
+    if config.prefetch is not None:  # checked before anything is measured or built
+        predictor = BlockRoutePredictor(refs, top_k=top_k,
+                                        experts=min(first.num_experts, top_k + config.prefetch.extra_experts))
+    config, cpu_decision = decide_cpu(cpu_mode, config=config, budget=budget, device=torch.device(device),
+                                      layers=layers)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
+    runtime.cpu_decision = cpu_decision
+    prefetcher = None if predictor is None else Prefetcher(predictor, runtime, config.prefetch)
 
     # ---- only now modify the model
     stash: dict = {}
@@ -411,7 +495,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     try:
         for ref in refs:
             stash[ref.name] = _detach_expert_weights(ref)
-            state = _BlockState(ref, runtime)
+            state = _BlockState(ref, runtime, prefetcher)
             ref.module.__dict__[_BLOCK_STATE] = state
             ref.module.__dict__["forward"] = functools.partial(_block_forward, state)
     except BaseException:

@@ -448,7 +448,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     (on when the measured bandwidths say it pays); ``stats()["cpu"]`` says what was decided
     (``crisp_runtime.cpu_knob``).
     """
-    from .cpu_knob import CpuMode, decide_cpu, parse_cpu_mode
+    from .cpu_knob import decide_cpu, parse_cpu_mode
 
     cpu_mode = parse_cpu_mode(cpu)
     config = RuntimeConfig() if config is None else config
@@ -467,10 +467,8 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
 
     shapes = blocks.BLOCK_SHAPES if shapes is None else tuple(shapes)
     if isinstance(model, torch.nn.Module) and blocks.uses_per_expert_blocks(model, shapes):
-        if cpu_mode is not CpuMode.OFF:
-            raise ValueError(f"cpu={cpu!r}: hybrid execution is not wired for per-expert MoE blocks; use cpu='off'")
         return blocks.apply_blocks(model, source, plan=plan, gpu_budget=gpu_budget, fmt=fmt, config=config,
-                                   allow_weights_mismatch=allow_weights_mismatch, shapes=shapes)
+                                   allow_weights_mismatch=allow_weights_mismatch, shapes=shapes, cpu=cpu_mode)
     if not (hasattr(model, "set_experts_implementation") and hasattr(model, "get_experts_implementation")):
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers v5 PreTrainedModel with "
                                     "set_experts_implementation(), and has no per-expert MoE block of a registered "

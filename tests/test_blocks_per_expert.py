@@ -423,8 +423,6 @@ def test_pack_folder_with_fingerprint_and_mismatches(tmp_path):
 def test_refusals_leave_the_model_untouched():
     model = make_model("mixtral_v4")
     before = expert_params(model)
-    with pytest.raises(ValueError, match="prefetch"):
-        apply(model, config=RuntimeConfig(prefetch=PrefetchPolicy()))
     with pytest.raises(ValueError, match="keep_original"):
         apply(model, config=RuntimeConfig(keep_original=False))
     with pytest.raises(ValueError, match="too small"):
@@ -463,3 +461,113 @@ def test_route_softmax_topk_is_the_v4_routing():
     assert torch.allclose(weights.sum(-1), torch.ones(7))
     assert torch.equal(logits_, block.gate(x))
     assert index.shape == (7, 4)
+
+
+# ---------------------------------------------------------------------- the runtime knobs: cpu= and prefetch
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cpu", ["off", "on", "auto"])
+def test_cpu_knob_as_for_v5_models(family, cpu):
+    """cpu= through the same decide_cpu and CPU worker as the v5 path: off and auto (no GPU here) keep the
+    GPU placement; on with a CPU placement runs the experts on the worker, each layer step within the CPU's
+    precision contract of the float64 reference at the widths served (crisp_bench.e2e.StepCheck's bound),
+    and with the exact fp32 path the logits equal the dequantized eager model's (1e-5, as above)."""
+    from crisp_bench.e2e import StepCheck
+
+    from crisp_runtime.cpu_experts import EXACT
+    from crisp_runtime.scheduler import CostModel
+
+    model = make_model(family)
+    layers = pack_blocks(find_moe_blocks(model))
+    reference = logits(dequantized_copy(model, layers))
+    budget = min_budget_bytes(layers, model.config.num_experts_per_tok)
+    runs = {}
+    for exact in (False, True) if cpu == "on" else (False,):
+        config = RuntimeConfig(cost=CostModel(cpu_bytes_per_s=1e9), cpu_experts=EXACT) if exact else None
+        serving = "cpu_only" if cpu == "on" else None  # on: a CPU placement that surely runs experts on the CPU
+        with apply(model, gpu_budget=budget, cpu=cpu, serving=serving, config=config) as handle:
+            check = StepCheck(handle.runtime)
+            runs[exact] = logits(model)
+            check.close()
+            stats = handle.stats()
+            assert stats["cpu"]["mode"] == cpu
+            if cpu == "on":
+                assert stats["cpu"]["placement"] == "cpu_only" and stats["cpu_runs"] > 0 and stats["bytes_h2d"] == 0
+                assert stats["cpu"]["experts"]["precision"] == ("fp32" if exact else "bf16")
+                assert check.record()["within_tolerance"] and check.steps == len(layers)  # one batched forward
+            else:
+                assert stats["cpu"]["placement"] == "gpu" and stats["cpu_runs"] == 0
+                assert stats["cpu"]["experts"] is None
+            runtime = handle.runtime
+        assert not runtime._cpu.started  # restore() stopped the worker
+    exact_run = runs[cpu == "on"]
+    rel = ((exact_run - reference).norm() / reference.norm()).item()
+    assert rel <= 1e-5, rel
+
+
+def test_cpu_on_needs_a_budget_for_blocks():
+    model = make_model("mixtral_v4")
+    with pytest.raises(ValueError, match="needs a gpu_budget"):
+        apply(model, cpu="on")
+    with pytest.raises(ValueError, match="cpu: expected 'off', 'on' or 'auto'"):
+        apply(model, gpu_budget=10**6, cpu="yes")
+    assert all(not p.is_meta for _, _, p in expert_params(model))  # refused before the model was touched
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("extra", [0, 1])
+def test_prefetch_keeps_exact_outputs_and_the_budget(family, extra):
+    """As tests/test_prefetch.py for v5 models: a prefetch moves bytes, never changes outputs (the plan's
+    serving is independent of the cache), and the budget holds with it."""
+    model = make_model(family)
+    layers = pack_blocks(find_moe_blocks(model))
+    budget = min_budget_bytes(layers, model.config.num_experts_per_tok) + 2 * next(iter(layers.values())).nbytes() // (
+        next(iter(layers.values())).num_experts)
+    def one_token_steps():  # decode-sized steps (one token each): room in the budget beside a step's experts
+        with torch.no_grad():
+            return torch.cat([model(TOKENS[:1, t:t + 1]).logits for t in range(TOKENS.shape[1])])
+
+    with apply(model, gpu_budget=budget) as handle:
+        plain = one_token_steps()
+        assert handle.stats()["prefetches"] == 0
+    config = RuntimeConfig(prefetch=PrefetchPolicy(extra_experts=extra))
+    if extra and family == "deepseek_moe":  # its gate returns only its top-k: nothing to rank extra experts by
+        with pytest.raises(ValueError, match="deepseek-moe block routing gives no router logits"):
+            apply(model, gpu_budget=budget, config=config)
+        assert all(not p.is_meta for _, _, p in expert_params(model))
+        return
+    with apply(model, gpu_budget=budget, config=config) as handle:
+        fetched = one_token_steps()
+        stats = handle.stats()
+    # The plan's serving is independent of the cache, but Johnson's order (resident experts first) is not: the fp32
+    # sum of a step's experts (6 of them for DeepSeek) runs in another order, which moves it by a few ulp.
+    rel = ((fetched - plain).norm() / plain.norm()).item()
+    assert rel <= 1e-6, rel
+    assert stats["prefetches"] > 0 and stats["prefetch_bytes"] > 0
+    assert stats["cache"]["peak_bytes"] <= budget
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_prediction_is_the_next_blocks_routing(family):
+    from crisp_runtime.blocks import BlockRoutePredictor
+
+    model = make_model(family)
+    refs = find_moe_blocks(model)
+    k = model.config.num_experts_per_tok
+    lacks_logits = family == "deepseek_moe"
+    predictor = BlockRoutePredictor(refs, top_k=k, experts=k if lacks_logits else k + 1)
+    h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3))
+    first, second = refs[0], refs[1]
+    nxt, index, weights = predictor.predict_routing(first.layer_id, h)
+    want_index, want_weights, want_logits = second.shape.route(second.module, h)
+    assert nxt == second.layer_id and torch.equal(index, want_index.long())
+    assert torch.equal(weights, want_weights.float())
+    pred = predictor.predict(first.layer_id, h)
+    assert torch.equal(pred[:, :k], want_index.long())
+    if not lacks_logits:  # the extra expert: the best by router logit among those not routed
+        rest = want_logits.float().scatter(1, want_index.long(), -float("inf"))
+        assert torch.equal(pred[:, k], rest.argmax(dim=1))
+    assert predictor.predict(refs[-1].layer_id, h) is None and predictor.predict_routing(refs[-1].layer_id, h) is None
+    with pytest.raises(ValueError, match="experts: expected a count"):
+        BlockRoutePredictor(refs, top_k=k, experts=k - 1)
