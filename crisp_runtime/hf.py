@@ -63,6 +63,7 @@ from .pack import (
 )
 from .plan import CrispPlan, PlanError
 from .prefetch import NextLayerPredictor, Prefetcher
+from .resident_path import ResidentStep
 from .serving import make_serving
 
 IMPLEMENTATION_NAME = "crisp"
@@ -101,11 +102,12 @@ class _TokenMask:
 class _ExpertsState:
     """What the ``crisp`` experts function needs on one experts module."""
 
-    __slots__ = ("layer_id", "name", "prefetcher", "previous_impl", "runtime", "tokens")
+    __slots__ = ("layer_id", "name", "prefetcher", "previous_impl", "resident", "runtime", "tokens")
 
     def __init__(self, runtime: CrispRuntime, layer_id: int, name: str, previous_impl, tokens: _TokenMask,
-                 prefetcher: Prefetcher | None = None) -> None:
+                 prefetcher: Prefetcher | None = None, resident: ResidentStep | None = None) -> None:
         self.runtime = runtime
+        self.resident = resident  # every expert resident: the step torch.compile traces (resident_path)
         self.layer_id = layer_id
         self.name = name
         self.previous_impl = previous_impl
@@ -117,7 +119,10 @@ _NO_GRAD_HINT = ("Run inference under torch.no_grad() / torch.inference_mode(), 
                  "(handle.restore()) before training it")
 
 
+@torch.compiler.disable
 def _run_experts(state: _ExpertsState, hidden_states, top_k_index, top_k_weights):
+    # Disabled for torch.compile: the step reads the routing on the host (widths, copies, order, statistics),
+    # so a compiled model breaks its graph here, once per MoE layer, instead of at each of those reads.
     out = state.runtime.forward(state.layer_id, hidden_states, top_k_index, top_k_weights)
     if state.prefetcher is not None:
         # After this layer's copies and kernels are enqueued: the next layer's predicted experts queue behind
@@ -141,8 +146,12 @@ def crisp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
             raise RuntimeError(f"{type(self).__name__}: experts implementation is 'crisp' but CRISP is not applied "
                                "to this module (call crisp_runtime.apply(model))")
         return eager(self, hidden_states, top_k_index, top_k_weights)
-    return without_backward(f"CRISP experts ({state.name})", functools.partial(_run_experts, state), hidden_states,
-                            top_k_index, top_k_weights, hint=_NO_GRAD_HINT)
+    if state.resident is not None and torch.compiler.is_compiling():  # traced whole: no host read, no graph break
+        run = functools.partial(state.resident, state.layer_id)
+    else:
+        run = functools.partial(_run_experts, state)
+    return without_backward(f"CRISP experts ({state.name})", run, hidden_states, top_k_index, top_k_weights,
+                            hint=_NO_GRAD_HINT)
 
 
 def register() -> None:
@@ -512,6 +521,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
                                       layers=layers)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
     runtime.cpu_decision = cpu_decision
+    resident = ResidentStep(runtime) if budget is None else None
     prefetcher = None
     if config.prefetch is not None:
         experts = min(first.num_experts, top_k + config.prefetch.extra_experts)
@@ -529,7 +539,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
             originals = [(name, obj if where == "param" else None) for name, where, obj, _ in entries]
             _install_guard(ref.module, ref.name, originals)
             ref.module.__dict__[_STATE_ATTR] = _ExpertsState(runtime, ref.layer_id, ref.name, previous_impl, tokens,
-                                                             prefetcher)
+                                                             prefetcher, resident)
         handle._model_hooks += [
             model.register_forward_pre_hook(functools.partial(_record_attention_mask, tokens), with_kwargs=True),
             model.register_forward_hook(functools.partial(_clear_attention_mask, tokens), with_kwargs=True,

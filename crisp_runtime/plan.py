@@ -108,8 +108,14 @@ class LayerPlan:
     # Lookup tables built on first use; not part of equality.
     _tables: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def tables(self, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tier code (E, E) int64, dominant expert (E, E) int64), symmetric; -1 = unseen."""
+    def tables(self, num_experts: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tier code (E, E) int64, dominant expert (E, E) int64), symmetric; -1 = unseen. On the CPU,
+        or a copy on ``device`` made once (the compiled all-resident path reads them on the GPU, no copy)."""
+        if device is not None and device.type != "cpu":
+            key = (num_experts, device)
+            if key not in self._tables:
+                self._tables[key] = tuple(t.to(device) for t in self.tables(num_experts))
+            return self._tables[key]
         if num_experts not in self._tables:
             tier = torch.full((num_experts, num_experts), _UNSEEN_CODE, dtype=torch.int64)
             dom = torch.full((num_experts, num_experts), -1, dtype=torch.int64)
@@ -119,6 +125,9 @@ class LayerPlan:
                 dom[a, b] = dom[b, a] = d
             self._tables[num_experts] = (tier, dom)
         return self._tables[num_experts]
+
+
+_NO_PAIRS = LayerPlan({}, {})  # a CRISP layer without profiled pairs: every pair unseen
 
 
 def pair_key(a: int, b: int) -> Pair:
@@ -326,6 +335,18 @@ class CrispPlan:
                     None if role_rows is None else torch.tensor(role_rows, dtype=torch.bool).reshape(index.shape))
         return self._token_widths_tensor(layer_id, index, weights, roles)
 
+    def device_token_widths(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                            ) -> torch.Tensor:
+        """:meth:`token_widths` computed where the routing is: (T, k) int64 on its device.
+
+        The vectorized rules only (no copy to the host, no Python per token, no data-dependent
+        control flow), so ``torch.compile(fullgraph=True)`` traces it: the all-resident step of
+        ``crisp_runtime.resident_path``. Same values as :meth:`token_widths`.
+        """
+        if layer_id not in self.layer_ids:
+            raise PlanError(f"plan has no layer {layer_id}; it covers layers {list(self.layer_ids)}")
+        return self._token_widths_tensor(layer_id, top_k_index.to(torch.int64), top_k_weights.to(torch.float32))[0]
+
     def _token_widths_small(self, layer_id: int, index: list[list[int]], weights: list[list[float]],
                             roles: list | None = None):
         """The per-token rules in plain Python: a decode step is a handful of slots, and ~25 small
@@ -390,7 +411,7 @@ class CrispPlan:
             order = key.argsort(dim=1, descending=True, stable=True)  # (T, k)
             sorted_index = index.gather(1, order)
             sorted_weights = weights.gather(1, order)
-            rank = torch.arange(k).expand(num_tokens, k).clone()  # rank by routing weight
+            rank = torch.arange(k, device=index.device).expand(num_tokens, k).clone()  # rank by routing weight
             if self.policy is PolicyKind.SKIP_AUX:
                 aux_width = torch.zeros_like(sorted_index)
                 if self.skip_threshold is not None:
@@ -407,12 +428,13 @@ class CrispPlan:
     def _crisp_sorted(self, layer_id: int, sorted_index: torch.Tensor, rank: torch.Tensor):
         num_tokens, k = sorted_index.shape
         tw = self.tier_widths
-        tier_width = torch.tensor([tw.hot, tw.warm, tw.cold], dtype=torch.int64)
+        device = sorted_index.device
+        tier_width = torch.tensor([tw.hot, tw.warm, tw.cold], dtype=torch.int64, device=device)
         if k < 2:
-            code = torch.full((num_tokens,), _TIER_CODE[Tier.HOT], dtype=torch.int64)
+            code = torch.full((num_tokens,), _TIER_CODE[Tier.HOT], dtype=torch.int64, device=device)
             return tier_width[code].unsqueeze(1).expand(num_tokens, k), rank
-        lp = self.layers.get(layer_id, LayerPlan({}, {}))
-        tier_table, dom_table = lp.tables(self.num_experts)
+        lp = self.layers.get(layer_id)
+        tier_table, dom_table = (_NO_PAIRS if lp is None else lp).tables(self.num_experts, device)
         a = sorted_index[:, 0].clamp(0, self.num_experts - 1)
         b = sorted_index[:, 1].clamp(0, self.num_experts - 1)
         code = tier_table[a, b]
@@ -420,8 +442,9 @@ class CrispPlan:
         dom = dom_table[a, b]
         # The second-heaviest expert is dominant: swap ranks 0 and 1.
         swap = (dom == sorted_index[:, 1]) & (sorted_index[:, 0] != sorted_index[:, 1])
-        rank[swap, 0] = 1
-        rank[swap, 1] = 0
+        # (slice stores, not rank[swap, 0] = 1: a boolean index is data-dependent, a graph break under torch.compile)
+        rank[:, 0] = swap.to(rank.dtype)
+        rank[:, 1] = 1 - rank[:, 0]
         return tier_width[code].unsqueeze(1).expand(num_tokens, k), rank
 
     # ------------------------------------------------------------------ JSON

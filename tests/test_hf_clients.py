@@ -27,7 +27,9 @@ NEW_TOKENS = 4  # max_new_tokens in the doc's examples
 
 
 def doc_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.S)
+    """The doc's Python blocks but those another test runs (first line ``# run by tests/...``: lm-eval, compile)."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.S)
+    return [b for b in blocks if not b.startswith("# run by tests/")]
 
 
 def run_doc(monkeypatch, *, budget: str | None) -> dict:
