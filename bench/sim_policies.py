@@ -14,7 +14,8 @@ Three ways to choose them (``--matrix``):
   ``static_hybrid`` (llama.cpp ``--n-cpu-moe`` style: the most used experts resident at full
   width, all others on the CPU at full width, nothing copied), ``cpu_only`` (every expert on the
   CPU at full width), CRISP on the GPU only (plan widths, LRU) and CRISP ``hybrid`` (plan widths,
-  per step the GPU / CPU split of minimal makespan);
+  per step the GPU / CPU split of minimal makespan), and ``hybrid_split`` (the neuron split: an
+  expert's prefix on the GPU, its other rows on the CPU) at full widths and at CRISP's;
 - ``frontier``: each family swept over its knob (CRISP's dominant floor, uniform's width,
   skip-auxiliary's threshold) with next-use eviction and prefetch, for the tokens/s-against-
   accuracy plot (uniform and skip-auxiliary served at their plan's widths there, whose accuracy
@@ -94,9 +95,11 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
     if matrix == "hybrid":
         full = plans["full"]
         out = [SimPolicy("full", full), SimPolicy("full", full, SERVING_POLICIES["static_hybrid"]),
-               SimPolicy("full", full, SERVING_POLICIES["cpu_only"])]
+               SimPolicy("full", full, SERVING_POLICIES["cpu_only"]),
+               SimPolicy("full", full, SERVING_POLICIES["hybrid_split"])]  # full widths, neuron split
         if "crisp" in plans:
-            out += [SimPolicy("crisp", plans["crisp"]), SimPolicy("crisp", plans["crisp"], SERVING_POLICIES["hybrid"])]
+            out += [SimPolicy("crisp", plans["crisp"]), SimPolicy("crisp", plans["crisp"], SERVING_POLICIES["hybrid"]),
+                    SimPolicy("crisp", plans["crisp"], SERVING_POLICIES["hybrid_split"])]
         return out
     raise ValueError(f"matrix {matrix!r}: choose one of {', '.join(MATRICES)}")
 

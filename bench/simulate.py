@@ -48,7 +48,9 @@ reduced H2D rate when the CPU works) against the CPU's experts back to back plus
 ``static_hybrid`` and ``hybrid`` start with the most used experts of the trace (counts of the
 plan's routed slots over the whole trace: the placement a user of ``--n-cpu-moe`` picks offline,
 an oracle for both) resident at full width within the budget; ``static_hybrid`` never changes
-them, ``hybrid`` copies (and evicts, LRU) when the split says a copy is faster.
+them, ``hybrid`` copies (and evicts, LRU) when the split says a copy is faster. ``hybrid_split``
+(``Placement.SPLIT``) is ``hybrid`` with the neuron split: a task's GPU prefix ``gpu_width`` goes
+through the ledger, its rows beyond run on the CPU, the task counted on both sides of the makespan.
 
 Everything here is plain Python and deterministic; times are seconds.
 """
@@ -67,7 +69,8 @@ from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import (PrefetchPolicy, PrefetchWidth, merge_requests, slot_widths, topup_requests,
                                     widest_first)
 from crisp_runtime.residency import LedgerCounters, ResidencyLedger
-from crisp_runtime.scheduler import CostModel, HybridJob, Placement, johnson_order, plan_step, split_makespan
+from crisp_runtime.scheduler import (SPLIT_GRANULE, CostModel, HybridJob, Placement, johnson_order, plan_step,
+                                     split_makespan)
 from crisp_runtime.serving import ServingPolicy, serve_slots
 
 from .profiles import HardwareProfile
@@ -215,6 +218,7 @@ class SimResult:
     widened: int = 0  # dominant slots widened on demand (DominantWiden.HIT)
     cpu_s: float = 0.0  # sum of the CPU's expert durations (hybrid placement)
     cpu_runs: int = 0  # experts computed on the CPU
+    splits: int = 0  # experts split between the GPU (a prefix) and the CPU (the other rows), hybrid_split
     peak_bytes: int = 0  # most bytes resident at once (all caches)
     per_order: dict[str, OrderTotals] = field(default_factory=dict)
 
@@ -253,6 +257,7 @@ class SimResult:
             "widened_per_token": self.widened / tokens,
             "experts_per_layer": self.experts_run / steps,
             "cpu_experts_per_layer": self.cpu_runs / steps,
+            "split_experts_per_layer": self.splits / steps,
             "cpu_ms": 1e3 * self.cpu_s / steps,
             "layer_ms": 1e3 * tot.time_s / steps,
             "load_ms": 1e3 * self.load_s / steps,
@@ -317,6 +322,9 @@ def simulate_decode(
     if not 0 <= warmup < num_tokens:
         raise ValueError(f"warmup ({warmup}) must lie in [0, {num_tokens}) (the number of tokens)")
     nb = shape.neuron_nbytes * neuron_scale(inter, shape)
+    # the neuron split's granule in traced neurons: SPLIT_GRANULE target neurons (the CPU kernel's block), or
+    # 1/16 of the width for experts narrower than 1024 neurons (toy shapes); 1 for Mixtral (56 each)
+    granule = max(1, min(SPLIT_GRANULE, shape.intermediate_size // 16) // neuron_scale(inter, shape))
     layers = shape.num_layers
     per_cache = budget_bytes // layers if cache_scope == "layer" else budget_bytes
     if per_cache < shape.expert_nbytes:
@@ -344,7 +352,7 @@ def simulate_decode(
     cost = CostModel(h2d_bytes_per_s=profile.h2d_bytes_per_s, device_bytes_per_s=profile.compute_bytes_per_s)
     if placement.uses_cpu:
         cost = profile.cost_model()
-        if placement in (Placement.STATIC, Placement.HYBRID):
+        if placement in (Placement.STATIC, Placement.HYBRID, Placement.SPLIT):
             _pin_hot_experts(ledgers, routed, wanted, layers, nb, inter)
     res = SimResult(0, layers, ledgers[0].counters, per_order={o: OrderTotals() for o in orders})
     lead = profile.other_s + profile.router_s
@@ -372,7 +380,7 @@ def simulate_decode(
                                  resident_width=lambda e, led=led, layer=layer: led.width(layer, e))
             step = plan_step(index_row, served.widths, num_experts=trace.num_experts, neuron_nbytes=nb,
                              resident_width=lambda e, led=led, layer=layer: led.width(layer, e), cost=cost,
-                             placement=placement)
+                             placement=placement, split_granule=granule)
             if placement.uses_cpu:
                 _hybrid_step(res, led, layer, step, served, profile, nb, lead, counting)
                 continue
@@ -446,11 +454,18 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: Hardwar
             jobs.append(HybridJob(0.0, 0.0, profile.compute_s(nbytes), profile.cpu_s(nbytes)))
             cpu.append(i)
             continue
-        decision = led.request(layer, task.expert, task.width, protected=pending)
+        # The GPU part is the prefix [0, gpu_width) (the whole expert unless the neuron split cut it): the
+        # ledger is asked for that width; the CPU computes the rows [gpu_width, width), if any.
+        gw = task.gpu_width
+        decision = led.request(layer, task.expert, gw, protected=pending)
         pending.discard((layer, task.expert))
         jobs.append(HybridJob(profile.load_s(decision.copy_bytes), profile.load_busy_s(decision.copy_bytes),
-                              profile.compute_s(nbytes), profile.cpu_s(nbytes)))
+                              profile.compute_s(gw * nb), profile.cpu_s((task.width - gw) * nb)))
         gpu.append(i)
+        if gw < task.width:
+            cpu.append(i)
+            if counting:
+                res.splits += 1
     if not counting:
         return
     span = split_makespan(gpu, cpu, jobs, profile.join_s) if jobs else 0.0

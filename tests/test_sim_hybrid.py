@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from crisp_bench.profiles import BUILTIN_PROFILES, HardwareProfile, ModelShape, get_profile
+from crisp_bench.profiles import BUILTIN_PROFILES, HardwareProfile, get_profile
+from crisp_bench.shapes import ModelShape
 from crisp_bench.simulate import SimPolicy, simulate_decode
 from crisp_bench.traces import synthetic_trace
 
@@ -112,3 +113,17 @@ def test_hybrid_check_says_it_needs_a_gpu(capsys):
         pytest.skip("a GPU is here: bench/gpu_check.sh runs the measurement")
     assert hybrid_check.main() == 2
     assert capsys.readouterr().out.startswith("error: bench.hybrid_check needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("budget_experts", [2, 8, 20])
+def test_hybrid_split_moves_rows_not_work(budget_experts):
+    """hybrid_split runs the scheduler's neuron split: the same rows computed as hybrid (a split changes
+    where rows run, not which), some experts split, never over the budget, never slower than the CPU
+    alone; on this toy trace also not slower than whole-expert hybrid."""
+    split, hybrid = run("hybrid_split", budget_experts=budget_experts), run("hybrid", budget_experts=budget_experts)
+    cpu_only = run("cpu_only", budget_experts=budget_experts)
+    assert split.bytes_computed == hybrid.bytes_computed and split.tokens == hybrid.tokens
+    assert split.splits > 0 and split.peak_bytes <= budget_experts * SHAPE.expert_nbytes
+    t = {name: r.per_order["widest_first"].time_s for name, r in (("split", split), ("hybrid", hybrid),
+                                                                   ("cpu", cpu_only))}
+    assert t["split"] <= t["cpu"] + 1e-9 and t["split"] <= t["hybrid"] + 1e-9
