@@ -31,9 +31,6 @@ from crisp_runtime.plan import PlanError
 
 from . import cpu, e2e, kernels, layer, report, simulate_cmd, transfer
 from .common import CliError, pack_dir_for
-from .profiles import ProfileError
-from .simulate import BudgetTooSmall
-from .traces import TraceError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,9 +112,10 @@ def _check_paths(args) -> None:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    """Bad input from the runtime and the bench's modules (CliError covers the bench's own errors)."""
-    return (CliError, PlanError, ProfileError, BudgetTooSmall, TraceError, report.OutputPathError, ca.JsonInputError,
-            UnsupportedModelError, PackMismatchError, PackFormatError)
+    """Bad input from the runtime and the bench's modules (CliError: the bench's own errors, TraceError,
+    ProfileError, ShapeError and BudgetTooSmall among them)."""
+    return (CliError, PlanError, report.OutputPathError, ca.JsonInputError, UnsupportedModelError, PackMismatchError,
+            PackFormatError)
 
 
 # ---------------------------------------------------------------------------- subcommands

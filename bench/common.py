@@ -1,5 +1,6 @@
 """What every ``crisp-bench`` subcommand shares: paths, the error base class, argument types and
-option groups, model loading, device sync and the ``--json`` emit (tables and plots: ``report``).
+option groups, model loading, device sync and the ``--json`` emit (tables and plots: ``report``; model shapes:
+``shapes``).
 
 Imports nothing of the subcommand modules, so each of them (and ``cli``) can import it.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,7 +18,6 @@ from crisp_runtime import cli_args as ca
 from crisp_runtime.pack import INFO_FILE, PLAN_FILE
 
 from . import report
-from .profiles import ModelShape
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tiny-mixtral"
@@ -168,24 +168,17 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cache_kwargs(model, past) -> dict:
-    """The KV-cache argument under its name in this transformers version (``cache`` in 5.x, else
-    ``past_key_values``)."""
-    if past is None:
-        return {}
-    params = inspect.signature(model.forward).parameters
-    return {"cache": past} if "cache" in params else {"past_key_values": past}
+def cache_argument(model) -> Callable[[object], dict]:
+    """``past -> forward keyword arguments`` for the KV cache, under its name in this transformers version
+    (``cache`` in 5.x, else ``past_key_values``). The signature is inspected once, here: a decode loop
+    calls the returned function per step (inspect.signature costs tens of us, inside timed loops)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def kwargs(past) -> dict:
+        return {} if past is None else {name: past}
+
+    return kwargs
 
 
 def cache_of(out):
     return getattr(out, "cache", None) if getattr(out, "cache", None) is not None else out.past_key_values
-
-
-def tiny_shape(model_dir: Path | None = None) -> ModelShape:
-    """The shape named 'tiny' by ``--shapes``: that of ``model_dir``'s config.json (default the committed model)."""
-    cfg_path = Path(model_dir or DEFAULT_MODEL) / "config.json"
-    if cfg_path.is_file():
-        c = json.loads(cfg_path.read_text())
-        return ModelShape("tiny-mixtral", c["num_hidden_layers"], c.get("num_local_experts", 8),
-                          c.get("num_experts_per_tok", 2), c["hidden_size"], c["intermediate_size"])
-    return ModelShape("tiny-mixtral (assumed)", 4, 8, 2, 128, 512)

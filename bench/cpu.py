@@ -41,8 +41,8 @@ from crisp_kernels.format import PackedExpert, QuantFormat, dequantize_rows, unp
 from crisp_runtime import cli_args as ca
 
 from . import common, report
-from .common import CliError, tiny_shape
-from .profiles import ModelShape
+from .common import CliError
+from .shapes import ModelShape, resolve_shapes
 
 # 256 MB: far beyond any cache of this class of machine (L3 tens of MB), small enough for a laptop.
 MEMCPY_BYTES = 256 * 2**20
@@ -227,21 +227,6 @@ def measure_candidates(shape: ModelShape, repeats: int, chunk: int = 64) -> list
 
 
 # ----------------------------------------------------------------------------- CLI
-
-
-SHAPES = {"mixtral": ModelShape("mixtral-8x7b", 32, 8, 2, 4096, 14336)}
-
-
-def resolve_shapes(spec: list[str], model_dir=None) -> list[ModelShape]:
-    out = []
-    for name in spec:
-        if name == "tiny":
-            out.append(tiny_shape(model_dir))
-        elif name in SHAPES:
-            out.append(SHAPES[name])
-        else:
-            raise CpuBenchError(f"--shapes: unknown shape {name!r}; choose from tiny, {', '.join(SHAPES)}")
-    return out
 
 
 def add_parser(subparsers) -> None:

@@ -53,7 +53,7 @@ from . import traces as tr
 from .common import (
     ModelInputError,
     bench_device,
-    cache_kwargs,
+    cache_argument,
     cache_of,
     load_model_for_bench,
     rel,
@@ -127,6 +127,7 @@ def decode(model, ids: torch.Tensor, warmup: int, handle=None, logits: list | No
     device = next(p for p in model.parameters() if not p.is_meta).device
     ids = ids.to(device)
     past = None
+    cache_kwargs = cache_argument(model)
     correct = 0
     counted = 0
     t0 = None
@@ -136,7 +137,7 @@ def decode(model, ids: torch.Tensor, warmup: int, handle=None, logits: list | No
             if handle is not None:
                 handle.reset_stats()
             t0 = time.perf_counter()
-        out = model(input_ids=ids[t:t + 1].unsqueeze(0), **cache_kwargs(model, past), use_cache=True)
+        out = model(input_ids=ids[t:t + 1].unsqueeze(0), **cache_kwargs(past), use_cache=True)
         past = cache_of(out)
         if t >= warmup:
             correct += int(out.logits[0, -1].argmax().item() == int(ids[t + 1]))

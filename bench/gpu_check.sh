@@ -59,7 +59,8 @@ t "$py" -m pytest -q "${pytest_opts[@]}" --durations=15 --junitxml="$out/pytest-
   >"$out/pytest-kernels-cuda.log" 2>&1
 rc_kernels=$?
 
-t "$py" -m crisp_bench.kernels --device cuda --json "$out/kernels.json" >"$out/kernels.txt" 2>&1
+t "$py" -m crisp_bench.cli kernels --device cuda --widths 0.25,0.5,0.75,1 --tokens 1,4,16,128 \
+  --json "$out/kernels.json" >"$out/kernels.txt" 2>&1
 rc_bench=$?
 
 bench() {  # name, then the crisp-bench arguments

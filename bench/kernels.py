@@ -1,5 +1,4 @@
-"""``crisp-bench kernels`` (and ``python -m crisp_bench.kernels``, with the device and format options): the
-expert kernels against what one would use instead.
+"""``crisp-bench kernels``: the expert kernels against what one would use instead.
 
 For each model shape, token count T and width k (a fraction of I), one random packed expert is
 timed three ways on the same activations:
@@ -20,18 +19,16 @@ activations), that as % of this device's copy bandwidth measured in the same run
 time(k) / (time(I) * k / I): 1.0 when time is proportional to width, above 1 when fixed costs
 (launches, tails) dominate narrow widths.
 
-``run_kernel_sweep(...) -> list[dict]`` is what both call; ``add_parser`` / ``run`` are the subcommand.
+``run_kernel_sweep(...) -> list[dict]`` is the sweep; ``add_parser`` / ``run`` are the subcommand (its JSON is
+the crisp-bench document, ``report.write_json``). Shapes come from ``shapes`` (a name, ``tiny`` or ``HxI``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,67 +36,32 @@ import torch.nn.functional as F
 from crisp_kernels import Backend, PackedExpert, QuantFormat, dequantize_expert, expert_mlp, expert_mlp_ref
 from crisp_kernels.expert_mlp import select_backend
 from crisp_runtime import cli_args as ca
-from crisp_runtime.outputs import OutputPathError, check_output
 
 from . import common, report
+from .shapes import ModelShape, ShapeError, resolve_shape, shape_names
 
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    hidden: int  # H
-    inter: int  # I, neurons per expert
-
-
-def _tiny_shape() -> Shape:
-    """The committed tiny model's expert shape when present, else a small stand-in."""
-    cfg = common.DEFAULT_MODEL / "config.json"
-    if cfg.is_file():
-        c = json.loads(cfg.read_text())
-        return Shape("tiny", int(c["hidden_size"]), int(c["intermediate_size"]))
-    return Shape("tiny", 128, 512)
-
-
-SHAPES: dict[str, Callable[[], Shape]] = {
-    "tiny": _tiny_shape,
-    "mixtral": lambda: Shape("mixtral-8x7b", 4096, 14336),
-    "deepseek": lambda: Shape("deepseek-moe-16b", 2048, 1408),
-    "qwen3": lambda: Shape("qwen3-30b-a3b", 2048, 768),
-}
-ALIASES = {"mixtral-8x7b": "mixtral", "deepseek-moe-16b": "deepseek", "qwen3-30b-a3b": "qwen3"}
 GPU_SHAPES = ("mixtral", "deepseek", "qwen3")
 DEFAULT_WIDTHS = (0.25, 0.5, 0.75, 1.0)
 DEFAULT_TOKENS = (1, 4, 16, 128)
-VARIANTS = ("crisp", "dequant_linear", "fp16_linear")
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 _L2_FLUSH_BYTES = 256 << 20
 
 
-def resolve_shape(spec: str) -> Shape:
-    """A shape name (tiny, mixtral, deepseek, qwen3) or ``HxI`` (e.g. ``4096x14336``)."""
-    key = ALIASES.get(spec.strip().lower(), spec.strip().lower())
-    if key in SHAPES:
-        return SHAPES[key]()
-    parts = key.split("x")
-    if len(parts) == 2 and all(p.isdigit() and int(p) > 0 for p in parts):
-        return Shape(key, int(parts[0]), int(parts[1]))
-    raise ValueError(f"unknown shape {spec!r}: choose from {', '.join(SHAPES)} or give HxI, e.g. 4096x14336")
-
-
-def random_packed_expert(shape: Shape, fmt: QuantFormat, device, seed: int = 0) -> PackedExpert:
+def random_packed_expert(shape: ModelShape, fmt: QuantFormat, device, seed: int = 0) -> PackedExpert:
     """Random codes, scales and zero points with outputs of order 1 (no fp16 overflow)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    groups = shape.hidden // fmt.group_size
-    q = torch.randint(0, 256, (shape.inter, 3, shape.hidden // 2), generator=gen, device=device, dtype=torch.uint8)
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    groups = hidden // fmt.group_size
+    q = torch.randint(0, 256, (inter, 3, hidden // 2), generator=gen, device=device, dtype=torch.uint8)
     # (q - z) has std ~4.6; scale so that each dot product has std ~1 (gate/up sum over H, down over I)
-    fan_in = torch.tensor([shape.hidden, shape.hidden, shape.inter], device=device, dtype=torch.float32)
+    fan_in = torch.tensor([hidden, hidden, inter], device=device, dtype=torch.float32)
     base = (1.0 / (4.6 * fan_in.sqrt())).view(1, 3, 1)
-    jitter = 0.5 + torch.rand(shape.inter, 3, groups, generator=gen, device=device)
+    jitter = 0.5 + torch.rand(inter, 3, groups, generator=gen, device=device)
     scales = (base * jitter).to(torch.float16)
     zeros = None
     if not fmt.symmetric:
-        zeros = torch.randint(0, 16, (shape.inter, 3, groups), generator=gen, device=device, dtype=torch.uint8)
+        zeros = torch.randint(0, 16, (inter, 3, groups), generator=gen, device=device, dtype=torch.uint8)
     return PackedExpert(fmt, q, scales, zeros)
 
 
@@ -187,7 +149,7 @@ def run_kernel_sweep(
         raise ValueError(f"dtype {dtype!r}: choose from {', '.join(_DTYPES)}")
     act_dtype = _DTYPES[dtype]
     fmt = QuantFormat(group_size=group_size, symmetric=symmetric)
-    resolved = [resolve_shape(s) for s in shapes]
+    resolved = [resolve_shape(s, allow_hxi=True) for s in shapes]
     for f in widths:
         if not 0.0 < float(f) <= 1.0:
             raise ValueError(f"width fraction {f}: must lie in (0, 1]")
@@ -195,7 +157,7 @@ def run_kernel_sweep(
         if int(t) < 1:
             raise ValueError(f"token count {t}: must be >= 1")
     for s in resolved:
-        fmt.check_hidden_size(s.hidden, f"shape {s.name}: hidden size")
+        fmt.check_hidden_size(s.hidden_size, f"shape {s.name}: hidden size")
     if warmup is None:
         warmup = 2 if quick else 10
     if iters is None:
@@ -212,12 +174,12 @@ def run_kernel_sweep(
         packed = random_packed_expert(shape, fmt, device, seed)
         for num_tokens in tokens:
             gen = torch.Generator(device=device).manual_seed(seed + num_tokens)
-            x = torch.randn(int(num_tokens), shape.hidden, generator=gen, device=device).to(act_dtype)
+            x = torch.randn(int(num_tokens), shape.hidden_size, generator=gen, device=device).to(act_dtype)
             full_us: dict[str, float] = {}
             rows = []
             # full width first: every narrower row is compared with it
             for frac in sorted(set(fractions) | {1.0}, reverse=True):
-                width = max(1, round(frac * shape.inter))
+                width = max(1, round(frac * shape.intermediate_size))
                 variants = _variants(x, packed, width, chosen)
                 ref = expert_mlp_ref(x, packed, width, compute_dtype=torch.float64)
                 errs = {}
@@ -236,8 +198,8 @@ def run_kernel_sweep(
                 gbps = bytes_read / (us["crisp"] * 1e-6) / 1e9
                 row = {
                     "shape": shape.name,
-                    "hidden": shape.hidden,
-                    "intermediate": shape.inter,
+                    "hidden": shape.hidden_size,
+                    "intermediate": shape.intermediate_size,
                     "tokens": int(num_tokens),
                     "width_fraction": frac,
                     "width": width,
@@ -253,7 +215,7 @@ def run_kernel_sweep(
                     "pct_copy_bw": 100.0 * gbps / copy_gbps,
                     "x_vs_dequant_linear": us["dequant_linear"] / us["crisp"],
                     "x_vs_fp16_linear": us["fp16_linear"] / us["crisp"],
-                    "width_scaling": us["crisp"] / (full_us["crisp"] * width / shape.inter),
+                    "width_scaling": us["crisp"] / (full_us["crisp"] * width / shape.intermediate_size),
                     "err_crisp": errs["crisp"],
                     "err_dequant_linear": errs["dequant_linear"],
                     "err_fp16_linear": errs["fp16_linear"],
@@ -268,45 +230,7 @@ def run_kernel_sweep(
     return records
 
 
-# ---------------------------------------------------------------------------- command line
-
-COLUMNS = [
-    ("shape", "shape", "{}"),
-    ("tokens", "T", "{}"),
-    ("width", "k", "{}"),
-    ("width_fraction", "k/I", "{:.0%}"),
-    ("us_crisp", "crisp us", "{:.1f}"),
-    ("us_dequant_linear", "deq+linear us", "{:.1f}"),
-    ("us_fp16_linear", "fp16 us", "{:.1f}"),
-    ("gb_per_s", "GB/s", "{:.1f}"),
-    ("pct_copy_bw", "% copy bw", "{:.1f}"),
-    ("x_vs_dequant_linear", "x deq+lin", "{:.2f}"),
-    ("x_vs_fp16_linear", "x fp16", "{:.2f}"),
-    ("width_scaling", "t(k)/(t(I)k/I)", "{:.2f}"),
-]
-
-
-def format_table(records: Sequence[dict]) -> str:
-    head = [title for _, title, _ in COLUMNS]
-    body = [[fmt.format(r[key]) for key, _, fmt in COLUMNS] for r in records]
-    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in [head, *body]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _csv_floats(text: str) -> list[float]:
-    """Width fractions in (0, 1], or percentages."""
-    try:
-        values = [float(v.rstrip("%")) / (100 if v.endswith("%") else 1) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one value")
-    bad = [v for v in values if not 0.0 < v <= 1.0]  # also nan; inf is > 1
-    if bad:
-        raise argparse.ArgumentTypeError(f"width fractions must lie in (0, 1], got {bad[0]:g}")
-    return values
+# ---------------------------------------------------------------------------- crisp-bench kernels
 
 
 def csv_shapes(text: str) -> list[str]:
@@ -316,85 +240,14 @@ def csv_shapes(text: str) -> list[str]:
         raise argparse.ArgumentTypeError("expected at least one shape")
     for name in names:
         try:
-            resolve_shape(name)
-        except ValueError as exc:
+            resolve_shape(name, allow_hxi=True)
+        except ShapeError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return names
 
 
-def _csv_ints(text: str) -> list[int]:
-    """Token counts >= 1."""
-    values = [ca.positive_int(v) for v in text.split(",") if v.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one value")
-    return values
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = ca.Parser(
-        prog="python -m crisp_bench.kernels",
-        description="Time the CRISP expert kernel against dequantize+F.linear and fp16 F.linear over widths, token "
-        "counts and model shapes; every variant is validated against a float64 reference first.",
-    )
-    p.add_argument("--shapes", default=None, type=csv_shapes,
-                   help=f"comma-separated shapes: {', '.join(SHAPES)} or HxI (default: {','.join(GPU_SHAPES)} on "
-                   "CUDA, tiny on CPU)")  # fmt: skip
-    p.add_argument("--widths", type=_csv_floats, default=list(DEFAULT_WIDTHS),
-                   help="width fractions of I, e.g. 0.25,0.5,0.75,1 or 25%%,50%% (default: 25/50/75/100%%)")
-    p.add_argument("--tokens", type=_csv_ints, default=list(DEFAULT_TOKENS),
-                   help="token counts T (default: 1,4,16,128)")  # fmt: skip
-    p.add_argument("--device", default=None, type=ca.device_name, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp16", help="activation dtype (default: fp16)")
-    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="quantization group size")
-    p.add_argument("--symmetric", action="store_true", help="symmetric format (no zero points)")
-    p.add_argument("--backend", choices=[b.value for b in Backend], default=None,
-                   help="backend of the crisp variant (default: chosen from the device)")  # fmt: skip
-    p.add_argument("--warmup", type=ca.nonnegative_int, default=None,
-                   help="warmup calls per variant (default: 10, quick: 2)")
-    p.add_argument("--iters", type=ca.positive_int, default=None,
-                   help="timed calls per variant (default: 50 on CUDA, 20 CPU)")
-    p.add_argument("--quick", action="store_true", help="few repetitions; on a CPU a smoke run of seconds")
-    p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
-                   help="write one JSON record per table row to PATH (atomically)")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    auto = args.device in (None, "auto")
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if auto else args.device)
-    shapes = args.shapes or (list(GPU_SHAPES) if device.type == "cuda" else ["tiny"])
-    try:
-        if args.json:
-            check_output("--json", args.json)
-    except OutputPathError as exc:
-        print(f"python -m crisp_bench.kernels: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        records = run_kernel_sweep(
-            shapes, args.widths, args.tokens, device=device, dtype=args.dtype, group_size=args.group_size,
-            symmetric=args.symmetric, warmup=args.warmup, iters=args.iters, quick=args.quick, backend=args.backend,
-        )  # fmt: skip
-    except ValueError as exc:
-        print(f"python -m crisp_bench.kernels: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return ca.interrupted("python -m crisp_bench.kernels", resumable=False)
-    if records:
-        r = records[0]
-        print(f"device {r['device']}, backend {r['backend']}, activations {r['dtype']}, "
-              f"copy bandwidth {r['copy_gb_per_s']:.1f} GB/s (read + write)")  # fmt: skip
-    print(format_table(records))
-    if args.json:
-        report.write_json(args.json, "kernels", records)  # the schema of `crisp-bench kernels --json`
-        print(f"wrote {len(records)} records to {args.json}")
-    return 0
-
-
-# ---------------------------------------------------------------------------- crisp-bench kernels
-
 # (record field, column title) of the subcommand's table
-SUBCOMMAND_COLUMNS = [("shape", "shape"), ("tokens", "T"), ("width_fraction", "width"), ("backend", "backend"),
+COLUMNS = [("shape", "shape"), ("tokens", "T"), ("width_fraction", "width"), ("backend", "backend"),
                       ("us_crisp", "crisp us"), ("us_dequant_linear", "dequant+linear us"),
                       ("us_fp16_linear", "fp16 linear us"), ("gb_per_s", "crisp GB/s"), ("pct_copy_bw", "% copy bw"),
                       ("x_vs_dequant_linear", "x dequant"), ("x_vs_fp16_linear", "x fp16"),
@@ -406,24 +259,44 @@ def add_parser(subparsers) -> None:
                               description="The kernels sweep (widths x token counts x model shapes): us, GB/s of "
                               "prefix bytes, % of measured copy bandwidth; every variant is checked against the "
                               "reference first.")
-    p.add_argument("--shapes", default="tiny", type=csv_shapes,
-                   help="model shapes, comma separated (e.g. tiny,mixtral, or HxI)")
+    p.add_argument("--shapes", default=None, type=csv_shapes,
+                   help=f"model shapes, comma separated: {', '.join(shape_names())} or HxI (default: "
+                   f"{','.join(GPU_SHAPES)} on CUDA, tiny on a CPU)")
     p.add_argument("--widths", type=common.fractions, default="0.25,0.5,1.0",
                    help="width fractions in (0, 1], comma separated")
     p.add_argument("--tokens", type=common.int_list, default="1,4", help="token counts (>= 1), comma separated")
+    p.add_argument("--device", default=None, type=ca.device_name, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp16", help="activation dtype")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="quantization group size")
+    p.add_argument("--symmetric", action="store_true", help="symmetric format (no zero points)")
+    p.add_argument("--backend", choices=[b.value for b in Backend], default=None,
+                   help="backend of the crisp variant (default: chosen from the device)")
+    p.add_argument("--warmup", type=ca.nonnegative_int, default=None,
+                   help="warmup calls per variant (default: 10, quick: 2)")
+    p.add_argument("--iters", type=ca.positive_int, default=None,
+                   help="timed calls per variant (default: 50 on CUDA, 20 on a CPU, quick: 5)")
     p.add_argument("--quick", action="store_true", help="fewest repetitions")
     common.add_outputs(p)
 
 
 def run(args) -> int:
     """``run_kernel_sweep`` on the device of this machine, printed, plotted and saved."""
+    auto = args.device in (None, "auto")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if auto else args.device)
+    names = args.shapes or (list(GPU_SHAPES) if device.type == "cuda" else ["tiny"])
     try:
-        records = run_kernel_sweep(args.shapes, args.widths, args.tokens, quick=args.quick,
-                                   progress=report.Progress("kernels"))
+        records = run_kernel_sweep(
+            names, args.widths, args.tokens, device=device, dtype=args.dtype, group_size=args.group_size,
+            symmetric=args.symmetric, warmup=args.warmup, iters=args.iters, quick=args.quick, backend=args.backend,
+            progress=report.Progress("kernels"),
+        )
     except (ValueError, KeyError) as exc:
         raise common.CliError(f"kernels: {exc}") from exc
     if records:
-        print(report.table(records, SUBCOMMAND_COLUMNS,
+        r = records[0]
+        print(f"device {r['device']}, backend {r['backend']}, activations {r['dtype']}, "
+              f"copy bandwidth {r['copy_gb_per_s']:.1f} GB/s (read + write)")
+        print(report.table(records, COLUMNS,
                            title="kernels (us, GB/s of prefix bytes, % of copy bandwidth)"))
     else:
         print("kernels: the sweep returned no records")
@@ -442,6 +315,3 @@ def plot(path, records: Sequence[dict]) -> None:
     report.plot_lines(path, series, xlabel="width_fraction", ylabel="gb_per_s",
                       title=f"crisp expert kernel ({records[0]['device']})", note=report.environment()["date"])
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Hardware profiles for the decoding simulator, and the model shapes it maps traces onto.
+"""Hardware profiles for the decoding simulator (the model shapes it maps traces onto: ``shapes``).
 
 A profile says how long the machine takes to move and to compute expert bytes, in a form
 that carries over between model shapes (bytes, not "one expert"):
@@ -47,52 +47,16 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from crisp_kernels.format import QuantFormat
+from .common import CliError
+from .shapes import MIXTRAL_8X7B
 
 PROFILE_FORMAT = "crisp-bench-profile"
 PROFILE_VERSION = 1
 MEASURED_PROFILE_FILE = "crisp-bench-profile.json"
 
 
-class ProfileError(ValueError):
-    """A profile or model shape that is unknown or malformed."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the simulator needs of a model: layers, experts, and the bytes of one neuron."""
-
-    name: str
-    num_layers: int  # MoE layers
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    intermediate_size: int
-    group_size: int = 64
-    symmetric: bool = False
-
-    @property
-    def neuron_nbytes(self) -> int:
-        return QuantFormat(group_size=self.group_size, symmetric=self.symmetric).neuron_nbytes(self.hidden_size)
-
-    @property
-    def expert_nbytes(self) -> int:
-        """Bytes of one full-width expert in CRISP's packed 4-bit format."""
-        return self.intermediate_size * self.neuron_nbytes
-
-    @property
-    def total_expert_nbytes(self) -> int:
-        return self.num_layers * self.num_experts * self.expert_nbytes
-
-
-MIXTRAL_8X7B = ModelShape("mixtral-8x7b", num_layers=32, num_experts=8, top_k=2, hidden_size=4096,
-                          intermediate_size=14336)
-# DeepSeek-MoE-16B: 28 layers of which the first is dense, so 27 MoE layers; 64 routed experts of
-# I 1408, top-6. Its 2 shared experts per layer are dense MLPs computed for every token and always
-# resident (CRISP's plan never narrows them), so they are outside the expert bytes this shape counts.
-DEEPSEEK_MOE_16B = ModelShape("deepseek-moe-16b", num_layers=27, num_experts=64, top_k=6, hidden_size=2048,
-                              intermediate_size=1408)
-TARGETS = {MIXTRAL_8X7B.name: MIXTRAL_8X7B, DEEPSEEK_MOE_16B.name: DEEPSEEK_MOE_16B}
+class ProfileError(CliError):
+    """A profile that is unknown or malformed."""
 
 
 @dataclass(frozen=True)
@@ -245,7 +209,6 @@ def _rtx4090() -> HardwareProfile:
 #   dispatch), 20 us to join the (T, H) partial output (a 16 KB copy and an add);
 # - GPU compute, router and other per-layer work: the paper's RTX 4090 figures (profile rtx4090-pcie4).
 DESKTOP_CPU_BYTES_PER_S = 50e9
-CPU_SWEEP_BYTES_PER_S = (30e9, 50e9, 72e9)
 
 
 def _desktop(name: str, h2d: float, h2d_busy: float, description: str) -> HardwareProfile:

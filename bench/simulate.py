@@ -73,17 +73,17 @@ from crisp_runtime.scheduler import (SPLIT_GRANULE, CostModel, HybridJob, Placem
                                      split_makespan)
 from crisp_runtime.serving import ServingPolicy, serve_slots
 
+from .common import ORDERS, CliError
 from .profiles import HardwareProfile
 from .shapes import ModelShape
 
-ORDERS = ("serial", "router", "widest_first")
 # Eviction of every cache: the runtime's online policies (crisp_runtime/eviction.py) and Belady's
 # offline furthest-next-use, the reference every online policy is reported against.
 EVICTIONS = ("lru", "frequency", "next_use", "belady")
 CACHE_SCOPES = ("global", "layer")
 
 
-class BudgetTooSmall(ValueError):
+class BudgetTooSmall(CliError):
     """The cache budget cannot hold one full-width expert."""
 
 

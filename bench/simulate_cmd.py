@@ -21,7 +21,8 @@ from . import common, report
 from . import simulate as sim
 from . import traces as tr
 from .common import ORDERS, POLICIES, REPO_ROOT, CliError, find_plan_file, load_model_for_bench
-from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, TARGETS, ModelShape, get_profile
+from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, PAPER_LAYER_MS, get_profile
+from .shapes import TARGETS, ModelShape
 from .sim_policies import MATRICES as SIM_MATRICES
 from .sim_policies import (
     accuracy_for,
@@ -455,7 +456,9 @@ def _paper_comparison(records, budget) -> str:
     r = _pick(records, BASELINE, "serial", budget)
     if r is None:
         return ""
-    return (f"paper's MoE layer (RTX 4090, full width, serial): 14.4 ms = load 11.2 + compute 2.6 + router 0.4\n"
+    p = PAPER_LAYER_MS
+    return (f"paper's MoE layer (RTX 4090, full width, serial): {p['total']} ms = load {p['load']} + compute "
+            f"{p['compute']} + router {p['router']}\n"
             f"simulated full/serial at {budget:.0%}:              {r['layer_ms']:.1f} ms = load {r['load_ms']:.1f} "
             f"+ compute {r['compute_ms'] + r['other_ms']:.1f} (experts {r['compute_ms']:.1f} + other "
             f"{r['other_ms']:.1f}) + router {r['router_ms']:.1f}; hit rate {r['hit_rate']:.0%}")

@@ -1,4 +1,4 @@
-"""Routing traces: record them from a model, store them, and map them onto a larger model.
+"""Routing traces: record them from a model, store them, and derive the policies' plans from them.
 
 File format (``.npz``, read with ``allow_pickle=False``; no pickle anywhere):
 
@@ -17,11 +17,6 @@ Recording runs the model teacher-forced over token sequences. In a causal model 
 routing of position t depends only on tokens <= t, so this is exactly the routing that
 decoding the same text token by token with a KV cache would produce.
 
-Mapping onto a larger model (``map_widths``): the source model's L layers are cycled over
-the target's layers (target layer l replays source layer l mod L for the same token);
-widths are kept as fractions of the intermediate size (width w of I_src becomes
-round(w / I_src x I_tgt)); expert ids and slot order are kept (the number of experts and
-top_k must match). The caller states this mapping in every report.
 """
 
 from __future__ import annotations
@@ -42,11 +37,13 @@ from crisp_runtime.baselines import equal_bytes_plans
 from crisp_runtime.pairs import counts_by_pair, leading_pairs, pair_counts
 from crisp_runtime.plan import CrispPlan, LayerPlan, TierCutoffs, TierWidths, assign_tiers, pair_key
 
+from .common import CliError
+
 TRACE_FORMAT = "crisp-routing-trace"
 TRACE_VERSION = 1
 
 
-class TraceError(ValueError):
+class TraceError(CliError):
     """A trace file that is missing, malformed or does not fit."""
 
 
@@ -328,15 +325,3 @@ def policy_plans(trace: Trace, crisp: CrispPlan | None, uniform_width: int | Non
         plans["crisp"] = crisp
     return plans
 
-
-def map_widths(trace: Trace, widths: np.ndarray, num_layers: int, intermediate_size: int):
-    """Cycle the (L, T, k) source widths over ``num_layers`` target layers, scale to the target I.
-
-    Returns (index, widths) as (T, num_layers, k) int arrays (token-major, as the simulator reads).
-    """
-    src = trace.num_layers
-    cycle = [i % src for i in range(num_layers)]
-    index = trace.index[cycle].transpose(1, 0, 2)
-    scaled = np.rint(widths[cycle].astype(np.float64) * intermediate_size / trace.intermediate_size).astype(np.int64)
-    scaled = np.where(widths[cycle] > 0, np.maximum(scaled, 1), 0)
-    return np.ascontiguousarray(index), np.ascontiguousarray(scaled.transpose(1, 0, 2))

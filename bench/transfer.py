@@ -26,35 +26,19 @@ from .common import (
     DEFAULT_MODEL,
     CliError,
     ModelInputError,
-    cache_kwargs,
+    cache_argument,
     cache_of,
     load_model_for_bench,
     sync,
-    tiny_shape,
 )
 from .cpu import CpuBenchError, measure_cpu_expert
-from .profiles import MEASURED_PROFILE_FILE, HardwareProfile, ModelShape, fit_affine
+from .profiles import MEASURED_PROFILE_FILE, HardwareProfile, fit_affine
 from .runtime import measure_transfer
-
-SHAPES = {
-    "mixtral": ModelShape("mixtral-8x7b", 32, 8, 2, 4096, 14336),
-    "tiny": None,  # from the --model's config.json (default models/tiny-mixtral)
-}
+from .shapes import ModelShape, resolve_shapes, shape_names
 
 
 class TransferError(CliError):
     pass
-
-
-def resolve_shapes(spec: str, model_dir=None) -> list[ModelShape]:
-    out = []
-    for name in [s.strip() for s in spec.split(",") if s.strip()]:
-        if name not in SHAPES:
-            raise TransferError(f"--shapes: unknown shape {name!r}; choose from {', '.join(SHAPES)}")
-        out.append(SHAPES[name] or tiny_shape(model_dir))
-    if not out:
-        raise TransferError(f"--shapes {spec!r}: give at least one of {', '.join(SHAPES)}")
-    return out
 
 
 def parse_widths(spec: str) -> list[float]:
@@ -132,7 +116,8 @@ def add_parser(subparsers) -> None:
         "transfer", help="host-to-device bandwidth and load time per width",
         description="Pinned host-to-device bandwidth, and load time per width for each model shape "
         "(the paper's 'load and compute scale together' table). On a CPU the 'transfer' is a memcpy.")
-    p.add_argument("--shapes", default="tiny,mixtral", help="model shapes: tiny, mixtral (comma separated)")
+    p.add_argument("--shapes", default="tiny,mixtral",
+                   help=f"model shapes, comma separated: {', '.join(shape_names())}")
     p.add_argument("--widths", default="0.125,0.25,0.5,0.75,1.0", help="width fractions, comma separated")
     p.add_argument("--repeats", type=common.positive_int, default=5, help="timed repetitions per point")
     p.add_argument("--model", metavar="DIR", default=str(common.DEFAULT_MODEL), type=ca.nonempty_path,
@@ -315,13 +300,14 @@ def measure_layer_overheads(model_dir, device, expert_compute_s=None) -> tuple[f
             handles += [gate.register_forward_pre_hook(pre("router")), gate.register_forward_hook(post("router"))]
     ids = torch.arange(1, 49).unsqueeze(0).to(device) % 200 + 32
     past, total, n = None, 0.0, 0
+    cache_kwargs = cache_argument(model)
     try:
         for t in range(ids.shape[1]):
             if t == 8:
                 spent.update(experts=0.0, router=0.0)
             sync(device)
             t0 = time.perf_counter()
-            out = model(input_ids=ids[:, t:t + 1], **cache_kwargs(model, past), use_cache=True)
+            out = model(input_ids=ids[:, t:t + 1], **cache_kwargs(past), use_cache=True)
             sync(device)
             past = cache_of(out)
             if t >= 8:

@@ -596,15 +596,6 @@ def _detach_weights(module, *, keep: bool) -> list:
     return entries
 
 
-def drop_expert_weights(model) -> None:
-    """Free the full-precision expert weights of every MoE layer (meta placeholders instead)."""
-    for ref in find_moe_layers(model):
-        for name in _WEIGHT_NAMES:
-            if name in ref.module._parameters:
-                param = ref.module._parameters.pop(name)
-                ref.module.__dict__[name] = torch.empty(param.shape, dtype=param.dtype, device="meta")
-
-
 def _local_checkpoint(checkpoint_dir) -> Path:
     """The checkpoint folder, checked up front: load_model never downloads (a hub name fails at once)."""
     if not isinstance(checkpoint_dir, (str, os.PathLike)):

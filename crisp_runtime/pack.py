@@ -68,7 +68,6 @@ FILES_KEY = "files"
 # New pack files and folders: readable by all, as `cp` would make them (mkstemp/mkdtemp give 0600/0700).
 _FILE_MODE, _DIR_MODE = 0o644, 0o755
 
-_RESERVED = ("format", "version", "hidden_size", "intermediate_size", "num_experts", "layer_ids", "quant", FILES_KEY)
 
 
 class PackMismatchError(ValueError):

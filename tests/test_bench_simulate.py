@@ -3,7 +3,8 @@ driven through the runtime's plan, serving, scheduler and residency ledger."""
 
 import numpy as np
 import pytest
-from crisp_bench.profiles import MIXTRAL_8X7B, HardwareProfile, ModelShape, ProfileError, get_profile
+from crisp_bench.profiles import HardwareProfile, ProfileError, get_profile
+from crisp_bench.shapes import MIXTRAL_8X7B, ModelShape
 from crisp_bench.simulate import (
     BudgetTooSmall,
     Job,

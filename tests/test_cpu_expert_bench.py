@@ -6,7 +6,7 @@ import pytest
 
 from bench.cli import main
 from bench.cpu import CpuBenchError, measure_cpu_expert
-from bench.profiles import ModelShape
+from bench.shapes import ModelShape
 
 TINY = ModelShape("t", 1, 2, 1, 128, 200)
 

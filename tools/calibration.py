@@ -231,21 +231,6 @@ WidthsFn = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 Observer = Callable[[int, int, torch.Tensor, torch.Tensor], None]
 
 
-def full_precision_weights(layers: Sequence[MoeLayerRef], neuron_order: dict[int, torch.Tensor] | None = None):
-    """{layer_id: (gate_up (E, 2I, H), down (E, H, I))} from the model, optionally reordered.
-
-    ``neuron_order[l][e, j]`` = original index of neuron j of expert e (as in ``pack_layer``).
-    """
-    out = {}
-    for ref in layers:
-        gu = ref.module.gate_up_proj.detach()
-        down = ref.module.down_proj.detach()
-        if neuron_order is not None:
-            gu, down = reorder_expert_weights(gu, down, neuron_order[ref.layer_id])
-        out[ref.layer_id] = (gu, down)
-    return out
-
-
 def reorder_expert_weights(gate_up: torch.Tensor, down: torch.Tensor, order: torch.Tensor):
     """Reorder the neurons of every expert: rows of gate and up, columns of down (a pure permutation)."""
     num_experts, two_inter, hidden = gate_up.shape
