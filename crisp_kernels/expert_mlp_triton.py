@@ -38,14 +38,9 @@ Paths (``select_plan``):
   the dot operands are cast to fp32 (its bf16 dot is wrong).
 
 Block sizes are fixed per path (no autotuning: it cannot run without a GPU and a fixed,
-tested config is what the interpreter tests exercise); tune on hardware with ``bench/kernels``.
+tested config is what the interpreter tests exercise); tune on hardware with ``crisp-bench kernels``.
 
-Status: correct under Triton's CPU interpreter (tests/test_expert_mlp.py); not yet compiled or
-timed on a GPU (``bench/gpu_check.sh`` does both). Open tuning questions for that run: stage 2
-of the decode path reduces across neurons (axis 1) every step, which may cost cross-warp
-reductions; stage 1 has only ``k / 16`` programs at narrow widths of small experts; stage 2
-gathers one scale per byte; a fused single-launch decode kernel (each neuron block adding its
-down-projection into the output with atomics) would save a launch and the intermediate.
+What has been checked and run where, and the open tuning questions: docs/kernel-status.md (dated).
 """
 
 from __future__ import annotations

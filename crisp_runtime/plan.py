@@ -20,9 +20,10 @@ the remaining routed experts ranks 2..k-1 by decreasing routing weight. A combin
 dominant expert is either a fixed label (measured offline by masking each member) or, when the
 plan stores none for it (``null`` in JSON), the heavier expert of each token by routing weight:
 on the trained tiny Mixtral a fixed per-pair label lost to the per-token routing weight at
-every setting we measured (``crisp-profile --dominance`` chooses on calibration text). Ranks below
-``num_dominant`` run full width; the others take the tier's width. Shared experts (Qwen2-MoE,
-DeepSeek) are dense MLPs outside this plan: they always run full width and stay resident.
+every setting measured (docs/profile-and-eval.md; ``crisp-profile --dominance`` chooses on
+calibration text). Ranks below ``num_dominant`` run full width; the others take the tier's
+width. Shared experts (Qwen2-MoE, DeepSeek) are dense MLPs outside this plan: they always run
+full width and stay resident.
 
 Planning is plain torch on small CPU tensors: ``token_widths`` looks combinations up in
 (E, E) tables built once per layer, so a decode step costs a few tensor ops.

@@ -32,7 +32,7 @@ and deterministic for a given sequence of steps (the resident widths come in as 
 executor and by the simulator: serving decisions -> per-slot served widths -> the scheduler's
 ordered :class:`~crisp_runtime.scheduler.ExpertTask` list.
 
-Why these knobs (docs PERF-BOUNDS, simulated RTX 4090, 25% budget): serving an auxiliary at
+Why these knobs (shared/PERF-BOUNDS.md's simulation study, RTX 4090, 25% budget): serving an auxiliary at
 its wider resident width costs no bytes and lowered the accuracy loss 1.32% -> 0.98%; a missed
 dominant at a 75% prefix was +29% tokens/s for ~0.8 point of loss (62.5% passed 2% loss).
 """
