@@ -38,14 +38,15 @@ a frozen :class:`CpuExpertsConfig` (``RuntimeConfig.cpu_experts``):
 
 Experts the kernel does not cover (biases, other activations: gpt-oss) run the torch reference
 (``crisp_kernels.expert_mlp``) in fp32 on the host rows. Every path reads only the first ``width``
-rows of the expert's neuron-major prefix.
+rows of the expert's neuron-major prefix, and with ``row_start = s`` (the neuron split,
+``Placement.SPLIT``: the GPU computes rows [0, s), the CPU rows [s, width)) only rows [s, width).
 """
 
 from __future__ import annotations
 
 import enum
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -207,22 +208,30 @@ class CpuExperts:
         return got
 
     def accumulate_(self, partial: torch.Tensor, x: torch.Tensor, layer_id: int, expert: int, width: int,
-                    rows: torch.Tensor, weights: torch.Tensor, token_widths: torch.Tensor) -> None:
-        """``partial[rows] += weights[:, None] * expert_width(x[rows])`` (per-token widths <= width), on the CPU.
+                    rows: torch.Tensor, weights: torch.Tensor, token_widths: torch.Tensor, row_start: int = 0) -> None:
+        """``partial[rows] += weights[:, None] * expert_rows(x[rows])`` on the CPU, over the expert's neurons
+        ``row_start <= j < min(width, token_widths)`` (row_start 0: the whole expert at its widths).
 
         partial: (T, H) float32; x: (T, H) activations on the CPU; rows / weights / token_widths: (n,)
-        CPU tensors of this expert's slots.
+        CPU tensors of this expert's slots. A gpt-oss down bias belongs to the row_start == 0 part.
         """
         source = self._expert(layer_id, expert)
         host = source.packed if isinstance(source, CpuExpert) else source
         if not covered(host):  # the kernel computes silu(gate) * up without biases: gpt-oss goes here
-            expert_mlp_accumulate_unchecked_(partial, x, host, width, rows, weights, token_widths, Backend.TORCH)
+            if row_start:  # rows [row_start, width) as an expert of their own, its down bias left to the prefix
+                host = replace(host, qweight=host.qweight[row_start:width], scales=host.scales[row_start:width],
+                               zeros=None if host.zeros is None else host.zeros[row_start:width],
+                               bias=None if host.bias is None else host.bias[row_start:width],
+                               down_bias=None if host.down_bias is None else torch.zeros_like(host.down_bias))
+                token_widths = (token_widths - row_start).clamp_min(0)
+            expert_mlp_accumulate_unchecked_(partial, x, host, width - row_start, rows, weights, token_widths,
+                                             Backend.TORCH)
             return
         xs = x.index_select(0, rows)
         if xs.dtype not in (torch.float32, torch.bfloat16):  # fp16 from a GPU model: exact in fp32
             xs = xs.float()
         part = torch.zeros((rows.numel(), partial.shape[1]), dtype=torch.float32)
-        self.kernel(xs, source, token_widths, width, weights, part, config=self._kernel_config)
+        self.kernel(xs, source, token_widths, width, weights, part, config=self._kernel_config, row_start=row_start)
         partial.index_add_(0, rows, part)
 
     def info(self) -> dict:

@@ -266,36 +266,39 @@ class CrispRuntime:
 
     def _run(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats) -> None:
         n_gpu = sum(1 for t in step.tasks if not t.on_cpu)
-        if n_gpu == len(step.tasks):
+        cpu_parts = [t for t in step.tasks if t.cpu_rows is not None]  # CPU tasks and split tasks' CPU rows
+        if not cpu_parts:
             self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks)
             return
-        job = self._submit_cpu(layer_id, step, x, top_k_weights, step.tasks[n_gpu:], stats)
+        job = self._submit_cpu(layer_id, step, x, top_k_weights, cpu_parts, stats)
         try:
-            if n_gpu:
+            if n_gpu:  # the GPU tasks come first in the step's order (a split task's prefix among them)
                 self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks[:n_gpu])
         finally:
             partial = job.result()  # re-raises the worker's exception; never leaves it writing
         out += partial.to(self.device, non_blocking=self.device.type == "cuda")  # the one small join copy
 
     def _submit_cpu(self, layer_id: int, step: StepPlan, x, top_k_weights, tasks, stats: LayerStats):
-        """Hand the step's CPU tasks to the worker; returns the future of their (T, H) float32 partial."""
+        """Hand the step's CPU rows to the worker: each task's ``cpu_rows`` (a CPU task's [0, width), a split
+        task's [split_at, width)); returns the future of their (T, H) float32 partial."""
         cpu, nb = self._cpu, self._nb[layer_id]
-        first, last = tasks[0].start, tasks[-1].stop
-        pos = step.flat_pos[first:last]  # CPU tasks are contiguous at the end of the step's order
-        widths = step.flat_widths[first:last]
-        rows = torch.div(pos, step.top_k, rounding_mode="floor")
-        weights = top_k_weights.detach().reshape(-1).to("cpu", torch.float32)[pos]
+        all_weights = top_k_weights.detach().reshape(-1).to("cpu", torch.float32)
         x_cpu = x.detach().to("cpu")  # (T, H): one small device-to-host copy of the activations
-        counts = [t.stop - t.start for t in tasks]
-        parts = list(zip(tasks, rows.split(counts), weights.split(counts), widths.split(counts), strict=True))
+        parts = []
         for t in tasks:
+            pos = step.flat_pos[t.start:t.stop]
+            row_start, width = t.cpu_rows
+            parts.append((t.expert, width, row_start, torch.div(pos, step.top_k, rounding_mode="floor"),
+                          all_weights[pos], step.flat_widths[t.start:t.stop]))
             stats.cpu_runs += 1
-            stats.cpu_bytes_read += t.width * nb
+            stats.cpu_bytes_read += (width - row_start) * nb
+            if row_start:
+                stats.cpu_splits += 1
 
         def work():
             partial = torch.zeros(x_cpu.shape, dtype=torch.float32)
-            for t, r, w, tw in parts:
-                cpu.accumulate_(partial, x_cpu, layer_id, t.expert, t.width, r, w, tw)
+            for expert, width, row_start, r, w, tw in parts:
+                cpu.accumulate_(partial, x_cpu, layer_id, expert, width, r, w, tw, row_start)
             return partial
 
         return self._cpu.submit(work)
@@ -329,10 +332,10 @@ class CrispRuntime:
                 t0 = time.perf_counter()
             key = (layer_id, task.expert)
             if copy_stream is None:
-                got = cache.acquire(layer_id, task.expert, task.width, protected=pending)
+                got = cache.acquire(layer_id, task.expert, task.gpu_width, protected=pending)
             else:  # GPU-only: copy on the copy stream, the compute stream waits on this expert's event only
                 with torch.cuda.stream(copy_stream):
-                    got = cache.acquire(layer_id, task.expert, task.width, protected=pending)
+                    got = cache.acquire(layer_id, task.expert, task.gpu_width, protected=pending)
                     if got.copied_bytes:
                         copied = torch.cuda.Event()
                         copied.record(copy_stream)
@@ -363,8 +366,9 @@ class CrispRuntime:
                 else:
                     stats.widenings += 1
             stats.expert_runs += 1
-            expert_mlp_accumulate_unchecked_(out, x, got.resident, task.width, rows_s[i], weights_s[i], widths_s[i],
-                                             backend)
+            # gpu_width: a split task's prefix [0, split_at) (its tokens' widths clamped to it), else its width
+            expert_mlp_accumulate_unchecked_(out, x, got.resident, task.gpu_width, rows_s[i], weights_s[i],
+                                             widths_s[i], backend)
             if timings is not None:
                 _sync(device)
                 timings.append((t1 - t0, time.perf_counter() - t1))

@@ -76,6 +76,7 @@ class LayerStats:
     prefetch_hits: int = 0
     cpu_runs: int = 0  # experts computed on the host CPU (hybrid placement): not copied, not in hits/misses
     cpu_bytes_read: int = 0  # host bytes of the prefixes they read
+    cpu_splits: int = 0  # of cpu_runs, the rows [split_at, width) of an expert split with the GPU (hybrid_split)
 
     def add(self, other: LayerStats) -> None:
         for f in fields(self):
@@ -86,7 +87,7 @@ _SUMMED = ("bytes_h2d", "bytes_read", "bytes_routed", "hits", "misses", "widenin
            "skipped", "copy_ms", "step_ms", "fallbacks", "serving_skips", "served_wider", "served_widened",
            "served_dominant_slots",
            "served_dominant_neurons", "served_aux_slots", "served_aux_neurons", "prefetches", "prefetch_bytes",
-           "prefetch_rejected", "prefetch_hits", "cpu_runs", "cpu_bytes_read")
+           "prefetch_rejected", "prefetch_hits", "cpu_runs", "cpu_bytes_read", "cpu_splits")
 
 
 class RuntimeStats:

@@ -175,7 +175,8 @@ def test_hybrid_uses_both_sides_and_beats_the_fixed_placements_in_the_model():
 
 def _h1_style_kernel(calls):
     """A kernel with H1's signature (x = the expert's tokens, out per expert), built on the reference."""
-    def kernel(x, packed, token_widths, width, weights, out, *, config):
+    def kernel(x, packed, token_widths, width, weights, out, *, config, row_start=0):
+        assert row_start == 0  # cpu_only: whole experts
         calls.append((threading.current_thread().name, torch.get_num_threads()))
         packed = packed.packed if isinstance(packed, CpuExpert) else packed
         rows = torch.arange(x.shape[0])
@@ -273,3 +274,96 @@ def test_cpu_experts_config_checks_and_stats():
     assert info == {**info, "precision": "bf16", "prepare": "eager", "impl": "int4pack-bf16", "worker_threads": 1,
                     "tolerance": 2 * 2.0**-8}
     assert not eager._cpu.started  # built here, before any job: no thread yet
+
+
+# ---------------------------------------------------------------------- the neuron split (Placement.SPLIT)
+
+
+def reference_rows(layer_id, x, index, weights, widths, deq, expert, lo, hi):
+    """(T, H) float64 contribution of ``expert``'s neurons lo <= j < min(hi, slot width)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for s in range(index.shape[1]):
+            e, w = int(index[t, s]), min(int(widths[t, s]), hi)
+            if e != expert or w <= lo:
+                continue
+            gate, up, down = deq[layer_id][e]
+            xt = x[t].double()
+            out[t] += float(weights[t, s]) * (down[:, lo:w] @ (torch.nn.functional.silu(gate[lo:w] @ xt)
+                                                                * (up[lo:w] @ xt)))
+    return out
+
+
+# A CPU about as fast as the copy: split_rows puts a missed expert's rows [s, width) on the CPU (s a multiple of 64)
+SPLIT_COST = CostModel(h2d_bytes_per_s=2e6, device_bytes_per_s=4e8, cpu_bytes_per_s=5e6, h2d_bytes_per_s_cpu_busy=2e6,
+                       join_s=1e-5)
+
+
+@pytest.mark.parametrize("cpu", ["exact", "bf16-lazy"])
+@pytest.mark.parametrize("plan_name", ["full", "uniform"])
+def test_split_outputs_equal_unsplit(plan_name, cpu):
+    """hybrid_split: a split expert's GPU prefix (device cache, at split_at) + its CPU rows [split_at, width) (the
+    worker) sum to the unsplit expert: equal to the GPU placement's output (fp32: within 1e-5) and to the float64
+    reference within each part's tolerance (GPU 1e-5, CPU the precision contract) times that part's norm."""
+    plan = _plans(WIDE_INTER)[plan_name]
+    nb = WIDE[1].fmt.neuron_nbytes(WIDE_HIDDEN)
+    budget = min_budget_bytes(WIDE, TOP_K) + 3 * WIDE_INTER * nb
+    config = CPU_CONFIGS[cpu]
+    cpu_tol = TOLERANCE[config.precision]
+    split = CrispRuntime(WIDE, plan, device="cpu", gpu_budget=budget,
+                         config=RuntimeConfig(serving="hybrid_split", cost=SPLIT_COST, cpu_experts=config))
+    whole = CrispRuntime(WIDE, plan, device="cpu", gpu_budget=budget)
+    splits = 0
+    for i, tokens in enumerate([1, 1, 2, 1, 3, 1, 9, 1]):
+        layer_id = LAYER_IDS[i % 2]
+        x, index, weights = make_step(tokens, 40 + i, WIDE_HIDDEN)
+        before = split.cache.resident()
+        out = split.forward(layer_id, x, index, weights)
+        unsplit = whole.forward(layer_id, x, index, weights)
+        step, served = split.last_step[layer_id], split.last_served[layer_id]
+        after = split.cache.resident()
+        bound, ref = 0.0, torch.zeros(x.shape, dtype=torch.float64)
+        for t in step.tasks:
+            key = (layer_id, t.expert)
+            cut = t.gpu_width  # rows [0, cut) on the GPU side, [cut, width) on the CPU
+            for lo, hi, tol in ((0, cut, 1e-5), (cut, t.width, cpu_tol)):
+                if hi > lo:
+                    part = reference_rows(layer_id, x, index, weights, served.widths, WIDE_DEQ, t.expert, lo, hi)
+                    ref += part
+                    bound += tol * float(part.norm())
+            if t.split_at is not None:
+                splits += 1
+                assert 0 < t.split_at < t.width and t.split_at % 64 == 0
+                assert after[key] >= t.split_at  # the prefix the GPU computed is resident (at least s wide)
+                assert t.copy_bytes == max(0, t.split_at - before.get(key, 0)) * nb  # only rows below s copied
+        assert float((out.double() - ref).norm()) <= bound
+        if config.precision is Precision.FP32:
+            assert rel_err(out, unsplit.double()) < 1e-5
+        assert split.cache.used <= budget
+    stats = split.stats.as_dict()
+    assert splits > 0 and stats["cpu_splits"] == splits
+    split.close()
+
+
+@pytest.mark.parametrize("cut", [1, 36, 64, 71])
+def test_split_parts_of_a_biased_expert_sum_to_it(cut):
+    """gpt-oss (biases, clamped SwiGLU: the torch reference path): rows [0, cut) with the down bias + rows
+    [cut, width) without it == the whole expert, per-token widths included (fp32 on both sides: 1e-5)."""
+    from test_gptoss_kernels import gpt_oss_layer
+
+    from crisp_runtime.cpu_experts import CpuExperts
+
+    _, layer = gpt_oss_layer(seed=3)
+    cpu = CpuExperts({0: layer}, CpuExpertsConfig())
+    width = layer.intermediate_size
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, layer.hidden_size, generator=g) * 3
+    rows = torch.tensor([0, 2, 3, 4])
+    weights = torch.rand(4, generator=g) + 0.1
+    token_widths = torch.tensor([width, cut, max(1, cut - 1), width - 3])
+    whole, parts = torch.zeros(x.shape), torch.zeros(x.shape)
+    cpu.accumulate_(whole, x, 0, 1, width, rows, weights, token_widths)
+    cpu.accumulate_(parts, x, 0, 1, cut, rows, weights, token_widths)  # the prefix: what the GPU side computes
+    cpu.accumulate_(parts, x, 0, 1, width, rows, weights, token_widths, cut)
+    assert rel_err(parts, whole.double()) < 1e-5
+    assert cpu.info()["prepared_experts"] == 0  # not covered by the int4pack kernel: no copy built
