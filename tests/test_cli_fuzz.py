@@ -69,7 +69,7 @@ BENCH = (
                              "--policies": ["fastest", "", "full,x"]})
     + _cases("bench e2e", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--tokens": POS_INT,
                            "--policies": ["fastest", ""], "--record-trace": ["", "DIR", "MISSING"],
-                           "--placements": ["magic", "", "gpu,x"]})
+                           "--placements": ["magic", "", "gpu,x"], "--cpu-precision": ["fp16", "", "BF16"]})
     + _cases("bench simulate", {
         **OUTPUT_OPTIONS, **MODEL_OPTIONS, "--sequences": POS_INT, "--seq-len": POS_INT, "--tokens": POS_INT,
         "--budget": BENCH_FRACTION, "--policies": ["fastest", ""], "--orders": ["random", ""],
