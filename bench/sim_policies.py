@@ -162,7 +162,7 @@ def knobs(policy: SimPolicy) -> dict:
 
 # ---------------------------------------------------------------------------- accuracy
 
-_SERVING_KEYS = ("hit_width", "aux_narrower", "aux_missing", "dominant_floor")
+_SERVING_KEYS = ("hit_width", "aux_narrower", "aux_missing", "dominant_floor", "dominant_widen")
 
 
 def read_accuracy(paths: Iterable[str | Path], traced_model: str | None) -> tuple[list[dict], list[str]]:

@@ -1,0 +1,126 @@
+"""Plan for throughput (crisp_tools.profiler.throughput) and the serving choice stored in pack.json
+(crisp_runtime.serving_record): the fastest candidate within the accuracy bound is chosen, candidates are
+evaluated fastest first and no further, the record round-trips through a pack and is parsed strictly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from crisp_kernels import PackFormatError
+from crisp_runtime.pack import load_pack, save_pack
+from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
+from crisp_runtime.serving import SERVING_POLICIES, DominantWiden
+from crisp_runtime.serving_record import ServingRecord, serving_record
+from crisp_tools.calibration import TokenScores, contiguous_windows, load_model, load_pack_dir
+from crisp_tools.profiler import throughput as tp
+from crisp_tools.text import read_texts
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL, PACK, TEXT = ROOT / "models/tiny-mixtral", ROOT / "models/tiny-mixtral-crisp", ROOT / "data/stdlib-heldout.txt"
+
+
+def test_candidates_are_the_stated_space():
+    cands = tp.candidates()
+    assert len(cands) == 14 and len({c.label for c in cands}) == 14
+    assert {c.dominant_floor for c in cands} == set(tp.SEARCH_FLOORS)
+    # AHEAD only with serving-width prefetch (its second phase needs it), never at full width
+    for c in cands:
+        if c.widen is DominantWiden.AHEAD:
+            assert c.prefetch is PrefetchWidth.SERVING and c.dominant_floor < 1.0
+    assert tp.Candidate(0.75).serving().dominant_floor == 0.75
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"budget": 0.0}, "budget"), ({"budget": 1.5}, "budget"), ({"budget": True}, "budget"),
+    ({"budget": 0.25, "max_accuracy_loss": -0.1}, "max_accuracy_loss"),
+    ({"budget": 0.25, "eviction": "random"}, "eviction"), ({"budget": 0.25, "target": "gpt-5"}, "target"),
+    ({"budget": 0.25, "profile": "abacus"}, "abacus"),
+])
+def test_goal_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tp.ThroughputGoal(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    layers, plan, _ = load_pack_dir(PACK)
+    model, _ = load_model(MODEL)
+    windows = contiguous_windows(read_texts([TEXT]), 2, 20)
+    return model, layers, plan, windows
+
+
+@pytest.mark.parametrize("bound", [1.0, 0.1])
+def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, bound):
+    """Scripted accuracies (the decode itself is crisp-eval's, tested there): the fastest candidate loses
+    8 of 38 predictions (21%), the slowest 2 (5.3%). The search evaluates fastest first and stops at the first within the bound."""
+    model, layers, plan, windows = tiny
+    evaluated = []
+
+    def fake_run_case(model, pack, plan, windows, budget_bytes, case):
+        evaluated.append(case.name)
+        n = windows.shape[1] - 1
+        correct = torch.ones(windows.shape[0], n, dtype=torch.bool)
+        if case.plan != "full":
+            lose = 2 if case.name in slow else 8
+            correct.view(-1)[:lose] = False
+        return TokenScores(torch.zeros(windows.shape[0], n), correct), {}
+
+    cands = [tp.Candidate(0.5, prefetch=PrefetchWidth.SERVING), tp.Candidate(1.0)]
+    slow = {"crisp-floor1"}  # full-width dominants: slower on every budget below one token's working set
+    monkeypatch.setattr(tp, "run_case", fake_run_case)
+    goal = tp.ThroughputGoal(0.25, max_accuracy_loss=bound)
+    record = tp.search_throughput(model, layers, plan, windows, goal, cands=cands)
+    sims = record.search["candidates"]
+    speed = {r["candidate"]: r["tokens_per_s"] for r in sims}
+    assert speed["floor0.5+prefetch-serving"] > speed["floor1"]
+    fastest_first = sorted(speed, key=lambda k: -speed[k])
+    want = fastest_first[0] if bound >= 8 / 38 else "floor1"
+    assert record.search["chosen"]["candidate"] == want
+    assert record.search["chosen"]["accuracy_loss"] <= bound
+    assert evaluated[0] == "full-exact"
+    assert evaluated[1:] == [f"crisp-{k}" for k in fastest_first[:fastest_first.index(want) + 1]]
+    assert record.gpu_budget_fraction == 0.25 and record.eviction == "next_use"
+    assert record.search["accuracy_text"] == "held-out calibration windows"
+    goal0 = tp.ThroughputGoal(0.25, max_accuracy_loss=0.0)
+    with pytest.raises(ValueError, match="no candidate"):
+        tp.search_throughput(model, layers, plan, windows, goal0, cands=cands)
+
+
+def test_serving_record_round_trips_through_a_pack(tmp_path):
+    layers, plan, _ = load_pack_dir(PACK)
+    record = ServingRecord(SERVING_POLICIES["resident-floor75-ahead"], PrefetchPolicy(width="serving"), "next_use",
+                           0.25, {"profile": "rtx4090-pcie4", "tokens_per_s": 7.1})
+    out = save_pack(tmp_path / "p", layers, plan=plan, info={"serving": record.to_dict()})
+    back = serving_record(load_pack(out).info)
+    assert back == record and back.search == record.search
+    config = back.runtime_config()
+    assert config.serving.dominant_widen is DominantWiden.AHEAD and config.prefetch.width is PrefetchWidth.SERVING
+    total = sum(x.num_experts * x.intermediate_size * x.fmt.neuron_nbytes(x.hidden_size) for x in layers.values())
+    assert back.budget_bytes(layers) == int(0.25 * total)
+    assert serving_record(load_pack(save_pack(tmp_path / "q", layers, plan=plan)).info) is None  # optional
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d.update(version=2), "version"),
+    (lambda d: d.update(colour="red"), "unknown keys"),
+    (lambda d: d.pop("eviction"), "lacks"),
+    (lambda d: d.update(eviction="fifo"), "eviction"),
+    (lambda d: d.update(gpu_budget_fraction=0), "gpu_budget_fraction"),
+    (lambda d: d["policy"].update(dominant_widen="sometimes"), "dominant_widen"),
+    (lambda d: d.update(prefetch={"width": "all"}), "width"),
+    (lambda d: d.update(policy=[1]), "objects"),
+])
+def test_a_bad_serving_field_is_refused_at_load(tmp_path, change, match):
+    layers, plan, _ = load_pack_dir(PACK)
+    record = ServingRecord(SERVING_POLICIES["resident-floor75"], None, "lru", 0.5).to_dict()
+    out = save_pack(tmp_path / "p", layers, plan=plan, info={"serving": record})
+    info_path = out / "pack.json"
+    info = json.loads(info_path.read_text())
+    change(info["serving"])
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(PackFormatError, match=match):
+        load_pack(out)

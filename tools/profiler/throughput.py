@@ -1,0 +1,204 @@
+"""Plan for throughput: the serving configuration with the most simulated tokens/s at a GPU budget on a
+hardware profile whose accuracy loss, measured with the runtime in the loop, stays within a bound.
+
+The plan's widths (tiers, Warm width) are chosen before, by bytes (``search.py``); this search chooses
+how the pack is *served* at a budget, from a small stated space (:func:`candidates`):
+
+- the dominant floor (``ServingPolicy.dominant_floor``): 1.0, 0.75, 0.625, 0.5 of the full width;
+- prefetch of the next layer's predicted experts: none, at the plan's widths (PLAN), or at the
+  serving policy's widths (SERVING: a missed dominant at its floor);
+- widening a floor-loaded dominant (``ServingPolicy.dominant_widen``): never, or ahead of demand
+  (AHEAD, with SERVING prefetch: the prefetcher's second phase); on demand (HIT) is left out: on the
+  simulated RTX 4090 it ran 2.03x against 2.42x without (docs/residency-and-serving.md);
+- auxiliaries served from what is resident (wider for free, narrower without a copy), eviction fixed
+  by the goal (default next-use, the runtime's best online policy there).
+
+Speed: each candidate replays a routing trace recorded on the held-out calibration windows (with
+the next layer's predictions) through the simulator's library API (``crisp_bench.simulate``, the
+runtime's own serving / residency / eviction / prefetch code), mapped onto a target model's sizes
+(default: Mixtral-8x7B when the expert count and top-k match, else the model itself) on a hardware
+profile (``crisp_bench.profiles``); tokens/s relative to full-width LRU on the same trace and budget.
+
+Accuracy: teacher-forced decoding through ``crisp_runtime.apply`` with its cache at the budget
+(``crisp_tools.serving_eval.run_case``, what ``crisp-eval --mode decode`` runs) on the same held-out
+*calibration* windows (the last ``--holdout-fraction`` of the calibration text: never the evaluation
+text), relative to 4-bit full width. Candidates are evaluated fastest first and the search stops at
+the first within ``max_accuracy_loss``: that one is the fastest feasible candidate.
+
+Package graph: ``crisp_tools`` imports ``crisp_bench.simulate`` / ``.profiles`` / ``.traces`` (the
+simulator's library, which imports only ``crisp_runtime`` and ``crisp_kernels``); the bench CLIs import
+``crisp_tools.text`` only. No module imports back into this one, so the module graph is acyclic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from crisp_bench.profiles import get_profile
+from crisp_bench.shapes import TARGETS, ModelShape
+from crisp_bench.simulate import SimPolicy, simulate_decode
+from crisp_bench.traces import record_trace
+from crisp_runtime.baselines import full_plan
+from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
+from crisp_runtime.pack import CrispPack
+from crisp_runtime.plan import CrispPlan
+from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
+from crisp_runtime.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
+from crisp_runtime.serving_record import ServingRecord
+
+from ..serving_eval import ServingCase, run_case, total_expert_bytes
+
+SEARCH_FLOORS = (1.0, 0.75, 0.625, 0.5)
+
+
+@dataclass(frozen=True)
+class ThroughputGoal:
+    """What the search optimises: tokens/s at ``budget`` (fraction of all expert bytes at full width) on
+    ``profile``, subject to a relative accuracy loss <= ``max_accuracy_loss`` (a fraction)."""
+
+    budget: float
+    max_accuracy_loss: float = 0.02
+    profile: str = "rtx4090-pcie4"
+    target: str = "auto"  # a crisp_bench.profiles.TARGETS name, "native", or "auto" (see the module docstring)
+    eviction: str = "next_use"
+
+    def __post_init__(self) -> None:
+        for name, low_open in (("budget", True), ("max_accuracy_loss", False)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 < v <= 1.0 if low_open
+                                                                               else 0.0 <= v <= 1.0):
+                raise ValueError(f"ThroughputGoal: {name} must be a fraction in {'(0, 1]' if low_open else '[0, 1]'}, "
+                                 f"got {v!r}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"ThroughputGoal: eviction must be one of {', '.join(EVICTION_POLICIES)}, "
+                             f"got {self.eviction!r}")
+        if self.target not in ("auto", "native", *TARGETS):
+            raise ValueError(f"ThroughputGoal: target must be auto, native or one of {', '.join(TARGETS)}, "
+                             f"got {self.target!r}")
+        get_profile(self.profile)  # a clear error for an unknown profile, before any work
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One serving configuration of the search space."""
+
+    dominant_floor: float
+    widen: DominantWiden = DominantWiden.NEVER
+    prefetch: PrefetchWidth | None = None
+
+    @property
+    def label(self) -> str:
+        pf = "" if self.prefetch is None else f"+prefetch-{self.prefetch.value}"
+        widen = "" if self.widen is DominantWiden.NEVER else f"-{self.widen.value}"
+        return f"floor{self.dominant_floor:g}{widen}{pf}"
+
+    def serving(self) -> ServingPolicy:
+        return replace(SERVING_POLICIES["resident"], name=f"resident-floor{self.dominant_floor:g}"
+                       + ("" if self.widen is DominantWiden.NEVER else f"-{self.widen.value}"),
+                       dominant_floor=self.dominant_floor, dominant_widen=self.widen)
+
+    def prefetch_policy(self) -> PrefetchPolicy | None:
+        return None if self.prefetch is None else PrefetchPolicy(width=self.prefetch)
+
+
+def candidates(floors: Sequence[float] = SEARCH_FLOORS) -> list[Candidate]:
+    """The search space (module docstring): per floor, no prefetch, PLAN prefetch, and below full width
+    SERVING prefetch without and with AHEAD widening (at full width those equal PLAN): 14 by default."""
+    out = []
+    for f in floors:
+        out += [Candidate(f), Candidate(f, prefetch=PrefetchWidth.PLAN)]
+        if f < 1.0:
+            out += [Candidate(f, prefetch=PrefetchWidth.SERVING),
+                    Candidate(f, DominantWiden.AHEAD, PrefetchWidth.SERVING)]
+    return out
+
+
+def target_shape(goal: ThroughputGoal, trace, hidden_size: int) -> ModelShape:
+    """The model the trace is mapped onto (widths kept as fractions; the target's I a multiple of the trace's)."""
+    if goal.target == "native" or goal.target == "auto" and not _auto_target(trace):
+        return ModelShape("native", trace.num_layers, trace.num_experts, trace.top_k, hidden_size,
+                          trace.intermediate_size)
+    shape = TARGETS[goal.target] if goal.target != "auto" else _auto_target(trace)
+    if (shape.num_experts, shape.top_k) != (trace.num_experts, trace.top_k) or \
+            shape.intermediate_size % trace.intermediate_size:
+        raise ValueError(f"target {shape.name}: E={shape.num_experts}, top-{shape.top_k}, I={shape.intermediate_size} "
+                         f"cannot replay a trace of E={trace.num_experts}, top-{trace.top_k}, "
+                         f"I={trace.intermediate_size}")
+    return shape
+
+
+def _auto_target(trace) -> ModelShape | None:
+    for shape in TARGETS.values():
+        if (shape.num_experts, shape.top_k) == (trace.num_experts, trace.top_k) and \
+                shape.intermediate_size % trace.intermediate_size == 0:
+            return shape
+    return None
+
+
+def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: ModelShape, cands: Sequence[Candidate],
+                        *, warmup: int) -> tuple[float, list[dict]]:
+    """(full-width LRU tokens/s in router order, one record per candidate) on ``trace`` at ``goal.budget``."""
+    profile = get_profile(goal.profile)
+    budget = int(goal.budget * shape.total_expert_nbytes)
+    predicted = trace.predicted
+    base = simulate_decode(trace, SimPolicy("full", full_plan(plan)), profile, shape, budget, orders=["router"],
+                           warmup=warmup)
+    base_tps = base.tokens_per_s("router")
+    out = []
+    for c in cands:
+        sim = SimPolicy("crisp", plan, c.serving(), goal.eviction, c.prefetch is not None,
+                        c.prefetch or PrefetchWidth.PLAN)
+        res = simulate_decode(trace, sim, profile, shape, budget, orders=["widest_first"], warmup=warmup,
+                              predicted=predicted if c.prefetch is not None else None)
+        s = res.summary("widest_first")
+        out.append({"candidate": c.label, "tokens_per_s": s["tokens_per_s"], "x_full_lru": s["tokens_per_s"] / base_tps,
+                    "bytes_per_token": s["bytes_per_token"], "hit_rate": s["hit_rate"]})
+    return base_tps, out
+
+
+def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goal: ThroughputGoal, *,
+                      cands: Sequence[Candidate] | None = None, source: str = "held-out calibration windows",
+                      log: Callable[[str], None] = lambda msg: None) -> ServingRecord:
+    """The fastest candidate within the accuracy bound (see the module docstring) as a :class:`ServingRecord`.
+
+    windows: (N, L) held-out calibration token windows: the routing trace is recorded on them and they
+    are decoded for the accuracy. Raises ValueError when no candidate meets the bound.
+    """
+    cands = candidates() if cands is None else list(cands)
+    if not cands:
+        raise ValueError("search_throughput: no candidates")
+    if windows.dim() != 2 or windows.shape[1] < 2:
+        raise ValueError(f"search_throughput: windows must be (N, L >= 2) token ids, got {tuple(windows.shape)}")
+    trace = record_trace(model, windows, source=source)
+    first = next(iter(layers.values()))
+    shape = target_shape(goal, trace, first.hidden_size)
+    warmup = min(32, trace.num_tokens // 4)
+    base_tps, sims = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup)
+    for r in sims:
+        log(f"throughput: {r['candidate']}: {r['tokens_per_s']:.2f} tok/s ({r['x_full_lru']:.2f}x full-width LRU)")
+    pack = CrispPack(layers, plan)
+    budget_bytes = int(goal.budget * total_expert_bytes(layers))
+    full, _ = run_case(model, pack, full_plan(plan), windows, budget_bytes, ServingCase("full-exact", "full"))
+    by_label = {c.label: c for c in cands}
+    chosen = None
+    for r in sorted(sims, key=lambda r: -r["tokens_per_s"]):
+        c = by_label[r["candidate"]]
+        case = ServingCase(f"crisp-{c.label}", "crisp", c.serving(), c.prefetch_policy(), eviction=goal.eviction)
+        scores, _ = run_case(model, pack, plan, windows, budget_bytes, case)
+        r["accuracy_loss"] = (full.accuracy - scores.accuracy) / full.accuracy if full.accuracy else 0.0
+        log(f"throughput: {c.label}: accuracy loss {r['accuracy_loss']:.2%} (runtime in the loop)")
+        if r["accuracy_loss"] <= goal.max_accuracy_loss:
+            chosen = (c, r)
+            break
+    if chosen is None:
+        raise ValueError(f"search_throughput: no candidate loses <= {goal.max_accuracy_loss:.2%} on the {source}; "
+                         "raise the bound or the budget")
+    c, r = chosen
+    search = {"objective": "simulated tokens/s", "profile": goal.profile, "target": shape.name,
+              "max_accuracy_loss": goal.max_accuracy_loss, "accuracy_text": source,
+              "windows": list(windows.shape), "full_width_accuracy": full.accuracy,
+              "full_lru_tokens_per_s": base_tps, "chosen": r, "candidates": sims}
+    return ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search)
