@@ -1,20 +1,40 @@
-"""GPU-only: the host-to-device copy rate alone and while the CPU streams host memory (issue 11).
+"""Issue 11's two GPU checks (run by ``bench/gpu_check.sh``; neither has run on a GPU: none here).
 
-The hybrid profiles assume the copy engine slows while the CPU reads host memory (ANCHORS: 25 ->
-~15 GB/s on an RTX 4090 desktop; ``HardwareProfile.h2d_bytes_per_s_cpu_busy``). This measures it:
-a pinned copy timed with CUDA events (median of ``repeats``), alone, then while a second thread
-streams a host tensor (``sum`` over ``stream_bytes``, what the CPU expert kernel does to memory), and
-the streaming thread's own GB/s. Run by ``bench/gpu_check.sh``; it has never run (no GPU here).
+``copy`` (:func:`measure`, GPU-only): the host-to-device copy rate alone and while the CPU streams
+host memory. The hybrid profiles assume the copy engine slows while the CPU reads host memory
+(ANCHORS: 25 -> ~15 GB/s on an RTX 4090 desktop; ``HardwareProfile.h2d_bytes_per_s_cpu_busy``): a
+pinned copy timed with CUDA events (median of ``repeats``), alone, then while a second thread
+streams a host tensor (``sum`` over ``stream_bytes``, what the CPU expert kernel does to memory),
+and the streaming thread's own GB/s.
+
+``step`` (:func:`hybrid_step_check`): one real hybrid layer step of ``CrispRuntime`` (placements
+``hybrid`` and ``hybrid_split``, a cold cache and one expert resident) against the simulator's
+prediction of that step: ``bench.simulate._hybrid_step`` (the simulator's own code) on the tasks and
+copies the runtime's step made, with a profile of this machine's figures (the copy rates of ``copy``,
+the device's expert rate and the CPU worker's measured here). It runs on any device; on a CPU the
+"GPU" is the CPU as well, which only checks the code path (the tests do that).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import threading
 import time
+from types import SimpleNamespace
 
 import torch
+
+from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig
+from crisp_runtime.cpu_experts import CpuExpertsConfig
+from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
+from crisp_runtime.residency import LedgerCounters
+
+from .common import sync
+from .profiles import HardwareProfile
+from .runtime import _random_packed
+from .simulate import OrderTotals, SimResult, _hybrid_step
 
 
 def _copy_gbps(host: torch.Tensor, dev: torch.Tensor, repeats: int) -> float:  # GPU-only
@@ -65,9 +85,104 @@ def measure(copy_bytes: int = 256 << 20, stream_bytes: int = 1 << 30, repeats: i
             "threads": torch.get_num_threads()}
 
 
-def main() -> int:
+def simulated_step_s(step, served, profile: HardwareProfile, neuron_nbytes: int) -> float:
+    """The simulator's time of one runtime layer step: ``bench.simulate._hybrid_step`` on its tasks, each GPU
+    task's copy as the runtime's ledger decided it (``ExpertTask.copy_bytes``), no router or other work."""
+    res = SimResult(0, 1, LedgerCounters(), per_order={"widest_first": OrderTotals()})
+    copies = {t.expert: t.copy_bytes for t in step.tasks}
+    ledger = SimpleNamespace(request=lambda layer, expert, width, protected: SimpleNamespace(copy_bytes=copies[expert]))
+    _hybrid_step(res, ledger, 0, step, served, profile, neuron_nbytes, 0.0, True)
+    return res.per_order["widest_first"].time_s
+
+
+def _median_step_s(runtime, x, index, weights, repeats: int, before=None) -> float:
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        sync(runtime.device)
+        t0 = time.perf_counter()
+        runtime.forward(0, x, index, weights)
+        sync(runtime.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def hybrid_step_check(*, device, h2d_bytes_per_s: float, h2d_bytes_per_s_cpu_busy: float, hidden: int = 4096,
+                      intermediate: int = 14336, num_experts: int = 8, top_k: int = 2,
+                      placements=("hybrid", "hybrid_split"), repeats: int = 5,
+                      cpu_experts: CpuExpertsConfig | None = None) -> list[dict]:
+    """Measured vs simulated time of one decode layer step (T = 1, ``top_k`` experts at full width).
+
+    The profile: the given copy rates; the device's expert rate from the same step with every expert
+    resident (no budget); the CPU worker's rate from ``cpu_knob.measure_cpu_bytes_per_s`` (the runtime's
+    path and threads). Cases per placement: ``cold`` (nothing resident) and ``one_resident`` (the first
+    routed expert resident at full width). Each record: measured (median of ``repeats``, device
+    synchronised), predicted, their ratio, and where the step put its experts.
+    """
+    device = torch.device(device)
+    cpu_experts = CpuExpertsConfig() if cpu_experts is None else cpu_experts
+    layer = _random_packed(num_experts, intermediate, hidden)
+    nb = layer.neuron_nbytes
+    plan = CrispPlan.full(num_experts, top_k, intermediate, [0])
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    x = torch.randn(1, hidden, dtype=dtype).to(device)
+    index = torch.arange(top_k).unsqueeze(0).to(device)
+    weights = torch.full((1, top_k), 1.0 / top_k, device=device)
+    resident = CrispRuntime({0: layer}, plan, device=device, gpu_budget=None)
+    resident.forward(0, x, index, weights)  # warm-up (kernel compilation on CUDA)
+    compute_bps = top_k * intermediate * nb / _median_step_s(resident, x, index, weights, repeats)
+    cpu_bps = measure_cpu_bytes_per_s(layer, config=cpu_experts)
+    profile = HardwareProfile("measured-step", h2d_bytes_per_s, 0.0, compute_bps, 0.0, 0.0, 0.0,
+                              description="hybrid_check.hybrid_step_check", cpu_bytes_per_s=cpu_bps,
+                              h2d_bytes_per_s_cpu_busy=h2d_bytes_per_s_cpu_busy)
+    records = []
+    for placement in placements:
+        config = RuntimeConfig(serving=placement, cost=profile.cost_model(), cpu_experts=cpu_experts,
+                               pin_memory=device.type == "cuda")
+        runtime = CrispRuntime({0: layer}, plan, device=device, gpu_budget=num_experts * intermediate * nb,
+                               config=config)
+        try:
+            for case in ("cold", "one_resident"):
+                def reset(case=case, runtime=runtime):
+                    runtime.cache.clear()
+                    if case == "one_resident":
+                        runtime.prefetch(0, [(0, intermediate)])
+                reset()
+                runtime.forward(0, x, index, weights)  # warm-up: a lazily built int4pack copy, the worker thread
+                measured = _median_step_s(runtime, x, index, weights, repeats, before=reset)
+                step, served = runtime.last_step[0], runtime.last_served[0]
+                predicted = simulated_step_s(step, served, profile, nb)
+                records.append({
+                    "placement": placement, "case": case, "measured_ms": measured * 1e3,
+                    "predicted_ms": predicted * 1e3,
+                    "measured_over_predicted": measured / predicted if predicted > 0 else None,
+                    "cpu_experts": sum(t.on_cpu for t in step.tasks),
+                    "split_experts": sum(t.split_at is not None for t in step.tasks),
+                    "copied_bytes": sum(t.copy_bytes for t in step.tasks),
+                    "profile": {"h2d_gbps": h2d_bytes_per_s / 1e9, "h2d_gbps_cpu_busy": h2d_bytes_per_s_cpu_busy / 1e9,
+                                "compute_gbps": compute_bps / 1e9, "cpu_gbps": cpu_bps / 1e9},
+                    "hidden": hidden, "intermediate": intermediate, "top_k": top_k, "device": str(device),
+                    "cpu": runtime.cpu_stats()["experts"]})
+        finally:
+            runtime.close()
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m crisp_bench.hybrid_check", description=__doc__.split("\n")[0])
+    parser.add_argument("what", nargs="?", choices=("copy", "step"), default="copy",
+                        help="copy: H2D rate alone and while the CPU streams; step: a hybrid layer step against the "
+                        "simulator (measures the copy rates first); both need a CUDA GPU")
+    args = parser.parse_args(argv)
     try:
-        print(json.dumps(measure(), indent=1))
+        copy = measure()
+        if args.what == "copy":
+            print(json.dumps(copy, indent=1))
+            return 0
+        records = hybrid_step_check(device="cuda", h2d_bytes_per_s=copy["h2d_gbps"] * 1e9,
+                                    h2d_bytes_per_s_cpu_busy=copy["h2d_gbps_cpu_busy"] * 1e9)
+        print(json.dumps({"copy": copy, "steps": records}, indent=1))
     except RuntimeError as exc:
         print(f"error: {exc}")
         return 2
