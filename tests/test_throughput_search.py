@@ -124,3 +124,41 @@ def test_a_bad_serving_field_is_refused_at_load(tmp_path, change, match):
     info_path.write_text(json.dumps(info))
     with pytest.raises(PackFormatError, match=match):
         load_pack(out)
+
+
+# ---------------------------------------------------------------------------- crisp-profile --plan-for-throughput
+
+
+def test_profile_stores_the_throughput_choice(tmp_path):
+    from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text
+
+    from crisp_tools import profiler as prof
+
+    model = make_tiny_mixtral(tmp_path / "model")
+    text = write_text(tmp_path / "calib.txt")
+    out = tmp_path / "pack"
+    rc = prof.main(["--model", str(model), "--data", str(text), "--out", str(out), *PROFILE_ARGS,
+                    "--plan-for-throughput", "0.5", "--max-accuracy-loss", "1.0", "--throughput-windows", "2",
+                    "--throughput-seq-len", "12"])
+    assert rc == 0
+    pack = load_pack(out)
+    record = serving_record(pack.info)
+    assert record is not None and record.gpu_budget_fraction == 0.5
+    search = record.search
+    assert len(search["candidates"]) == len(tp.candidates()) and search["windows"] == [2, 12]
+    assert "held-out calibration" in search["accuracy_text"]
+    # a bound of 1.0 admits anything: the fastest simulated candidate is the one stored
+    fastest = max(search["candidates"], key=lambda r: r["tokens_per_s"])
+    assert search["chosen"]["candidate"] == fastest["candidate"]
+    assert record.policy == next(c.serving() for c in tp.candidates() if c.label == fastest["candidate"])
+
+
+def test_profile_refuses_a_bad_hardware_profile_before_any_work(tmp_path, capsys):
+    from profile_helpers import PROFILE_ARGS
+
+    from crisp_tools import profiler as prof
+
+    out = tmp_path / "pack"
+    rc = prof.main(["--model", str(MODEL), "--data", str(TEXT), "--out", str(out), *PROFILE_ARGS,
+                    "--plan-for-throughput", "0.25", "--hardware-profile", "abacus"])
+    assert rc == 2 and "--plan-for-throughput" in capsys.readouterr().err and not out.exists()

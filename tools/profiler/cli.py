@@ -79,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(lowest loss on held-out calibration windows); overrides --hot-mass/--cold-mass/--warm-width")
     p.add_argument("--search-samples", type=ca.positive_int, default=32,
                    help="held-out calibration windows for the search")
+    p.add_argument("--plan-for-throughput", dest="throughput_budget", type=ca.float_in(0.0, 1.0, low_open=True),
+                   default=None, metavar="BUDGET",
+                   help="also choose the serving policy / prefetch with the most simulated tokens/s at this GPU budget "
+                        "(fraction of all expert bytes) on --hardware-profile, within --max-accuracy-loss measured by "
+                        "decoding held-out calibration windows through the runtime; stored in pack.json 'serving' "
+                        "(crisp_runtime.serving_record)")
+    p.add_argument("--max-accuracy-loss", type=ca.float_in(0.0, 1.0), default=0.02, metavar="FRACTION",
+                   help="with --plan-for-throughput: the largest relative next-token accuracy loss allowed")
+    p.add_argument("--hardware-profile", default="rtx4090-pcie4",
+                   help="with --plan-for-throughput: a crisp-bench profile (rtx4090-pcie4, rtx4090-pcie4-ddr5, ...)")
+    p.add_argument("--throughput-windows", type=ca.positive_int, default=8,
+                   help="with --plan-for-throughput: held-out calibration windows traced and decoded per candidate")
+    p.add_argument("--throughput-seq-len", type=ca.int_in(2), default=128,
+                   help="with --plan-for-throughput: tokens per decoded window")
     p.add_argument("--placement", default="resident", choices=PLACEMENT_CHOICES,
                    help="resident: the whole model on --device; stream: the non-expert weights on --device, each "
                         "layer's experts read from the checkpoint (safetensors) per forward, one layer in memory")

@@ -53,6 +53,13 @@ class ProfileConfig:
     num_dominant: int | None = None  # None: 1, or searched with search_target_bytes (search.py)
     search_target_bytes: float | None = None
     search_samples: int = 32
+    # --plan-for-throughput (throughput.py): the serving choice for tokens/s at this GPU budget (a fraction
+    # of the expert bytes) on a hardware profile, within a relative accuracy loss, stored in pack.json
+    throughput_budget: float | None = None
+    max_accuracy_loss: float = 0.02
+    hardware_profile: str = "rtx4090-pcie4"
+    throughput_windows: int = 8  # held-out calibration windows decoded per candidate (and traced)
+    throughput_seq_len: int = 128  # their length (a decode is one forward per token)
     work_dir: str | None = None
     keep_work: bool = False
     threads: int | None = None

@@ -188,7 +188,7 @@ def _prepare_loaded(cfg: ProfileConfig, out: Path, work_root: Path, cutoffs: Tie
     if cfg.dominance not in DOMINANCE_RULES:
         raise CliError(f"--dominance: expected one of {DOMINANCE_RULES}, got {cfg.dominance!r}")
     search_windows = None
-    if cfg.search_target_bytes is not None or cfg.dominance == "auto":
+    if cfg.search_target_bytes is not None or cfg.dominance == "auto" or cfg.throughput_budget is not None:
         search_windows = random_windows(
             holdout_texts, cfg.search_samples, cfg.seq_len, cfg.seed + 2,
             f"--data (held-out calibration part, last {cfg.holdout_fraction:.0%})",

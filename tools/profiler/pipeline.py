@@ -9,6 +9,7 @@ from .inputs import ProfileInputs, ProgressLog, prepare
 from .output import pack_layers, profile_info, write_pack
 from .search import choose_plan
 from .statistics import calibration_pass, neuron_order, resume_or_start
+from .throughput import SERVING_KEY, goal_from_config, plan_serving
 
 
 class Profiler:
@@ -19,6 +20,7 @@ class Profiler:
     def __init__(self, cfg: ProfileConfig):
         self.cfg = cfg
         self.log = ProgressLog(cfg.quiet)
+        self.goal = goal_from_config(cfg)  # --plan-for-throughput's settings checked before any work
         self.inputs: ProfileInputs = prepare(cfg)
 
     def run(self, interrupt_after: int | None = None) -> dict:
@@ -52,7 +54,10 @@ class Profiler:
             measure_dominance(inputs, stats, log)
             packed = pack_layers(inputs, order)
             plan, plan_info, search = choose_plan(inputs, stats, packed, log)
+            serving = None if self.goal is None else plan_serving(inputs, self.goal, packed, plan, log)
         info = profile_info(inputs, stats, plan_info, search, log.elapsed())
+        if serving is not None:
+            info[SERVING_KEY] = serving.to_dict()
         write_pack(inputs, packed, plan, info)
         return info
 

@@ -47,9 +47,13 @@ from crisp_runtime.pack import CrispPack
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
-from crisp_runtime.serving_record import ServingRecord
+from crisp_runtime.serving_record import SERVING_KEY, ServingRecord
 
+from ..calibration import CliError
 from ..serving_eval import ServingCase, run_case, total_expert_bytes
+
+__all__ = ["SERVING_KEY", "Candidate", "ThroughputGoal", "candidates", "goal_from_config", "plan_serving",
+           "search_throughput", "simulate_candidates", "target_shape"]
 
 SEARCH_FLOORS = (1.0, 0.75, 0.625, 0.5)
 
@@ -202,3 +206,27 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
               "windows": list(windows.shape), "full_width_accuracy": full.accuracy,
               "full_lru_tokens_per_s": base_tps, "chosen": r, "candidates": sims}
     return ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search)
+
+
+def goal_from_config(cfg) -> ThroughputGoal | None:
+    """``crisp-profile --plan-for-throughput``'s goal (None without it); CliError naming the option."""
+    if cfg.throughput_budget is None:
+        return None
+    try:
+        return ThroughputGoal(cfg.throughput_budget, cfg.max_accuracy_loss, cfg.hardware_profile)
+    except (ValueError, OSError) as exc:
+        raise CliError(f"--plan-for-throughput: {exc}") from None
+
+
+def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Callable[[str], None]) -> ServingRecord:
+    """The profiler's step: :func:`search_throughput` on the held-out calibration windows (the last
+    ``--holdout-fraction`` of ``--data``: disjoint from the statistics windows and from any evaluation text),
+    the first ``--throughput-windows`` of them cut to ``--throughput-seq-len`` tokens."""
+    cfg = inputs.cfg
+    windows = inputs.search_windows[: cfg.throughput_windows, : cfg.throughput_seq_len]
+    source = (f"held-out calibration windows ({windows.shape[0]} x {windows.shape[1]} tokens of the last "
+              f"{cfg.holdout_fraction:.0%} of --data)")
+    try:
+        return search_throughput(inputs.model, packed, plan, windows, goal, source=source, log=log)
+    except ValueError as exc:
+        raise CliError(f"--plan-for-throughput: {exc}") from None
