@@ -12,9 +12,10 @@ CPU's, not an offloading system's (the output says so).
 
 ``--placements`` (issue 11) runs the plans again with the experts placed by the serving policy's
 ``placement``: ``hybrid`` (per step, the GPU / CPU split of minimal makespan on a cost model with
-the CPU's bandwidth measured here), ``static_hybrid`` (llama.cpp ``--n-cpu-moe`` style: the most
-used experts resident at full width, the others on the CPU) and ``cpu_only``. ``hybrid`` and
-``static_hybrid`` start with the most used experts of the decoded tokens' routing (recorded from
+the CPU's bandwidth measured here), ``hybrid_split`` (the same with the neuron split: an expert's
+rows [0, s) on the GPU, [s, width) on the CPU), ``static_hybrid`` (llama.cpp ``--n-cpu-moe`` style: the most
+used experts resident at full width, the others on the CPU) and ``cpu_only``. ``hybrid``,
+``hybrid_split`` and ``static_hybrid`` start with the most used experts of the decoded tokens' routing (recorded from
 the unquantized model: an oracle, as in the simulator) resident at full width within the budget.
 Each record of a CPU placement carries the check of every MoE layer step against the float64
 reference at the widths that step served (:class:`StepCheck`: ``steps_checked``,
@@ -61,7 +62,7 @@ from .common import (
 )
 from .simulate import BudgetTooSmall
 
-PLACEMENTS = ("gpu", "hybrid", "static_hybrid", "cpu_only")  # crisp_runtime.scheduler.Placement values
+PLACEMENTS = ("gpu", "hybrid", "hybrid_split", "static_hybrid", "cpu_only")  # crisp_runtime.scheduler.Placement values
 CPU_PRECISIONS = tuple(p.value for p in Precision)  # RuntimeConfig.cpu_experts: bf16 (the fast path) or fp32 (exact)
 
 
@@ -233,7 +234,7 @@ def run(args) -> int:
             for name, plan in plans.items():
                 handle.set_plan(plan)
                 handle.runtime.cache.clear()
-                if placement in ("hybrid", "static_hybrid"):
+                if placement in ("hybrid", "hybrid_split", "static_hybrid"):
                     _pin_hot_experts(handle.runtime, trace, budget)
                 label = name if placement == "gpu" else f"{name}/{placement}"
                 prog = report.Progress(f"e2e {label}")

@@ -33,7 +33,7 @@ from crisp_runtime.residency import LedgerCounters
 
 from .common import sync
 from .profiles import HardwareProfile
-from .runtime import _random_packed
+from .runtime import _random_packed, _to_cpu_layer
 from .simulate import OrderTotals, SimResult, _hybrid_step
 
 
@@ -109,7 +109,7 @@ def _median_step_s(runtime, x, index, weights, repeats: int, before=None) -> flo
 
 
 def hybrid_step_check(*, device, h2d_bytes_per_s: float, h2d_bytes_per_s_cpu_busy: float, hidden: int = 4096,
-                      intermediate: int = 14336, num_experts: int = 8, top_k: int = 2,
+                      intermediate: int = 14336, num_experts: int = 4, top_k: int = 2,
                       placements=("hybrid", "hybrid_split"), repeats: int = 5,
                       cpu_experts: CpuExpertsConfig | None = None) -> list[dict]:
     """Measured vs simulated time of one decode layer step (T = 1, ``top_k`` experts at full width).
@@ -122,7 +122,7 @@ def hybrid_step_check(*, device, h2d_bytes_per_s: float, h2d_bytes_per_s_cpu_bus
     """
     device = torch.device(device)
     cpu_experts = CpuExpertsConfig() if cpu_experts is None else cpu_experts
-    layer = _random_packed(num_experts, intermediate, hidden)
+    layer = _to_cpu_layer(_random_packed(num_experts, intermediate, hidden, device=device))  # packed on the device
     nb = layer.neuron_nbytes
     plan = CrispPlan.full(num_experts, top_k, intermediate, [0])
     dtype = torch.float16 if device.type == "cuda" else torch.float32

@@ -21,11 +21,11 @@ def test_e2e_placements_equal_the_reference(tmp_path, precision):
     pytest.importorskip("transformers")
     out = tmp_path / "e2e.json"
     assert main(["e2e", "--model", str(MODEL), "--text", str(TEXT), "--tokens", "12", "--policies", "full,crisp",
-                 "--placements", "gpu,hybrid,static_hybrid,cpu_only", "--cpu-precision", precision,
+                 "--placements", "gpu,hybrid,hybrid_split,static_hybrid,cpu_only", "--cpu-precision", precision,
                  "--json", str(out), "--threads", "1"]) == 0
     recs = {r["policy"]: r for r in json.loads(out.read_text())["records"]}
     for plan in ("full", "crisp"):
-        for placement in ("hybrid", "static_hybrid", "cpu_only"):
+        for placement in ("hybrid", "hybrid_split", "static_hybrid", "cpu_only"):
             r = recs[f"{plan}/{placement}"]
             # 12 tokens + 3 warm-up, 4 MoE layers: every step checked, each within its bound
             assert r["steps_checked"] == 4 * 15 and r["within_tolerance"], (plan, placement, r["max_err_over_bound"])
