@@ -167,8 +167,12 @@ def test_budget_breaks_the_graph_only_at_the_host_planned_step():
         want = model(x).logits
         torch._dynamo.reset()
         counters.clear()
-        compiled = torch.compile(model, backend=GraphCounter())
+        counter = GraphCounter()
+        compiled = torch.compile(model, backend=counter)
         have = compiled(x).logits
+        graphs = counter.graphs
+        again = compiled(x).logits  # the eager step's state changed (cache, statistics): nothing recompiles
+        assert counter.graphs == graphs and torch.equal(again, want)
         with pytest.raises(Exception, match="(?i)disable"):
             torch._dynamo.reset()
             torch.compile(model, backend="eager", fullgraph=True)(x)
