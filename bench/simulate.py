@@ -69,8 +69,15 @@ from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import (PrefetchPolicy, PrefetchWidth, merge_requests, slot_widths, topup_requests,
                                     widest_first)
 from crisp_runtime.residency import LedgerCounters, ResidencyLedger
-from crisp_runtime.scheduler import (SPLIT_GRANULE, CostModel, HybridJob, Placement, johnson_order, plan_step,
-                                     split_makespan)
+from crisp_runtime.scheduler import (
+    SPLIT_GRANULE,
+    CostModel,
+    HybridJob,
+    Placement,
+    johnson_order,
+    plan_step,
+    split_makespan,
+)
 from crisp_runtime.serving import ServingPolicy, serve_slots
 
 from .common import ORDERS, CliError
