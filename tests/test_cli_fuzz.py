@@ -39,7 +39,9 @@ PROFILE = _cases("profile", {
     "--holdout-fraction": OPEN_UNIT, "--dominance-samples": POS_INT, "--dominance-min-tokens": POS_INT,
     "--dominance-max-windows": POS_INT, "--dominance": ["best", ""], "--search-target-bytes": HALF_OPEN_UNIT,
     "--search-samples": POS_INT, "--model": [""], "--data": [""], "--out": [""], "--work-dir": [""],
-    "--num-dominant": POS_INT,
+    "--num-dominant": POS_INT, "--plan-for-throughput": HALF_OPEN_UNIT, "--max-accuracy-loss": UNIT,
+    "--hardware-profile": ["abacus", "", "missing.json"], "--throughput-windows": POS_INT,
+    "--throughput-seq-len": SEQ_LEN,
 })
 EVAL = _cases("eval", {
     "--samples": POS_INT, "--seq-len": SEQ_LEN, "--batch-size": POS_INT, "--device": DEVICES,

@@ -209,13 +209,15 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
 
 
 def goal_from_config(cfg) -> ThroughputGoal | None:
-    """``crisp-profile --plan-for-throughput``'s goal (None without it); CliError naming the option."""
-    if cfg.throughput_budget is None:
-        return None
+    """``crisp-profile --plan-for-throughput``'s goal (None without it); CliError naming the option. The
+    hardware profile is checked even without it: a bad value is refused, never ignored."""
     try:
+        get_profile(cfg.hardware_profile)
+        if cfg.throughput_budget is None:
+            return None
         return ThroughputGoal(cfg.throughput_budget, cfg.max_accuracy_loss, cfg.hardware_profile)
     except (ValueError, OSError) as exc:
-        raise CliError(f"--plan-for-throughput: {exc}") from None
+        raise CliError(f"--plan-for-throughput / --hardware-profile: {exc}") from None
 
 
 def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Callable[[str], None]) -> ServingRecord:
