@@ -267,6 +267,9 @@ class CrispRuntime:
                              f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
 
     def _run(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats) -> None:
+        if not self.serving.placement.uses_cpu:  # every task whole on the GPU: skip the two passes for CPU rows
+            self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks)
+            return
         n_gpu = sum(1 for t in step.tasks if not t.on_cpu)
         cpu_parts = [t for t in step.tasks if t.cpu_rows is not None]  # CPU tasks and split tasks' CPU rows
         if not cpu_parts:
@@ -340,11 +343,12 @@ class CrispRuntime:
                 _sync(device)
                 t0 = time.perf_counter()
             key = (layer_id, task.expert)
+            width = task.gpu_width  # a property: read once
             if copy_stream is None:
-                got = cache.acquire(layer_id, task.expert, task.gpu_width, protected=pending)
+                got = cache.acquire(layer_id, task.expert, width, protected=pending)
             else:  # GPU-only: copy on the copy stream, the compute stream waits on this expert's event only
                 with torch.cuda.stream(copy_stream):
-                    got = cache.acquire(layer_id, task.expert, task.gpu_width, protected=pending)
+                    got = cache.acquire(layer_id, task.expert, width, protected=pending)
                     if got.copied_bytes:
                         copied = torch.cuda.Event()
                         copied.record(copy_stream)
@@ -376,7 +380,7 @@ class CrispRuntime:
                     stats.widenings += 1
             stats.expert_runs += 1
             # gpu_width: a split task's prefix [0, split_at) (its tokens' widths clamped to it), else its width
-            expert_mlp_accumulate_unchecked_(out, x, got.resident, task.gpu_width, rows_s[i], weights_s[i],
+            expert_mlp_accumulate_unchecked_(out, x, got.resident, width, rows_s[i], weights_s[i],
                                              widths_s[i], backend)
             if timings is not None:
                 _sync(device)
