@@ -62,7 +62,7 @@ from .common import (
 )
 from .simulate import BudgetTooSmall
 
-PLACEMENTS = ("gpu", "hybrid", "hybrid_split", "static_hybrid", "cpu_only")  # crisp_runtime.scheduler.Placement values
+PLACEMENTS = ("gpu", "hybrid", "hybrid_split", "static_hybrid", "cpu_only")  # scheduler.Placement values
 CPU_PRECISIONS = tuple(p.value for p in Precision)  # RuntimeConfig.cpu_experts: bf16 (the fast path) or fp32 (exact)
 
 
@@ -72,10 +72,11 @@ class StepCheck:
     Installed as the runtime's ``forward`` (an instance attribute; :meth:`close` removes it). After each
     step, each expert's reference contribution (``expert_mlp_ref`` in float64 on its host rows at the
     step's per-slot widths) is summed, and ``||out - ref||`` is compared with the step's bound:
-    ``sum over experts of tol(side) * ||ref_e||``, tol = the CPU's precision contract
-    (``cpu_experts.TOLERANCE``) for a CPU-served expert, the kernels' for a GPU-served one (1e-5 with
-    fp32 activations, 2u = ``finfo.eps`` of fp16/bf16 ones), plus the output's rounding to the
-    activations' dtype. ``worst``: the largest ratio error / bound (<= 1: within tolerance).
+    ``sum over parts of tol(side) * ||ref_part||``, a part being an expert's rows on one side (a split
+    expert has two: [0, split_at) on the GPU, [split_at, width) on the CPU); tol = the CPU's precision
+    contract (``cpu_experts.TOLERANCE``) on the CPU, the kernels' on the GPU (1e-5 with fp32
+    activations, 2u = ``finfo.eps`` of fp16/bf16 ones), plus the output's rounding to the activations'
+    dtype. ``worst``: the largest ratio error / bound (<= 1: within tolerance).
     """
 
     def __init__(self, runtime) -> None:
@@ -99,10 +100,20 @@ class StepCheck:
             pos, widths = step.flat_pos[t.start:t.stop], step.flat_widths[t.start:t.stop]
             rows = torch.div(pos, step.top_k, rounding_mode="floor")
             host = self.runtime.store.expert(layer_id, t.expert)  # host rows (every CPU placement has a budget)
-            part = expert_mlp_ref(x[rows], host, t.width, token_widths=widths,
-                                  compute_dtype=torch.float64) * weights[pos].unsqueeze(1)
-            ref.index_add_(0, rows, part)
-            bound += (self.cpu_tol if t.on_cpu else gpu_tol) * float(part.norm())
+            scale = weights[pos].unsqueeze(1)
+
+            def expert_ref(xs, width, host=host, rows=rows, widths=widths, scale=scale):
+                return expert_mlp_ref(xs[rows], host, width, token_widths=widths, compute_dtype=torch.float64) * scale
+
+            cut = t.gpu_width  # rows [0, cut) on the GPU, [cut, width) on the CPU (a whole side, or the neuron split)
+            parts = []
+            if cut:
+                parts.append((expert_ref(x, cut), gpu_tol))
+            if cut < t.width:
+                parts.append((expert_ref(x, t.width) - (expert_ref(x, cut) if cut else 0), self.cpu_tol))
+            for part, tol in parts:
+                ref.index_add_(0, rows, part)
+                bound += tol * float(part.norm())
         if dtype != torch.float32:
             bound += torch.finfo(dtype).eps / 2 * float(ref.norm())
         err = float((out.detach().to("cpu", torch.float64) - ref).norm())

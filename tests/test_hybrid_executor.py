@@ -313,6 +313,9 @@ def test_split_outputs_equal_unsplit(plan_name, cpu):
     split = CrispRuntime(WIDE, plan, device="cpu", gpu_budget=budget,
                          config=RuntimeConfig(serving="hybrid_split", cost=SPLIT_COST, cpu_experts=config))
     whole = CrispRuntime(WIDE, plan, device="cpu", gpu_budget=budget)
+    from crisp_bench.e2e import StepCheck
+
+    check = StepCheck(split)  # crisp-bench e2e's per-step check, on split steps (it bounds each side's rows)
     splits = 0
     for i, tokens in enumerate([1, 1, 2, 1, 3, 1, 9, 1]):
         layer_id = LAYER_IDS[i % 2]
@@ -342,6 +345,8 @@ def test_split_outputs_equal_unsplit(plan_name, cpu):
         assert split.cache.used <= budget
     stats = split.stats.as_dict()
     assert splits > 0 and stats["cpu_splits"] == splits
+    check.close()
+    assert check.steps == 8 and check.record()["within_tolerance"], check.worst
     split.close()
 
 
