@@ -14,18 +14,20 @@
 #                    assumed 25 -> 15 GB/s; `crisp_bench.hybrid_check copy`)
 #  2. hybrid-step    one real hybrid layer step (hybrid, hybrid_split) against the simulator's
 #                    prediction of that step (`crisp_bench.hybrid_check step`)
-#  3. e2e-hybrid     the hybrid path end to end on the GPU (copy stream beside the CPU worker):
+#  3. prefetch-step  two real layer steps, the next layer's experts prefetched during the first,
+#                    against the simulator's timeline, with and without the prefetch (issue 10;
+#                    `crisp_bench.hybrid_check prefetch`)
+#  4. e2e-hybrid     the hybrid path end to end on the GPU (copy stream beside the CPU worker):
 #                    every CPU-placement layer step checked against the float64 reference
-#  4. pytest-gpu     `pytest -m gpu`: every test marked gpu, the kernel tests' cuda cases included
-#  5. kernel-tests   the kernel, ops and experts-module tests compiled on CUDA (TRITON_INTERPRET=0,
+#  5. pytest-gpu     `pytest -m gpu`: every test marked gpu, the kernel tests' cuda cases included
+#  6. kernel-tests   the kernel, ops and experts-module tests compiled on CUDA (TRITON_INTERPRET=0,
 #                    CRISP_TEST_DEVICES=cuda: the `device` fixture yields only cuda)
-#  6. transfer       pinned H2D prefix copies, and the `measured` hardware profile
-#  7. e2e            end-to-end decode of the committed tiny Mixtral under every policy (routing
-#                    recorded), then 8. simulate-measured: the measured profile against that run
-#  9. layer          layer steps of the real runtime vs the flow-shop bound, per order
-# 10. kernels        the kernel benchmark (Mixtral-8x7B, DeepSeek-MoE-16B, Qwen3-30B-A3B shapes)
-# 11. planner        the planner's CPU overhead per step (a CPU figure: last)
-# Not here (not done): the real layer step WITH prefetch against the simulator's prediction.
+#  7. transfer       pinned H2D prefix copies, and the `measured` hardware profile
+#  8. e2e            end-to-end decode of the committed tiny Mixtral under every policy (routing
+#                    recorded), then 9. simulate-measured: the measured profile against that run
+# 10. layer          layer steps of the real runtime vs the flow-shop bound, per order
+# 11. kernels        the kernel benchmark (Mixtral-8x7B, DeepSeek-MoE-16B, Qwen3-30B-A3B shapes)
+# 12. planner        the planner's CPU overhead per step (a CPU figure: last)
 # --dry-run (or DRY_RUN=1): print one line per step, `STEP <name> <needs s> <command...>`, in order,
 # and run nothing. Logs and JSON go to OUT_DIR; `summary.txt` there lists each step's rc, time, or
 # why it was skipped. Exit status: non-zero when a step failed (skipped steps do not fail).
@@ -93,6 +95,7 @@ cb=("$py" -m crisp_bench.cli)
 
 step h2d-cpu-busy 30 "$py" -m crisp_bench.hybrid_check copy
 step hybrid-step 120 "$py" -m crisp_bench.hybrid_check step
+step prefetch-step 90 "$py" -m crisp_bench.hybrid_check prefetch
 step e2e-hybrid 150 "${cb[@]}" e2e --tokens 32 --policies full,crisp \
   --placements gpu,hybrid,hybrid_split,static_hybrid,cpu_only --json "$out/e2e-hybrid.json"
 step pytest-gpu 120 "$py" -m pytest -q -m gpu "${pytest_opts[@]}" --junitxml="$out/pytest-gpu.xml" tests

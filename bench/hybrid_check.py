@@ -13,6 +13,11 @@ prediction of that step: ``bench.simulate._hybrid_step`` (the simulator's own co
 copies the runtime's step made, with a profile of this machine's figures (the copy rates of ``copy``,
 the device's expert rate and the CPU worker's measured here). It runs on any device; on a CPU the
 "GPU" is the CPU as well, which only checks the code path (the tests do that).
+
+``prefetch`` (:func:`prefetch_step_check`, issue 10): two real layer steps, the first with its
+experts resident, then the runtime's prefetch of the second's experts, then the second, against
+the simulator's timeline of the same (``bench.simulate.schedule`` and ``_prefetch``: prefetched rows
+only up to the second layer's start, the rest demanded), with and without the prefetch.
 """
 
 from __future__ import annotations
@@ -29,12 +34,12 @@ import torch
 from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig
 from crisp_runtime.cpu_experts import CpuExpertsConfig
 from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
-from crisp_runtime.residency import LedgerCounters
+from crisp_runtime.residency import LedgerCounters, ResidencyLedger
 
 from .common import sync
 from .profiles import HardwareProfile
 from .runtime import _random_packed, _to_cpu_layer
-from .simulate import OrderTotals, SimResult, _hybrid_step
+from .simulate import Job, OrderTotals, SimResult, _hybrid_step, _prefetch, schedule
 
 
 def _copy_gbps(host: torch.Tensor, dev: torch.Tensor, repeats: int) -> float:  # GPU-only
@@ -169,19 +174,104 @@ def hybrid_step_check(*, device, h2d_bytes_per_s: float, h2d_bytes_per_s_cpu_bus
     return records
 
 
+def _measured_profile(layer, device, x, index, weights, repeats: int, h2d_bytes_per_s: float,
+                      h2d_bytes_per_s_cpu_busy: float | None, cpu_bps: float | None, name: str) -> HardwareProfile:
+    """A profile of the given copy rates, the CPU rate, and the device's expert rate measured from a step
+    with every expert resident (no budget)."""
+    plan = CrispPlan.full(layer.num_experts, index.shape[1], layer.intermediate_size, [0])
+    resident = CrispRuntime({0: layer}, plan, device=device, gpu_budget=None)
+    resident.forward(0, x, index, weights)  # warm-up (kernel compilation on CUDA)
+    step_s = _median_step_s(resident, x, index, weights, repeats)
+    compute_bps = index.shape[1] * layer.intermediate_size * layer.neuron_nbytes / step_s
+    return HardwareProfile(name, h2d_bytes_per_s, 0.0, compute_bps, 0.0, 0.0, 0.0, description=name,
+                           cpu_bytes_per_s=cpu_bps, h2d_bytes_per_s_cpu_busy=h2d_bytes_per_s_cpu_busy)
+
+
+def simulated_prefetch_pair_s(profile: HardwareProfile, routed0, routed1, width: int, nb: int, budget: int,
+                              prefetch: bool) -> float:
+    """The simulator's time of layer 0's step (its experts resident), then layer 1's (cold), with or without
+    layer 1's experts prefetched during layer 0: ``schedule`` for both steps, ``_prefetch`` for the copies
+    (cut at layer 1's start, as the simulator's rule says; what is left is demanded)."""
+    led = ResidencyLedger(budget, {0: nb, 1: nb}, {0: width, 1: width})
+    for e in routed0:
+        led.prefetch(0, e, width)
+    end0, _ = schedule([Job(e, width, 0.0, profile.compute_s(width * nb)) for e in routed0], "widest_first")
+    copy_free = 0.0
+    if prefetch:
+        issued, _ = _prefetch(led, 1, [(e, width) for e in routed1], nb, profile, 0.0, end0 + profile.router_s,
+                              {(0, e) for e in routed0})
+        copy_free = issued[-1][3] if issued else 0.0
+    jobs = []
+    for e in routed1:
+        decision = led.request(1, e, width, protected={(1, x) for x in routed1})
+        jobs.append(Job(e, width, profile.load_s(decision.copy_bytes), profile.compute_s(width * nb)))
+    end1, _ = schedule(jobs, "widest_first", end0 + profile.router_s, copy_free)
+    return end1
+
+
+def prefetch_step_check(*, device, h2d_bytes_per_s: float, hidden: int = 4096, intermediate: int = 14336,
+                        num_experts: int = 4, top_k: int = 2, repeats: int = 5) -> list[dict]:
+    """Measured vs simulated time of two decode layer steps (T = 1, full width), layer 0's experts resident,
+    layer 1's cold: with the runtime's prefetch of layer 1's experts issued after layer 0's step, and without."""
+    device = torch.device(device)
+    layers = {i: _to_cpu_layer(_random_packed(num_experts, intermediate, hidden, device=device, seed=i))
+              for i in (0, 1)}
+    nb = layers[0].neuron_nbytes
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    x = torch.randn(1, hidden, dtype=dtype).to(device)
+    routed0, routed1 = list(range(top_k)), list(range(num_experts - top_k, num_experts))
+    index0 = torch.tensor([routed0], device=device)
+    index1 = torch.tensor([routed1], device=device)
+    weights = torch.full((1, top_k), 1.0 / top_k, device=device)
+    profile = _measured_profile(layers[0], device, x, index0, weights, repeats, h2d_bytes_per_s, None, None,
+                                "measured-prefetch")
+    budget = 2 * num_experts * intermediate * nb
+    plan = CrispPlan.full(num_experts, top_k, intermediate, [0, 1])
+    runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget,
+                           config=RuntimeConfig(pin_memory=device.type == "cuda"))
+    records = []
+    for prefetch in (False, True):
+        times = []
+        for n in range(repeats + 1):  # the first is a warm-up
+            runtime.cache.clear()
+            runtime.prefetch(0, [(e, intermediate) for e in routed0])
+            sync(device)
+            t0 = time.perf_counter()
+            runtime.forward(0, x, index0, weights)
+            if prefetch:
+                runtime.prefetch(1, [(e, intermediate) for e in routed1])
+            runtime.forward(1, x, index1, weights)
+            sync(device)
+            if n:
+                times.append(time.perf_counter() - t0)
+        measured = statistics.median(times)
+        predicted = simulated_prefetch_pair_s(profile, routed0, routed1, intermediate, nb, budget, prefetch)
+        records.append({"prefetch": prefetch, "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
+                        "measured_over_predicted": measured / predicted if predicted > 0 else None,
+                        "profile": {"h2d_gbps": h2d_bytes_per_s / 1e9,
+                                    "compute_gbps": profile.compute_bytes_per_s / 1e9},
+                        "hidden": hidden, "intermediate": intermediate, "top_k": top_k, "device": str(device)})
+    runtime.close()
+    return records
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m crisp_bench.hybrid_check", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", choices=("copy", "step"), default="copy",
+    parser.add_argument("what", nargs="?", choices=("copy", "step", "prefetch"), default="copy",
                         help="copy: H2D rate alone and while the CPU streams; step: a hybrid layer step against the "
-                        "simulator (measures the copy rates first); both need a CUDA GPU")
+                        "simulator; prefetch: two layer steps with the next layer's prefetch against the simulator "
+                        "(both measure the copy rates first); all need a CUDA GPU")
     args = parser.parse_args(argv)
     try:
         copy = measure()
         if args.what == "copy":
             print(json.dumps(copy, indent=1))
             return 0
-        records = hybrid_step_check(device="cuda", h2d_bytes_per_s=copy["h2d_gbps"] * 1e9,
-                                    h2d_bytes_per_s_cpu_busy=copy["h2d_gbps_cpu_busy"] * 1e9)
+        if args.what == "prefetch":
+            records = prefetch_step_check(device="cuda", h2d_bytes_per_s=copy["h2d_gbps"] * 1e9)
+        else:
+            records = hybrid_step_check(device="cuda", h2d_bytes_per_s=copy["h2d_gbps"] * 1e9,
+                                        h2d_bytes_per_s_cpu_busy=copy["h2d_gbps_cpu_busy"] * 1e9)
         print(json.dumps({"copy": copy, "steps": records}, indent=1))
     except RuntimeError as exc:
         print(f"error: {exc}")

@@ -15,7 +15,7 @@ from crisp_bench import cli as bench_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-ORDER = ["h2d-cpu-busy", "hybrid-step", "e2e-hybrid", "pytest-gpu", "kernel-tests", "transfer", "e2e",
+ORDER = ["h2d-cpu-busy", "hybrid-step", "prefetch-step", "e2e-hybrid", "pytest-gpu", "kernel-tests", "transfer", "e2e",
          "simulate-measured", "layer", "kernels", "planner"]
 
 
@@ -42,7 +42,7 @@ def test_dry_run_lists_the_steps_in_value_order_and_their_commands_parse(tmp_pat
             # an unknown option or value exits 2 here; "cuda" is refused at parse time without a GPU
             parser.parse_args(["cpu" if a == "cuda" else a for a in cmd[3:]])
         elif cmd[1:3] == ["-m", "crisp_bench.hybrid_check"]:
-            assert cmd[3:] in (["copy"], ["step"]), name
+            assert cmd[3:] in (["copy"], ["step"], ["prefetch"]), name
         elif cmd[1:3] == ["-m", "pytest"]:
             for arg in cmd[3:]:
                 if arg.startswith("tests"):

@@ -49,8 +49,30 @@ def test_prediction_is_the_simulators_flow_shop_for_a_gpu_step(resident):
     runtime.close()
 
 
+def test_prefetch_check_runs_on_the_cpu():
+    records = hybrid_check.prefetch_step_check(device="cpu", h2d_bytes_per_s=2e9, hidden=128, intermediate=64,
+                                               repeats=1)
+    assert [r["prefetch"] for r in records] == [False, True]
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("h2d,saves", [(1e6, True), (1e12, False)])
+def test_simulated_prefetch_pair(h2d, saves):
+    """The simulator's two-step timeline: layer 1's copies overlap layer 0's compute when prefetched (cut at
+    layer 1's start), so the pair is faster with prefetch when copies are slow, and equal when they are free."""
+    profile = HardwareProfile("t", h2d, 0.0, 4e6, 0.0, 0.0, 0.0)
+    nb, width = 100, 64
+    plain, fetched = (hybrid_check.simulated_prefetch_pair_s(profile, [0, 1], [2, 3], width, nb, 10**6, p)
+                      for p in (False, True))
+    compute = 4 * profile.compute_s(width * nb)  # two experts in each of the two steps
+    assert plain >= fetched >= compute * (1 - 1e-12)
+    assert (fetched < plain * (1 - 1e-6)) is saves
+    if not saves:
+        assert plain == pytest.approx(compute, rel=1e-6)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
-@pytest.mark.parametrize("what", [[], ["copy"], ["step"]])
+@pytest.mark.parametrize("what", [[], ["copy"], ["step"], ["prefetch"]])
 def test_cli_refuses_without_cuda(what, capsys):
     assert hybrid_check.main(what) == 2
     assert capsys.readouterr().out.startswith("error: bench.hybrid_check needs a CUDA GPU")
