@@ -171,3 +171,20 @@ def test_streamed_model_keeps_experts_on_disk(tiny):
     for ref, full_ref in zip(placed.layers, find_moe_layers(full), strict=True):
         gate_up, down = placed.experts.checkpoint[ref.layer_id]
         assert torch.equal(gate_up, full_ref.module.gate_up_proj) and torch.equal(down, full_ref.module.down_proj)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_stored_weights_expert_by_expert_equal_the_whole_layer(symmetric):
+    """calibration.stored_weights dequantizes one expert at a time (memory); the result is the whole layer's."""
+    from crisp_tools.calibration import stored_weights
+
+    from crisp_kernels.format import PackedLayer, QuantFormat, dequantize_layer, pack_layer
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(4, 2 * 96, 128, generator=gen), torch.randn(4, 128, 96, generator=gen)
+    order = torch.stack([torch.randperm(96, generator=gen) for _ in range(4)])
+    layer = pack_layer(gate_up, down, QuantFormat(symmetric=symmetric), neuron_order=order)
+    want = dequantize_layer(PackedLayer(layer.fmt, layer.qweight, layer.scales, layer.zeros,
+                                        torch.arange(96).expand(4, -1).contiguous()))
+    got = stored_weights(layer)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -442,9 +442,24 @@ def load_pack_dir(directory: str | os.PathLike):
 
 def stored_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized weights of a packed layer in STORED (importance) order, transformers layout: what
-    :class:`MaskedExperts` takes so that width k is the pack's width-k prefix."""
-    from crisp_kernels.format import PackedLayer, dequantize_layer
+    :class:`MaskedExperts` takes so that width k is the pack's width-k prefix.
 
-    stored = PackedLayer(layer.fmt, layer.qweight, layer.scales, layer.zeros,
-                         torch.arange(layer.intermediate_size).expand(layer.num_experts, -1).contiguous())
-    return dequantize_layer(stored)
+    One expert at a time into the result: ``dequantize_layer``'s scratch (unpacked nibbles, rows, the
+    gather, the concatenation) is several times the float32 layer; on a whole 66 MiB layer it set the
+    streamed profile's peak (+~450 MiB, 2.2 GB checkpoint, docs/big-models.md). Dequantization is per
+    element, so the result is the same, bit for bit.
+    """
+    from crisp_kernels.format import PackedLayer, dequantize_layer
+    from crisp_runtime.checkpoint import release_freed_memory
+
+    num_experts, inter, hidden = layer.num_experts, layer.intermediate_size, layer.hidden_size
+    gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=torch.float32, device=layer.qweight.device)
+    down = torch.empty(num_experts, hidden, inter, dtype=torch.float32, device=layer.qweight.device)
+    order = torch.arange(inter, device=layer.qweight.device).unsqueeze(0)
+    for e in range(num_experts):
+        one = PackedLayer(layer.fmt, layer.qweight[e:e + 1], layer.scales[e:e + 1],
+                          None if layer.zeros is None else layer.zeros[e:e + 1], order)
+        gate_up[e:e + 1], down[e:e + 1] = dequantize_layer(one)
+        del one
+        release_freed_memory()
+    return gate_up, down

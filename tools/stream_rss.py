@@ -1,13 +1,20 @@
-"""Peak host memory of packing and loading a checkpoint larger than the memory they use.
+"""Peak host memory of profiling, packing and loading a checkpoint larger than the memory they use.
 
     python -m crisp_tools.stream_rss --out /tmp/rss --size-gb 2 --json rss.json
 
 1. writes a synthetic from_config Mixtral checkpoint of about ``--size-gb`` (float32, one
-   safetensors shard per decoder layer, random weights; not measured);
+   safetensors shard per decoder layer, random weights; not measured). Default shape: 32 layers of
+   hidden size 512, Mixtral-8x7B's proportions (32 layers; attention ~4% of a layer's weights), so
+   one layer of experts is the same 1/32 share of the checkpoint as there;
 2. in a fresh subprocess each, reports the peak resident set (``VmHWM`` from /proc/self/status)
    and the resident set after importing torch + transformers (the floor every step pays) of:
    - ``pack``: crisp_runtime.checkpoint.load_skeleton + pack_checkpoint + save_pack (what a
-     full-width pack of the checkpoint costs: one layer of float32 experts at a time);
+     full-width pack of the checkpoint costs: one expert of float32 weights at a time);
+   - ``profile``: ``crisp-profile --placement stream`` on a few windows of text (statistics,
+     dominance base pass, neuron order, pack, held-out choice of the dominance rule, write): the
+     non-expert weights resident, one layer of experts read per forward;
+   - ``profile-offload`` (``--offload-cpu-mib N``): ``crisp-profile --device-map auto --max-memory
+     '{"cpu": N MiB}'``: accelerate's placement with what does not fit offloaded to disk;
    - ``load``: crisp_runtime.load_model(checkpoint, pack) and one forward of 32 tokens;
    - ``from_pretrained`` (``--compare``): transformers' own load of the same checkpoint and the same
      forward, for scale.
@@ -35,7 +42,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def mixtral_config(size_bytes: int, layers: int = 12, hidden: int = 1024):
+def mixtral_config(size_bytes: int, layers: int = 32, hidden: int = 512):
     """A Mixtral config whose float32 weights are about ``size_bytes`` (experts ~95% of them)."""
     from transformers import MixtralConfig
 
@@ -82,7 +89,24 @@ def write_checkpoint(out: Path, config, seed: int = 0) -> int:
     return total
 
 
-def _step(kind: str, checkpoint: Path, pack: Path) -> dict:
+# crisp-profile's settings for the profile steps: few windows (the cost measured is the model's, not the
+# text's), and no pair frequent enough to be masked (each masking run is a forward over the whole model).
+PROFILE_ARGS = ["--samples", "8", "--seq-len", "64", "--batch-size", "4", "--dominance-samples", "4",
+                "--dominance-min-tokens", "1000000", "--search-samples", "4", "--threads", "2", "--quiet"]
+
+
+def write_text(path: Path, nbytes: int = 64 * 1024) -> None:
+    """Calibration text for the profile steps: seeded random lowercase words (bytes < 128, any vocabulary)."""
+    import random
+
+    rng = random.Random(0)
+    words = []
+    while sum(len(w) + 1 for w in words) < nbytes:
+        words.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9))))
+    path.write_text(" ".join(words)[:nbytes])
+
+
+def _step(kind: str, checkpoint: Path, pack: Path, offload_cpu_mib: int | None = None) -> dict:
     """One measured step, run in this (fresh) process."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -105,6 +129,17 @@ def _step(kind: str, checkpoint: Path, pack: Path) -> dict:
         info = {**model_info(model), "model": {"weights_sha256": checkpoint_weights_sha256(model, cmap)}}
         save_pack(pack, layers, info=info)
         out["pack_bytes"] = sum(p.stat().st_size for p in pack.iterdir())
+    elif kind in ("profile", "profile-offload"):
+        from crisp_tools.profiler.cli import main as profile
+
+        out_dir = pack.parent / f"{pack.name}-{kind}"
+        placement = (["--placement", "stream"] if kind == "profile" else
+                     ["--device-map", "auto", "--max-memory", json.dumps({"cpu": f"{offload_cpu_mib}MiB"})])
+        rc = profile(["--model", str(checkpoint), "--data", str(pack.parent / "calib.txt"), "--out", str(out_dir),
+                      *placement, *PROFILE_ARGS])
+        if rc != 0:
+            raise RuntimeError(f"crisp-profile exited {rc}")
+        out["pack_bytes"] = sum(p.stat().st_size for p in out_dir.iterdir())
     elif kind == "load":
         model, handle = crisp_runtime.load_model(checkpoint, pack)
         with torch.no_grad():
@@ -127,10 +162,13 @@ def _step(kind: str, checkpoint: Path, pack: Path) -> dict:
     return out
 
 
-def measure(kind: str, checkpoint: Path, pack: Path) -> dict:
-    """Run one step in a subprocess (its own peak) and return what it reports."""
+def measure(kind: str, checkpoint: Path, pack: Path, offload_cpu_mib: int | None = None) -> dict:
+    """Run one step in a subprocess (its own peak) and return what it reports. The profile steps write their
+    pack beside ``pack`` (``<pack>-<kind>/``) from ``calib.txt`` there (:func:`write_text`)."""
     cmd = [sys.executable, "-m", "crisp_tools.stream_rss", "--step", kind, "--checkpoint", str(checkpoint),
            "--pack", str(pack)]
+    if offload_cpu_mib is not None:
+        cmd += ["--offload-cpu-mib", str(offload_cpu_mib)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} failed:\n{done.stderr[-3000:]}")
@@ -141,14 +179,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m crisp_tools.stream_rss", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="work folder (checkpoint/ and pack/ are written in it)")
     parser.add_argument("--size-gb", type=float, default=2.0)
+    parser.add_argument("--layers", type=int, default=32, help="decoder layers of the synthetic Mixtral")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the synthetic Mixtral")
     parser.add_argument("--compare", action="store_true", help="also measure transformers' from_pretrained")
+    parser.add_argument("--offload-cpu-mib", type=int, default=None,
+                        help="also measure crisp-profile --device-map auto with this much CPU memory (the rest on "
+                             "disk)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--step", choices=["pack", "load", "from_pretrained"], help=argparse.SUPPRESS)
+    parser.add_argument("--step", choices=["pack", "profile", "profile-offload", "load", "from_pretrained"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--pack", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.step:
-        print(json.dumps(_step(args.step, args.checkpoint, args.pack)))
+        print(json.dumps(_step(args.step, args.checkpoint, args.pack, args.offload_cpu_mib)))
         return 0
     if args.out is None:
         print("error: --out: a work folder is needed", file=sys.stderr)
@@ -162,13 +206,27 @@ def main(argv=None) -> int:
     except OutputPathError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not 1 <= args.layers <= 256 or args.hidden < 64 or args.hidden % 64:
+        print(f"error: --layers {args.layers} / --hidden {args.hidden}: expected 1..256 layers and a hidden size "
+              "that is a multiple of 64", file=sys.stderr)
+        return 2
+    if args.offload_cpu_mib is not None and args.offload_cpu_mib < 1:
+        print(f"error: --offload-cpu-mib: expected a positive size, got {args.offload_cpu_mib}", file=sys.stderr)
+        return 2
     checkpoint, pack = args.out / "checkpoint", args.out / "pack"
-    for path in (checkpoint, pack):
+    outputs = (checkpoint, pack, args.out / "calib.txt", args.out / "pack-profile", args.out / "pack-profile-offload")
+    for path in outputs:
         if path.exists():
             print(f"error: --out: {path} exists; give a new folder (nothing is overwritten)", file=sys.stderr)
             return 2
-    size = write_checkpoint(checkpoint, mixtral_config(int(args.size_gb * GIB)))
-    result = {"checkpoint_bytes": size, "steps": [measure(k, checkpoint, pack) for k in ("pack", "load")]}
+    config = mixtral_config(int(args.size_gb * GIB), layers=args.layers, hidden=args.hidden)
+    size = write_checkpoint(checkpoint, config)
+    write_text(args.out / "calib.txt")
+    result = {"checkpoint_bytes": size, "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+              "intermediate_size": config.intermediate_size,
+              "steps": [measure(k, checkpoint, pack) for k in ("pack", "profile", "load")]}
+    if args.offload_cpu_mib is not None:
+        result["steps"].append(measure("profile-offload", checkpoint, pack, args.offload_cpu_mib))
     if args.compare:
         result["steps"].append(measure("from_pretrained", checkpoint, pack))
     text = json.dumps(result, indent=1)
