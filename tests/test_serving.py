@@ -60,9 +60,7 @@ def brute_serve(policy, index, wanted, dominant, resident, full):
         r = resident.get(e, 0)
         if w == 0:
             need.append(0)
-        elif r >= w:
-            need.append(w)
-        elif d and r > 0 and policy.dominant_widen is DominantWiden.HIT:  # widened on demand
+        elif r >= w or d and r > 0 and policy.dominant_widen is DominantWiden.HIT:  # a hit, or widened on demand
             need.append(w)
         elif d:  # NEVER and AHEAD: no demand copy beyond the floor
             need.append(max(r, min(w, math.ceil(policy.dominant_floor * full))))

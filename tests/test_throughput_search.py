@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from crisp_tools.calibration import TokenScores, contiguous_windows, load_model, load_pack_dir
+from crisp_tools.profiler import throughput as tp
+from crisp_tools.text import read_texts
 
 from crisp_kernels import PackFormatError
 from crisp_runtime.pack import load_pack, save_pack
 from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES, DominantWiden
 from crisp_runtime.serving_record import ServingRecord, serving_record
-from crisp_tools.calibration import TokenScores, contiguous_windows, load_model, load_pack_dir
-from crisp_tools.profiler import throughput as tp
-from crisp_tools.text import read_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, PACK, TEXT = ROOT / "models/tiny-mixtral", ROOT / "models/tiny-mixtral-crisp", ROOT / "data/stdlib-heldout.txt"
@@ -56,7 +56,8 @@ def tiny():
 @pytest.mark.parametrize("bound", [1.0, 0.1])
 def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, bound):
     """Scripted accuracies (the decode itself is crisp-eval's, tested there): the fastest candidate loses
-    8 of 38 predictions (21%), the slowest 2 (5.3%). The search evaluates fastest first and stops at the first within the bound."""
+    8 of 38 predictions (21%), the slowest 2 (5.3%). The search evaluates fastest first and stops at the
+    first within the bound."""
     model, layers, plan, windows = tiny
     evaluated = []
 
@@ -130,9 +131,8 @@ def test_a_bad_serving_field_is_refused_at_load(tmp_path, change, match):
 
 
 def test_profile_stores_the_throughput_choice(tmp_path):
-    from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text
-
     from crisp_tools import profiler as prof
+    from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text
 
     model = make_tiny_mixtral(tmp_path / "model")
     text = write_text(tmp_path / "calib.txt")
@@ -154,9 +154,8 @@ def test_profile_stores_the_throughput_choice(tmp_path):
 
 
 def test_profile_refuses_a_bad_hardware_profile_before_any_work(tmp_path, capsys):
-    from profile_helpers import PROFILE_ARGS
-
     from crisp_tools import profiler as prof
+    from profile_helpers import PROFILE_ARGS
 
     out = tmp_path / "pack"
     rc = prof.main(["--model", str(MODEL), "--data", str(TEXT), "--out", str(out), *PROFILE_ARGS,

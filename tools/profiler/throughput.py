@@ -36,11 +36,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-
 from crisp_bench.profiles import get_profile
 from crisp_bench.shapes import TARGETS, ModelShape
 from crisp_bench.simulate import SimPolicy, simulate_decode
 from crisp_bench.traces import record_trace
+
 from crisp_runtime.baselines import full_plan
 from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
 from crisp_runtime.pack import CrispPack
