@@ -111,7 +111,7 @@ def test_hybrid_check_says_it_needs_a_gpu(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: bench/gpu_check.sh runs the measurement")
-    assert hybrid_check.main() == 2
+    assert hybrid_check.main([]) == 2  # not pytest's own argv
     assert capsys.readouterr().out.startswith("error: bench.hybrid_check needs a CUDA GPU")
 
 
