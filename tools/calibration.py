@@ -445,9 +445,9 @@ def stored_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
     :class:`MaskedExperts` takes so that width k is the pack's width-k prefix.
 
     One expert at a time into the result: ``dequantize_layer``'s scratch (unpacked nibbles, rows, the
-    gather, the concatenation) is several times the float32 layer; on a whole 66 MiB layer it set the
-    streamed profile's peak (+~450 MiB, 2.2 GB checkpoint, docs/big-models.md). Dequantization is per
-    element, so the result is the same, bit for bit.
+    gather, the concatenation) is several times the float32 layer; on whole 63 MiB layers it set the
+    streamed profile's peak: 1,352 MiB, 964 MiB expert by expert (2.05 GiB checkpoint,
+    docs/big-models.md). Dequantization is per element, so the result is the same, bit for bit.
     """
     from crisp_kernels.format import PackedLayer, dequantize_layer
     from crisp_runtime.checkpoint import release_freed_memory
