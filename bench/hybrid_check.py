@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -261,7 +262,7 @@ def main(argv=None) -> int:
                         help="copy: H2D rate alone and while the CPU streams; step: a hybrid layer step against the "
                         "simulator; prefetch: two layer steps with the next layer's prefetch against the simulator "
                         "(both measure the copy rates first); all need a CUDA GPU")
-    args = parser.parse_args(argv)
+    args = parser.parse_args([] if argv is None else argv)  # None: no arguments (in-process), not sys.argv
     try:
         copy = measure()
         if args.what == "copy":
@@ -280,4 +281,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
