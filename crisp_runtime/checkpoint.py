@@ -13,13 +13,15 @@ weights (the packed experts come from the pack), and packing needs one MoE layer
   ``inv_freq``) are computed by the model's own ``_init_weights``; ``tie_weights()`` ties.
 - :func:`read_expert_layer`: one MoE layer's ``gate_up_proj (E, 2I, H)`` / ``down_proj (E, H, I)``
   from per-expert (``experts.N.w1/w3/w2``, ``gate_proj/up_proj/down_proj``) or fused tensors.
-- :func:`pack_checkpoint`: every MoE layer packed (``crisp_kernels.pack_layer``), one layer of
-  full-precision experts in memory at a time; :func:`checkpoint_weights_sha256`: the pack's
-  weights fingerprint, read as 4-neuron prefixes.
+- :func:`pack_checkpoint` / :func:`pack_layers`: every MoE layer packed (``crisp_kernels.pack_layer``),
+  one expert of full-precision weights in memory at a time; :func:`checkpoint_weights_sha256`: the
+  pack's weights fingerprint, read as 4-neuron prefixes.
+- :class:`CheckpointExperts`: ``{layer_id: (gate_up, down)}`` read at every access, what crisp-profile's
+  instrument takes when the experts stay on disk (``crisp_tools.placement``).
 
-accelerate's ``device_map`` (the rest of the model over several GPUs, CPU and disk) is not wired
-in (accelerate is not a dependency): the non-expert weights must fit on one device. Peak host
-memory: ``python -m crisp_tools.stream_rss`` (figures in docs/models.md).
+``load_model`` puts the non-expert weights on one device; crisp-profile can also run on accelerate's
+``device_map`` (``crisp_tools.placement``). Peak host memory: ``python -m crisp_tools.stream_rss``
+(figures in docs/big-models.md).
 """
 
 from __future__ import annotations
