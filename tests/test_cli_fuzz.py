@@ -42,6 +42,8 @@ PROFILE = _cases("profile", {
     "--num-dominant": POS_INT, "--plan-for-throughput": HALF_OPEN_UNIT, "--max-accuracy-loss": UNIT,
     "--hardware-profile": ["abacus", "", "missing.json"], "--throughput-windows": POS_INT,
     "--throughput-seq-len": SEQ_LEN,
+    "--placement": ["everywhere", "", "device-map"], "--device-map": ["everywhere", "", '{"m": "gpu7"}', "[1]", "{}"],
+    "--max-memory": ['{"cpu": "lots"}', "[1]", ""], "--offload-folder": [""],
 })
 EVAL = _cases("eval", {
     "--samples": POS_INT, "--seq-len": SEQ_LEN, "--batch-size": POS_INT, "--device": DEVICES,
