@@ -66,8 +66,14 @@ import torch
 
 from crisp_runtime.eviction import BeladyPolicy, EvictionPolicy, make_policy
 from crisp_runtime.plan import CrispPlan
-from crisp_runtime.prefetch import (PrefetchPolicy, PrefetchWidth, merge_requests, slot_widths, topup_requests,
-                                    widest_first)
+from crisp_runtime.prefetch import (
+    PrefetchPolicy,
+    PrefetchWidth,
+    merge_requests,
+    slot_widths,
+    topup_requests,
+    widest_first,
+)
 from crisp_runtime.residency import LedgerCounters, ResidencyLedger
 from crisp_runtime.scheduler import (
     SPLIT_GRANULE,
