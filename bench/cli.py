@@ -24,7 +24,7 @@ import torch
 
 from crisp_kernels import PackFormatError
 from crisp_runtime import cli_args as ca
-from crisp_runtime.models import UnsupportedModelError
+from crisp_runtime.moe_layers import UnsupportedModelError
 from crisp_runtime.outputs import check_outputs
 from crisp_runtime.pack import PackMismatchError
 from crisp_runtime.plan import PlanError

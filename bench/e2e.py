@@ -42,10 +42,10 @@ from crisp_kernels.expert_mlp import expert_mlp_ref
 from crisp_runtime import cli_args as ca
 from crisp_runtime.cpu_experts import EXACT, TOLERANCE, CpuExpertsConfig
 from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
-from crisp_runtime.executor import RuntimeConfig
 from crisp_runtime.hf import apply
-from crisp_runtime.models import max_positions, record_routing
+from crisp_runtime.moe_layers import max_positions, record_routing
 from crisp_runtime.pack import load_pack
+from crisp_runtime.runtime import RuntimeConfig
 from crisp_runtime.scheduler import CostModel, Placement
 from crisp_runtime.serving import ServingPolicy
 

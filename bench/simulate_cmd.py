@@ -12,7 +12,7 @@ from pathlib import Path
 from crisp_tools.text import read_texts, sample_sequences
 
 from crisp_runtime import cli_args as ca
-from crisp_runtime.models import max_positions
+from crisp_runtime.moe_layers import max_positions
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES

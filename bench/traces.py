@@ -198,7 +198,7 @@ def record_trace(model, sequences: torch.Tensor, *, source: str = "", progress=N
     predict_extra: also record the next layer's experts predicted from each layer's MoE input
     (``crisp_runtime.prefetch``), top_k + predict_extra per token; None records no prediction.
     """
-    from crisp_runtime.models import find_moe_layers, model_top_k, record_routing
+    from crisp_runtime.moe_layers import find_moe_layers, model_top_k, record_routing
     from crisp_runtime.prefetch import NextLayerPredictor, record_predictions
 
     layers = find_moe_layers(model)

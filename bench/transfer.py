@@ -260,7 +260,7 @@ def measure_layer_overheads(model_dir, device, expert_compute_s=None) -> tuple[f
         model, pack_dir = load_model_for_bench(model_dir or DEFAULT_MODEL, need_pack=False, device=device)
     except ModelInputError:
         return 0.0, 0.0
-    from crisp_runtime.models import find_moe_layers, model_top_k
+    from crisp_runtime.moe_layers import find_moe_layers, model_top_k
 
     handle = None
     if pack_dir is not None and expert_compute_s is not None:

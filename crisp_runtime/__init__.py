@@ -5,10 +5,9 @@ Importing this package touches no GPU and does not import transformers.
 
 from .device_cache import PrefixCache, ResidentExperts
 from .eviction import EvictionPolicy, FrequencyPolicy, LRUPolicy, TierAwarePolicy, make_policy
-from .executor import CrispRuntime, RuntimeConfig, min_budget_bytes
 from .hf import CrispHandle, apply, load_model, parse_budget
 from .host_store import HostStore
-from .models import UnsupportedModelError
+from .moe_layers import UnsupportedModelError
 from .pack import (
     CrispPack,
     PackMismatchError,
@@ -21,6 +20,7 @@ from .pack import (
 )
 from .plan import CrispPlan, LayerPlan, PlanError, PolicyKind, Tier, TierCutoffs, TierWidths, assign_tiers
 from .residency import CacheBudgetError, Decision, LedgerCounters, ResidencyLedger
+from .runtime import CrispRuntime, RuntimeConfig, min_budget_bytes
 from .scheduler import CostModel, ExpertTask, StepPlan, TaskOrder, flow_shop_makespan, johnson_order, plan_step
 from .serving import SERVING_POLICIES, ServedSlots, ServingPolicy, make_serving, plan_served_step
 from .stats import LayerStats, RuntimeStats

@@ -46,12 +46,12 @@ from crisp_kernels import PackedLayer, QuantFormat, pack_layer
 from crisp_kernels.experts_module import without_backward
 
 from .cpu_knob import decide_cpu, parse_cpu_mode
-from .executor import CrispRuntime, RuntimeConfig
 from .hf import CrispHandle, _check_budget_fits_device, _check_budget_fits_layers, _check_device, parse_budget
-from .models import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
+from .moe_layers import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
 from .pack import CrispPack, PackMismatchError, layers_from_source, recorded_weights_sha256, weights_sha256
 from .plan import CrispPlan, PlanError
 from .prefetch import Prefetcher
+from .runtime import CrispRuntime, RuntimeConfig
 from .serving import make_serving
 
 _BLOCK_STATE = "_crisp_block_state"

@@ -43,7 +43,7 @@ from torch import nn
 
 from crisp_kernels import PackedLayer, QuantFormat, pack_layer
 
-from .models import MoeLayerRef, UnsupportedModelError, find_moe_layers
+from .moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers
 from .pack import weights_sha256
 
 _WEIGHT_NAMES = ("gate_up_proj", "down_proj")

@@ -16,7 +16,7 @@ of at most nbytes(old width).)
 sits on the device at full width, nothing is ever copied.
 
 On CPU the "device" is host memory and copies are synchronous: the tests exercise the very
-code path the GPU runs, only without streams (those are in ``executor.py``).
+code path the GPU runs, only without streams (those are in ``runtime.py``).
 """
 
 from __future__ import annotations

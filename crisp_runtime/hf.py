@@ -48,8 +48,7 @@ import torch
 from crisp_kernels import PackedLayer, QuantFormat
 from crisp_kernels.experts_module import without_backward
 
-from .executor import CrispRuntime, RuntimeConfig, min_budget_bytes
-from .models import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
+from .moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
 from .pack import (
     CrispPack,
     FingerprintStatus,
@@ -64,6 +63,7 @@ from .pack import (
 from .plan import CrispPlan, PlanError
 from .prefetch import NextLayerPredictor, Prefetcher
 from .resident_path import ResidentStep
+from .runtime import CrispRuntime, RuntimeConfig, min_budget_bytes
 from .serving import make_serving
 
 IMPLEMENTATION_NAME = "crisp"

@@ -55,7 +55,7 @@ from crisp_kernels.io import (
     save_packed,
 )
 
-from .models import find_moe_layers, model_top_k
+from .moe_layers import find_moe_layers, model_top_k
 from .plan import CrispPlan, PlanError
 from .serving_record import serving_record
 

@@ -9,7 +9,7 @@ measured precision / recall per layer are in docs/profile-and-eval.md; Pre-gated
 use the same idea).
 
 The router of each MoE layer is found through the model's public modules: the experts module that
-``crisp_runtime.models.find_moe_layers`` finds sits in a sparse-MoE block whose ``gate`` is the router,
+``crisp_runtime.moe_layers.find_moe_layers`` finds sits in a sparse-MoE block whose ``gate`` is the router,
 and every transformers (v5) family CRISP runs (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) calls it as
 ``router_logits, top_k_weights, top_k_index = block.gate(hidden_states)``.
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .models import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
+from .moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
 from .serving import DominantWiden, ServingPolicy, ahead_width
 
 

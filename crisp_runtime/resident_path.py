@@ -4,7 +4,7 @@ With ``gpu_budget=None`` (:class:`~crisp_runtime.device_cache.ResidentExperts`) 
 copied, so nothing has to be decided on the host: the eager executor still reads the routing on
 the host (widths, task order, statistics), which under ``torch.compile`` is a graph break at every
 ``.tolist()`` / ``.item()`` (32 breaks for the 4-layer tiny Mixtral). :class:`ResidentStep` is the
-same layer step as :meth:`CrispRuntime.forward <crisp_runtime.executor.CrispRuntime.forward>` with
+same layer step as :meth:`CrispRuntime.forward <crisp_runtime.runtime.CrispRuntime.forward>` with
 every decision made by tensor ops on the device:
 
 - each slot's width is the plan's (:meth:`CrispPlan.device_token_widths`, the vectorized rules of

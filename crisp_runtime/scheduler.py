@@ -1,6 +1,6 @@
 """The scheduler: per layer step, what each expert must be resident at, what is missing, and the order.
 
-Pure code on small CPU tensors, separate from issuing copies (``executor.py``), so it is
+Pure code on small CPU tensors, separate from issuing copies (``runtime.py``), so it is
 tested on the CPU against brute force.
 
 Loading and computing the experts of one layer step one after another is a two-stage flow

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from crisp_kernels import PackFormatError
 
 from .eviction import POLICIES as EVICTION_POLICIES
-from .executor import RuntimeConfig
 from .prefetch import PrefetchPolicy
+from .runtime import RuntimeConfig
 from .serving import ServingPolicy
 
 SERVING_KEY = "serving"

@@ -29,9 +29,9 @@ from crisp_runtime.blocks import (
     pack_blocks,
     route_softmax_topk,
 )
-from crisp_runtime.executor import min_budget_bytes
 from crisp_runtime.pack import save_pack
 from crisp_runtime.prefetch import PrefetchPolicy
+from crisp_runtime.runtime import min_budget_bytes
 
 HIDDEN, VOCAB = 64, 96
 

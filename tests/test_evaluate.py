@@ -15,7 +15,7 @@ from crisp_tools.calibration import contiguous_windows, load_model, score_window
 from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text  # noqa: E402
 
 from crisp_runtime import apply, load_pack  # noqa: E402
-from crisp_runtime.models import record_routing  # noqa: E402
+from crisp_runtime.moe_layers import record_routing  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from crisp_runtime import (  # noqa: E402
     save_pack,
 )
 from crisp_runtime.hf import MAX_BUDGET_BYTES  # noqa: E402
-from crisp_runtime.models import find_moe_layers  # noqa: E402
+from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
 from crisp_runtime.pack import weights_sha256  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import torch
 
 from crisp_runtime import apply
 from crisp_runtime.cpu_knob import AUTO_MIN_CPU_TO_H2D, CpuMode, decide_cpu, measure_cpu_bytes_per_s
-from crisp_runtime.executor import RuntimeConfig
+from crisp_runtime.runtime import RuntimeConfig
 from crisp_runtime.scheduler import CostModel, Placement
 
 transformers = pytest.importorskip("transformers")

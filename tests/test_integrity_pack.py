@@ -295,7 +295,7 @@ def tiny_model():
 
 
 def test_weights_fingerprint(tmp_path, tiny_model):
-    from crisp_runtime.models import find_moe_layers
+    from crisp_runtime.moe_layers import find_moe_layers
     from crisp_runtime.pack import pack_model
 
     refs = find_moe_layers(tiny_model)
@@ -322,7 +322,7 @@ def test_weights_fingerprint(tmp_path, tiny_model):
 
 
 def test_weights_fingerprint_is_the_one_crisp_profile_records(tiny_model):
-    from crisp_runtime.models import find_moe_layers
+    from crisp_runtime.moe_layers import find_moe_layers
     from tools.calibration import model_fingerprint
 
     refs = find_moe_layers(tiny_model)

@@ -87,7 +87,7 @@ def test_trainer_skew_is_the_routed_set_skew_for_top2():
     transformers = pytest.importorskip("transformers")
     from crisp_tools.train_tiny_moe import pair_skew as trainer_skew
 
-    from crisp_runtime.models import record_routing
+    from crisp_runtime.moe_layers import record_routing
 
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=16, num_hidden_layers=2,

@@ -14,8 +14,7 @@ from crisp_bench import traces as tr  # noqa: E402
 from crisp_tools.serving_eval import decode_windows  # noqa: E402
 
 from crisp_runtime import apply  # noqa: E402
-from crisp_runtime.executor import RuntimeConfig  # noqa: E402
-from crisp_runtime.models import find_moe_layers  # noqa: E402
+from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
 from crisp_runtime.plan import CrispPlan  # noqa: E402
 from crisp_runtime.prefetch import (  # noqa: E402
     NextLayerPredictor,
@@ -25,6 +24,7 @@ from crisp_runtime.prefetch import (  # noqa: E402
     prediction_accuracy,
     record_predictions,
 )
+from crisp_runtime.runtime import RuntimeConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

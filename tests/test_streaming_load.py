@@ -19,7 +19,7 @@ from crisp_runtime.checkpoint import (  # noqa: E402
     load_skeleton,
     pack_checkpoint,
 )
-from crisp_runtime.models import find_moe_layers  # noqa: E402
+from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
 from crisp_runtime.pack import weights_sha256  # noqa: E402
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from crisp_runtime.models import MoeLayerRef, UnsupportedModelError, find_moe_layers, max_positions, model_top_k
+from crisp_runtime.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, max_positions, model_top_k
 
 # Windows may overlap (they are drawn at random), but asking for more than this many times the
 # text's bytes means the "samples" are mostly repeats: refuse rather than pretend.

@@ -119,7 +119,7 @@ class Evaluator:
 
         runner = self._runtime_runner() if self.engine == "runtime" else self._reference_runner()
         with runner as run:
-            from crisp_runtime.models import record_routing
+            from crisp_runtime.moe_layers import record_routing
 
             with record_routing(self.model, self.refs) as trace:
                 full = run(self._plan("full"))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from crisp_runtime.models import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
+from crisp_runtime.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
 from crisp_runtime.outputs import OutputPathError, check_not_input_folder, check_writable_folder
 
 from .calibration import DTYPES, CliError, load_model

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 from crisp_runtime.baselines import equal_bytes_plans, full_plan
 from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
-from crisp_runtime.executor import RuntimeConfig
 from crisp_runtime.hf import apply
-from crisp_runtime.models import record_routing
+from crisp_runtime.moe_layers import record_routing
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import PrefetchPolicy
+from crisp_runtime.runtime import RuntimeConfig
 from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy, make_serving
 
 from .calibration import TokenScores, dump_json

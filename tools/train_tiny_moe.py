@@ -57,7 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from crisp_runtime import cli_args as ca  # noqa: E402
 from crisp_runtime import pairs  # noqa: E402
-from crisp_runtime.models import find_moe_layers, record_routing  # noqa: E402
+from crisp_runtime.moe_layers import find_moe_layers, record_routing  # noqa: E402
 from crisp_runtime.outputs import write_text  # noqa: E402
 
 from .text import VOCAB_SIZE, read_texts, sample_sequences  # noqa: E402
