@@ -46,10 +46,10 @@ from crisp_kernels import PackedLayer, QuantFormat, pack_layer
 from crisp_kernels.experts_module import without_backward
 
 from .cpu_knob import decide_cpu, parse_cpu_mode
-from .hf import CrispHandle, _check_budget_fits_device, _check_budget_fits_layers, _check_device, parse_budget
+from .hf import CrispHandle, _check_device, parse_budget, plan_and_budget_checked
 from .moe_layers import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
 from .pack import CrispPack, PackMismatchError, layers_from_source, recorded_weights_sha256, weights_sha256
-from .plan import CrispPlan, PlanError
+from .plan import CrispPlan
 from .prefetch import Prefetcher
 from .runtime import CrispRuntime, RuntimeConfig
 from .serving import make_serving
@@ -467,18 +467,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     layers, pack_plan = layers_from_source(source, fmt, pack=lambda f: pack_blocks(refs, f), check_pack=check_pack,
                                            check_layers=lambda ls: check_layers_fit_blocks(ls, refs))
     first = layers[refs[0].layer_id]
-    layer_ids = sorted(layers)
-    plan = pack_plan if plan is None else plan
-    if plan is None:
-        plan = CrispPlan.full(first.num_experts, top_k, first.intermediate_size, layer_ids)
-    try:
-        plan.check_compatible(num_experts=first.num_experts, top_k=top_k, intermediate_size=first.intermediate_size,
-                              layer_ids=layer_ids)
-    except PlanError as exc:
-        raise PlanError(f"{exc} (the plan was made for another pack or model)") from exc
-    if budget is not None:
-        _check_budget_fits_layers(budget, layers, top_k)
-        _check_budget_fits_device(budget, device)
+    plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
     predictor = None
     if config.prefetch is not None:  # checked before anything is measured or built
         predictor = BlockRoutePredictor(refs, top_k=top_k,

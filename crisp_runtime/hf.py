@@ -210,6 +210,25 @@ def parse_budget(budget) -> int | None:
     return value
 
 
+def plan_and_budget_checked(plan: CrispPlan | None, layers, first: PackedLayer, top_k: int, budget: int | None,
+                            device) -> CrispPlan:
+    """The plan to run (the one given, else full width) checked against the packed layers, and the budget
+    against the layers and the device: one rule for the v5 drop-in (:func:`apply`) and the per-expert
+    blocks (:func:`crisp_runtime.blocks.apply_blocks`)."""
+    layer_ids = sorted(layers)
+    if plan is None:
+        plan = CrispPlan.full(first.num_experts, top_k, first.intermediate_size, layer_ids)
+    try:
+        plan.check_compatible(num_experts=first.num_experts, top_k=top_k, intermediate_size=first.intermediate_size,
+                              layer_ids=layer_ids)
+    except PlanError as exc:
+        raise PlanError(f"{exc} (the plan was made for another pack or model)") from exc
+    if budget is not None:
+        _check_budget_fits_layers(budget, layers, top_k)
+        _check_budget_fits_device(budget, device)
+    return plan
+
+
 def _check_budget_fits_layers(budget: int, layers, top_k: int) -> None:
     need = min_budget_bytes(layers, top_k)
     if budget < need:
@@ -500,23 +519,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     layers, pack_plan = layers_from_source(source, fmt, pack=lambda f: pack_model(model, f), check_pack=check_pack,
                                            check_layers=lambda ls: check_layers_fit_model(ls, model))
     first = layers[refs[0].layer_id]
-    layer_ids = sorted(layers)
-
-    # ---- the plan
-    if plan is None:
-        plan = pack_plan
-    if plan is None:
-        plan = CrispPlan.full(first.num_experts, top_k, first.intermediate_size, layer_ids)
-    try:
-        plan.check_compatible(num_experts=first.num_experts, top_k=top_k, intermediate_size=first.intermediate_size,
-                              layer_ids=layer_ids)
-    except PlanError as exc:
-        raise PlanError(f"{exc} (the plan was made for another pack or model)") from exc
-
-    # ---- the budget
-    if budget is not None:
-        _check_budget_fits_layers(budget, layers, top_k)
-        _check_budget_fits_device(budget, device)
+    plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
     config, cpu_decision = decide_cpu(cpu_mode, config=config, budget=budget, device=torch.device(device),
                                       layers=layers)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
