@@ -488,13 +488,7 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: Hardwar
     res.compute_s += sum(jobs[i].gpu_s for i in gpu)
     res.cpu_s += sum(jobs[i].cpu_s for i in cpu)
     res.cpu_runs += len(cpu)
-    res.router_s += profile.router_s
-    res.other_s += profile.other_s
-    res.experts_run += len(jobs)
-    res.fallbacks += served.fallbacks
-    res.skips += served.skips
-    res.wider += served.wider
-    res.widened += served.widened
+    _count_step(res, served, profile, len(jobs))
     tot = res.per_order["widest_first"]
     tot.time_s += lead + span
     tot.expert_s += span
@@ -529,18 +523,23 @@ def _future(wanted, routed, layers: int, num_tokens: int, only_layer: int | None
     return steps
 
 
+def _count_step(res: SimResult, served, profile: HardwareProfile, experts: int) -> None:
+    """What every layer step adds whatever its placement: fixed per-layer time, experts run, serving counters."""
+    res.router_s += profile.router_s
+    res.other_s += profile.other_s
+    res.experts_run += experts
+    res.fallbacks += served.fallbacks
+    res.skips += served.skips
+    res.wider += served.wider
+    res.widened += served.widened
+
+
 def _account(res: SimResult, jobs: list[Job], served, profile: HardwareProfile, nb: int, lead: float,
              orders: Sequence[str]) -> None:
     res.bytes_computed += sum(j.width * nb for j in jobs)
     res.load_s += sum(j.load_s for j in jobs)
     res.compute_s += sum(j.compute_s for j in jobs)
-    res.router_s += profile.router_s
-    res.other_s += profile.other_s
-    res.experts_run += len(jobs)
-    res.fallbacks += served.fallbacks
-    res.skips += served.skips
-    res.wider += served.wider
-    res.widened += served.widened
+    _count_step(res, served, profile, len(jobs))
     bound = flow_shop_bound(jobs)
     for o in orders:
         end, _ = schedule(jobs, o)
