@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -46,13 +46,12 @@ from crisp_kernels import PackedLayer, QuantFormat, pack_layer
 from crisp_kernels.experts_module import without_backward
 
 from .cpu_knob import decide_cpu, parse_cpu_mode
-from .hf import CrispHandle, _check_device, parse_budget, plan_and_budget_checked
+from .hf import CrispHandle, _check_device, parse_budget, plan_and_budget_checked, runtime_config_checked
 from .moe_layers import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
 from .pack import CrispPack, PackMismatchError, layers_from_source, recorded_weights_sha256, weights_sha256
 from .plan import CrispPlan
 from .prefetch import Prefetcher
 from .runtime import CrispRuntime, RuntimeConfig
-from .serving import make_serving
 
 _BLOCK_STATE = "_crisp_block_state"
 
@@ -426,11 +425,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     ``config.prefetch`` included); returns a handle with the same surface as ``CrispHandle`` (stats,
     set_plan, restore, context manager)."""
     cpu_mode = parse_cpu_mode(cpu)
-    config = RuntimeConfig() if config is None else config
-    if not isinstance(config, RuntimeConfig):
-        raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
-    if serving is not None:
-        config = replace(config, serving=make_serving(serving))
+    config = runtime_config_checked(config, serving)
     if not config.keep_original:
         raise ValueError("config.keep_original=False: per-expert blocks always keep their original weights "
                          "(restore() puts the same Parameter objects back)")

@@ -210,6 +210,15 @@ def parse_budget(budget) -> int | None:
     return value
 
 
+def runtime_config_checked(config: RuntimeConfig | None, serving) -> RuntimeConfig:
+    """``config`` (default ``RuntimeConfig()``) with ``serving`` applied when given: the same argument rule
+    for :func:`apply` and :func:`crisp_runtime.blocks.apply_blocks`."""
+    config = RuntimeConfig() if config is None else config
+    if not isinstance(config, RuntimeConfig):
+        raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
+    return config if serving is None else replace(config, serving=make_serving(serving))
+
+
 def plan_and_budget_checked(plan: CrispPlan | None, layers, first: PackedLayer, top_k: int, budget: int | None,
                             device) -> CrispPlan:
     """The plan to run (the one given, else full width) checked against the packed layers, and the budget
@@ -479,11 +488,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     from .cpu_knob import decide_cpu, parse_cpu_mode
 
     cpu_mode = parse_cpu_mode(cpu)
-    config = RuntimeConfig() if config is None else config
-    if not isinstance(config, RuntimeConfig):
-        raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
-    if serving is not None:
-        config = replace(config, serving=make_serving(serving))
+    config = runtime_config_checked(config, serving)
     if fmt is not None and not isinstance(fmt, QuantFormat):
         raise TypeError(f"fmt: expected a QuantFormat (e.g. QuantFormat(group_size=64, symmetric=False)), got "
                         f"{type(fmt).__name__} {fmt!r}")
