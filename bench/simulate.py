@@ -36,8 +36,10 @@ copy engine copies what the runtime's prefetcher asks for layer l+1 (the predict
 widths ``SimPolicy.prefetch_width`` gives them, the runtime's own rule; widest first) through
 ``ResidencyLedger.prefetch`` (same budget; never evicts the step's experts), but only rows that
 are copied before layer l+1's router ends, when its demanded copies may start: a prefetch never
-delays a demanded copy. Predictions come with the trace (``predicted``, recorded by
-``crisp_runtime.prefetch``); without them there is no prefetch.
+delays a demanded copy. The cut and the timeline that decides it are the runtime's
+(``crisp_runtime.copy_window``: ``CopyClock`` on ``HardwareProfile.prefetch_window``), which the
+runtime in the loop applies through ``PrefetchPolicy.window`` (``target_window``). Predictions come
+with the trace (``predicted``, recorded by ``crisp_runtime.prefetch``); without them there is no prefetch.
 
 Hybrid placement (issue 11; ``ServingPolicy.placement`` other than GPU, the profile with a CPU,
 widest-first order only): the runtime's ``plan_step(placement=...)`` splits each step between the
@@ -57,13 +59,21 @@ Everything here is plain Python and deterministic; times are seconds.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from crisp_runtime.copy_window import (
+    CopyClock,
+    Job,
+    PrefetchSpan,
+    Slot,
+    admit_requests,
+    johnson_jobs,
+    overlap_schedule,
+)
 from crisp_runtime.eviction import BeladyPolicy, EvictionPolicy, make_policy
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import (
@@ -74,13 +84,12 @@ from crisp_runtime.prefetch import (
     topup_requests,
     widest_first,
 )
-from crisp_runtime.residency import LedgerCounters, ResidencyLedger
+from crisp_runtime.residency import TRANSIENT, LedgerCounters, ResidencyLedger
 from crisp_runtime.scheduler import (
     SPLIT_GRANULE,
     CostModel,
     HybridJob,
     Placement,
-    johnson_order,
     plan_step,
     split_makespan,
 )
@@ -133,64 +142,33 @@ class SimPolicy:
 # ---------------------------------------------------------------------------- flow shop
 
 
-@dataclass(frozen=True)
-class Job:
-    """One routed expert in one layer step."""
-
-    expert: int
-    width: int  # neurons computed (> 0)
-    load_s: float  # copy time of its missing bytes (0 for a cache hit)
-    compute_s: float
-
-
-@dataclass(frozen=True)
-class Slot:
-    """When a job's copy and compute ran (copy_start == copy_end for a hit)."""
-
-    expert: int
-    copy_start: float
-    copy_end: float
-    compute_start: float
-    compute_end: float
-
-
 def order_jobs(jobs: Sequence[Job], order: str) -> list[Job]:
     """``jobs`` (router order) in the order ``order`` runs them."""
     if order not in ORDERS:
         raise ValueError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
     if order != "widest_first":
         return list(jobs)
-    return [jobs[i] for i in johnson_order([j.load_s for j in jobs], [j.compute_s for j in jobs])]
+    return johnson_jobs(jobs)
 
 
 def schedule(jobs: Sequence[Job], order: str, start: float = 0.0, copy_free: float = 0.0) -> tuple[float, list[Slot]]:
     """Times of one layer's experts from ``start`` (the router's end); returns (end, slots).
 
     jobs: in router order. copy_free: when the copy engine is free (a prefetch may still be
-    copying; the prefetch rule makes that <= ``start``).
+    copying; the prefetch rule makes that <= ``start``). The overlapped orders are
+    ``crisp_runtime.copy_window.overlap_schedule`` (the runtime's modeled clock times steps with it).
     """
-    slots: list[Slot] = []
     seq = order_jobs(jobs, order)
-    if order == "serial":
-        t = max(start, copy_free)
-        for j in seq:
-            copy_end = t + j.load_s
-            end = copy_end + j.compute_s
-            slots.append(Slot(j.expert, t, copy_end, copy_end, end))
-            t = end
-        return t, slots
-    copy_at = max(start, copy_free)
-    compute_free = start
+    if order != "serial":
+        return overlap_schedule(seq, start, copy_free)
+    slots: list[Slot] = []
+    t = max(start, copy_free)
     for j in seq:
-        if j.load_s > 0:
-            copy_start, copy_end = copy_at, copy_at + j.load_s
-            copy_at = copy_end
-        else:
-            copy_start = copy_end = start
-        compute_start = max(copy_end, compute_free)
-        compute_free = compute_start + j.compute_s
-        slots.append(Slot(j.expert, copy_start, copy_end, compute_start, compute_free))
-    return max(copy_at, compute_free), slots
+        copy_end = t + j.load_s
+        end = copy_end + j.compute_s
+        slots.append(Slot(j.expert, t, copy_end, copy_end, end))
+        t = end
+    return t, slots
 
 
 def flow_shop_bound(jobs: Sequence[Job]) -> float:
@@ -250,7 +228,7 @@ class SimResult:
         tokens = max(1, self.tokens)
         tot = self.per_order[order]
         c = self.counters
-        accesses = c.hits + c.widenings + c.misses
+        accesses = c.hits + c.widenings + c.misses + c.transients
         return {
             "order": order,
             "tokens": self.tokens,
@@ -262,6 +240,7 @@ class SimResult:
             "hit_rate": c.hits / accesses if accesses else 0.0,
             "widened_rate": c.widenings / accesses if accesses else 0.0,
             "evictions_per_token": c.evictions / tokens,
+            "transient_bytes_per_token": c.transient_bytes / tokens,  # of bytes_per_token: not admitted
             "prefetches_per_token": c.prefetches / tokens,
             "prefetch_hits_per_token": c.prefetch_hits / tokens,
             "fallbacks_per_token": self.fallbacks / tokens,
@@ -356,7 +335,10 @@ def simulate_decode(
         routed.append(idx)
         wanted.append(w)
         dominant.append(d)
-    ledgers = _ledgers(policy, budget_bytes, layers, cache_scope, nb, inter, wanted, routed, num_tokens)
+    # the neuron split's transient buffer (ServingPolicy.transient_buffer) comes out of the GPU budget
+    copy_rows = serving.transient_rows(inter)
+    room = 0 if copy_rows is None else copy_rows * nb
+    ledgers = _ledgers(policy, budget_bytes - room, layers, cache_scope, nb, inter, wanted, routed, num_tokens)
     # one (1, k) view per traced step, split once: slicing per step costs more than the step's planning
     idx_rows = [list(r.split(1)) for r in routed]
     idx_lists = [r.tolist() for r in routed]
@@ -374,7 +356,9 @@ def simulate_decode(
         requests = prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=policy.prefetch_width), serving)
         topups = prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=policy.prefetch_width), serving,
                                    phase=2)
-    copy_free = 0.0  # widest-first: when the copy engine is free, relative to the current layer's start
+    # widest-first with prefetch or a timeline: the modeled clock of crisp_runtime.copy_window (the runtime's, with
+    # PrefetchPolicy.window): each step's times, its prefetch span, the copy engine's spill into the next step
+    copy_clock = CopyClock(profile.prefetch_window(nb)) if policy.prefetch or timeline is not None else None
     clock = 0.0  # widest-first: absolute time of the current layer's start (for the timeline)
     for t in range(num_tokens):
         counting = t >= warmup
@@ -393,9 +377,9 @@ def simulate_decode(
                                  resident_width=lambda e, led=led, layer=layer: led.width(layer, e))
             step = plan_step(index_row, served.widths, num_experts=trace.num_experts, neuron_nbytes=nb,
                              resident_width=lambda e, led=led, layer=layer: led.width(layer, e), cost=cost,
-                             placement=placement, split_granule=granule)
+                             placement=placement, split_granule=granule, max_copy_rows=copy_rows)
             if placement.uses_cpu:
-                _hybrid_step(res, led, layer, step, served, profile, nb, lead, counting)
+                _hybrid_step(res, led, layer, step, served, profile, nb, lead, counting, room)
                 continue
             pending = {(layer, task.expert) for task in step.tasks}
             jobs: dict[int, Job] = {}
@@ -407,22 +391,17 @@ def simulate_decode(
             router_jobs = [jobs[e] for e in dict.fromkeys(idx_lists[li][t]) if e in jobs]
             if counting:
                 _account(res, router_jobs, served, profile, nb, lead, orders)
-            if policy.prefetch or timeline is not None:
-                end, slots = schedule(router_jobs, "widest_first", start=lead, copy_free=copy_free)
-                demand_done = max([lead, copy_free] + [s.copy_end for s in slots if s.copy_end > s.copy_start])
-                deadline = end + lead  # the next layer's router end: its demanded copies may start then
+            if copy_clock is not None:
+                times = copy_clock.step(router_jobs)  # from lead; the prefetch span [demand done, end + lead)
+                end, slots = times.end, times.slots
                 last = requests is None or layer + 1 >= layers
                 wanted_next = [] if last else requests[li][t]
                 next_led = led if cache_scope == "global" else ledgers[layer + 1]
                 step_keys = {(layer, j.expert) for j in router_jobs}
-                issued, cut = _prefetch(next_led, layer + 1, wanted_next, nb, profile, demand_done, deadline,
-                                        step_keys=step_keys)
-                if not last and not cut and topups[li][t]:  # the second phase, in the time the first left
-                    more, _ = _prefetch(next_led, layer + 1, topups[li][t], nb, profile,
-                                        issued[-1][3] if issued else demand_done, deadline, step_keys=step_keys)
-                    issued += more
-                copy_free = (issued[-1][3] if issued else demand_done) - end
-                copy_free = max(0.0, copy_free)
+                span = copy_clock.span
+                issued = _prefetch_span(next_led, layer + 1, wanted_next, span, step_keys)
+                if not last and not span.cut and topups[li][t]:  # the second phase, in the time the first left
+                    issued += _prefetch_span(next_led, layer + 1, topups[li][t], span, step_keys)
                 if timeline is not None and counting:
                     timeline.append({"token": t, "layer": layer, "start": clock, "router_end": clock + lead,
                                      "slots": [Slot(s.expert, clock + s.copy_start, clock + s.copy_end,
@@ -457,8 +436,11 @@ def _pin_hot_experts(ledgers, routed, wanted, layers: int, nb: int, inter: int) 
 
 
 def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: HardwareProfile, nb: int, lead: float,
-                 counting: bool) -> None:
-    """One layer step under a CPU placement: the GPU's tasks through the ledger, the time of the split."""
+                 counting: bool, room: int = 0) -> None:
+    """One layer step under a CPU placement: the GPU's tasks through the ledger, the time of the split.
+
+    room: bytes of the neuron split's transient buffer (0: none); a GPU prefix's missing rows go there when
+    they do not fit in the free budget (``ResidencyLedger.request_transient``, as the runtime asks)."""
     pending = {(layer, t.expert) for t in step.tasks if not t.on_cpu}
     jobs, gpu, cpu = [], [], []
     for i, task in enumerate(step.tasks):  # GPU tasks first (issue order), then the CPU's
@@ -470,7 +452,12 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: Hardwar
         # The GPU part is the prefix [0, gpu_width) (the whole expert unless the neuron split cut it): the
         # ledger is asked for that width; the CPU computes the rows [gpu_width, width), if any.
         gw = task.gpu_width
-        decision = led.request(layer, task.expert, gw, protected=pending)
+        if room:
+            decision = led.request_transient(layer, task.expert, gw, room, protected=pending)
+            if decision.kind == TRANSIENT:
+                room -= decision.copy_bytes
+        else:
+            decision = led.request(layer, task.expert, gw, protected=pending)
         pending.discard((layer, task.expert))
         jobs.append(HybridJob(profile.load_s(decision.copy_bytes), profile.load_busy_s(decision.copy_bytes),
                               profile.compute_s(gw * nb), profile.cpu_s((task.width - gw) * nb)))
@@ -591,32 +578,31 @@ def prefetch_requests(plan: CrispPlan, trace, predicted, policy: PrefetchPolicy 
 def _prefetch(led: ResidencyLedger, layer: int, wanted: list[tuple[int, int]], nb: int, profile: HardwareProfile,
               start: float, deadline: float, step_keys: set) -> tuple[list[tuple[int, int, float, float]], bool]:
     """Prefetch ``wanted`` [(expert, width)] of ``layer`` in order, as ``CrispRuntime.prefetch`` does
-    (protecting the step's keys and every requested key), but only rows that arrive before ``deadline``:
-    a request that does not fit in the time left is cut to the rows that do (a narrower prefix is
-    still a prefix), and nothing is issued after it.
+    (protecting the step's keys and every requested key), but only rows that arrive before ``deadline``
+    (``crisp_runtime.copy_window.admit_requests``: a request that does not fit in the time left is cut
+    to the rows that do, and nothing is issued after it).
 
     Returns ((expert, new width, copy start, copy end) per admitted prefetch, whether the time ran out).
     """
-    issued = []
-    t = start
+    span = PrefetchSpan(profile.prefetch_window(nb), start, deadline)
+    return _prefetch_span(led, layer, wanted, span, step_keys), span.cut
+
+
+def _prefetch_span(led: ResidencyLedger, layer: int, wanted: list[tuple[int, int]], span: PrefetchSpan,
+                   step_keys: set) -> list[tuple[int, int, float, float]]:
+    """:func:`_prefetch` in an open span (the modeled clock's, carried across the two phases of a step)."""
     protected = set(step_keys) | {(layer, e) for e, _ in wanted}
-    for e, width in wanted:
-        have = led.width(layer, e)
-        if have >= width:
-            continue
-        room = deadline - t - profile.copy_latency_s
-        rows = min(width - have, math.floor(room * profile.h2d_bytes_per_s / nb)) if room > 0 else 0
-        if rows <= 0:
-            return issued, True
-        decision = led.prefetch(layer, e, have + rows, protected=protected)
-        if decision is None:
-            continue
-        took = profile.load_s(decision.copy_bytes)
-        issued.append((e, decision.new_width, t, t + took))
-        t += took
-        if rows < width - have:
-            return issued, True
-    return issued, False
+    return admit_requests(wanted, lambda e: led.width(layer, e),
+                          lambda e, w: led.prefetch(layer, e, w, protected=protected), span).issued
+
+
+def target_window(profile: HardwareProfile, shape: ModelShape, intermediate_size: int):
+    """The modeled copy clock (``crisp_runtime.copy_window.PrefetchWindow``) of ``profile`` running ``shape``,
+    per neuron row of a model whose experts have ``intermediate_size`` neurons (each row stands for
+    ``neuron_scale`` rows of the target, as the simulator maps a trace): what ``PrefetchPolicy.window``
+    takes for the runtime in the loop to cut prefetches as ``simulate_decode`` does."""
+    return profile.prefetch_window(shape.neuron_nbytes * neuron_scale(intermediate_size, shape),
+                                   f"{profile.name}/{shape.name}")
 
 
 # ---------------------------------------------------------------------------- policies at a budget

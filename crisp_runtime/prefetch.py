@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .copy_window import PrefetchWindow
 from .moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
 from .serving import DominantWiden, ServingPolicy, ahead_width
 
@@ -212,10 +213,16 @@ class PrefetchPolicy:
     recall of top-k + 1 is higher, see docs/profile-and-eval.md); an extra expert is an auxiliary, so
     none under ``AUX_NONE`` or a serving policy that skips a missing auxiliary. The runtime admits a
     request only within its budget (``CrispRuntime.prefetch``).
+
+    window: None (default: every admitted request is copied in full, as a CPU run where copies take no
+    time does), or a :class:`~crisp_runtime.copy_window.PrefetchWindow`: the runtime then admits only the
+    rows a modeled copy engine delivers before the next layer's demand (``crisp_runtime.copy_window``,
+    the simulator's rule), so that a CPU run serves the widths a GPU of that timing would.
     """
 
     extra_experts: int = 0
     width: PrefetchWidth = PrefetchWidth.PLAN
+    window: PrefetchWindow | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.extra_experts, bool) or not isinstance(self.extra_experts, int) or self.extra_experts < 0:
@@ -226,10 +233,15 @@ class PrefetchPolicy:
             except ValueError:
                 choices = ", ".join(m.value for m in PrefetchWidth)
                 raise ValueError(f"PrefetchPolicy: width must be one of {choices}, got {self.width!r}") from None
+        if self.window is not None and not isinstance(self.window, PrefetchWindow):
+            raise ValueError(f"PrefetchPolicy: window must be a PrefetchWindow or None, got {self.window!r}")
 
     def to_dict(self) -> dict:
-        return {"rule": "next-layer router on this layer's MoE input", "extra_experts": self.extra_experts,
-                "width": self.width.value}
+        out = {"rule": "next-layer router on this layer's MoE input", "extra_experts": self.extra_experts,
+               "width": self.width.value}
+        if self.window is not None:  # absent without one: records written before windows stay comparable
+            out["window"] = self.window.to_dict()
+        return out
 
 
 def slot_widths(policy: PrefetchPolicy, plan, serving: ServingPolicy, layer_id: int, index: torch.Tensor,

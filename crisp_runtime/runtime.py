@@ -49,13 +49,14 @@ import torch
 from crisp_kernels import Backend, PackedLayer
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_, resolve_backend
 
+from .copy_window import CopyClock, admit_requests
 from .cpu_experts import CpuExperts, CpuExpertsConfig
 from .device_cache import PrefixCache, ResidentExperts
 from .eviction import make_policy
 from .host_store import HostStore
 from .plan import CrispPlan
 from .prefetch import PrefetchPolicy
-from .residency import Decision
+from .residency import TRANSIENT, Decision, transient_buffer_bytes, transient_rows
 from .scheduler import CostModel, StepPlan, TaskOrder
 from .serving import ServedSlots, ServingPolicy, make_serving, plan_served_step
 from .stats import LayerStats, RuntimeStats
@@ -148,6 +149,7 @@ class CrispRuntime:
             self.backend = Backend.TORCH
         else:
             self.backend = resolve_backend(config.kernel_backend, self.device)
+        self._transient_room: dict[int, int] = {}  # the neuron split's transient buffer, per layer (none by default)
         if gpu_budget is None:
             self.cache = ResidentExperts(dict(layers), self.device)
             self.store = None
@@ -155,7 +157,8 @@ class CrispRuntime:
             pin = config.pin_memory if config.pin_memory is not None else (
                 torch.cuda.is_available() and self.device.type == "cuda")
             self.store = HostStore(layers, pin=pin)
-            self.cache = PrefixCache(self.store, int(gpu_budget), self.device, make_policy(config.eviction, plan))
+            self.cache = PrefixCache(self.store, int(gpu_budget) - self._transient_buffer(int(gpu_budget)),
+                                     self.device, make_policy(config.eviction, plan))
         self.layers = dict(self.store.layers) if self.store is not None else dict(self.cache.layers)
         first = self.layers[self.layer_ids[0]]
         self.num_experts = first.num_experts
@@ -183,6 +186,28 @@ class CrispRuntime:
         self._cpu = CpuExperts(self.store.layers if self.serving.placement.uses_cpu else {}, config.cpu_experts)
         # GPU-only: with no offload (ResidentExperts) nothing is ever copied, so there is nothing to overlap.
         self._async = config.async_copies and self.device.type == "cuda" and isinstance(self.cache, PrefixCache)
+        # PrefetchPolicy.window: the modeled copy clock (crisp_runtime.copy_window) stepped by every forward, which
+        # admits only the prefetch rows that modeled copy engine delivers in time (the simulator's rule).
+        window = None if config.prefetch is None else config.prefetch.window
+        if window is not None and self.serving.placement.uses_cpu:
+            raise ValueError(f"PrefetchPolicy.window models the GPU's copy engine only; serving placement "
+                             f"{self.serving.placement.value!r} computes experts on the CPU (use window=None)")
+        self._clock = None if window is None else CopyClock(window)
+
+    def _transient_buffer(self, gpu_budget: int) -> int:
+        """The neuron split's transient buffer (``ServingPolicy.transient_buffer``): sets ``self._transient_room``
+        (per layer, the bytes one step may copy into it: its rows in that layer) and returns its bytes, which
+        the cache's budget gives up (0 without one)."""
+        frac = self.serving.transient_buffer
+        store = self.store
+        nb = {i: store.neuron_nbytes(i) for i in store.layers}
+        full = {i: store.full_width(i) for i in store.layers}
+        self._transient_room = {i: transient_rows(frac, full[i]) * nb[i] for i in nb} if frac else {}
+        buf = transient_buffer_bytes(frac, nb, full) if frac else 0
+        if buf >= gpu_budget:
+            raise ValueError(f"serving {self.serving.name!r}: the transient buffer of {buf:,} bytes "
+                             f"({frac:g} full-width experts) leaves nothing of gpu_budget={gpu_budget:,} bytes")
+        return buf
 
     def close(self) -> None:
         """Stop the CPU worker thread, if one was started (``CrispHandle.restore`` calls this)."""
@@ -247,6 +272,8 @@ class CrispRuntime:
             self._run(layer_id, step, x, top_k_weights, out, stats)
             if timer is not None:
                 stats.step_ms += timer.stop()
+        if self._clock is not None:
+            self._clock_step(step, top_k_index)
         return out if hidden_states.dtype == torch.float32 else out.to(hidden_states.dtype)
 
     def _check_step(self, layer_id, x, top_k_index, top_k_weights) -> None:
@@ -331,6 +358,7 @@ class CrispRuntime:
             rows_s = torch.split_with_sizes(torch.div(flat_pos, step.top_k, rounding_mode="floor"), counts)
         pending = {(layer_id, t.expert) for t in tasks}
         cache, backend = self.cache, self.backend
+        room = self._transient_room.get(layer_id, 0)  # bytes this step may still copy to the transient buffer
         compute_stream = copy_stream = None
         if self._async:  # GPU-only
             compute_stream = torch.cuda.current_stream(device)
@@ -345,17 +373,19 @@ class CrispRuntime:
             key = (layer_id, task.expert)
             width = task.gpu_width  # a property: read once
             if copy_stream is None:
-                got = cache.acquire(layer_id, task.expert, width, protected=pending)
+                got = cache.acquire(layer_id, task.expert, width, protected=pending, transient_room=room)
             else:  # GPU-only: copy on the copy stream, the compute stream waits on this expert's event only
                 with torch.cuda.stream(copy_stream):
-                    got = cache.acquire(layer_id, task.expert, width, protected=pending)
+                    got = cache.acquire(layer_id, task.expert, width, protected=pending, transient_room=room)
                     if got.copied_bytes:
                         copied = torch.cuda.Event()
                         copied.record(copy_stream)
                 if got.copied_bytes:
                     compute_stream.wait_event(copied)
-                    for t in got.resident.tensors():
-                        t.record_stream(compute_stream)
+                    for part in (got.resident, got.transient):  # a transient task: the buffer's rows too
+                        if part is not None:
+                            for t in part.tensors():
+                                t.record_stream(compute_stream)
                 else:
                     ready = cache.take_ready(layer_id, task.expert)  # a prefetch's copy, not yet waited on
                     if ready is not None:
@@ -376,20 +406,41 @@ class CrispRuntime:
                 stats.evictions += len(decision.evicted)
                 if decision.kind == "miss":
                     stats.misses += 1
+                elif decision.kind == TRANSIENT:  # rows copied into the step's transient buffer, not admitted
+                    stats.transients += 1
+                    stats.transient_bytes += decision.copy_bytes
+                    room -= decision.copy_bytes
                 else:
                     stats.widenings += 1
             stats.expert_runs += 1
             # gpu_width: a split task's prefix [0, split_at) (its tokens' widths clamped to it), else its width
-            expert_mlp_accumulate_unchecked_(out, x, got.resident, width, rows_s[i], weights_s[i],
-                                             widths_s[i], backend)
+            if got.transient is None:
+                expert_mlp_accumulate_unchecked_(out, x, got.resident, width, rows_s[i], weights_s[i],
+                                                 widths_s[i], backend)
+            else:
+                _run_transient(out, x, got, rows_s[i], weights_s[i], widths_s[i], backend)
             if timings is not None:
                 _sync(device)
                 timings.append((t1 - t0, time.perf_counter() - t1))
                 stats.copy_ms += 1e3 * (t1 - t0)
-            if copy_stream is not None:  # GPU-only
+            if copy_stream is not None and got.resident is not None:  # GPU-only
                 used = torch.cuda.Event()
                 used.record(compute_stream)
                 cache.mark_used(layer_id, task.expert, used)
+
+    def _clock_step(self, step: StepPlan, top_k_index: torch.Tensor) -> None:
+        """Time this step on the modeled clock (``PrefetchPolicy.window``): one job per expert run, in the
+        routing's first-appearance order (the clock orders them by Johnson's rule, as the simulator), copying
+        the rows its prefix lacked before the step (the ledger's decision unless a step streams through a
+        budget below its own experts) and computing its width."""
+        window = self._clock.window
+        tasks = {t.expert: t for t in step.tasks}
+        jobs = []
+        for e in dict.fromkeys(top_k_index.reshape(-1).tolist()):
+            task = tasks.get(e)
+            if task is not None:
+                jobs.append(window.job(e, task.width, max(0, task.gpu_width - task.resident_width)))
+        self._clock.step(jobs)
 
     # ------------------------------------------------------------------ prefetch
 
@@ -403,6 +454,10 @@ class CrispRuntime:
         never delay a demanded copy of the step in flight; the step that first uses a
         prefetched prefix waits on its event. Returns the admitted decisions, in order.
         With ``gpu_budget=None`` everything is resident and nothing is done.
+        With ``PrefetchPolicy.window`` only the rows the modeled copy engine delivers before the next
+        step's demand are admitted (``copy_window.admit_requests`` in the span of the last step: a request
+        cut short ends it, and a later call of the same step admits nothing); ``stats`` counts the requests
+        cut (``prefetch_cut``) and their rows not copied (``prefetch_cut_rows``).
         """
         if layer_id not in self._hidden:
             raise KeyError(f"prefetch: CRISP runtime has no layer {layer_id}; it holds {list(self.layer_ids)}")
@@ -425,9 +480,8 @@ class CrispRuntime:
         protected = {(last_layer, t.expert) for t in last_tasks} | {(layer_id, e) for e in wanted}
         out = []
         copy_stream = self._get_copy_stream() if self._async else None
-        for e, w in wanted.items():
-            if cache.resident_width(layer_id, e) >= w:
-                continue
+
+        def issue(e: int, w: int) -> Decision | None:
             if copy_stream is None:
                 decision = cache.prefetch(layer_id, e, w, protected=protected)
             else:  # GPU-only: behind every copy already issued on the copy stream
@@ -439,17 +493,35 @@ class CrispRuntime:
                         cache.set_ready(layer_id, e, ready)
             if decision is None:
                 stats.prefetch_rejected += 1
-                continue
+                return None
             stats.prefetches += 1
             stats.prefetch_bytes += decision.copy_bytes
             stats.evictions += len(decision.evicted)
             out.append(decision)
+            return decision
+
+        span = None if self._clock is None else self._clock.span
+        got = admit_requests(wanted.items(), lambda e: cache.resident_width(layer_id, e), issue, span)
+        stats.prefetch_cut += got.cut_requests
+        stats.prefetch_cut_rows += got.cut_rows
         return out
 
     def _get_copy_stream(self):  # GPU-only
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         return self._copy_stream
+
+
+def _run_transient(out, x, got, rows, weights, widths, backend) -> None:
+    """A task whose missing rows went to the step's transient buffer (``ResidencyLedger`` kind "transient"):
+    the resident rows [0, r) from the cache and the buffer's rows [r, width) as two kernel calls on the same
+    tokens (an expert's output is a sum over its neurons, as in the neuron split): a token of width w gets
+    min(w, r) rows of the first and max(0, min(w, width) - r) of the second (the kernel clamps to width)."""
+    r = got.decision.old_width
+    if r:
+        expert_mlp_accumulate_unchecked_(out, x, got.resident, r, rows, weights, widths, backend)
+    expert_mlp_accumulate_unchecked_(out, x, got.transient, got.width - r, rows, weights,
+                                     (widths - r).clamp_(min=0), backend)
 
 
 def _add_served(stats: LayerStats, served: ServedSlots) -> None:

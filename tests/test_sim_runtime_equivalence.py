@@ -8,7 +8,7 @@ import pytest
 import torch
 from crisp_bench.profiles import HardwareProfile
 from crisp_bench.shapes import ModelShape
-from crisp_bench.simulate import SimPolicy, prefetch_requests, simulate_decode
+from crisp_bench.simulate import SimPolicy, prefetch_requests, simulate_decode, target_window
 from crisp_bench.traces import plan_from_trace, synthetic_trace
 from runtime_helpers import random_layers
 
@@ -154,3 +154,93 @@ def test_prefetch_makes_the_same_decisions(decisions, monkeypatch, serving, widt
     if serving == "resident-floor75-ahead" and width is PrefetchWidth.SERVING:  # first phase at the floor too
         assert requests != plan_asked
     assert (requests != plan_asked) == changes
+
+
+def _window_profile(nb: int) -> HardwareProfile:
+    """Copies 2.5x slower than computes (a full expert loads in 0.25 ms, computes in 0.1 ms; lead 0.1 ms): the
+    copy engine's idle time holds about half an expert, so many prefetches are cut and some fit whole."""
+    full = INTER * nb
+    return HardwareProfile("slow-copy", h2d_bytes_per_s=full / 2.5e-4, copy_latency_s=1e-5,
+                           compute_bytes_per_s=full / 1e-4, compute_latency_s=0.0, router_s=2e-5, other_s=8e-5)
+
+
+def _replay_runtime(layers, plan, predicted, trace, serving, policy, cost, budget):
+    """The trace through CrispRuntime + Prefetcher (each layer: forward, then the next layer's prefetch);
+    returns the runtime's stats."""
+    runtime = CrispRuntime(layers, plan, device="cpu", gpu_budget=budget,
+                           config=RuntimeConfig(serving=serving, eviction="next_use", cost=cost, prefetch=policy))
+    token = [0]
+    prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, policy)
+    g = torch.Generator().manual_seed(0)
+    for t in range(trace.num_tokens):
+        token[0] = t
+        for layer in range(LAYERS):
+            index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
+            hidden = torch.randn(1, HIDDEN, generator=g)
+            runtime.forward(layer, hidden, index, torch.from_numpy(trace.weights[layer, t:t + 1]))
+            prefetcher(layer, hidden)
+    return runtime.stats.as_dict()
+
+
+@pytest.mark.parametrize(("serving", "width"), [("resident-floor75-ahead", PrefetchWidth.SERVING),
+                                                ("resident-floor75", PrefetchWidth.PLAN),
+                                                ("plan", PrefetchWidth.PLAN)])
+def test_prefetch_window_makes_the_same_cuts(decisions, monkeypatch, serving, width):
+    """With ``PrefetchPolicy.window`` the runtime on the CPU cuts prefetches where the simulator's timeline
+    does (same window, built from the profile and the target's bytes per row): every demand and prefetch
+    decision (expert, width asked, kind, bytes, evictions) identical, the same counters; without the window
+    the runtime copies every prefetch whole, and its decisions differ."""
+    log = decisions
+    prefetch = ResidencyLedger.prefetch
+
+    def logged(self, layer_id, expert, width, **kw):
+        d = prefetch(self, layer_id, expert, width, **kw)
+        log.append(("prefetch", layer_id, expert, width, None if d is None else (d.kind, d.copy_bytes, d.evicted)))
+        return d
+
+    monkeypatch.setattr(ResidencyLedger, "prefetch", logged)
+    trace = synthetic_trace(num_layers=LAYERS, num_tokens=24, num_experts=EXPERTS, intermediate_size=INTER, seed=5)
+    predicted = np.full((LAYERS, trace.num_tokens, 2), -1, dtype=np.int64)
+    predicted[:-1] = trace.index[1:]
+    predicted[0, ::3] = trace.index[0, ::3]  # a third of layer 0's predictions wrong: demanded misses, too
+    plan = plan_from_trace(trace)
+    layers = random_layers(layer_ids=tuple(range(LAYERS)), num_experts=EXPERTS, inter=INTER, hidden=HIDDEN)
+    nb = layers[0].fmt.neuron_nbytes(HIDDEN)
+    shape = ModelShape("toy", LAYERS, EXPERTS, 2, HIDDEN, INTER)
+    budget = 5 * INTER * nb
+    profile = _window_profile(nb)
+    cost = CostModel(h2d_bytes_per_s=profile.h2d_bytes_per_s, device_bytes_per_s=profile.compute_bytes_per_s)
+    window = target_window(profile, shape, INTER)
+    assert window == profile.prefetch_window(nb, "slow-copy/toy")  # one runtime row is one target row here
+
+    stats = _replay_runtime(layers, plan, predicted, trace, serving, PrefetchPolicy(width=width, window=window),
+                            cost, budget)
+    by_runtime = list(log)
+    log.clear()
+    sim_policy = SimPolicy("crisp", plan, SERVING_POLICIES[serving], "next_use", prefetch=True, prefetch_width=width)
+    timeline = []
+    res = simulate_decode(trace, sim_policy, profile, shape, budget, orders=["widest_first"], predicted=predicted,
+                          timeline=timeline)
+    assert log == by_runtime
+    c = res.counters
+    assert (c.hits, c.misses, c.widenings, c.evictions, c.bytes_copied, c.prefetches, c.prefetch_bytes,
+            c.prefetch_rejected, c.prefetch_hits) == (
+        stats["hits"], stats["misses"], stats["widenings"], stats["evictions"], stats["bytes_h2d"],
+        stats["prefetches"], stats["prefetch_bytes"], stats["prefetch_rejected"], stats["prefetch_hits"])
+    assert res.fallbacks == stats["fallbacks"] and res.peak_bytes <= budget
+    assert sum(len(step["prefetch"]) for step in timeline) == stats["prefetches"]
+    # The window cut prefetches here (the check is not vacuous): some asked below their request's width.
+    requests = prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=width), SERVING_POLICIES[serving])
+    topups = prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=width), SERVING_POLICIES[serving],
+                               phase=2)
+    asked = {(layer + 1, e, w) for layer in range(LAYERS) for t in range(trace.num_tokens)
+             for e, w in requests[layer][t] + topups[layer][t]}
+    prefetched = [(d[1], d[2], d[3]) for d in by_runtime if d[0] == "prefetch"]
+    assert stats["prefetch_cut"] > 0 and stats["prefetch_cut_rows"] > 0
+    assert any(p not in asked for p in prefetched)  # a cut one: asked at fewer rows than requested
+    assert any(p in asked for p in prefetched)  # and whole ones
+    # Without the window (the CPU's default) every prefetch is copied whole: other decisions, more bytes.
+    log.clear()
+    plain = _replay_runtime(layers, plan, predicted, trace, serving, PrefetchPolicy(width=width), cost, budget)
+    assert log != by_runtime and plain["prefetch_bytes"] > stats["prefetch_bytes"]
+    assert plain["prefetch_cut"] == 0
