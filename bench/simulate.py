@@ -84,7 +84,7 @@ from crisp_runtime.prefetch import (
     topup_requests,
     widest_first,
 )
-from crisp_runtime.residency import LedgerCounters, ResidencyLedger
+from crisp_runtime.residency import TRANSIENT, LedgerCounters, ResidencyLedger
 from crisp_runtime.scheduler import (
     SPLIT_GRANULE,
     CostModel,
@@ -228,7 +228,7 @@ class SimResult:
         tokens = max(1, self.tokens)
         tot = self.per_order[order]
         c = self.counters
-        accesses = c.hits + c.widenings + c.misses
+        accesses = c.hits + c.widenings + c.misses + c.transients
         return {
             "order": order,
             "tokens": self.tokens,
@@ -240,6 +240,7 @@ class SimResult:
             "hit_rate": c.hits / accesses if accesses else 0.0,
             "widened_rate": c.widenings / accesses if accesses else 0.0,
             "evictions_per_token": c.evictions / tokens,
+            "transient_bytes_per_token": c.transient_bytes / tokens,  # of bytes_per_token: not admitted
             "prefetches_per_token": c.prefetches / tokens,
             "prefetch_hits_per_token": c.prefetch_hits / tokens,
             "fallbacks_per_token": self.fallbacks / tokens,
@@ -334,7 +335,10 @@ def simulate_decode(
         routed.append(idx)
         wanted.append(w)
         dominant.append(d)
-    ledgers = _ledgers(policy, budget_bytes, layers, cache_scope, nb, inter, wanted, routed, num_tokens)
+    # the neuron split's transient buffer (ServingPolicy.transient_buffer) comes out of the GPU budget
+    copy_rows = serving.transient_rows(inter)
+    room = 0 if copy_rows is None else copy_rows * nb
+    ledgers = _ledgers(policy, budget_bytes - room, layers, cache_scope, nb, inter, wanted, routed, num_tokens)
     # one (1, k) view per traced step, split once: slicing per step costs more than the step's planning
     idx_rows = [list(r.split(1)) for r in routed]
     idx_lists = [r.tolist() for r in routed]
@@ -373,9 +377,9 @@ def simulate_decode(
                                  resident_width=lambda e, led=led, layer=layer: led.width(layer, e))
             step = plan_step(index_row, served.widths, num_experts=trace.num_experts, neuron_nbytes=nb,
                              resident_width=lambda e, led=led, layer=layer: led.width(layer, e), cost=cost,
-                             placement=placement, split_granule=granule)
+                             placement=placement, split_granule=granule, max_copy_rows=copy_rows)
             if placement.uses_cpu:
-                _hybrid_step(res, led, layer, step, served, profile, nb, lead, counting)
+                _hybrid_step(res, led, layer, step, served, profile, nb, lead, counting, room)
                 continue
             pending = {(layer, task.expert) for task in step.tasks}
             jobs: dict[int, Job] = {}
@@ -432,8 +436,11 @@ def _pin_hot_experts(ledgers, routed, wanted, layers: int, nb: int, inter: int) 
 
 
 def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: HardwareProfile, nb: int, lead: float,
-                 counting: bool) -> None:
-    """One layer step under a CPU placement: the GPU's tasks through the ledger, the time of the split."""
+                 counting: bool, room: int = 0) -> None:
+    """One layer step under a CPU placement: the GPU's tasks through the ledger, the time of the split.
+
+    room: bytes of the neuron split's transient buffer (0: none); a GPU prefix's missing rows go there when
+    they do not fit in the free budget (``ResidencyLedger.request_transient``, as the runtime asks)."""
     pending = {(layer, t.expert) for t in step.tasks if not t.on_cpu}
     jobs, gpu, cpu = [], [], []
     for i, task in enumerate(step.tasks):  # GPU tasks first (issue order), then the CPU's
@@ -445,7 +452,12 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: Hardwar
         # The GPU part is the prefix [0, gpu_width) (the whole expert unless the neuron split cut it): the
         # ledger is asked for that width; the CPU computes the rows [gpu_width, width), if any.
         gw = task.gpu_width
-        decision = led.request(layer, task.expert, gw, protected=pending)
+        if room:
+            decision = led.request_transient(layer, task.expert, gw, room, protected=pending)
+            if decision.kind == TRANSIENT:
+                room -= decision.copy_bytes
+        else:
+            decision = led.request(layer, task.expert, gw, protected=pending)
         pending.discard((layer, task.expert))
         jobs.append(HybridJob(profile.load_s(decision.copy_bytes), profile.load_busy_s(decision.copy_bytes),
                               profile.compute_s(gw * nb), profile.cpu_s((task.width - gw) * nb)))

@@ -21,7 +21,7 @@ code path the GPU runs, only without streams (those are in ``runtime.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -30,7 +30,7 @@ from crisp_kernels import PackedExpert, PackedLayer
 
 from .eviction import EvictionPolicy, Key, LRUPolicy
 from .host_store import HostStore
-from .residency import HIT, CacheBudgetError, Decision, ResidencyLedger
+from .residency import HIT, TRANSIENT, CacheBudgetError, Decision, ResidencyLedger
 
 __all__ = ["Acquired", "CacheBudgetError", "CacheEntry", "PrefixCache", "ResidentExperts"]
 
@@ -53,9 +53,13 @@ class Acquired(NamedTuple):
     ``width``-neuron view (built on demand).
     """
 
-    resident: PackedExpert
+    resident: PackedExpert | None  # None only for a "transient" decision on an expert with nothing resident
     width: int
     decision: Decision | None  # None for ResidentExperts (nothing is ever copied)
+    # A "transient" decision (``acquire(..., transient_room=...)``): rows [old_width, width) copied into the
+    # step's transient buffer, an expert of width - old_width neurons (no down bias: it belongs to row 0's part),
+    # never admitted; ``resident`` then holds rows [0, old_width) (None when old_width == 0).
+    transient: PackedExpert | None = None
 
     @property
     def expert(self) -> PackedExpert:
@@ -119,12 +123,40 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ the work
 
-    def acquire(self, layer_id: int, expert: int, width: int, *, protected=(), weak_protected=()) -> Acquired:
-        """Make ``(layer_id, expert)`` resident at ``width`` or wider (see ``ResidencyLedger.request``)."""
-        decision = self.ledger.request(layer_id, expert, width, protected=protected, weak_protected=weak_protected)
+    def acquire(self, layer_id: int, expert: int, width: int, *, protected=(), weak_protected=(),
+                transient_room: int = 0) -> Acquired:
+        """Make ``(layer_id, expert)`` resident at ``width`` or wider (see ``ResidencyLedger.request``).
+
+        transient_room: bytes of the step's transient buffer not yet used (the neuron split's
+        ``ServingPolicy.transient_buffer``; 0: none): the ledger may then decide "transient"
+        (``ResidencyLedger.request_transient``) and the missing rows are copied into a buffer of their own,
+        returned as ``Acquired.transient``, which nothing keeps after the step's kernels."""
+        if transient_room:
+            decision = self.ledger.request_transient(layer_id, expert, width, transient_room, protected=protected,
+                                                     weak_protected=weak_protected)
+            if decision.kind == TRANSIENT:
+                entry = self._entries.get(decision.key) if decision.old_width else None
+                return Acquired(None if entry is None else entry.expert, width, decision,
+                                self._copy_rows(layer_id, expert, decision.old_width, width))
+        else:
+            decision = self.ledger.request(layer_id, expert, width, protected=protected,
+                                           weak_protected=weak_protected)
         if decision.kind != HIT:
             self._apply(decision)
         return Acquired(self._entries[decision.key].expert, width, decision)
+
+    def _copy_rows(self, layer_id: int, expert: int, start: int, stop: int) -> PackedExpert:
+        """Rows [start, stop) of an expert in new device buffers (the transient buffer's part): an expert of
+        stop - start neurons, without the down bias when start > 0 (the part with row 0 adds it)."""
+        host = self.store.rows(layer_id, expert, start, stop)
+        non_blocking = self.device.type == "cuda" and self.store.pinned
+        out = []
+        for src in host:  # new buffers on every device (on the CPU too: the path the GPU runs)
+            buf = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            buf.copy_(src, non_blocking=non_blocking)
+            out.append(buf)
+        part = self.store.layer(layer_id).expert_from_rows(expert, tuple(out))
+        return part if not start or part.down_bias is None else replace(part, down_bias=None)
 
     def prefetch(self, layer_id: int, expert: int, width: int, *, protected=()) -> Decision | None:
         """Copy ahead of demand if the ledger admits it (see ``ResidencyLedger.prefetch``)."""

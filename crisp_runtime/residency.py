@@ -27,10 +27,21 @@ API
   prefetch changes nothing (returns None). A key already resident at ``width`` or wider is
   a no-op (returns None). A prefetch is not a use: eviction policies see ``on_insert`` for
   a new key and nothing for a widening.
+- ``request_transient(layer, expert, width, room, protected=(), weak_protected=()) -> Decision``: a
+  demand whose missing rows may go to the step's transient buffer (the neuron split's
+  ``ServingPolicy.transient_buffer``). A hit as ``request``; rows that fit in the free budget are
+  admitted as ``request`` admits them (nothing evicted); otherwise, if they fit in ``room`` (the
+  bytes of the step's buffer not yet used), kind "transient": rows ``old_width..width`` copied into
+  the buffer, nothing admitted or evicted, the resident width unchanged (``new_width == old_width``);
+  otherwise as ``request`` (evicting: a prefill step beyond what the buffer holds).
 - ``evict(key) -> int`` (bytes freed), ``clear()``.
 - ``counters``: :class:`LedgerCounters` (demand hits / misses / widenings, evictions, bytes
   copied on demand, prefetches admitted / rejected, prefetched bytes, prefetch hits = a
-  demand served without a copy by a prefetch not yet used, prefetches evicted unused).
+  demand served without a copy by a prefetch not yet used, prefetches evicted unused; transient
+  copies and their bytes, which ``bytes_copied`` includes).
+
+:func:`transient_rows` / :func:`transient_buffer_bytes`: the size of that buffer, which the GPU budget
+gives up (the ledger's budget is the GPU budget minus the buffer).
 
 Eviction policies (``crisp_runtime.eviction``) only order keys; the ledger owns bytes and
 budget and calls the policy's hooks ``on_insert`` / ``on_use`` / ``on_remove`` / ``victim``.
@@ -38,13 +49,14 @@ budget and calls the policy's hooks ``on_insert`` / ``on_use`` / ``on_remove`` /
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from .eviction import EvictionPolicy, Key, LRUPolicy
 
-HIT, WIDEN, MISS = "hit", "widen", "miss"
+HIT, WIDEN, MISS, TRANSIENT = "hit", "widen", "miss", "transient"
 
 
 class CacheBudgetError(RuntimeError):
@@ -59,10 +71,10 @@ class Decision(NamedTuple):
     """
 
     key: Key
-    kind: str  # "hit", "widen" or "miss"
+    kind: str  # "hit", "widen", "miss" or "transient"
     width: int  # the width requested
     old_width: int  # resident width before (0 = not resident)
-    new_width: int  # resident width after (>= width)
+    new_width: int  # resident width after (>= width; == old_width for "transient": nothing admitted)
     copy_bytes: int  # bytes of rows old_width..new_width (0 for a hit)
     evicted: tuple[tuple[Key, int], ...] = ()  # (key, width it had), in eviction order
     prefetch: bool = False  # this decision is a prefetch (not a demand)
@@ -85,6 +97,8 @@ class LedgerCounters:
     prefetch_bytes: int = 0
     prefetch_hits: int = 0  # demands served with no copy thanks to a prefetch not yet used
     prefetch_unused: int = 0  # prefetched prefixes evicted before any demand
+    transients: int = 0  # demands whose missing rows went to the step's transient buffer (not admitted)
+    transient_bytes: int = 0  # their bytes (also in bytes_copied)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -165,6 +179,26 @@ class ResidencyLedger:
         c.misses += 1
         return Decision(key, MISS, width, 0, width, extra, evicted)
 
+    def request_transient(self, layer_id: int, expert: int, width: int, room: int, *,
+                          protected: Collection[Key] = (), weak_protected: Collection[Key] = ()) -> Decision:
+        """A demand whose missing rows go to the step's transient buffer (``room``: its bytes not yet used this
+        step) when they do not fit in the free budget; see the module docstring."""
+        key = (layer_id, expert)
+        old = self._widths.get(key, 0)
+        if old < width:
+            self._check(layer_id, width, "request_transient")
+            extra = self._nb[layer_id] * (width - old)
+            if self.used + extra > self.budget and extra <= room:
+                self._prefetched.discard(key)
+                if old:
+                    self.policy.on_use(key)  # its resident rows are used
+                c = self.counters
+                c.transients += 1
+                c.transient_bytes += extra
+                c.bytes_copied += extra
+                return Decision(key, TRANSIENT, width, old, old, extra)
+        return self.request(layer_id, expert, width, protected=protected, weak_protected=weak_protected)
+
     def _grow(self, key: Key, old: int, width: int, extra: int) -> None:
         self._widths[key] = width
         if not old:
@@ -244,3 +278,17 @@ class ResidencyLedger:
         for key in keys:
             self.evict(key)
         return keys
+
+
+def transient_rows(buffer_experts: float, full_width: int) -> int:
+    """Rows of a layer whose full width is ``full_width`` that a transient buffer of ``buffer_experts``
+    full-width experts holds (0: no buffer)."""
+    return math.floor(buffer_experts * full_width)
+
+
+def transient_buffer_bytes(buffer_experts: float, neuron_nbytes: Mapping[int, int],
+                           full_width: Mapping[int, int]) -> int:
+    """Bytes of the transient buffer: its rows in the layer that needs the most bytes for them. The GPU
+    budget gives them up: the ledger's budget is the GPU budget minus this."""
+    return max((transient_rows(buffer_experts, int(full_width[i])) * int(nb) for i, nb in neuron_nbytes.items()),
+               default=0)

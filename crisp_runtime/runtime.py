@@ -56,7 +56,7 @@ from .eviction import make_policy
 from .host_store import HostStore
 from .plan import CrispPlan
 from .prefetch import PrefetchPolicy
-from .residency import Decision
+from .residency import TRANSIENT, Decision, transient_buffer_bytes, transient_rows
 from .scheduler import CostModel, StepPlan, TaskOrder
 from .serving import ServedSlots, ServingPolicy, make_serving, plan_served_step
 from .stats import LayerStats, RuntimeStats
@@ -149,6 +149,7 @@ class CrispRuntime:
             self.backend = Backend.TORCH
         else:
             self.backend = resolve_backend(config.kernel_backend, self.device)
+        self._transient_room: dict[int, int] = {}  # the neuron split's transient buffer, per layer (none by default)
         if gpu_budget is None:
             self.cache = ResidentExperts(dict(layers), self.device)
             self.store = None
@@ -156,7 +157,8 @@ class CrispRuntime:
             pin = config.pin_memory if config.pin_memory is not None else (
                 torch.cuda.is_available() and self.device.type == "cuda")
             self.store = HostStore(layers, pin=pin)
-            self.cache = PrefixCache(self.store, int(gpu_budget), self.device, make_policy(config.eviction, plan))
+            self.cache = PrefixCache(self.store, int(gpu_budget) - self._transient_buffer(int(gpu_budget)),
+                                     self.device, make_policy(config.eviction, plan))
         self.layers = dict(self.store.layers) if self.store is not None else dict(self.cache.layers)
         first = self.layers[self.layer_ids[0]]
         self.num_experts = first.num_experts
@@ -191,6 +193,21 @@ class CrispRuntime:
             raise ValueError(f"PrefetchPolicy.window models the GPU's copy engine only; serving placement "
                              f"{self.serving.placement.value!r} computes experts on the CPU (use window=None)")
         self._clock = None if window is None else CopyClock(window)
+
+    def _transient_buffer(self, gpu_budget: int) -> int:
+        """The neuron split's transient buffer (``ServingPolicy.transient_buffer``): sets ``self._transient_room``
+        (per layer, the bytes one step may copy into it: its rows in that layer) and returns its bytes, which
+        the cache's budget gives up (0 without one)."""
+        frac = self.serving.transient_buffer
+        store = self.store
+        nb = {i: store.neuron_nbytes(i) for i in store.layers}
+        full = {i: store.full_width(i) for i in store.layers}
+        self._transient_room = {i: transient_rows(frac, full[i]) * nb[i] for i in nb} if frac else {}
+        buf = transient_buffer_bytes(frac, nb, full) if frac else 0
+        if buf >= gpu_budget:
+            raise ValueError(f"serving {self.serving.name!r}: the transient buffer of {buf:,} bytes "
+                             f"({frac:g} full-width experts) leaves nothing of gpu_budget={gpu_budget:,} bytes")
+        return buf
 
     def close(self) -> None:
         """Stop the CPU worker thread, if one was started (``CrispHandle.restore`` calls this)."""
@@ -341,6 +358,7 @@ class CrispRuntime:
             rows_s = torch.split_with_sizes(torch.div(flat_pos, step.top_k, rounding_mode="floor"), counts)
         pending = {(layer_id, t.expert) for t in tasks}
         cache, backend = self.cache, self.backend
+        room = self._transient_room.get(layer_id, 0)  # bytes this step may still copy to the transient buffer
         compute_stream = copy_stream = None
         if self._async:  # GPU-only
             compute_stream = torch.cuda.current_stream(device)
@@ -355,17 +373,19 @@ class CrispRuntime:
             key = (layer_id, task.expert)
             width = task.gpu_width  # a property: read once
             if copy_stream is None:
-                got = cache.acquire(layer_id, task.expert, width, protected=pending)
+                got = cache.acquire(layer_id, task.expert, width, protected=pending, transient_room=room)
             else:  # GPU-only: copy on the copy stream, the compute stream waits on this expert's event only
                 with torch.cuda.stream(copy_stream):
-                    got = cache.acquire(layer_id, task.expert, width, protected=pending)
+                    got = cache.acquire(layer_id, task.expert, width, protected=pending, transient_room=room)
                     if got.copied_bytes:
                         copied = torch.cuda.Event()
                         copied.record(copy_stream)
                 if got.copied_bytes:
                     compute_stream.wait_event(copied)
-                    for t in got.resident.tensors():
-                        t.record_stream(compute_stream)
+                    for part in (got.resident, got.transient):  # a transient task: the buffer's rows too
+                        if part is not None:
+                            for t in part.tensors():
+                                t.record_stream(compute_stream)
                 else:
                     ready = cache.take_ready(layer_id, task.expert)  # a prefetch's copy, not yet waited on
                     if ready is not None:
@@ -386,17 +406,24 @@ class CrispRuntime:
                 stats.evictions += len(decision.evicted)
                 if decision.kind == "miss":
                     stats.misses += 1
+                elif decision.kind == TRANSIENT:  # rows copied into the step's transient buffer, not admitted
+                    stats.transients += 1
+                    stats.transient_bytes += decision.copy_bytes
+                    room -= decision.copy_bytes
                 else:
                     stats.widenings += 1
             stats.expert_runs += 1
             # gpu_width: a split task's prefix [0, split_at) (its tokens' widths clamped to it), else its width
-            expert_mlp_accumulate_unchecked_(out, x, got.resident, width, rows_s[i], weights_s[i],
-                                             widths_s[i], backend)
+            if got.transient is None:
+                expert_mlp_accumulate_unchecked_(out, x, got.resident, width, rows_s[i], weights_s[i],
+                                                 widths_s[i], backend)
+            else:
+                _run_transient(out, x, got, rows_s[i], weights_s[i], widths_s[i], backend)
             if timings is not None:
                 _sync(device)
                 timings.append((t1 - t0, time.perf_counter() - t1))
                 stats.copy_ms += 1e3 * (t1 - t0)
-            if copy_stream is not None:  # GPU-only
+            if copy_stream is not None and got.resident is not None:  # GPU-only
                 used = torch.cuda.Event()
                 used.record(compute_stream)
                 cache.mark_used(layer_id, task.expert, used)
@@ -483,6 +510,18 @@ class CrispRuntime:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         return self._copy_stream
+
+
+def _run_transient(out, x, got, rows, weights, widths, backend) -> None:
+    """A task whose missing rows went to the step's transient buffer (``ResidencyLedger`` kind "transient"):
+    the resident rows [0, r) from the cache and the buffer's rows [r, width) as two kernel calls on the same
+    tokens (an expert's output is a sum over its neurons, as in the neuron split): a token of width w gets
+    min(w, r) rows of the first and max(0, min(w, width) - r) of the second (the kernel clamps to width)."""
+    r = got.decision.old_width
+    if r:
+        expert_mlp_accumulate_unchecked_(out, x, got.resident, r, rows, weights, widths, backend)
+    expert_mlp_accumulate_unchecked_(out, x, got.transient, got.width - r, rows, weights,
+                                     (widths - r).clamp_(min=0), backend)
 
 
 def _add_served(stats: LayerStats, served: ServedSlots) -> None:

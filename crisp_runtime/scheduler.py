@@ -394,7 +394,8 @@ def _row_times(jobs, widths, join_s):
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def split_rows(jobs: tuple[RowJob, ...], *, join_s: float = 0.0, granule: int = SPLIT_GRANULE) -> RowSplit:
+def split_rows(jobs: tuple[RowJob, ...], *, join_s: float = 0.0, granule: int = SPLIT_GRANULE,
+               max_copy_rows: int | None = None) -> RowSplit:
     """The GPU prefix width of each job (the rest of its rows on the CPU) of small makespan.
 
     Candidates per job: the anchors 0 (all on the CPU), its resident width (no copy, the CPU the
@@ -417,20 +418,41 @@ def split_rows(jobs: tuple[RowJob, ...], *, join_s: float = 0.0, granule: int = 
 
     jobs: a tuple of :class:`RowJob` (hashable: results are memoised, a pure function; decode steps
     repeat the same widths and residencies).
+    max_copy_rows: None, or at most this many rows copied in the step, over all jobs (the sum of
+    ``max(0, s - resident)``): the neuron split's transient buffer (``ServingPolicy.transient_buffer``).
+    A job's "all on the GPU" anchor is then its widest prefix the cap allows alone (a multiple of
+    ``granule``, at least its resident width), and splits over the cap are never chosen. Splitting only
+    the copied rows keeps the all-on-the-CPU split always feasible.
     """
     n = len(jobs)
     if not isinstance(granule, int) or isinstance(granule, bool) or granule < 1:
         raise ValueError(f"split_rows: granule must be a positive int, got {granule!r}")
+    cap = max_copy_rows
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+        raise ValueError(f"split_rows: max_copy_rows must be None or an int >= 0, got {cap!r}")
     if n == 0:
         return RowSplit((), (), 0.0)
-    anchors = [sorted({0, min(max(j.resident, 0), j.width), j.width}) for j in jobs]
+    resident = [min(max(j.resident, 0), j.width) for j in jobs]
+
+    def widest(j, r):
+        """The widest GPU prefix of one job the cap allows alone."""
+        if cap is None or j.width - r <= cap:
+            return j.width
+        return max(r, (r + cap) // granule * granule)
+
+    anchors = [sorted({0, r, widest(j, r)}) for j, r in zip(jobs, resident, strict=True)]
     best_span, best = math.inf, None
 
+    def copied(widths, skip=-1):
+        return sum(max(0, s - r) for i, (s, r) in enumerate(zip(widths, resident, strict=True)) if i != skip)
+
     def consider(widths):
-        """Evaluate a split, keep it if best; returns GPU - CPU (the crossing's sign)."""
+        """Evaluate a split, keep it if best (and within the cap); returns GPU - CPU (the crossing's sign)."""
         nonlocal best_span, best
         gpu, cpu, _ = _row_times(jobs, widths, join_s)
         span = max(gpu, cpu)
+        if cap is not None and copied(widths) > cap:
+            return gpu - cpu
         if span < best_span - 1e-15 or (span <= best_span + 1e-15 and best is not None
                                          and sum(widths) > sum(best)):  # ties: more rows on the GPU
             best_span, best = span, list(widths)
@@ -439,6 +461,8 @@ def split_rows(jobs: tuple[RowJob, ...], *, join_s: float = 0.0, granule: int = 
     def line(widths, f):
         """Job f's crossing on the grid points granule * m, 1 <= m <= top (all < width), others fixed."""
         top = (jobs[f].width - 1) // granule
+        if cap is not None:  # no further than the rows the others leave in the cap
+            top = min(top, (resident[f] + cap - copied(widths, skip=f)) // granule)
         if top < 1:
             return
         widths = list(widths)
@@ -519,6 +543,7 @@ def plan_step(
     order: TaskOrder = TaskOrder.JOHNSON,
     placement: Placement = Placement.GPU,
     split_granule: int = SPLIT_GRANULE,
+    max_copy_rows: int | None = None,
 ) -> StepPlan:
     """Group the routed slots of one layer step by expert and order the experts.
 
@@ -533,7 +558,8 @@ def plan_step(
     expert the GPU prefix width of :func:`split_rows`; a task split inside (``split_at``) is a GPU
     task (its prefix, ``copy_bytes`` the rows missing below ``split_at``) whose rows
     ``[split_at, width)`` the CPU computes (``ExpertTask.cpu_rows``). split_granule: split points
-    are multiples of it, in this call's neuron units (:data:`SPLIT_GRANULE`).
+    are multiples of it, in this call's neuron units (:data:`SPLIT_GRANULE`). max_copy_rows: under
+    Placement.SPLIT, at most this many rows copied in the step (the transient buffer; ``split_rows``).
     """
     if not isinstance(placement, Placement):
         raise ValueError(f"plan_step: placement must be a Placement, got {placement!r}")
@@ -567,7 +593,7 @@ def plan_step(
         jobs = [RowJob(w, r, neuron_nbytes / cost.h2d_bytes_per_s, neuron_nbytes / busy_rate,
                        cost.compute_time(neuron_nbytes, n), cost.cpu_time(neuron_nbytes, n) - lat, lat)
                 for w, r, n in zip(required, residents, counts, strict=True)]
-        rsplit = split_rows(tuple(jobs), join_s=cost.join_s, granule=split_granule)
+        rsplit = split_rows(tuple(jobs), join_s=cost.join_s, granule=split_granule, max_copy_rows=max_copy_rows)
         gw = rsplit.gpu_widths
         cpu_set = frozenset(i for i in range(len(experts)) if gw[i] == 0)
         split_at = {i: gw[i] for i in range(len(experts)) if 0 < gw[i] < required[i]}

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .residency import transient_rows
 from .scheduler import CostModel, Placement, StepPlan, TaskOrder, plan_step
 
 
@@ -92,6 +93,12 @@ class ServingPolicy:
     # neither copied nor admitted by the residency ledger.
     placement: Placement = Placement.GPU
     dominant_widen: DominantWiden = DominantWiden.NEVER
+    # The neuron split's transient buffer (Placement.SPLIT only), in full-width experts of GPU memory
+    # taken out of the budget: 0 (default) = a split's GPU prefix rows that are not resident are copied
+    # and admitted to the cache (evicting, LRU); > 0 = at most that many rows per step are copied, into
+    # a per-step buffer, admitted only where they fit without evicting (docs/hybrid.md, session 3:
+    # at 25% the admitted copies evicted the pinned hot experts, hit rate 0.95 -> 0.34).
+    transient_buffer: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -108,6 +115,13 @@ class ServingPolicy:
         floor = self.dominant_floor
         if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 < floor <= 1.0:
             raise ValueError(f"ServingPolicy: dominant_floor must be a fraction in (0, 1], got {floor!r}")
+        buf = self.transient_buffer
+        if isinstance(buf, bool) or not isinstance(buf, (int, float)) or not 0.0 <= buf <= 8.0:
+            raise ValueError(f"ServingPolicy: transient_buffer must be a number of full-width experts in [0, 8], "
+                             f"got {buf!r}")
+        if buf and self.placement is not Placement.SPLIT:
+            raise ValueError(f"ServingPolicy: transient_buffer applies to placement 'hybrid_split' only, got "
+                             f"placement {self.placement.value!r}")
 
     @property
     def follows_plan(self) -> bool:
@@ -125,12 +139,18 @@ class ServingPolicy:
             out["placement"] = self.placement.value
         if self.dominant_widen is not DominantWiden.NEVER:  # dicts of the policies before it stay as they were
             out["dominant_widen"] = self.dominant_widen.value
+        if self.transient_buffer:
+            out["transient_buffer"] = self.transient_buffer
         return out
+
+    def transient_rows(self, full: int) -> int | None:
+        """Rows of a layer of full width ``full`` the transient buffer holds (None: no buffer)."""
+        return transient_rows(self.transient_buffer, full) if self.transient_buffer else None
 
     @classmethod
     def from_dict(cls, data: Mapping) -> ServingPolicy:
         unknown = set(data) - {"name", "hit_width", "aux_narrower", "aux_missing", "dominant_floor", "placement",
-                                "dominant_widen"}
+                                "dominant_widen", "transient_buffer"}
         if unknown:
             raise ValueError(f"ServingPolicy: unknown keys {sorted(unknown)}")
         return cls(**data)
@@ -158,6 +178,8 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
     # "hybrid" plus the neuron split: an expert's rows [0, s) on the GPU, [s, width) on the CPU
     # (scheduler.split_rows; docs/hybrid.md)
     "hybrid_split": ServingPolicy("hybrid_split", placement=Placement.SPLIT),
+    # ... with its prefix copies in a per-step transient buffer of one full expert (not admitted; docs/hybrid.md)
+    "hybrid_split_transient": ServingPolicy("hybrid_split_transient", placement=Placement.SPLIT, transient_buffer=1.0),
 }
 
 
@@ -293,5 +315,5 @@ def plan_served_step(policy: ServingPolicy, plan, layer_id: int, top_k_index: to
                          full_width=plan.intermediate_size, resident_width=resident_width)
     step = plan_step(top_k_index, served.widths, num_experts=num_experts, neuron_nbytes=neuron_nbytes,
                      resident_width=resident_width, cost=CostModel() if cost is None else cost, order=order,
-                     placement=policy.placement)
+                     placement=policy.placement, max_copy_rows=policy.transient_rows(plan.intermediate_size))
     return served, step

@@ -36,7 +36,9 @@ Definitions (all JSON-friendly ints/floats):
   before the next layer's demand, ``prefetch_cut_rows`` their rows not copied.
 - Hybrid placement (``ServingPolicy.placement``, issue 11): ``cpu_runs`` experts computed on the
   host CPU from host memory (not copied, not counted in hits / misses / ``expert_runs``),
-  ``cpu_bytes_read`` the bytes of the prefixes they read.
+  ``cpu_bytes_read`` the bytes of the prefixes they read; ``transients``: GPU tasks of the neuron split
+  whose missing rows were copied into its per-step transient buffer (``ServingPolicy.transient_buffer``),
+  not admitted (a lookup for ``hit_rate``, like a miss), ``transient_bytes`` their bytes (in ``bytes_h2d``).
 
 The per-token figures (``bytes_h2d_per_token``, ``bytes_read_per_token``) divide by real tokens.
 ``LayerStats.tokens`` is what the executor counts, every position; ``as_dict`` reports it as
@@ -81,6 +83,8 @@ class LayerStats:
     cpu_runs: int = 0  # experts computed on the host CPU (hybrid placement): not copied, not in hits/misses
     cpu_bytes_read: int = 0  # host bytes of the prefixes they read
     cpu_splits: int = 0  # of cpu_runs, the rows [split_at, width) of an expert split with the GPU (hybrid_split)
+    transients: int = 0  # GPU tasks whose missing rows went to the split's transient buffer (not in hits / misses)
+    transient_bytes: int = 0  # their bytes (also in bytes_h2d)
 
     def add(self, other: LayerStats) -> None:
         for f in fields(self):
@@ -92,7 +96,7 @@ _SUMMED = ("bytes_h2d", "bytes_read", "bytes_routed", "hits", "misses", "widenin
            "served_dominant_slots",
            "served_dominant_neurons", "served_aux_slots", "served_aux_neurons", "prefetches", "prefetch_bytes",
            "prefetch_rejected", "prefetch_hits", "prefetch_cut", "prefetch_cut_rows", "cpu_runs", "cpu_bytes_read",
-           "cpu_splits")
+           "cpu_splits", "transients", "transient_bytes")
 
 
 class RuntimeStats:
@@ -112,7 +116,7 @@ class RuntimeStats:
         # Every MoE layer sees every token, so the model's count is the largest per-layer count.
         positions = max((s.tokens for s in self.layers.values()), default=0)
         tokens = max((s.tokens - s.padding for s in self.layers.values()), default=0)
-        lookups = totals["hits"] + totals["misses"] + totals["widenings"]
+        lookups = totals["hits"] + totals["misses"] + totals["widenings"] + totals["transients"]
         return {
             "tokens": tokens,
             "positions": positions,
