@@ -48,7 +48,8 @@ PROFILE = _cases("profile", {
 EVAL = _cases("eval", {
     "--samples": POS_INT, "--seq-len": SEQ_LEN, "--batch-size": POS_INT, "--device": DEVICES,
     "--dtype": ["float64", ""], "--threads": THREADS, "--engine": ["fast", ""], "--json": ["", "DIR", "MISSING"],
-    "--mode": ["serve", ""], "--budgets": HALF_OPEN_UNIT,
+    "--mode": ["serve", ""], "--budgets": HALF_OPEN_UNIT, "--prefetch-window": ["", "gtx480", ".json", "missing.json"],
+    "--target": ["gpt4", ""],
     "--model": [""], "--crisp": [""], "--data": [""],
 })
 EVIDENCE = _cases("evidence", {

@@ -222,6 +222,38 @@ def test_decode_mode_cli(setup, tmp_path, capsys):
     assert "crisp-resident-floor0.75+prefetch" in capsys.readouterr().out
 
 
+def test_decode_mode_cli_with_prefetch_window(setup, tmp_path, capsys):
+    """--prefetch-window: every prefetching case decodes with the window of the profile timing the target's rows
+    (named "+window", the window in its record and the meta), the others as without it."""
+    from crisp_bench.profiles import get_profile
+    from crisp_bench.shapes import TARGETS
+
+    _, model, held, out = setup
+    path = tmp_path / "window.json"
+    base = ["--model", str(model), "--crisp", str(out), "--data", str(held), "--seq-len", "8", "--samples", "1",
+            "--quiet", "--threads", "1"]
+    rc = ev.main([*base, "--mode", "decode", "--budgets", "0.5", "--json", str(path), "--prefetch-window",
+                  "rtx4090-pcie4", "--target", "mixtral-8x7b"])
+    assert rc == 0
+    doc = json.loads(path.read_text())
+    shape = TARGETS["mixtral-8x7b"]
+    expected = get_profile("rtx4090-pcie4").prefetch_window(
+        shape.neuron_nbytes * shape.intermediate_size // load_pack(out).plan.intermediate_size,
+        "rtx4090-pcie4/mixtral-8x7b").to_dict()
+    assert doc["prefetch_window"] == expected
+    fetching = [r for r in doc["records"] if r["prefetch"] is not None]
+    assert len(fetching) == 3 and all(r["policy"].endswith("+prefetch+window") for r in fetching)
+    assert all(r["prefetch"]["window"] == expected and "prefetch_cut" in r["prefetch_stats"] for r in fetching)
+    assert all("+window" not in r["policy"] for r in doc["records"] if r["prefetch"] is None)
+    capsys.readouterr()
+    # only with --mode decode; a profile file that is not there is named with the option
+    assert ev.main([*base, "--prefetch-window", "rtx4090-pcie4"]) == 2
+    assert "--prefetch-window: only with --mode decode" in capsys.readouterr().err
+    assert ev.main([*base, "--mode", "decode", "--prefetch-window", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--prefetch-window" in err and "no such profile file" in err and len(err.strip().splitlines()) == 1
+
+
 def test_verdict_is_unknown_not_met_when_full_width_scores_zero():
     from crisp_tools.evaluate import verdict
 

@@ -92,14 +92,28 @@ class Evaluator:
     def log(self, msg):
         log(f"[crisp-eval {time.time() - self.t0:6.1f}s] {msg}", quiet=self.quiet)
 
-    def run_decode(self, budgets) -> tuple[list[dict], dict]:
-        """Runtime in the loop (``crisp_tools.serving_eval``): every default case at every budget fraction."""
+    def run_decode(self, budgets, window=None) -> tuple[list[dict], dict]:
+        """Runtime in the loop (``crisp_tools.serving_eval``): every default case at every budget fraction;
+        ``window`` (a ``PrefetchWindow``) on every prefetching case."""
         from crisp_runtime.pack import CrispPack
 
-        self.log(f"decode: {self.windows.shape[0]} windows x {self.windows.shape[1]} tokens, budgets {budgets}")
+        self.log(f"decode: {self.windows.shape[0]} windows x {self.windows.shape[1]} tokens, budgets {budgets}"
+                 + ("" if window is None else f", prefetch window {window.name}"))
         pack = CrispPack(self.layers, self.plan, self.info)
         return serving_eval.serving_sweep(self.model, pack, self.windows, budgets, serving_eval.default_cases(),
-                                          log=self.log)
+                                          log=self.log, window=window)
+
+    def prefetch_window(self, profile, target: str):
+        """The window of ``profile`` timing ``target``'s expert rows (``native``: this pack's own bytes per row)."""
+        from crisp_bench.shapes import TARGETS
+        from crisp_bench.simulate import target_window
+
+        if target == "native":
+            return profile.prefetch_window(self.neuron_bytes, f"{profile.name}/native")
+        try:
+            return target_window(profile, TARGETS[target], self.inter)
+        except ValueError as exc:
+            raise CliError(f"--target {target}: {exc}") from None
 
     def _plan(self, kind, **kw) -> CrispPlan:
         args = (self.plan.num_experts, self.top_k, self.inter, self.layer_ids)
@@ -253,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", nargs="+", type=ca.float_in(0.0, 1.0, low_open=True), default=[0.1, 0.25, 0.5],
                    metavar="F",
                    help="--mode decode: GPU expert-cache budgets as fractions of all expert bytes of the pack")
+    p.add_argument("--prefetch-window", default=None, metavar="PROFILE", type=_window_profile,
+                   help="--mode decode: admit only the prefetch rows a GPU of this hardware profile copies before the "
+                        "next layer's demand (the simulator's timeline, crisp_runtime.copy_window), so the decode "
+                        "serves the widths crisp-bench simulate times; a built-in crisp-bench profile ("
+                        + ", ".join(_builtin_profiles()) + "), 'measured' or a profile PATH.json; default: none "
+                        "(on the CPU every prefetch completes)")
+    p.add_argument("--target", default="mixtral-8x7b", choices=(*_targets(), "native"),
+                   help="with --prefetch-window: the model whose expert bytes each neuron row of the pack stands for "
+                        "(as crisp-bench simulate --target maps a trace; native: the pack's own bytes)")
     p.add_argument("--engine", default="runtime", choices=("runtime", "reference"),
                    help="runtime: crisp_runtime.apply with the packed 4-bit experts; reference: dequantize + mask")
     p.add_argument("--json", default=None, metavar="PATH", type=ca.nonempty_path,
@@ -262,16 +285,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _builtin_profiles() -> list[str]:
+    from crisp_bench.profiles import BUILTIN_PROFILES
+
+    return list(BUILTIN_PROFILES)
+
+
+def _targets() -> list[str]:
+    from crisp_bench.shapes import TARGETS
+
+    return list(TARGETS)
+
+
+def _window_profile(value: str) -> str:
+    """--prefetch-window: a built-in profile name, 'measured' or a .json path (read after parsing)."""
+    if value in _builtin_profiles() or value == "measured" or (value.endswith(".json") and len(value) > 5):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown hardware profile {value!r}: choose one of "
+                                     f"{', '.join(_builtin_profiles())}, measured or PATH.json")
+
+
+def _load_window_profile(args):
+    """The hardware profile of --prefetch-window (None without it); only with --mode decode."""
+    if args.prefetch_window is None:
+        return None
+    if args.mode != "decode":
+        raise CliError("--prefetch-window: only with --mode decode (it times the prefetches of the runtime in the "
+                       "loop)")
+    from crisp_bench.profiles import ProfileError, get_profile
+
+    try:
+        return get_profile(args.prefetch_window)
+    except ProfileError as exc:
+        raise CliError(f"--prefetch-window {args.prefetch_window}: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        profile = _load_window_profile(args)
         check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data})
         with threads(args.threads):
             ev = Evaluator(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
                            batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet,
                            dtype=args.dtype)
             if args.mode == "decode":
-                return _decode_main(ev, args)
+                return _decode_main(ev, args, None if profile is None else ev.prefetch_window(profile, args.target))
             records = ev.run()
     except (CliError, OutputPathError) as exc:
         print(f"crisp-eval: error: {exc}", file=sys.stderr)
@@ -297,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
 
 
-def _decode_main(ev: Evaluator, args) -> int:
-    records, meta = ev.run_decode(args.budgets)
+def _decode_main(ev: Evaluator, args, window=None) -> int:
+    records, meta = ev.run_decode(args.budgets, window)
     print(serving_eval.format_table(records))
     if args.json:
         serving_eval.write_serving_json(args.json, records, {"model": args.model, "crisp": args.crisp,

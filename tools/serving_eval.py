@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from crisp_runtime.baselines import equal_bytes_plans, full_plan
+from crisp_runtime.copy_window import PrefetchWindow
 from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
 from crisp_runtime.hf import apply
 from crisp_runtime.moe_layers import record_routing
@@ -157,8 +158,8 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         slots = served.get(f"served_{role}_slots", 0)
         if slots:
             served[f"{role}_width_mean"] = served[f"served_{role}_neurons"] / slots
-    prefetch = {k: stats[k] for k in ("prefetches", "prefetch_bytes", "prefetch_rejected", "prefetch_hits")
-                if k in stats}
+    prefetch = {k: stats[k] for k in ("prefetches", "prefetch_bytes", "prefetch_rejected", "prefetch_hits",
+                                      "prefetch_cut", "prefetch_cut_rows") if k in stats}
     runs = stats.get("hits", 0) + stats.get("misses", 0) + stats.get("widenings", 0)
     return {
         "policy": case.name,
@@ -211,7 +212,8 @@ def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
             "bytes_copied_per_token" (demanded + prefetched copies): float, "hit_rate": float,
             "served": {fallbacks, serving_skips, served_wider, served_{dominant,aux}_{slots,neurons},
                        {dominant,aux}_width_mean}   (handle.stats(); absent keys: runtime without them),
-            "prefetch_stats": {prefetches, prefetch_bytes, prefetch_rejected, prefetch_hits},
+            "prefetch_stats": {prefetches, prefetch_bytes, prefetch_rejected, prefetch_hits, and with a window
+                               prefetch_cut, prefetch_cut_rows (requests the modeled copy engine cut, their rows)},
             "eviction": str          only when not the runtime's default LRU (ServingCase.eviction),
             "elapsed_s": float}, ...]}
     """
@@ -219,9 +221,26 @@ def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
                      "records": list(records)})
 
 
+def with_window(cases: Sequence[ServingCase], window: PrefetchWindow | None) -> list[ServingCase]:
+    """``cases`` with ``window`` on every prefetch (``PrefetchPolicy.window``: the runtime admits only the rows a
+    modeled copy engine delivers before the next layer's demand, as the simulator does); None: unchanged."""
+    if window is None:
+        return list(cases)
+    if not isinstance(window, PrefetchWindow):
+        raise ValueError(f"window: expected a PrefetchWindow or None, got {window!r}")
+    return [case if case.prefetch is None else replace(case, name=f"{case.name}+window",
+                                                       prefetch=replace(case.prefetch, window=window))
+            for case in cases]
+
+
 def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], cases: Sequence[ServingCase], *,
-                  log: Callable[[str], None] = lambda msg: None) -> tuple[list[dict], dict]:
+                  log: Callable[[str], None] = lambda msg: None,
+                  window: PrefetchWindow | None = None) -> tuple[list[dict], dict]:
     """Every case at every budget fraction: (records, meta) for :func:`write_serving_json`.
+
+    window: a prefetch window put on every case that prefetches (:func:`with_window`; the case's name gains
+    ``+window``), e.g. ``crisp_bench.simulate.target_window(profile, shape, I)`` so that the decode serves the
+    widths the simulated machine would; None (default): each case's own prefetch policy.
 
     The 4-bit full-width reference and the exact uniform / skip-aux baselines are served at the
     plan's widths, so their outputs do not depend on the budget: they are decoded once, at the
@@ -231,6 +250,7 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
     """
     if not budgets:
         raise ValueError("budgets: expected at least one fraction")
+    cases = with_window(cases, window)
     for b in budgets:
         if not 0.0 < b <= 1.0:
             raise ValueError(f"budgets: fractions of the expert bytes must lie in (0, 1], got {b}")
@@ -282,6 +302,8 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
                       "the expert cache is carried across tokens and windows (one applied model per record)",
                       f"full width, uniform and skip_aux are exact (outputs independent of the budget): decoded once, "
                       f"at the {mid:.0%} budget"]}
+    if window is not None:
+        meta["prefetch_window"] = window.to_dict()
     return records, meta
 
 
