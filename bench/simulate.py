@@ -53,6 +53,12 @@ an oracle for both) resident at full width within the budget; ``static_hybrid`` 
 them, ``hybrid`` copies (and evicts, LRU) when the split says a copy is faster. ``hybrid_split``
 (``Placement.SPLIT``) is ``hybrid`` with the neuron split: a task's GPU prefix ``gpu_width`` goes
 through the ledger, its rows beyond run on the CPU, the task counted on both sides of the makespan.
+With ``ServingPolicy.transient_buffer`` the buffer comes out of the budget and a prefix's missing rows
+go through ``ResidencyLedger.request_transient`` (into the buffer, not admitted, when they do not fit
+in the free budget), as the runtime asks. Prefetch under a CPU placement (``_hybrid_prefetch``): the
+next layer's predicted experts, from the end of the step's demanded copies (at the busy H2D rate while
+the step lasts, converted to full-rate time) to the next router's end (the CPU computes no expert in
+attention, so the rest runs at the full rate); nothing copied after that deadline.
 
 Everything here is plain Python and deterministic; times are seconds.
 """
@@ -307,9 +313,9 @@ def simulate_decode(
         if not profile.has_cpu:
             raise ValueError(f"placement {placement.value!r} needs a hardware profile with a CPU (cpu_bytes_per_s); "
                              f"{profile.name!r} has none (try rtx4090-pcie4-ddr5)")
-        if list(orders) != ["widest_first"] or policy.prefetch or timeline is not None:
+        if list(orders) != ["widest_first"] or timeline is not None:
             raise ValueError(f"placement {placement.value!r} is simulated in the runtime's order only, without "
-                             "prefetch or timeline: orders=['widest_first']")
+                             "a timeline: orders=['widest_first']")
     num_tokens, src_layers, inter = trace.num_tokens, trace.num_layers, trace.intermediate_size
     if not 0 <= warmup < num_tokens:
         raise ValueError(f"warmup ({warmup}) must lie in [0, {num_tokens}) (the number of tokens)")
@@ -379,7 +385,11 @@ def simulate_decode(
                              resident_width=lambda e, led=led, layer=layer: led.width(layer, e), cost=cost,
                              placement=placement, split_granule=granule, max_copy_rows=copy_rows)
             if placement.uses_cpu:
-                _hybrid_step(res, led, layer, step, served, profile, nb, lead, counting, room)
+                span, idle = _hybrid_step(res, led, layer, step, served, profile, nb, lead, counting, room)
+                if requests is not None and layer + 1 < layers:
+                    _hybrid_prefetch(led if cache_scope == "global" else ledgers[layer + 1], layer, step,
+                                     requests[li][t], topups[li][t], nb, profile, lead + span - idle,
+                                     lead + span + lead)
                 continue
             pending = {(layer, task.expert) for task in step.tasks}
             jobs: dict[int, Job] = {}
@@ -436,8 +446,10 @@ def _pin_hot_experts(ledgers, routed, wanted, layers: int, nb: int, inter: int) 
 
 
 def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: HardwareProfile, nb: int, lead: float,
-                 counting: bool, room: int = 0) -> None:
+                 counting: bool, room: int = 0) -> tuple[float, float]:
     """One layer step under a CPU placement: the GPU's tasks through the ledger, the time of the split.
+    Returns (the expert phase from the router's end, the copy engine's idle time in it after the demanded
+    copies, in seconds at the full H2D rate).
 
     room: bytes of the neuron split's transient buffer (0: none); a GPU prefix's missing rows go there when
     they do not fit in the free budget (``ResidencyLedger.request_transient``, as the runtime asks)."""
@@ -466,12 +478,17 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: Hardwar
             cpu.append(i)
             if counting:
                 res.splits += 1
-    if not counting:
-        return
     span = split_makespan(gpu, cpu, jobs, profile.join_s) if jobs else 0.0
     busy = bool(cpu)
+    # the copy engine's idle time in the step after its demanded copies (back to back from the router's
+    # end), in full-rate seconds: while the CPU streams it copies at the busy rate
+    copied = sum(jobs[i].load_busy_s if busy else jobs[i].load_s for i in gpu)
+    busy_rate = profile.h2d_bytes_per_s_cpu_busy or profile.h2d_bytes_per_s
+    idle = max(0.0, span - copied) * (busy_rate / profile.h2d_bytes_per_s if busy else 1.0)
+    if not counting:
+        return span, idle
     res.bytes_computed += sum(t.width * nb for t in step.tasks)
-    res.load_s += sum(jobs[i].load_busy_s if busy else jobs[i].load_s for i in gpu)
+    res.load_s += copied
     res.compute_s += sum(jobs[i].gpu_s for i in gpu)
     res.cpu_s += sum(jobs[i].cpu_s for i in cpu)
     res.cpu_runs += len(cpu)
@@ -480,6 +497,21 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: Hardwar
     tot.time_s += lead + span
     tot.expert_s += span
     tot.bound_s += lead + span  # the split is exact for decode steps: its makespan is the bound
+    return span, idle
+
+
+def _hybrid_prefetch(led, layer: int, step, wanted, topups, nb: int, profile: HardwareProfile, start: float,
+                     deadline: float) -> None:
+    """A CPU placement's prefetch of layer ``layer + 1``'s predicted experts (``wanted``, then the second
+    phase ``topups``), as ``CrispRuntime.prefetch`` asks them (protecting every key of the step), cut at
+    ``deadline`` (the next router's end: a prefetch never delays a demanded copy). The copy engine is free
+    from its demanded copies' end; until the step ends the CPU streams and a copy runs at the busy rate,
+    then (attention: the CPU computes no expert) at the full rate. ``start`` = the step's end minus the
+    step's idle copy time converted to full-rate seconds, so the span at the full rate holds the same bytes."""
+    keys = {(layer, t.expert) for t in step.tasks}
+    issued, cut = _prefetch(led, layer + 1, wanted, nb, profile, start, deadline, keys)
+    if not cut and topups:
+        _prefetch(led, layer + 1, topups, nb, profile, issued[-1][3] if issued else start, deadline, keys)
 
 
 def _ledgers(policy: SimPolicy, budget: int, layers: int, scope: str, nb: int, inter: int, wanted, routed,

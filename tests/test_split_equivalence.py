@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -256,3 +258,70 @@ def test_the_buffer_needs_a_split_and_fits_the_budget():
     with pytest.raises(ValueError, match="transient buffer"):
         CrispRuntime(LAYER_MODELS, plan, device="cpu", gpu_budget=EXPERT // 2,
                      config=RuntimeConfig(serving=policy, cost=PROFILE.cost_model()))
+
+
+# Nothing cut: a lead (attention + router) of 10 s leaves every prefetch its time, so the runtime (whose
+# prefetch is whole without a window) and the simulator (which cuts at the next router's end) agree.
+LONG_LEAD = replace(PROFILE, name="toy-split-long-lead", other_s=10.0)
+
+
+@pytest.mark.parametrize("serving", ["hybrid_split", "split-t0.5", "floor-hit"])
+def test_hybrid_prefetch_makes_the_same_decisions(decisions, serving):
+    """The runtime's Prefetcher (the next layer's predicted experts at the plan's widths) beside hybrid_split,
+    against the simulator's prefetch under a CPU placement: identical demand and prefetch decisions."""
+    from test_sim_runtime_equivalence import _TracePredictor
+
+    from crisp_runtime.prefetch import Prefetcher, PrefetchPolicy
+
+    policy = {**SERVINGS, "floor-hit": ServingPolicy("floor-hit", dominant_floor=0.625, dominant_widen="hit",
+                                                     placement="hybrid_split")}[serving]
+    trace, plan = _trace_and_plan(tokens=16, seed=5)
+    predicted = np.full((LAYERS, trace.num_tokens, 2), -1, dtype=np.int64)
+    predicted[:-1] = trace.index[1:]  # a perfect prediction of the next layer
+    shape = ModelShape("toy", LAYERS, EXPERTS, 2, HIDDEN, INTER)
+    budget = 5 * EXPERT
+    runtime = CrispRuntime(LAYER_MODELS, plan, device="cpu", gpu_budget=budget,
+                           config=RuntimeConfig(serving=policy, cost=LONG_LEAD.cost_model(), cpu_experts=EXACT))
+    token = [0]
+    prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, PrefetchPolicy())
+    g = torch.Generator().manual_seed(0)
+    try:
+        _pin(runtime, trace, plan)
+        for t in range(trace.num_tokens):
+            token[0] = t
+            for layer in range(LAYERS):
+                index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
+                hidden = torch.randn(1, HIDDEN, generator=g)
+                runtime.forward(layer, hidden, index, torch.from_numpy(trace.weights[layer, t:t + 1]))
+                prefetcher(layer, hidden)
+    finally:
+        runtime.close()
+    by_runtime = list(decisions)
+    decisions.clear()
+    res = simulate_decode(trace, SimPolicy("crisp", plan, policy, prefetch=True), LONG_LEAD, shape, budget,
+                          orders=["widest_first"], predicted=predicted)
+    assert decisions == by_runtime
+    c, stats = res.counters, runtime.stats.as_dict()
+    assert c.prefetches == stats["prefetches"] > 0 and c.prefetch_hits == stats["prefetch_hits"] > 0
+    assert (c.hits, c.misses, c.widenings, c.transients, c.evictions, c.bytes_copied, c.prefetch_bytes) == (
+        stats["hits"], stats["misses"], stats["widenings"], stats["transients"], stats["evictions"],
+        stats["bytes_h2d"], stats["prefetch_bytes"])
+    assert res.splits == stats["cpu_splits"] > 0 and res.peak_bytes <= budget
+
+
+def test_hybrid_prefetch_is_cut_at_the_next_router():
+    """With the toy profile's short lead the simulator's hybrid prefetch copies less than with a long one,
+    and it is never slower than no prefetch on the same trace (a prefetch never delays a demanded copy)."""
+    trace, plan = _trace_and_plan(tokens=16, seed=5)
+    predicted = np.full((LAYERS, trace.num_tokens, 2), -1, dtype=np.int64)
+    predicted[:-1] = trace.index[1:]
+    shape = ModelShape("toy", LAYERS, EXPERTS, 2, HIDDEN, INTER)
+    policy = SERVING_POLICIES["hybrid_split"]
+
+    def run(profile, prefetch):
+        return simulate_decode(trace, SimPolicy("crisp", plan, policy, prefetch=prefetch), profile, shape,
+                               5 * EXPERT, orders=["widest_first"], predicted=predicted, warmup=2)
+
+    short, long = run(PROFILE, True), run(LONG_LEAD, True)
+    assert 0 < short.counters.prefetch_bytes < long.counters.prefetch_bytes
+    assert short.tokens_per_s("widest_first") >= run(PROFILE, False).tokens_per_s("widest_first")
