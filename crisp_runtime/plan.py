@@ -32,6 +32,7 @@ Planning is plain torch on small CPU tensors: ``token_widths`` looks combination
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -45,6 +46,9 @@ PLAN_VERSION = 1
 COMBINATION_KEY = "leading-pair-by-routing-weight"
 # Steps with at most this many routed slots (T * k) take the plain-Python lookup.
 _SMALL_STEP_SLOTS = 64
+# dtypes whose tolist() gives the same Python values as after the lookup's int64 / float32 conversion
+_LIST_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_LIST_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 Pair = tuple[int, int]
 
@@ -327,14 +331,42 @@ class CrispPlan:
                 f"top_k_index / top_k_weights: expected equal (T, k) shapes, "
                 f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
             )
+        if top_k_index.numel() <= _SMALL_STEP_SLOTS:
+            _, wanted, dominant = self.widths_and_roles_lists(layer_id, top_k_index, top_k_weights, roles=roles,
+                                                              checked=True)
+            shape = top_k_index.shape
+            return (torch.tensor(wanted, dtype=torch.int64).reshape(shape),
+                    None if dominant is None else torch.tensor(dominant, dtype=torch.bool).reshape(shape))
         index = top_k_index.detach().to("cpu", torch.int64)
         weights = top_k_weights.detach().to("cpu", torch.float32)
-        if index.numel() <= _SMALL_STEP_SLOTS:
-            role_rows = [] if roles else None
-            widths = self._token_widths_small(layer_id, index.tolist(), weights.tolist(), role_rows)
-            return (torch.tensor(widths, dtype=torch.int64).reshape(index.shape),
-                    None if role_rows is None else torch.tensor(role_rows, dtype=torch.bool).reshape(index.shape))
         return self._token_widths_tensor(layer_id, index, weights, roles)
+
+    def widths_and_roles_lists(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                               roles: bool = True, checked: bool = False
+                               ) -> tuple[list[int], list[int], list[bool] | None]:
+        """:meth:`token_widths_and_roles` of a small step as flat Python lists (token-major, like
+        ``tensor.reshape(-1).tolist()``): (expert ids, widths, dominant flags or None).
+
+        The routing is read once with ``tolist`` (no tensor op: each costs ~1-6 us on the project's
+        2-core VM, a decode step's whole rule set in Python a few us). ``checked``: the caller already
+        validated ``layer_id`` and the shapes (``token_widths_and_roles``).
+        """
+        if not checked:
+            if layer_id not in self.layer_ids:
+                raise PlanError(f"plan has no layer {layer_id}; it covers layers {list(self.layer_ids)}")
+            if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape:
+                raise ValueError(
+                    f"top_k_index / top_k_weights: expected equal (T, k) shapes, "
+                    f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
+                )
+        # Integer ids and float32/16 weights are read as they are (the same Python values as after the
+        # int64 / float32 conversion); anything else is converted first, as the tensor path does.
+        index = top_k_index if top_k_index.dtype in _LIST_INDEX_DTYPES else top_k_index.to(torch.int64)
+        weights = top_k_weights if top_k_weights.dtype in _LIST_WEIGHT_DTYPES else top_k_weights.to(torch.float32)
+        index_rows = index.tolist()
+        role_flags = [] if roles else None
+        widths = self._token_widths_small(layer_id, index_rows, weights.tolist(), role_flags)
+        return [e for row in index_rows for e in row], widths, role_flags
 
     def device_token_widths(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                             ) -> torch.Tensor:
@@ -349,24 +381,29 @@ class CrispPlan:
         return self._token_widths_tensor(layer_id, top_k_index.to(torch.int64), top_k_weights.to(torch.float32))[0]
 
     def _token_widths_small(self, layer_id: int, index: list[list[int]], weights: list[list[float]],
-                            roles: list | None = None):
-        """The per-token rules in plain Python: a decode step is a handful of slots, and ~25 small
-        tensor ops would cost ~100 us where this costs a few (measured: bench/runtime.py).
-        ``roles``: a list to append each token's dominant flags to (None = not wanted)."""
+                            roles: list | None = None) -> list[int]:
+        """The per-token rules in plain Python, flat (token-major) widths: a decode step is a handful
+        of slots, and ~25 small tensor ops would cost ~100 us where this costs a few (measured:
+        bench/runtime.py). ``roles``: a list to extend with each slot's dominant flag (None = not wanted)."""
         full = self.intermediate_size
+        num_experts = self.num_experts
+        num_dominant = self.num_dominant
         policy = self.policy
-        out = []
+        out: list[int] = []
+        if policy is PolicyKind.FULL or policy is PolicyKind.UNIFORM:
+            width = full if policy is PolicyKind.FULL else self.uniform_width
+            for experts, w in zip(index, weights, strict=True):
+                out += [width if 0 <= e < num_experts else 0 for e in experts]
+                if roles is not None:
+                    k = len(experts)
+                    valid = [pos for pos in range(k) if 0 <= experts[pos] < num_experts]
+                    dom = set(sorted(valid, key=lambda pos: -w[pos])[:num_dominant])
+                    roles += [pos in dom for pos in range(k)]
+            return out
+        tier_width = self._tier_width if policy is PolicyKind.CRISP else None
         for experts, w in zip(index, weights, strict=True):
             k = len(experts)
-            if policy is PolicyKind.FULL or policy is PolicyKind.UNIFORM:
-                width = full if policy is PolicyKind.FULL else self.uniform_width
-                out.append([width if 0 <= e < self.num_experts else 0 for e in experts])
-                if roles is not None:
-                    valid = [pos for pos in range(k) if 0 <= experts[pos] < self.num_experts]
-                    dom = set(sorted(valid, key=lambda pos: -w[pos])[:self.num_dominant])
-                    roles.append([pos in dom for pos in range(k)])
-                continue
-            valid = [pos for pos in range(k) if 0 <= experts[pos] < self.num_experts]
+            valid = [pos for pos in range(k) if 0 <= experts[pos] < num_experts]
             by_weight = sorted(valid, key=lambda pos: -w[pos])  # stable: ties keep router order
             ranks = {pos: r for r, pos in enumerate(by_weight)}
             if policy is PolicyKind.SKIP_AUX:
@@ -376,14 +413,20 @@ class CrispPlan:
                 tier, swap = self._pair_tier(layer_id, [experts[pos] for pos in by_weight[:2]])
                 if swap:
                     ranks[by_weight[0]], ranks[by_weight[1]] = 1, 0
-                aux = [self.tier_widths.for_tier(tier)] * k
+                aux = [tier_width[tier]] * k
             row = [0] * k
             for pos in valid:
-                row[pos] = full if ranks[pos] < self.num_dominant else aux[pos]
-            out.append(row)
+                row[pos] = full if ranks[pos] < num_dominant else aux[pos]
+            out += row
             if roles is not None:
-                roles.append([pos in ranks and ranks[pos] < self.num_dominant for pos in range(k)])
+                roles += [pos in ranks and ranks[pos] < num_dominant for pos in range(k)]
         return out
+
+    @functools.cached_property
+    def _tier_width(self) -> dict[Tier, int]:
+        """Aux width per tier of a CRISP plan (``TierWidths.for_tier`` builds its dict per call)."""
+        tw = self.tier_widths
+        return {Tier.HOT: tw.hot, Tier.WARM: tw.warm, Tier.COLD: tw.cold}
 
     def _pair_tier(self, layer_id: int, pair: list[int]) -> tuple[Tier, bool]:
         """(tier of a token's leading pair, whether its second expert is the dominant one)."""

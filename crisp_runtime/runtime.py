@@ -62,6 +62,8 @@ from .serving import ServedSlots, ServingPolicy, make_serving, plan_served_step
 from .stats import LayerStats, RuntimeStats
 
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Non-float32 steps of at most this many tokens keep their float32 accumulator across steps (_accumulator).
+_KEEP_ACCUMULATOR_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,10 @@ class CrispRuntime:
         # The last planned step, (layer_id, tasks): a prefetch never evicts its keys (built when one asks).
         self._last_tasks: tuple[int, tuple] = (-1, ())
         self._zero_row = torch.zeros(1, dtype=torch.int64, device=self.device)  # a decode step's one token row
+        # Buffers kept across steps (forward's hot path): the accumulator of non-float32 decode steps and the
+        # decode steps' routing weights, per stream on CUDA (see _accumulator and _decode_weights).
+        self._accumulators: dict = {}
+        self._weight_buffers: dict = {}
         self._copy_stream = None  # GPU-only, created on first use
         self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu_knob.CpuDecision), for stats()
         if self.serving.placement.uses_cpu:
@@ -236,12 +242,11 @@ class CrispRuntime:
 
     def plan_served(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                     ) -> tuple[ServedSlots, StepPlan]:
-        """Served widths and the ordered step plan (all on the CPU): ``serving.plan_served_step``."""
-        index = top_k_index.detach().to("cpu", torch.int64)
-        weights = top_k_weights.detach().to("cpu", torch.float32)
+        """Served widths and the ordered step plan (all on the CPU): ``serving.plan_served_step`` (which reads
+        a decode step's routing with one ``tolist`` each and converts a larger one to CPU tensors)."""
         cache = self.cache
         return plan_served_step(
-            self.serving, self.plan, layer_id, index, weights, num_experts=self.num_experts,
+            self.serving, self.plan, layer_id, top_k_index, top_k_weights, num_experts=self.num_experts,
             neuron_nbytes=self._nb[layer_id], resident_width=lambda e: cache.resident_width(layer_id, e),
             cost=self.config.cost, order=self.config.order,
         )
@@ -264,9 +269,10 @@ class CrispRuntime:
         stats.bytes_read += step.bytes_read
         stats.bytes_routed += step.bytes_routed
         stats.skipped += step.skipped
-        _add_served(stats, served)
+        if served.slot_dominant is not None:  # roles computed: serving may have changed widths (else all 0)
+            _add_served(stats, served)
         x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
-        out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
+        out = self._accumulator(x)
         if step.tasks:
             timer = _StepTimer(self.device) if self.config.record_timings and self.device.type == "cuda" else None
             self._run(layer_id, step, x, top_k_weights, out, stats)
@@ -275,6 +281,42 @@ class CrispRuntime:
         if self._clock is not None:
             self._clock_step(step, top_k_index)
         return out if hidden_states.dtype == torch.float32 else out.to(hidden_states.dtype)
+
+    def _accumulator(self, x: torch.Tensor) -> torch.Tensor:
+        """The step's zeroed float32 (T, H) accumulator.
+
+        A float32 step returns it to the caller: a new tensor each step (``zeros_like``: 4.5 us where
+        ``torch.zeros(shape, dtype=, device=)`` took 10 us, loaded 2-core VM). Any other dtype returns a
+        converted copy, so a decode-sized accumulator (T <= 64: <= 1 MiB at H = 4096) is kept and
+        zeroed in place (~0.6-1.7 us), one per stream on CUDA: the next step's ``zero_`` is queued behind
+        this step's kernels and conversion on the same stream (GPU-only reasoning, not run here).
+        Not when autograd records (the kept buffer would join a graph).
+        """
+        if x.dtype == torch.float32 or x.shape[0] > _KEEP_ACCUMULATOR_ROWS or x.requires_grad:
+            return torch.zeros_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+        key = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None  # GPU-only: per stream
+        buf = self._accumulators.get(key)
+        if buf is None or buf.shape != x.shape:
+            buf = self._accumulators[key] = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
+            return buf
+        return buf.zero_()
+
+    def _decode_weights(self, top_k_weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A decode step's (1, k) routing weights as k one-element float32 views, one per routed slot.
+
+        The weights are copied (converted) into a buffer kept across steps whose views were made
+        once: one op per step where a gather, a conversion and a split cost ~15 us (2-core VM). The
+        kernels of the step read the views before the next step overwrites them: on the CPU they have
+        run; on CUDA the next copy is queued behind them on the same stream (one buffer per stream).
+        """
+        key = (top_k_weights.shape[1],
+               torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)  # GPU-only: stream
+        got = self._weight_buffers.get(key)
+        if got is None:
+            buf = torch.empty((1, key[0]), dtype=torch.float32, device=self.device)
+            got = self._weight_buffers[key] = (buf, buf.view(-1).split(1))
+        got[0].copy_(top_k_weights.detach() if top_k_weights.requires_grad else top_k_weights)
+        return got[1]
 
     def _check_step(self, layer_id, x, top_k_index, top_k_weights) -> None:
         """The boundary checks of a layer step: the kernels below are called unchecked."""
@@ -295,7 +337,7 @@ class CrispRuntime:
 
     def _run(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats) -> None:
         if not self.serving.placement.uses_cpu:  # every task whole on the GPU: skip the two passes for CPU rows
-            self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks)
+            self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks, gpu_placement=True)
             return
         n_gpu = sum(1 for t in step.tasks if not t.on_cpu)
         cpu_parts = [t for t in step.tasks if t.cpu_rows is not None]  # CPU tasks and split tasks' CPU rows
@@ -335,14 +377,25 @@ class CrispRuntime:
 
         return self._cpu.submit(work)
 
-    def _run_gpu(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats, tasks) -> None:
+    def _task_inputs(self, step: StepPlan, tasks, top_k_weights, gpu_placement: bool) -> tuple:
+        """Per task, what its kernel reads: the token rows, their routing weights and per-token widths."""
+        n = len(tasks)
+        if gpu_placement and step.num_tokens == 1 and tasks[-1].stop == n:
+            # Decode, one slot per expert (GPU placement: a hybrid one's transient tasks want widths): every
+            # expert reads row 0 (one shared index tensor), its weight is a view of the buffer the step's
+            # weights are copied into, and its one token needs exactly the task's width, so no per-token
+            # widths (None: the kernel runs all `width` rows, the same values as widths == width).
+            # Per step one copy, where the tensor path costs a gather, a conversion and two splits.
+            views = self._decode_weights(top_k_weights)
+            pos = step.pos_list
+            return (self._zero_row,) * n, [views[pos[t.start]] for t in tasks], (None,) * n
         device = self.device
         if device.type == "cpu":
             flat_pos, flat_widths = step.flat_pos, step.flat_widths
         else:  # one host-to-device transfer for both
             flat = torch.stack((step.flat_pos, step.flat_widths)).to(device)
             flat_pos, flat_widths = flat[0], flat[1]
-        if len(tasks) != len(step.tasks):  # hybrid: the GPU's tasks are the first ones, their slots a prefix
+        if n != len(step.tasks):  # hybrid: the GPU's tasks are the first ones, their slots a prefix
             flat_pos, flat_widths = flat_pos[:tasks[-1].stop], flat_widths[:tasks[-1].stop]
         weights = top_k_weights.detach().reshape(-1)[flat_pos]
         if weights.dtype != torch.float32:
@@ -352,10 +405,16 @@ class CrispRuntime:
         counts = [t.stop - t.start for t in tasks]
         weights_s = torch.split_with_sizes(weights, counts)
         widths_s = torch.split_with_sizes(flat_widths, counts)
-        if step.num_tokens == 1 and flat_pos.shape[0] == len(tasks):  # decode: one slot per expert, all row 0
-            rows_s = (self._zero_row,) * len(tasks)  # a shared index tensor: no div and split (~11 us a step)
+        if step.num_tokens == 1 and flat_pos.shape[0] == n:  # decode: one slot per expert, all row 0
+            rows_s = (self._zero_row,) * n  # a shared index tensor: no div and split (~11 us a step)
         else:
             rows_s = torch.split_with_sizes(torch.div(flat_pos, step.top_k, rounding_mode="floor"), counts)
+        return rows_s, weights_s, widths_s
+
+    def _run_gpu(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats, tasks,
+                 gpu_placement: bool = False) -> None:
+        device = self.device
+        rows_s, weights_s, widths_s = self._task_inputs(step, tasks, top_k_weights, gpu_placement)
         pending = {(layer_id, t.expert) for t in tasks}
         cache, backend = self.cache, self.backend
         room = self._transient_room.get(layer_id, 0)  # bytes this step may still copy to the transient buffer

@@ -40,14 +40,17 @@ dominant at a 75% prefix was +29% tokens/s for ~0.8 point of loss (62.5% passed 
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .residency import transient_rows
 from .scheduler import CostModel, Placement, StepPlan, TaskOrder, plan_step
+from .slot_values import SlotValues
 
 
 class HitWidth(enum.Enum):
@@ -123,9 +126,10 @@ class ServingPolicy:
             raise ValueError(f"ServingPolicy: transient_buffer applies to placement 'hybrid_split' only, got "
                              f"placement {self.placement.value!r}")
 
-    @property
+    @functools.cached_property
     def follows_plan(self) -> bool:
-        """True when every slot is served at the plan's width whatever is resident (the default)."""
+        """True when every slot is served at the plan's width whatever is resident (the default).
+        Cached: read per layer step (frozen fields; the cache lives in the instance's ``__dict__``)."""
         return (self.hit_width is HitWidth.WANTED and self.aux_narrower is AuxNarrower.WIDEN
                 and self.aux_missing is AuxMissing.LOAD and self.dominant_floor == 1.0)
 
@@ -194,13 +198,17 @@ def make_serving(spec) -> ServingPolicy:
     raise ValueError(f"serving: expected one of {sorted(SERVING_POLICIES)}, a dict or a ServingPolicy, got {spec!r}")
 
 
-@dataclass(frozen=True)
-class ServedSlots:
-    """Served widths of one layer step, (T, k) int64 like the plan's, and what serving changed."""
+class ServedSlots(NamedTuple):
+    """Served widths of one layer step, (T, k) int64 like the plan's, and what serving changed.
 
-    widths: torch.Tensor  # served width per slot (0 = not run)
-    wanted: torch.Tensor  # the plan's width per slot
-    dominant: torch.Tensor | None  # (T, k) bool; None when the policy follows the plan (roles not computed)
+    ``widths``, ``wanted`` and ``dominant`` are tensors built on first read: a decode step is
+    served in Python lists (``slot_values.SlotValues``; ``served_list`` reads them as a list).
+    A NamedTuple: built once per layer step (as a frozen dataclass ~4 us on the 2-core VM).
+    """
+
+    slot_widths: SlotValues  # served width per slot (0 = not run)
+    slot_wanted: SlotValues  # the plan's width per slot
+    slot_dominant: SlotValues | None  # (T, k) bool; None when the policy follows the plan (roles not computed)
     fallbacks: int  # slots served narrower than wanted (> 0)
     skips: int  # slots wanted > 0 served 0
     wider: int  # slots served wider than wanted
@@ -211,19 +219,44 @@ class ServedSlots:
     aux_neurons: int = 0
     widened: int = 0  # dominant slots widened on demand beyond what NEVER would serve (DominantWiden.HIT)
 
+    @property
+    def widths(self) -> torch.Tensor:
+        return self.slot_widths.tensor()
+
+    @property
+    def wanted(self) -> torch.Tensor:
+        return self.slot_wanted.tensor()
+
+    @property
+    def dominant(self) -> torch.Tensor | None:
+        return None if self.slot_dominant is None else self.slot_dominant.tensor()
+
+    @property
+    def served_list(self) -> list[int]:
+        """``widths`` flattened, as a Python list (do not modify it)."""
+        return self.slot_widths.values()
+
 
 def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor, dominant: torch.Tensor | None, *,
                 num_experts: int, full_width: int, resident_width: Callable[[int], int]) -> ServedSlots:
     """Served widths of one step's slots (see the module docstring); all CPU, pure."""
     if policy.follows_plan and dominant is None:  # the default's fast path: no residency lookups, no roles
-        return ServedSlots(wanted, wanted, None, 0, 0, 0)
+        same = SlotValues(wanted)
+        return ServedSlots(same, same, None, 0, 0, 0)
     if dominant is None:
         raise ValueError(f"serve_slots: serving policy {policy.name!r} needs the slots' roles (dominant mask)")
-    shape = wanted.shape
     # Nested tolist + flatten in Python: a reshape per tensor is one more dispatch (~1 us each).
     flat_e = [v for row in index.tolist() for v in row]
     flat_w = [v for row in wanted.tolist() for v in row]
     flat_d = [v for row in dominant.tolist() for v in row]
+    served, counts = _serve_lists(policy, flat_e, flat_w, flat_d, num_experts, full_width, resident_width)
+    return ServedSlots(SlotValues(served, tuple(wanted.shape)), SlotValues(wanted), SlotValues(dominant, None,
+                                                                                               torch.bool), *counts)
+
+
+def _serve_lists(policy: ServingPolicy, flat_e: list[int], flat_w: list[int], flat_d: list[bool], num_experts: int,
+                 full_width: int, resident_width: Callable[[int], int]) -> tuple[list[int], tuple[int, ...]]:
+    """The served width of each slot (flat lists) and the counters of :class:`ServedSlots`."""
     resident: dict[int, int] = {}
     served = [0] * len(flat_w)
     widen = policy.dominant_widen is DominantWiden.HIT
@@ -267,9 +300,7 @@ def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor
         else:
             aux_slots += 1
             aux_neurons += s
-    widths = torch.tensor(served, dtype=torch.int64).reshape(shape)
-    return ServedSlots(widths, wanted, dominant, fallbacks, skips, wider, dom_slots, dom_neurons, aux_slots,
-                       aux_neurons, widened)
+    return served, (fallbacks, skips, wider, dom_slots, dom_neurons, aux_slots, aux_neurons, widened)
 
 
 def miss_width(policy: ServingPolicy, wanted: int, dominant: bool, full: int) -> int:
@@ -300,20 +331,43 @@ def _serve_one(policy: ServingPolicy, wanted: int, dominant: bool, resident: int
     return wanted if policy.aux_missing is AuxMissing.LOAD else 0
 
 
+# Steps with at most this many routed slots (T * k) are planned on Python lists (the plan's and the
+# scheduler's small-step thresholds are the same 64).
+_LIST_PATH_MAX_SLOTS = 64
+
+
 def plan_served_step(policy: ServingPolicy, plan, layer_id: int, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor, *, num_experts: int, neuron_nbytes: int,
                      resident_width: Callable[[int], int], cost: CostModel | None = None,
                      order: TaskOrder = TaskOrder.JOHNSON) -> tuple[ServedSlots, StepPlan]:
     """One layer step's plan: the plan's wanted widths and roles, the served widths, the ordered tasks.
 
-    top_k_index / top_k_weights: (T, k) CPU tensors (int64 / float32) as the router returns them.
+    top_k_index / top_k_weights: (T, k) tensors as the router returns them (int ids, float weights).
     resident_width(e): expert e's resident prefix width in this layer now (0 = none).
+
+    A step of at most 64 routed slots (decode) runs on Python lists end to end: the routing is read
+    with one ``tolist`` each, and no tensor is built (the results' tensors are built if read; see
+    ``slot_values``). Larger steps run the plan's tensor rules. Both give the same values.
     """
-    wanted, dominant = plan.token_widths_and_roles(layer_id, top_k_index, top_k_weights,
-                                                   roles=not policy.follows_plan)
-    served = serve_slots(policy, top_k_index, wanted, dominant, num_experts=num_experts,
-                         full_width=plan.intermediate_size, resident_width=resident_width)
-    step = plan_step(top_k_index, served.widths, num_experts=num_experts, neuron_nbytes=neuron_nbytes,
+    roles = not policy.follows_plan
+    if top_k_index.numel() <= _LIST_PATH_MAX_SLOTS:
+        flat_e, flat_w, flat_d = plan.widths_and_roles_lists(layer_id, top_k_index, top_k_weights, roles=roles)
+        shape = tuple(top_k_index.shape)
+        wanted_v = SlotValues(flat_w, shape)
+        if not roles:  # the default policy: every slot at the plan's width
+            served = ServedSlots(wanted_v, wanted_v, None, 0, 0, 0)
+        else:
+            widths, counts = _serve_lists(policy, flat_e, flat_w, flat_d, num_experts, plan.intermediate_size,
+                                          resident_width)
+            served = ServedSlots(SlotValues(widths, shape), wanted_v, SlotValues(flat_d, shape, torch.bool), *counts)
+        step_index, step_widths = SlotValues(flat_e, shape), served.slot_widths
+    else:
+        index = top_k_index.detach().to("cpu", torch.int64)
+        wanted, dominant = plan.token_widths_and_roles(layer_id, index, top_k_weights, roles=roles)
+        served = serve_slots(policy, index, wanted, dominant, num_experts=num_experts,
+                             full_width=plan.intermediate_size, resident_width=resident_width)
+        step_index, step_widths = index, served.widths
+    step = plan_step(step_index, step_widths, num_experts=num_experts, neuron_nbytes=neuron_nbytes,
                      resident_width=resident_width, cost=CostModel() if cost is None else cost, order=order,
                      placement=policy.placement, max_copy_rows=policy.transient_rows(plan.intermediate_size))
     return served, step

@@ -125,7 +125,7 @@ def test_router_order_is_first_appearance(routing):
     assert [t.expert for t in router.tasks] == first
     # Same tasks and slots, only the order differs.
     assert sorted(johnson.tasks, key=lambda t: t.expert) == sorted(
-        (t.__class__(**{**t.__dict__, "start": s.start, "stop": s.stop}) for t, s in zip(
+        (t._replace(start=s.start, stop=s.stop) for t, s in zip(
             sorted(router.tasks, key=lambda t: t.expert), sorted(johnson.tasks, key=lambda t: t.expert),
             strict=True)), key=lambda t: t.expert)
     for t in router.tasks:

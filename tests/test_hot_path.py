@@ -1,0 +1,192 @@
+"""The runtime's hot path (issue 9 item 5, issue 10's planner target): a decode step planned on Python
+lists and run with buffers kept across steps gives exactly what the tensor rules and fresh buffers give.
+
+- the plan's per-token rules on lists equal its vectorized rules (an independent implementation);
+- a step planned on lists (``serving.plan_served_step``) equals the same step composed from the
+  tensor APIs (``token_widths_and_roles`` -> ``serve_slots`` -> ``plan_step`` on tensors);
+- the executor's decode inputs (a shared row index, views of a kept weights buffer, no per-token
+  widths) give bit-identical kernel outputs to the general inputs;
+- outputs returned to the caller are never overwritten by a later step, and a kept accumulator
+  starts every step at zero (outputs bit-identical to a fresh runtime per step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import random_layers
+
+from crisp_kernels import Backend, QuantFormat, pack_layer
+from crisp_kernels._triton import interpreter_enabled
+from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_
+from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths
+from crisp_runtime.scheduler import TaskOrder, plan_step
+from crisp_runtime.serving import SERVING_POLICIES, plan_served_step, serve_slots
+
+E, INTER, HIDDEN = 8, 16, 64
+
+
+def _plans(k: int) -> dict[str, CrispPlan]:
+    g = torch.Generator().manual_seed(7)
+    tiers, dominant = {}, {}
+    for a in range(E):
+        for b in range(a + 1, E):
+            if torch.rand(1, generator=g) < 0.8:  # some pairs unseen
+                tiers[(a, b)] = list(Tier)[int(torch.randint(0, 3, (1,), generator=g))]
+                if torch.rand(1, generator=g) < 0.7:  # some without a fixed dominant
+                    dominant[(a, b)] = a if torch.rand(1, generator=g) < 0.5 else b
+    layers = {0: LayerPlan(tiers, dominant)}
+    out = {
+        "full": CrispPlan.full(E, k, INTER, [0]),
+        "uniform": CrispPlan.uniform(E, k, INTER, [0], INTER // 2),
+        "skip_aux": CrispPlan.skip_aux(E, k, INTER, [0]),
+        "skip_aux_thr": CrispPlan.skip_aux(E, k, INTER, [0], threshold=0.3),
+        "crisp": CrispPlan.crisp(E, k, INTER, layers, TierWidths(INTER, INTER // 2, 0)),
+    }
+    if k >= 2:
+        out["crisp_dom2"] = CrispPlan.crisp(E, k, INTER, layers, TierWidths(INTER, 4, 2), num_dominant=2,
+                                            unseen_tier=Tier.COLD)
+    return out
+
+
+def _routing(tokens: int, k: int, case: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    weights, index = torch.softmax(torch.randn(tokens, E, generator=g), -1).topk(k, -1)
+    if case == "invalid":  # padding sentinels get width 0
+        index[0, -1] = -1
+        index[-1, 0] = E
+    elif case == "duplicate" and k > 1:  # an expert twice in a token, equal weights
+        index[:, 1] = index[:, 0]
+        weights[:, 1] = weights[:, 0]
+    elif case == "ties" and k > 1:
+        weights[:] = 0.5
+    return index, weights
+
+
+CASES = ("plain", "invalid", "duplicate", "ties")
+DTYPES = ((torch.int64, torch.float32), (torch.int32, torch.bfloat16), (torch.int16, torch.float16),
+          (torch.int64, torch.float64), (torch.float32, torch.float32))  # float ids: converted, as the tensor rules do
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("index_dtype", "weight_dtype"), DTYPES)
+def test_list_rules_equal_the_vectorized_rules(k, tokens, case, index_dtype, weight_dtype):
+    index, weights = _routing(tokens, k, case, seed=tokens * 10 + k)
+    index, weights = index.to(index_dtype), weights.to(weight_dtype)
+    for name, plan in _plans(k).items():
+        experts, wanted, dominant = plan.widths_and_roles_lists(0, index, weights, roles=True)
+        ref_w, ref_d = plan._token_widths_tensor(0, index.to(torch.int64), weights.to(torch.float32), roles=True)
+        assert experts == index.to(torch.int64).reshape(-1).tolist(), name
+        assert all(type(e) is int for e in experts), name
+        assert wanted == ref_w.reshape(-1).tolist(), name
+        assert dominant == ref_d.reshape(-1).tolist(), name
+        assert all(type(v) is int for v in wanted) and all(type(v) is bool for v in dominant), name
+        _, wanted_only, none = plan.widths_and_roles_lists(0, index, weights, roles=False)
+        assert wanted_only == wanted and none is None, name
+
+
+@pytest.mark.parametrize("serving", ["plan", "resident", "resident-floor75", "resident-floor75-widen", "hybrid",
+                                     "hybrid_split"])
+@pytest.mark.parametrize("order", list(TaskOrder))
+@pytest.mark.parametrize(("tokens", "k"), [(1, 2), (1, 4), (3, 2), (8, 8)])
+@pytest.mark.parametrize("case", CASES)
+def test_step_planned_on_lists_equals_the_tensor_composition(serving, order, tokens, k, case):
+    from crisp_runtime.scheduler import CostModel
+
+    policy = SERVING_POLICIES[serving]
+    cost = CostModel(cpu_bytes_per_s=60e9, cpu_latency_s=2e-6, h2d_bytes_per_s_cpu_busy=15e9, join_s=5e-6)
+    resident = {e: (0, INTER, INTER // 2, 3, 0, INTER)[e % 6] for e in range(E)}
+    index, weights = _routing(tokens, k, case, seed=100 + tokens * 10 + k)
+    for name, plan in _plans(k).items():
+        served, step = plan_served_step(policy, plan, 0, index, weights, num_experts=E, neuron_nbytes=40,
+                                        resident_width=resident.get, cost=cost, order=order)
+        wanted, dominant = plan._token_widths_tensor(0, index, weights, roles=not policy.follows_plan)
+        ref = serve_slots(policy, index, wanted, dominant, num_experts=E, full_width=INTER,
+                          resident_width=resident.get)
+        ref_step = plan_step(index, ref.widths, num_experts=E, neuron_nbytes=40, resident_width=resident.get,
+                             cost=cost, order=order, placement=policy.placement)
+        assert torch.equal(served.widths, ref.widths) and served.widths.shape == (tokens, k), name
+        assert torch.equal(served.wanted, wanted), name
+        assert (served.dominant is None) == (ref.dominant is None), name
+        if ref.dominant is not None:
+            assert torch.equal(served.dominant, ref.dominant) and served.dominant.dtype == torch.bool, name
+        assert served[3:] == ref[3:], name  # the counters
+        assert step.tasks == ref_step.tasks, name
+        assert torch.equal(step.flat_pos, ref_step.flat_pos) and torch.equal(step.flat_widths, ref_step.flat_widths)
+        assert step.pos_list == ref_step.flat_pos.tolist() and step.widths_list == ref_step.flat_widths.tolist()
+        assert step[3:] == ref_step[3:], name  # tokens, k, bytes, skipped, extra
+
+
+def _biased_layer(seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return pack_layer(torch.randn(E, 2 * INTER, HIDDEN, generator=g) * 0.1,
+                      torch.randn(E, HIDDEN, INTER, generator=g) * 0.1, QuantFormat(group_size=64),
+                      gate_up_bias=torch.randn(E, 2 * INTER, generator=g) * 0.1,
+                      down_bias=torch.randn(E, HIDDEN, generator=g) * 0.1)
+
+
+BACKENDS = [Backend.TORCH] + ([Backend.TRITON_INTERPRET] if interpreter_enabled() else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("serving", ["plan", "resident-floor75"])
+def test_decode_inputs_give_the_general_inputs_kernel_output(backend, bias, serving):
+    layers = {0: _biased_layer()} if bias else random_layers(layer_ids=(0,), num_experts=E, inter=INTER,
+                                                              hidden=HIDDEN)
+    plan = _plans(4)["crisp"]
+    rt = CrispRuntime(layers, plan, device="cpu", gpu_budget=3 * INTER * layers[0].neuron_nbytes,
+                      config=RuntimeConfig(serving=serving))
+    g = torch.Generator().manual_seed(1)
+    for step_no in range(12):
+        index, weights = _routing(1, 4, CASES[step_no % 4], seed=step_no)
+        x = torch.randn(1, HIDDEN, generator=g)
+        rt.forward(0, x, index, weights)  # makes the step's prefixes resident
+        step = rt.last_step[0]
+        if not step.tasks:
+            continue
+        fast = rt._task_inputs(step, step.tasks, weights, gpu_placement=True)
+        general = rt._task_inputs(step, step.tasks, weights, gpu_placement=False)
+        one_slot_each = step.tasks[-1].stop == len(step.tasks)
+        assert (fast[2][0] is None) == one_slot_each  # the decode inputs are taken exactly then
+        outs = []
+        for rows_s, weights_s, widths_s in (fast, general):
+            out = torch.zeros(1, HIDDEN)
+            for i, task in enumerate(step.tasks):
+                got = rt.cache.acquire(0, task.expert, task.width)
+                expert_mlp_accumulate_unchecked_(out, x, got.resident, task.width, rows_s[i], weights_s[i],
+                                                 widths_s[i], backend)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), step_no
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("serving", ["plan", "resident-floor75"])
+def test_outputs_are_never_overwritten_and_buffers_start_at_zero(dtype, serving):
+    layers = random_layers(layer_ids=(0, 1), num_experts=E, inter=INTER, hidden=HIDDEN)
+    plan = _plans(2)["crisp"]
+    plan = CrispPlan.crisp(E, 2, INTER, {0: plan.layers[0], 1: plan.layers[0]}, plan.tier_widths)
+    config = RuntimeConfig(serving=serving, order=TaskOrder.ROUTER)  # the order, so the sums, cache-independent
+    budget = 3 * INTER * layers[0].neuron_nbytes
+    rt = CrispRuntime(layers, plan, device="cpu", gpu_budget=budget, config=config)
+    g = torch.Generator().manual_seed(2)
+    kept = []
+    for step_no in range(14):
+        tokens = (1, 1, 1, 4, 1, 2, 70)[step_no % 7]  # decode, batches and one beyond the kept accumulator
+        layer_id = step_no % 2
+        x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+        weights, index = torch.softmax(torch.randn(tokens, E, generator=g), -1).topk(2, -1)
+        out = rt.forward(layer_id, x, index, weights)
+        # A fresh runtime whose cache holds what this step's widths need: no buffer carried over.
+        fresh = CrispRuntime(layers, plan, device="cpu", gpu_budget=None, config=config)
+        if serving == "plan":
+            expected = fresh.forward(layer_id, x, index, weights)
+            assert torch.equal(out, expected), step_no
+        assert out.dtype == dtype and out.shape == x.shape
+        for old, copy in kept:
+            assert torch.equal(old, copy)  # earlier outputs untouched
+            assert old.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+        kept.append((out, out.clone()))
+    assert rt.stats.layers[0].expert_runs > 0
