@@ -160,9 +160,11 @@ def run(args) -> int:
     overhead = measure_expert_overhead(num_experts=trace.num_experts, top_ks=(1, trace.num_experts))
     hi = trace.num_experts
     print(f"runtime overhead per expert call (CPU, all experts resident, kernel arithmetic removed, "
-          f"E={hi} top-{hi}): {overhead['per_expert_us']:.1f} us, planner excluded "
-          f"(step {overhead[f'step_us_top{hi}']:.1f} us, planner {overhead[f'planner_us_top{hi}']:.1f} us); "
-          f"{overhead['marginal_us']:.1f} us per extra expert")
+          f"E={hi} top-{hi}): {overhead['per_expert_us']:.1f} us, planner excluded (target < 5 us; median over "
+          f"blocks {overhead['per_expert_us_median']:.1f} us; step {overhead[f'step_us_top{hi}']:.1f} us, planner "
+          f"{overhead[f'planner_us_top{hi}']:.1f} us); {overhead['marginal_us']:.1f} us per extra expert; "
+          f"{overhead['threads']} torch thread(s), load average {overhead['load_average'][0]:.2f} -> "
+          f"{overhead['load_average'][1]:.2f}")
     runtime_records = _runtime_measurements(trace, device, hidden)
     if args.plot:
         groups: dict = {}
@@ -193,10 +195,12 @@ def measure_expert_overhead(*, num_experts: int = 8, top_ks=(1, 8), hidden: int 
     (``expert_mlp_accumulate_ref_``) replaced by a no-op for the measurement, so that what is
     timed is the runtime's own work: checks, planning, residency lookups, dispatch and the
     kernel entry. For each top-k in ``top_ks``: the step and the planner alone; medians per block
-    of ``iters`` steps, the lowest block kept (a shared machine only ever adds time).
-    ``per_expert_us`` = (step - planner) / k at the largest k; ``marginal_us`` = the slope of the
-    step time from the smallest to the largest k.
+    of ``iters`` steps, the lowest block kept (a shared machine only ever adds time), and the
+    median over blocks beside it (``*_median``). ``per_expert_us`` = (step - planner) / k at the
+    largest k; ``marginal_us`` = the slope of the step time from the smallest to the largest k.
+    ``load_average``: the 1-minute load average before and after (the VM is shared).
     """
+    import os
     import sys
     from unittest import mock
 
@@ -206,6 +210,7 @@ def measure_expert_overhead(*, num_experts: int = 8, top_ks=(1, 8), hidden: int 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, hidden, generator=g)
     out = {"num_experts": num_experts, "hidden": hidden, "inter": inter, "threads": torch.get_num_threads()}
+    load_before = os.getloadavg()[0]
     kernels = sys.modules["crisp_kernels.expert_mlp"]
     with mock.patch.object(kernels, "expert_mlp_accumulate_ref_", lambda *a, **k: None):
         for k in top_ks:
@@ -213,7 +218,7 @@ def measure_expert_overhead(*, num_experts: int = 8, top_ks=(1, 8), hidden: int 
                               gpu_budget=layer.nbytes())
             index = torch.randperm(num_experts, generator=g)[:k][None]
             weights = torch.softmax(torch.randn(1, k, generator=g), -1)
-            best = {}
+            medians: dict[str, list[float]] = {"step": [], "planner": []}
             for _ in range(blocks):
                 for name, fn in (("step", lambda rt=rt, i=index, w=weights: rt.forward(0, x, i, w)),
                                  ("planner", lambda rt=rt, i=index, w=weights: rt.plan_served(0, i, w))):
@@ -222,11 +227,14 @@ def measure_expert_overhead(*, num_experts: int = 8, top_ks=(1, 8), hidden: int 
                         t0 = time.perf_counter()
                         fn()
                         ts.append(time.perf_counter() - t0)
-                    best[name] = min(best.get(name, float("inf")), statistics.median(ts))
-            out[f"step_us_top{k}"] = 1e6 * best["step"]
-            out[f"planner_us_top{k}"] = 1e6 * best["planner"]
+                    medians[name].append(statistics.median(ts))
+            for name in ("step", "planner"):
+                out[f"{name}_us_top{k}"] = 1e6 * min(medians[name])
+                out[f"{name}_us_top{k}_median"] = 1e6 * statistics.median(medians[name])
     lo, hi = min(top_ks), max(top_ks)
     out["per_expert_us"] = (out[f"step_us_top{hi}"] - out[f"planner_us_top{hi}"]) / hi
+    out["per_expert_us_median"] = (out[f"step_us_top{hi}_median"] - out[f"planner_us_top{hi}_median"]) / hi
+    out["load_average"] = [load_before, os.getloadavg()[0]]
     out["marginal_us"] = (out[f"step_us_top{hi}"] - out[f"step_us_top{lo}"]) / (hi - lo) if hi > lo else None
     out["top_ks"] = list(top_ks)
     return out

@@ -178,6 +178,7 @@ class CrispRuntime:
         # decode steps' routing weights, per stream on CUDA (see _accumulator and _decode_weights).
         self._accumulators: dict = {}
         self._weight_buffers: dict = {}
+        self._gpu_placement = not self.serving.placement.uses_cpu  # read per step (the enum property: ~0.8 us)
         self._copy_stream = None  # GPU-only, created on first use
         self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu_knob.CpuDecision), for stats()
         if self.serving.placement.uses_cpu:
@@ -336,7 +337,7 @@ class CrispRuntime:
                              f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
 
     def _run(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats) -> None:
-        if not self.serving.placement.uses_cpu:  # every task whole on the GPU: skip the two passes for CPU rows
+        if self._gpu_placement:  # every task whole on the GPU: skip the two passes for CPU rows
             self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks, gpu_placement=True)
             return
         n_gpu = sum(1 for t in step.tasks if not t.on_cpu)
