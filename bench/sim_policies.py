@@ -15,7 +15,10 @@ Three ways to choose them (``--matrix``):
   width, all others on the CPU at full width, nothing copied), ``cpu_only`` (every expert on the
   CPU at full width), CRISP on the GPU only (plan widths, LRU) and CRISP ``hybrid`` (plan widths,
   per step the GPU / CPU split of minimal makespan), and ``hybrid_split`` (the neuron split: an
-  expert's prefix on the GPU, its other rows on the CPU) at full widths and at CRISP's;
+  expert's prefix on the GPU, its other rows on the CPU) at full widths and at CRISP's; CRISP
+  ``hybrid_split_transient`` (the split's copies in a per-step buffer, not admitted); with
+  ``--prefetch trace`` also the split with next-layer prefetch (full widths; CRISP's, with and
+  without the buffer, with a 62.5% dominant floor widened on the next use, and with an 87.5% floor);
 - ``frontier``: each family swept over its knob (CRISP's dominant floor, uniform's width,
   skip-auxiliary's threshold) with next-use eviction and prefetch, for the tokens/s-against-
   accuracy plot (uniform and skip-auxiliary served at their plan's widths there, whose accuracy
@@ -42,7 +45,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from crisp_runtime.plan import CrispPlan
-from crisp_runtime.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, HitWidth, ServingPolicy
+from crisp_runtime.scheduler import Placement
+from crisp_runtime.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, DominantWiden, HitWidth, ServingPolicy
 
 from .simulate import SimPolicy
 
@@ -54,6 +58,14 @@ UNIFORM_FRACTIONS = (0.375, 0.5, 0.625, 0.75)  # plus the width matched to CRISP
 SKIP_THRESHOLDS = (0.2, 0.3, 0.4)  # plus the threshold matched to CRISP's bytes and "always"
 RUNTIME_EVICTION = "lru"  # RuntimeConfig's default: what an evaluation that names no eviction ran
 FRONTIER_EVICTION = "lru"  # what the runtime-in-the-loop evaluation measured residency-aware accuracy with
+
+
+# The neuron split with residency-aware serving (docs/hybrid.md, session 3): a missed dominant served at a 62.5%
+# prefix, widened to the plan's width on its next use while resident (DominantWiden.HIT); auxiliaries as the plan.
+HYBRID_SPLIT_FLOOR_HIT = ServingPolicy("hybrid_split-floor62.5-hit", dominant_floor=0.625,
+                                       dominant_widen=DominantWiden.HIT, placement=Placement.SPLIT)
+# ... and a missed dominant served at an 87.5% prefix, never widened (its last 1/8 of neurons, the least important).
+HYBRID_SPLIT_FLOOR875 = ServingPolicy("hybrid_split-floor87.5", dominant_floor=0.875, placement=Placement.SPLIT)
 
 
 def resident_serving(floor: float) -> ServingPolicy:
@@ -94,12 +106,22 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
         return [SimPolicy("full", plans["full"])] + [c for c, _ in frontier(plans, pf[-1])]
     if matrix == "hybrid":
         full = plans["full"]
+        split = SERVING_POLICIES["hybrid_split"]
         out = [SimPolicy("full", full), SimPolicy("full", full, SERVING_POLICIES["static_hybrid"]),
                SimPolicy("full", full, SERVING_POLICIES["cpu_only"]),
-               SimPolicy("full", full, SERVING_POLICIES["hybrid_split"])]  # full widths, neuron split
+               SimPolicy("full", full, split)]  # full widths, neuron split
+        if True in prefetch:  # full widths, neuron split, next-layer prefetch at the plan's widths (0 loss)
+            out.append(SimPolicy("full", full, split, prefetch=True))
         if "crisp" in plans:
-            out += [SimPolicy("crisp", plans["crisp"]), SimPolicy("crisp", plans["crisp"], SERVING_POLICIES["hybrid"]),
-                    SimPolicy("crisp", plans["crisp"], SERVING_POLICIES["hybrid_split"])]
+            crisp = plans["crisp"]
+            out += [SimPolicy("crisp", crisp), SimPolicy("crisp", crisp, SERVING_POLICIES["hybrid"]),
+                    SimPolicy("crisp", crisp, split),
+                    SimPolicy("crisp", crisp, SERVING_POLICIES["hybrid_split_transient"])]
+            if True in prefetch:  # session 3 (docs/hybrid.md): the split with next-layer prefetch
+                out += [SimPolicy("crisp", crisp, split, prefetch=True),
+                        SimPolicy("crisp", crisp, SERVING_POLICIES["hybrid_split_transient"], prefetch=True),
+                        SimPolicy("crisp", crisp, HYBRID_SPLIT_FLOOR_HIT, prefetch=True),
+                        SimPolicy("crisp", crisp, HYBRID_SPLIT_FLOOR875, prefetch=True)]
         return out
     raise ValueError(f"matrix {matrix!r}: choose one of {', '.join(MATRICES)}")
 
