@@ -416,7 +416,9 @@ class CrispRuntime:
                  gpu_placement: bool = False) -> None:
         device = self.device
         rows_s, weights_s, widths_s = self._task_inputs(step, tasks, top_k_weights, gpu_placement)
-        pending = {(layer_id, t.expert) for t in tasks}
+        # The step's keys not yet run are protected from eviction; a step that copies nothing evicts nothing
+        # (bytes_missing: the GPU tasks' missing rows at planning, nothing changed since), so none to protect.
+        pending = {(layer_id, t.expert) for t in tasks} if step.bytes_missing else set()
         cache, backend = self.cache, self.backend
         room = self._transient_room.get(layer_id, 0)  # bytes this step may still copy to the transient buffer
         compute_stream = copy_stream = None
