@@ -589,7 +589,8 @@ def plan_step(
     """
     if not isinstance(placement, Placement):
         raise ValueError(f"plan_step: placement must be a Placement, got {placement!r}")
-    if placement.uses_cpu and not cost.has_cpu:
+    uses_cpu = placement.uses_cpu  # an enum property (~0.8 us): read once per step
+    if uses_cpu and not cost.has_cpu:
         raise ValueError(f"plan_step: placement {placement.value!r} needs a CostModel with cpu_bytes_per_s")
     if top_k_index.shape != widths.shape or len(top_k_index.shape) != 2:
         raise ValueError(
@@ -639,7 +640,7 @@ def plan_step(
         else:
             seq = sorted(range(len(experts)), key=first.__getitem__)
             seq = [i for i in seq if i not in cpu_set] + [i for i in seq if i in cpu_set]
-    elif placement.uses_cpu:
+    elif uses_cpu:
         cpu_times = [cost.cpu_time(w * neuron_nbytes, n) for w, n in zip(required, counts, strict=True)]
         jobs = [HybridJob(lt, cost.load_time_cpu_busy(b), ct, pt)
                 for lt, b, ct, pt in zip(load, copy_bytes, compute, cpu_times, strict=True)]
@@ -683,17 +684,17 @@ def plan_step(
             perm = torch.cat([torch.arange(seg_start[i], seg_start[i] + counts[i]) for i in seq])
         if perm is not None:
             flat_pos, flat_widths = flat_pos[perm], flat_widths[perm]
-    return StepPlan(
-        tasks=tuple(tasks),
-        slot_pos=SlotValues(flat_pos),
-        slot_widths=SlotValues(flat_widths),
-        num_tokens=num_tokens,
-        top_k=k,
-        bytes_missing=sum(b for i, b in enumerate(copy_bytes) if i not in cpu_set),
-        bytes_read=sum(required) * neuron_nbytes,
-        bytes_routed=sum(width_sums) * neuron_nbytes,
-        skipped=skipped,
-        extra=extra,
+    return StepPlan(  # positional (a NamedTuple's keyword call: 1.9 us against 0.9), in field order
+        tuple(tasks),  # tasks
+        SlotValues(flat_pos),  # slot_pos
+        SlotValues(flat_widths),  # slot_widths
+        num_tokens,
+        k,  # top_k
+        sum(b for i, b in enumerate(copy_bytes) if i not in cpu_set) if cpu_set else sum(copy_bytes),  # bytes_missing
+        sum(required) * neuron_nbytes,  # bytes_read
+        sum(width_sums) * neuron_nbytes,  # bytes_routed
+        skipped,
+        extra,
     )
 
 
