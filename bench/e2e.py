@@ -45,6 +45,7 @@ from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
 from crisp_runtime.hf import apply
 from crisp_runtime.moe_layers import max_positions, record_routing
 from crisp_runtime.pack import load_pack
+from crisp_runtime.residency import pin_most_used
 from crisp_runtime.runtime import RuntimeConfig
 from crisp_runtime.scheduler import CostModel, Placement
 from crisp_runtime.serving import ServingPolicy
@@ -246,7 +247,7 @@ def run(args) -> int:
                 handle.set_plan(plan)
                 handle.runtime.cache.clear()
                 if placement in ("hybrid", "hybrid_split", "static_hybrid"):
-                    _pin_hot_experts(handle.runtime, trace, budget)
+                    _pin_hot_experts(handle.runtime, trace)
                 label = name if placement == "gpu" else f"{name}/{placement}"
                 prog = report.Progress(f"e2e {label}")
                 prog(0, 1)
@@ -329,14 +330,13 @@ def _placement_config(placement: str, pack, cpu_experts: CpuExpertsConfig):
                          cpu_experts=cpu_experts)
 
 
-def _pin_hot_experts(runtime, trace, budget: int) -> None:
-    """Make the most used (layer, expert) pairs of ``trace`` resident at full width while they fit (no eviction)."""
+def _pin_hot_experts(runtime, trace) -> None:
+    """The static hot set (``crisp_runtime.residency.pin_most_used``) of the trace's routed slots: the most
+    used (layer, expert) pairs resident at full width while they fit in the runtime's cache."""
     counts: dict[tuple[int, int], int] = {}
     for li, layer_id in enumerate(trace.layer_ids):
         for e in trace.index[li].reshape(-1).tolist():
             counts[(layer_id, e)] = counts.get((layer_id, e), 0) + 1
     cache = runtime.cache
-    for (layer_id, e), _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
-        full = runtime.layers[layer_id].intermediate_size
-        if cache.used + cache.nbytes(layer_id, full) <= budget:
-            runtime.prefetch(layer_id, [(e, full)])
+    pin_most_used(counts, {layer_id: cache for layer_id in runtime.layers},
+                  {layer_id: layer.intermediate_size for layer_id, layer in runtime.layers.items()})

@@ -292,3 +292,23 @@ def transient_buffer_bytes(buffer_experts: float, neuron_nbytes: Mapping[int, in
     budget gives them up: the ledger's budget is the GPU budget minus this."""
     return max((transient_rows(buffer_experts, int(full_width[i])) * int(nb) for i, nb in neuron_nbytes.items()),
                default=0)
+
+
+def pin_most_used(counts: Mapping[Key, int], holders, full_width: Mapping[int, int]) -> list[Key]:
+    """Make the most used keys resident at full width while they fit, evicting nothing: the static
+    hot set that llama.cpp's ``--n-cpu-moe``-style placement keeps on the GPU, and the start of every
+    hybrid run (runtime, simulator, e2e benchmark and accuracy decode alike).
+
+    counts: uses per ``(layer, expert)`` (what counts as a use is the caller's: routed slots, or
+    slots the plan runs). holders: ``holders[layer]`` is a :class:`ResidencyLedger` or a
+    ``PrefixCache`` (``used``, ``budget``, ``nbytes(layer, width)``, ``prefetch(layer, expert, width)``);
+    one shared by every layer for a global cache. Order: most uses first, ties by key, so the set is
+    deterministic. A key that does not fit is skipped and a smaller one may still fit after it.
+    Returns the keys made resident, in order."""
+    pinned = []
+    for key, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        layer, expert = key
+        holder, full = holders[layer], int(full_width[layer])
+        if holder.used + holder.nbytes(layer, full) <= holder.budget and holder.prefetch(layer, expert, full):
+            pinned.append(key)
+    return pinned

@@ -175,3 +175,26 @@ def test_request_errors():
     ledger.request(0, 0, 5)
     with pytest.raises(CacheBudgetError, match="cannot fit"):
         ledger.request(0, 1, 1, protected={(0, 0)}, weak_protected={(0, 0)})
+
+
+@pytest.mark.parametrize("budget", [1, 7 * 12 - 1, 7 * 12, 7 * 12 + 11 * 12, 7 * 12 * 2 + 11 * 12, 7 * 12 * 3, 10_000])
+def test_pin_most_used_keeps_the_most_used_that_fit(budget):
+    """The static hot set: most uses first (ties by key), full width, nothing evicted; a key that does not
+    fit is skipped while a later, smaller one may still fit. Checked against a direct greedy replay."""
+    from crisp_runtime.residency import pin_most_used
+
+    counts = {(3, 1): 5, (0, 2): 5, (0, 0): 9, (3, 0): 1, (0, 1): 2}
+    order = [(0, 0), (0, 2), (3, 1), (0, 1), (3, 0)]  # by count, then key: (0, 2) before (3, 1) at 5 uses
+    expected, used = [], 0
+    for layer, e in order:
+        if used + NB[layer] * FULL[layer] <= budget:
+            expected.append((layer, e))
+            used += NB[layer] * FULL[layer]
+    led = ResidencyLedger(budget, neuron_nbytes=NB, full_width=FULL)
+    pinned = pin_most_used(counts, {0: led, 3: led}, FULL)
+    assert pinned == expected
+    assert led.resident() == {key: FULL[key[0]] for key in expected}
+    assert led.used == used <= budget
+    assert led.counters.evictions == 0
+    if budget == 7 * 12 * 3:  # (3, 1) does not fit after the two layer-0 experts; (0, 1) still does
+        assert pinned == [(0, 0), (0, 2), (0, 1)]
