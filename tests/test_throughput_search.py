@@ -59,10 +59,12 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     8 of 38 predictions (21%), the slowest 2 (5.3%). The search evaluates fastest first and stops at the
     first within the bound."""
     model, layers, plan, windows = tiny
-    evaluated = []
+    evaluated, windows_used = [], []
 
     def fake_run_case(model, pack, plan, windows, budget_bytes, case):
         evaluated.append(case.name)
+        if case.prefetch is not None:  # decoded as the simulated copy engine delivers, not every prefetch whole
+            windows_used.append(case.prefetch.window)
         n = windows.shape[1] - 1
         correct = torch.ones(windows.shape[0], n, dtype=torch.bool)
         if case.plan != "full":
@@ -86,6 +88,10 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     assert evaluated[1:] == [f"crisp-{k}" for k in fastest_first[:fastest_first.index(want) + 1]]
     assert record.gpu_budget_fraction == 0.25 and record.eviction == "next_use"
     assert record.search["accuracy_text"] == "held-out calibration windows"
+    assert record.search["accuracy_prefetch_window"].startswith(f"{goal.profile}/")
+    assert windows_used and all(w is not None and w.name == record.search["accuracy_prefetch_window"]
+                                for w in windows_used)
+    assert record.prefetch is None or record.prefetch.window is None  # the stored policy serves real copies
     goal0 = tp.ThroughputGoal(0.25, max_accuracy_loss=0.0)
     with pytest.raises(ValueError, match="no candidate"):
         tp.search_throughput(model, layers, plan, windows, goal0, cands=cands)

@@ -22,7 +22,10 @@ profile (``crisp_bench.profiles``); tokens/s relative to full-width LRU on the s
 Accuracy: teacher-forced decoding through ``crisp_runtime.apply`` with its cache at the budget
 (``crisp_tools.serving_eval.run_case``, what ``crisp-eval --mode decode`` runs) on the same held-out
 *calibration* windows (the last ``--holdout-fraction`` of the calibration text: never the evaluation
-text), relative to 4-bit full width. Candidates are evaluated fastest first and the search stops at
+text), relative to 4-bit full width, with the prefetch window of the same profile and target
+(``crisp_runtime.copy_window``: the decode admits only the prefetch rows the simulated copy engine delivers
+before the next layer's demand, so the accuracy belongs to the simulated widths; without it every prefetch
+completed and the loss was 1-2 points lower, docs/residency-and-serving.md). Candidates are evaluated fastest first and the search stops at
 the first within ``max_accuracy_loss``: that one is the fastest feasible candidate.
 
 Package graph: ``crisp_tools`` imports ``crisp_bench.simulate`` / ``.profiles`` / ``.traces`` (the
@@ -38,7 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 from crisp_bench.profiles import get_profile
 from crisp_bench.shapes import TARGETS, ModelShape
-from crisp_bench.simulate import SimPolicy, simulate_decode
+from crisp_bench.simulate import SimPolicy, simulate_decode, target_window
 from crisp_bench.traces import record_trace
 
 from crisp_runtime.baselines import full_plan
@@ -186,11 +189,14 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     pack = CrispPack(layers, plan)
     budget_bytes = int(goal.budget * total_expert_bytes(layers))
     full, _ = run_case(model, pack, full_plan(plan), windows, budget_bytes, ServingCase("full-exact", "full"))
+    window = target_window(get_profile(goal.profile), shape, first.intermediate_size)
     by_label = {c.label: c for c in cands}
     chosen = None
     for r in sorted(sims, key=lambda r: -r["tokens_per_s"]):
         c = by_label[r["candidate"]]
-        case = ServingCase(f"crisp-{c.label}", "crisp", c.serving(), c.prefetch_policy(), eviction=goal.eviction)
+        prefetch = c.prefetch_policy()
+        case = ServingCase(f"crisp-{c.label}", "crisp", c.serving(),
+                           None if prefetch is None else replace(prefetch, window=window), eviction=goal.eviction)
         scores, _ = run_case(model, pack, plan, windows, budget_bytes, case)
         r["accuracy_loss"] = (full.accuracy - scores.accuracy) / full.accuracy if full.accuracy else 0.0
         log(f"throughput: {c.label}: accuracy loss {r['accuracy_loss']:.2%} (runtime in the loop)")
@@ -203,6 +209,7 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     c, r = chosen
     search = {"objective": "simulated tokens/s", "profile": goal.profile, "target": shape.name,
               "max_accuracy_loss": goal.max_accuracy_loss, "accuracy_text": source,
+              "accuracy_prefetch_window": window.name,
               "windows": list(windows.shape), "full_width_accuracy": full.accuracy,
               "full_lru_tokens_per_s": base_tps, "chosen": r, "candidates": sims}
     return ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search)
