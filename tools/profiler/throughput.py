@@ -25,8 +25,8 @@ Accuracy: teacher-forced decoding through ``crisp_runtime.apply`` with its cache
 text), relative to 4-bit full width, with the prefetch window of the same profile and target
 (``crisp_runtime.copy_window``: the decode admits only the prefetch rows the simulated copy engine delivers
 before the next layer's demand, so the accuracy belongs to the simulated widths; without it every prefetch
-completed and the loss was 1-2 points lower, docs/residency-and-serving.md). Candidates are evaluated fastest first and the search stops at
-the first within ``max_accuracy_loss``: that one is the fastest feasible candidate.
+completed and the loss was 1-2 points lower, docs/residency-and-serving.md). Candidates are evaluated
+fastest first and the search stops at the first within ``max_accuracy_loss``: the fastest feasible candidate.
 
 Package graph: ``crisp_tools`` imports ``crisp_bench.simulate`` / ``.profiles`` / ``.traces`` (the
 simulator's library, which imports only ``crisp_runtime`` and ``crisp_kernels``); the bench CLIs import
