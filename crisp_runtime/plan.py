@@ -316,6 +316,16 @@ class CrispPlan:
         """
         return self.token_widths_and_roles(layer_id, top_k_index, top_k_weights, roles=False)[0]
 
+    def _check_step(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """A layer this plan covers and equal (T, k) routing shapes, or a clear error."""
+        if layer_id not in self.layer_ids:
+            raise PlanError(f"plan has no layer {layer_id}; it covers layers {list(self.layer_ids)}")
+        if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape:
+            raise ValueError(
+                f"top_k_index / top_k_weights: expected equal (T, k) shapes, "
+                f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
+            )
+
     def token_widths_and_roles(self, layer_id: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                                roles: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``token_widths`` and, beside it, each slot's role: (T, k) bool, True = dominant.
@@ -324,13 +334,7 @@ class CrispPlan:
         UNIFORM included: the heaviest routed experts), the others auxiliary; invalid slots are
         False. Serving policies (``crisp_runtime.serving``) treat the two roles differently.
         """
-        if layer_id not in self.layer_ids:
-            raise PlanError(f"plan has no layer {layer_id}; it covers layers {list(self.layer_ids)}")
-        if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape:
-            raise ValueError(
-                f"top_k_index / top_k_weights: expected equal (T, k) shapes, "
-                f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
-            )
+        self._check_step(layer_id, top_k_index, top_k_weights)
         if top_k_index.numel() <= _SMALL_STEP_SLOTS:
             _, wanted, dominant = self.widths_and_roles_lists(layer_id, top_k_index, top_k_weights, roles=roles,
                                                               checked=True)
@@ -352,13 +356,7 @@ class CrispPlan:
         validated ``layer_id`` and the shapes (``token_widths_and_roles``).
         """
         if not checked:
-            if layer_id not in self.layer_ids:
-                raise PlanError(f"plan has no layer {layer_id}; it covers layers {list(self.layer_ids)}")
-            if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape:
-                raise ValueError(
-                    f"top_k_index / top_k_weights: expected equal (T, k) shapes, "
-                    f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
-                )
+            self._check_step(layer_id, top_k_index, top_k_weights)
         # Integer ids and float32/16 weights are read as they are (the same Python values as after the
         # int64 / float32 conversion); anything else is converted first, as the tensor path does.
         index = top_k_index if top_k_index.dtype in _LIST_INDEX_DTYPES else top_k_index.to(torch.int64)

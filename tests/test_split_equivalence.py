@@ -16,6 +16,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from crisp_bench.hybrid_accuracy import trace_counts
 from crisp_bench.profiles import HardwareProfile
 from crisp_bench.shapes import ModelShape
 from crisp_bench.simulate import SimPolicy, _pin_hot_experts, simulate_decode
@@ -76,13 +77,7 @@ def _trace_and_plan(tokens=20, seed=3):
 
 def _pin(runtime, trace, plan):
     """The simulator's pinned hot experts (its _pin_hot_experts, on the runtime's cache)."""
-    routed, wanted = [], []
-    for li, layer_id in enumerate(trace.layer_ids):
-        idx = torch.from_numpy(np.ascontiguousarray(trace.index[li])).to(torch.int64)
-        w, _ = plan.token_widths_and_roles(layer_id, idx, torch.from_numpy(np.ascontiguousarray(trace.weights[li])),
-                                           roles=False)
-        routed.append(idx)
-        wanted.append(w)
+    routed, wanted = trace_counts(trace, plan)
     _pin_hot_experts([runtime.cache] * LAYERS, routed, wanted, LAYERS, NB, INTER)
 
 
