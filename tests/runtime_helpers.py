@@ -61,3 +61,20 @@ class ReplayCache:
         self.copied += extra
         self.kinds.append("miss" if have == 0 else "widen")
         self._touch(key)
+
+
+def decode_trace(runtime, trace, hidden_size: int, after_step=None, token: list[int] | None = None, seed: int = 0):
+    """A routing trace fed to ``runtime.forward`` as a batch-1 decode: token by token, layer by layer, with
+    seeded random hidden states (the decisions depend on the routing only). ``token[0]`` is set to the
+    current token first (for a trace-driven predictor); ``after_step(layer, hidden)`` runs after each step
+    (e.g. a Prefetcher)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in range(trace.num_tokens):
+        if token is not None:
+            token[0] = t
+        for layer in range(trace.index.shape[0]):
+            index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
+            hidden = torch.randn(1, hidden_size, generator=g)
+            runtime.forward(layer, hidden, index, torch.from_numpy(trace.weights[layer, t:t + 1]))
+            if after_step is not None:
+                after_step(layer, hidden)

@@ -10,7 +10,7 @@ from crisp_bench.profiles import HardwareProfile
 from crisp_bench.shapes import ModelShape
 from crisp_bench.simulate import SimPolicy, prefetch_requests, simulate_decode, target_window
 from crisp_bench.traces import plan_from_trace, synthetic_trace
-from runtime_helpers import random_layers
+from runtime_helpers import decode_trace, random_layers
 
 from crisp_runtime import CrispRuntime, RuntimeConfig
 from crisp_runtime.prefetch import Prefetcher, PrefetchPolicy, PrefetchWidth
@@ -40,6 +40,21 @@ def decisions(monkeypatch):
     return log
 
 
+@pytest.fixture
+def decisions_and_prefetches(decisions, monkeypatch):
+    """``decisions`` with every ResidencyLedger.prefetch logged in the same list, in order."""
+    prefetch = ResidencyLedger.prefetch
+
+    def logged(self, layer_id, expert, width, **kw):
+        d = prefetch(self, layer_id, expert, width, **kw)
+        decisions.append(("prefetch", layer_id, expert, width,
+                          None if d is None else (d.kind, d.copy_bytes, d.evicted)))
+        return d
+
+    monkeypatch.setattr(ResidencyLedger, "prefetch", logged)
+    return decisions
+
+
 @pytest.mark.parametrize("serving", ["plan", "resident", "resident-floor75", "resident-floor75-widen"])
 @pytest.mark.parametrize(("eviction", "budget_experts"), [("lru", 4), ("next_use", 6)])
 def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, eviction, budget_experts):
@@ -53,12 +68,7 @@ def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, evict
 
     runtime = CrispRuntime(layers, plan, device="cpu", gpu_budget=budget,
                            config=RuntimeConfig(eviction=eviction, serving=serving, cost=COST))
-    g = torch.Generator().manual_seed(0)
-    for t in range(trace.num_tokens):
-        for layer in range(LAYERS):
-            index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
-            weights = torch.from_numpy(trace.weights[layer, t:t + 1])
-            runtime.forward(layer, torch.randn(1, HIDDEN, generator=g), index, weights)
+    decode_trace(runtime, trace, HIDDEN)
     by_runtime = list(decisions)
     decisions.clear()
 
@@ -93,19 +103,11 @@ class _TracePredictor:
 
 @pytest.mark.parametrize("width", list(PrefetchWidth))
 @pytest.mark.parametrize("serving", ["plan", "resident-floor75", "resident-floor75-ahead"])
-def test_prefetch_makes_the_same_decisions(decisions, monkeypatch, serving, width):
+def test_prefetch_makes_the_same_decisions(decisions_and_prefetches, serving, width):
     """The runtime's Prefetcher (its requests for the next layer's predicted experts at ``width``) and
     CrispRuntime.prefetch, against the simulator's prefetch of the same trace through the same ledger:
     identical requests and decisions."""
-    log = decisions
-    prefetch = ResidencyLedger.prefetch
-
-    def logged(self, layer_id, expert, width, **kw):
-        d = prefetch(self, layer_id, expert, width, **kw)
-        log.append(("prefetch", layer_id, expert, width, None if d is None else (d.kind, d.copy_bytes, d.evicted)))
-        return d
-
-    monkeypatch.setattr(ResidencyLedger, "prefetch", logged)
+    log = decisions_and_prefetches
     trace = synthetic_trace(num_layers=LAYERS, num_tokens=16, num_experts=EXPERTS, intermediate_size=INTER, seed=5)
     predicted = np.full((LAYERS, trace.num_tokens, 2), -1, dtype=np.int64)
     predicted[:-1] = trace.index[1:]  # a perfect prediction of the next layer
@@ -124,16 +126,13 @@ def test_prefetch_makes_the_same_decisions(decisions, monkeypatch, serving, widt
     token = [0]
     prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, policy)
     asked = []
-    g = torch.Generator().manual_seed(0)
-    for t in range(trace.num_tokens):
-        token[0] = t
-        for layer in range(LAYERS):
-            index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
-            hidden = torch.randn(1, HIDDEN, generator=g)
-            runtime.forward(layer, hidden, index, torch.from_numpy(trace.weights[layer, t:t + 1]))
-            phases = prefetcher.phases(layer, hidden)
-            asked.append(([], []) if phases is None else phases[1:])
-            prefetcher(layer, hidden)
+
+    def ask_and_prefetch(layer, hidden):
+        phases = prefetcher.phases(layer, hidden)
+        asked.append(([], []) if phases is None else phases[1:])
+        prefetcher(layer, hidden)
+
+    decode_trace(runtime, trace, HIDDEN, ask_and_prefetch, token)
     by_runtime = list(log)
     log.clear()
     sim_policy = SimPolicy("crisp", plan, SERVING_POLICIES[serving], "next_use", prefetch=True, prefetch_width=width)
@@ -171,34 +170,19 @@ def _replay_runtime(layers, plan, predicted, trace, serving, policy, cost, budge
                            config=RuntimeConfig(serving=serving, eviction="next_use", cost=cost, prefetch=policy))
     token = [0]
     prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, policy)
-    g = torch.Generator().manual_seed(0)
-    for t in range(trace.num_tokens):
-        token[0] = t
-        for layer in range(LAYERS):
-            index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
-            hidden = torch.randn(1, HIDDEN, generator=g)
-            runtime.forward(layer, hidden, index, torch.from_numpy(trace.weights[layer, t:t + 1]))
-            prefetcher(layer, hidden)
+    decode_trace(runtime, trace, HIDDEN, prefetcher, token)
     return runtime.stats.as_dict()
 
 
 @pytest.mark.parametrize(("serving", "width"), [("resident-floor75-ahead", PrefetchWidth.SERVING),
                                                 ("resident-floor75", PrefetchWidth.PLAN),
                                                 ("plan", PrefetchWidth.PLAN)])
-def test_prefetch_window_makes_the_same_cuts(decisions, monkeypatch, serving, width):
+def test_prefetch_window_makes_the_same_cuts(decisions_and_prefetches, serving, width):
     """With ``PrefetchPolicy.window`` the runtime on the CPU cuts prefetches where the simulator's timeline
     does (same window, built from the profile and the target's bytes per row): every demand and prefetch
     decision (expert, width asked, kind, bytes, evictions) identical, the same counters; without the window
     the runtime copies every prefetch whole, and its decisions differ."""
-    log = decisions
-    prefetch = ResidencyLedger.prefetch
-
-    def logged(self, layer_id, expert, width, **kw):
-        d = prefetch(self, layer_id, expert, width, **kw)
-        log.append(("prefetch", layer_id, expert, width, None if d is None else (d.kind, d.copy_bytes, d.evicted)))
-        return d
-
-    monkeypatch.setattr(ResidencyLedger, "prefetch", logged)
+    log = decisions_and_prefetches
     trace = synthetic_trace(num_layers=LAYERS, num_tokens=24, num_experts=EXPERTS, intermediate_size=INTER, seed=5)
     predicted = np.full((LAYERS, trace.num_tokens, 2), -1, dtype=np.int64)
     predicted[:-1] = trace.index[1:]

@@ -21,7 +21,7 @@ from crisp_bench.profiles import HardwareProfile
 from crisp_bench.shapes import ModelShape
 from crisp_bench.simulate import SimPolicy, _pin_hot_experts, simulate_decode
 from crisp_bench.traces import plan_from_trace, synthetic_trace
-from runtime_helpers import random_layers
+from runtime_helpers import decode_trace, random_layers
 
 from crisp_kernels import Backend, dequantize_expert
 from crisp_runtime import CrispRuntime, RuntimeConfig
@@ -279,16 +279,9 @@ def test_hybrid_prefetch_makes_the_same_decisions(decisions, serving):
                            config=RuntimeConfig(serving=policy, cost=LONG_LEAD.cost_model(), cpu_experts=EXACT))
     token = [0]
     prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, PrefetchPolicy())
-    g = torch.Generator().manual_seed(0)
     try:
         _pin(runtime, trace, plan)
-        for t in range(trace.num_tokens):
-            token[0] = t
-            for layer in range(LAYERS):
-                index = torch.from_numpy(trace.index[layer, t:t + 1]).to(torch.int64)
-                hidden = torch.randn(1, HIDDEN, generator=g)
-                runtime.forward(layer, hidden, index, torch.from_numpy(trace.weights[layer, t:t + 1]))
-                prefetcher(layer, hidden)
+        decode_trace(runtime, trace, HIDDEN, prefetcher, token)
     finally:
         runtime.close()
     by_runtime = list(decisions)
