@@ -149,25 +149,31 @@ def decode_case(model, pack_dir: str, layers, plan: CrispPlan, windows, case: Ca
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m crisp_bench.hybrid_accuracy", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="models/tiny-mixtral")
+    p.add_argument("--model", default="models/tiny-mixtral",
+                   help="local transformers checkpoint folder (default %(default)s)")
     p.add_argument("--crisp", default="models/tiny-mixtral-crisp", help="pack folder with its plan")
-    p.add_argument("--data", default="data/stdlib-heldout.txt")
+    p.add_argument("--data", default="data/stdlib-heldout.txt",
+                   help="text decoded for the accuracy (default %(default)s)")
     p.add_argument("--windows", type=int, default=16, help="windows of text (default 16)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per window (default 128)")
     p.add_argument("--trace", default="docs/bench-trace-heldout-predicted.npz", help="counts of the pinned hot set")
     p.add_argument("--budget", type=float, required=True, help="GPU budget, a fraction of all expert bytes")
-    p.add_argument("--profile", default="rtx4090-pcie4-ddr5")
-    p.add_argument("--target", default="mixtral-8x7b", choices=sorted(TARGETS))
+    p.add_argument("--profile", default="rtx4090-pcie4-ddr5",
+                   help="hardware profile whose cost model the scheduler uses (default %(default)s)")
+    p.add_argument("--target", default="mixtral-8x7b", choices=sorted(TARGETS),
+                   help="model whose expert sizes the cost model is scaled to (default %(default)s)")
     p.add_argument("--case", action="append", required=True, help="see the module docstring; repeatable")
     p.add_argument("--json", required=True, help="output file (written atomically; an existing file is refused)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from crisp_tools.calibration import CliError as ToolsCliError
+
     args = build_parser().parse_args([] if argv is None else argv)
     try:
         return _run(args)
-    except CliError as exc:
+    except (CliError, ToolsCliError) as exc:  # the pack and model loaders are crisp_tools'
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -185,12 +191,14 @@ def _run(args) -> int:
     if Path(args.json).exists():
         raise CliError(f"--json {args.json}: exists; refusing to overwrite it")
     cases = [parse_case(c) for c in args.case]
+    profile = get_profile(args.profile)  # every cheap check before the model loads
+    texts = load_texts([args.data])
     torch.set_num_threads(1)
     layers, plan, _ = load_pack_dir(args.crisp)
     if plan is None:
         raise CliError(f"--crisp {args.crisp}: the pack has no plan (plan.json)")
     model, _ = load_model(args.model, "cpu", "float32")
-    windows = contiguous_windows(load_texts([args.data]), args.windows, args.seq_len)
+    windows = contiguous_windows(texts, args.windows, args.seq_len)
     first = next(iter(layers.values()))
     inter = first.intermediate_size
     shape = TARGETS[args.target]
@@ -198,7 +206,7 @@ def _run(args) -> int:
         scale = neuron_scale(inter, shape)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    cost = scaled_cost(get_profile(args.profile), first.fmt.neuron_nbytes(first.hidden_size),
+    cost = scaled_cost(profile, first.fmt.neuron_nbytes(first.hidden_size),
                        shape.neuron_nbytes * scale)
     budget = int(args.budget * total_expert_bytes(layers))
     pinned = trace_counts(tr.Trace.load(args.trace), plan)

@@ -65,3 +65,16 @@ def test_a_short_decode_serves_what_the_policies_say(tmp_path):
     assert split["narrowed_dominant_fraction"] == 0.0 and split["prefetches"] > 0 and split["pinned"]
     assert recs["floor=0.875,placement=cpu_only+nopin"]["narrowed_dominant_fraction"] == 1.0
     assert main(args) == 2  # the output exists: refused, never overwritten
+
+
+@pytest.mark.parametrize("bad", [["--crisp", "/nonexistent/pack"], ["--model", "/nonexistent/model"],
+                                 ["--budget", "0"], ["--windows", "0"], ["--profile", "no-such-profile"],
+                                 ["--case", "floor=2"], ["--data", "/nonexistent/text.txt"]])
+def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, bad):
+    """Bad input ends in 'error: ...' and exit status 2, never a traceback, and writes no output file."""
+    out = tmp_path / "acc.json"
+    args = ["--budget", "0.25", "--case", "full", "--json", str(out), *bad]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert not out.exists()
