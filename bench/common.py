@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from crisp_runtime import cli_args as ca
+from crisp_runtime.cli_args import CliError  # re-exported: the one error base of every CLI
 from crisp_runtime.pack import INFO_FILE, PLAN_FILE
 
 from . import report
@@ -26,8 +27,6 @@ POLICIES = ("full", "uniform", "skip_aux", "crisp")
 ORDERS = ("serial", "router", "widest_first")
 
 
-class CliError(ValueError):
-    """Bad input: printed as one line, exit code 2. The base class of crisp-bench's own errors."""
 
 
 class ModelInputError(CliError):

@@ -168,12 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from crisp_tools.calibration import CliError as ToolsCliError
-
     args = build_parser().parse_args([] if argv is None else argv)
     try:
         return _run(args)
-    except (CliError, ToolsCliError) as exc:  # the pack and model loaders are crisp_tools'
+    except CliError as exc:  # crisp_tools' loaders raise the same class (crisp_runtime.cli_args.CliError)
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

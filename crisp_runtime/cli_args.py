@@ -16,6 +16,14 @@ import sys
 import zlib
 from pathlib import Path
 
+
+class CliError(ValueError):
+    """Bad input to a command-line tool: printed as one ``error: ...`` line, exit code 2. The one base class
+    of the errors of every CLI (crisp-bench, crisp-profile, crisp-eval, the tools), so a command that calls
+    another package's loaders still catches their refusals (two unrelated classes let one escape as a
+    traceback)."""
+
+
 # Seeds go to torch.Generator.manual_seed and numpy; 2**32 - 1 is the largest both take unchanged.
 MAX_SEED = 2**32 - 1
 # More threads than this is a typo (the largest machines have a few hundred cores); torch would

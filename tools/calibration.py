@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from crisp_runtime.cli_args import CliError  # re-exported: the one error base of every CLI
 from crisp_runtime.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, max_positions, model_top_k
 
 # Windows may overlap (they are drawn at random), but asking for more than this many times the
@@ -35,8 +36,6 @@ from crisp_runtime.moe_layers import MoeLayerRef, UnsupportedModelError, find_mo
 MAX_OVERSAMPLING = 8
 
 
-class CliError(Exception):
-    """Bad input found before any work was done; the command line tools exit with code 2."""
 
 
 def log(msg: str, *, quiet: bool = False) -> None:
