@@ -249,6 +249,19 @@ class RoutingTrace:
 
 
 @contextlib.contextmanager
+def experts_input_hooks(layers, hook_for) -> Iterator[None]:
+    """Forward pre-hooks on every experts module of ``layers`` (``hook_for(layer_id)`` makes each one's
+    ``hook(module, args, kwargs)``), removed on exit also after an error. Hooking the experts module's
+    inputs works with any experts implementation."""
+    handles = [ref.module.register_forward_pre_hook(hook_for(ref.layer_id), with_kwargs=True) for ref in layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
 def record_routing(model: nn.Module, layers: list[MoeLayerRef] | None = None) -> Iterator[RoutingTrace]:
     """Record ``top_k_index`` / ``top_k_weights`` of every experts call (CPU copies).
 
@@ -256,7 +269,6 @@ def record_routing(model: nn.Module, layers: list[MoeLayerRef] | None = None) ->
     """
     layers = find_moe_layers(model) if layers is None else layers
     trace = RoutingTrace()
-    handles = []
 
     def make_hook(layer_id):
         def hook(module, args, kwargs):
@@ -267,10 +279,5 @@ def record_routing(model: nn.Module, layers: list[MoeLayerRef] | None = None) ->
 
         return hook
 
-    for ref in layers:
-        handles.append(ref.module.register_forward_pre_hook(make_hook(ref.layer_id), with_kwargs=True))
-    try:
+    with experts_input_hooks(layers, make_hook):
         yield trace
-    finally:
-        for h in handles:
-            h.remove()

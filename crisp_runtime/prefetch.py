@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .copy_window import PrefetchWindow
-from .moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
+from .moe_layers import MoeLayerRef, UnsupportedModelError, experts_input_hooks, find_moe_layers, model_top_k
 from .serving import DominantWiden, ServingPolicy, ahead_width
 
 
@@ -158,12 +158,11 @@ def record_predictions(model: nn.Module, predictor: NextLayerPredictor,
                        refs: Sequence[MoeLayerRef] | None = None) -> Iterator[dict[int, list[torch.Tensor]]]:
     """Record ``predictor``'s next-layer prediction at every experts call: {layer_id: [(T, n) int64 CPU]}.
 
-    Hooks the experts modules' inputs (like ``models.record_routing``), so it works with any experts
-    implementation; the last MoE layer records rows of -1.
+    Hooks the experts modules' inputs (``moe_layers.experts_input_hooks``, as ``record_routing``), so it
+    works with any experts implementation; the last MoE layer records rows of -1.
     """
     refs = find_moe_layers(model) if refs is None else refs
     out: dict[int, list[torch.Tensor]] = {}
-    handles = []
 
     def make_hook(layer_id):
         def hook(module, args, kwargs):
@@ -176,13 +175,8 @@ def record_predictions(model: nn.Module, predictor: NextLayerPredictor,
 
         return hook
 
-    for ref in refs:
-        handles.append(ref.module.register_forward_pre_hook(make_hook(ref.layer_id), with_kwargs=True))
-    try:
+    with experts_input_hooks(refs, make_hook):
         yield out
-    finally:
-        for h in handles:
-            h.remove()
 
 
 class PrefetchWidth(enum.Enum):
