@@ -126,6 +126,7 @@ class ResidencyLedger:
         self.policy = policy if policy is not None else LRUPolicy()
         self._widths: dict[Key, int] = {}
         self._prefetched: set[Key] = set()  # prefetched, not demanded since
+        self._hits: dict[Key, Decision] = {}  # per key, the last hit's Decision (request reuses it)
         self.used = 0
         self.peak = 0
         self.counters = LedgerCounters()
@@ -155,18 +156,23 @@ class ResidencyLedger:
 
     def request(self, layer_id: int, expert: int, width: int, *, protected: Collection[Key] = (),
                 weak_protected: Collection[Key] = ()) -> Decision:
-        self._check(layer_id, width, "request")
         key = (layer_id, expert)
         old = self._widths.get(key, 0)
-        c = self.counters
-        if old >= width:
+        if old >= width > 0:  # a hit (checked first: 0 < width <= old <= the layer's full width is valid)
             self.policy.on_use(key)
-            c.hits += 1
+            self.counters.hits += 1
             if key in self._prefetched:
                 self._prefetched.discard(key)
-                c.prefetch_hits += 1
+                self.counters.prefetch_hits += 1
                 return Decision(key, HIT, width, old, old, 0, from_prefetch=True)
-            return Decision(key, HIT, width, old, old, 0)
+            # A hit's Decision is a value (key, width, old): the last one per key is reused while those
+            # match (a decode step's usual case) instead of built (0.42 us a NamedTuple on the 2-core VM).
+            hit = self._hits.get(key)
+            if hit is None or hit.width != width or hit.old_width != old:
+                hit = self._hits[key] = Decision(key, HIT, width, old, old, 0)
+            return hit
+        self._check(layer_id, width, "request")
+        c = self.counters
         self._prefetched.discard(key)
         extra = self._nb[layer_id] * (width - old)
         evicted = self._make_room(extra, key, protected, weak_protected)

@@ -47,7 +47,11 @@ from dataclasses import dataclass, field
 import torch
 
 from crisp_kernels import Backend, PackedLayer
-from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_, resolve_backend
+from crisp_kernels.expert_mlp import (
+    expert_mlp_accumulate_unchecked_,
+    experts_mlp_accumulate_unchecked_,
+    resolve_backend,
+)
 
 from .copy_window import CopyClock, admit_requests
 from .cpu_experts import CpuExperts, CpuExpertsConfig
@@ -56,7 +60,7 @@ from .eviction import make_policy
 from .host_store import HostStore
 from .plan import CrispPlan
 from .prefetch import PrefetchPolicy
-from .residency import TRANSIENT, Decision, transient_buffer_bytes, transient_rows
+from .residency import HIT, MISS, TRANSIENT, Decision, transient_buffer_bytes, transient_rows
 from .scheduler import CostModel, StepPlan, TaskOrder
 from .serving import ServedSlots, ServingPolicy, make_serving, plan_served_step
 from .stats import LayerStats, RuntimeStats
@@ -428,67 +432,83 @@ class CrispRuntime:
         timings = [] if self.config.record_timings and copy_stream is None else None
         if timings is not None:
             self.last_timings[layer_id] = timings
-        for i, task in enumerate(tasks):
-            if timings is not None:
-                _sync(device)
-                t0 = time.perf_counter()
-            key = (layer_id, task.expert)
-            width = task.gpu_width  # a property: read once
-            if copy_stream is None:
-                got = cache.acquire(layer_id, task.expert, width, protected=pending, transient_room=room)
-            else:  # GPU-only: copy on the copy stream, the compute stream waits on this expert's event only
-                with torch.cuda.stream(copy_stream):
+        elif copy_stream is None and not step.bytes_missing:
+            self._run_resident(layer_id, x, out, stats, tasks, rows_s, weights_s, widths_s, room, gpu_placement)
+            return
+        # Hits and expert runs are counted once per step: the loop counts only the tasks that copied (`copies`)
+        # and how many got their prefix (`acquired`, so a step that raises counts what it did, as before).
+        acquired = copies = 0
+        try:
+            for i, task in enumerate(tasks):
+                if timings is not None:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                # gpu_width (a property, ~0.1 us): a split task's prefix [0, split_at), else its width; a GPU
+                # placement has neither CPU nor split tasks
+                width = task.width if gpu_placement else task.gpu_width
+                if copy_stream is None:
                     got = cache.acquire(layer_id, task.expert, width, protected=pending, transient_room=room)
+                else:  # GPU-only: copy on the copy stream, the compute stream waits on this expert's event only
+                    with torch.cuda.stream(copy_stream):
+                        got = cache.acquire(layer_id, task.expert, width, protected=pending, transient_room=room)
+                        if got.copied_bytes:
+                            copied = torch.cuda.Event()
+                            copied.record(copy_stream)
                     if got.copied_bytes:
-                        copied = torch.cuda.Event()
-                        copied.record(copy_stream)
-                if got.copied_bytes:
-                    compute_stream.wait_event(copied)
-                    for part in (got.resident, got.transient):  # a transient task: the buffer's rows too
-                        if part is not None:
-                            for t in part.tensors():
+                        compute_stream.wait_event(copied)
+                        for part in (got.resident, got.transient):  # a transient task: the buffer's rows too
+                            if part is not None:
+                                for t in part.tensors():
+                                    t.record_stream(compute_stream)
+                    else:
+                        ready = cache.take_ready(layer_id, task.expert)  # a prefetch's copy, not yet waited on
+                        if ready is not None:
+                            compute_stream.wait_event(ready)
+                            for t in got.resident.tensors():
                                 t.record_stream(compute_stream)
+                acquired += 1
+                if timings is not None:
+                    _sync(device)
+                    t1 = time.perf_counter()
+                if pending:
+                    pending.discard((layer_id, task.expert))
+                decision = got.decision
+                if decision is not None:  # None: ResidentExperts, a hit
+                    if decision.kind != HIT:
+                        copies += 1
+                        room -= _count_copy(stats, decision)
+                    elif decision.from_prefetch:
+                        stats.prefetch_hits += 1
+                if got.transient is None:
+                    expert_mlp_accumulate_unchecked_(out, x, got.resident, width, rows_s[i], weights_s[i],
+                                                     widths_s[i], backend)
                 else:
-                    ready = cache.take_ready(layer_id, task.expert)  # a prefetch's copy, not yet waited on
-                    if ready is not None:
-                        compute_stream.wait_event(ready)
-                        for t in got.resident.tensors():
-                            t.record_stream(compute_stream)
-            if timings is not None:
-                _sync(device)
-                t1 = time.perf_counter()
-            pending.discard(key)
-            decision = got.decision
-            if decision is None or decision.kind == "hit":
-                stats.hits += 1
-                if decision is not None and decision.from_prefetch:
-                    stats.prefetch_hits += 1
-            else:
-                stats.bytes_h2d += decision.copy_bytes
-                stats.evictions += len(decision.evicted)
-                if decision.kind == "miss":
-                    stats.misses += 1
-                elif decision.kind == TRANSIENT:  # rows copied into the step's transient buffer, not admitted
-                    stats.transients += 1
-                    stats.transient_bytes += decision.copy_bytes
-                    room -= decision.copy_bytes
-                else:
-                    stats.widenings += 1
-            stats.expert_runs += 1
-            # gpu_width: a split task's prefix [0, split_at) (its tokens' widths clamped to it), else its width
-            if got.transient is None:
-                expert_mlp_accumulate_unchecked_(out, x, got.resident, width, rows_s[i], weights_s[i],
-                                                 widths_s[i], backend)
-            else:
-                _run_transient(out, x, got, rows_s[i], weights_s[i], widths_s[i], backend)
-            if timings is not None:
-                _sync(device)
-                timings.append((t1 - t0, time.perf_counter() - t1))
-                stats.copy_ms += 1e3 * (t1 - t0)
-            if copy_stream is not None and got.resident is not None:  # GPU-only
-                used = torch.cuda.Event()
-                used.record(compute_stream)
-                cache.mark_used(layer_id, task.expert, used)
+                    _run_transient(out, x, got, rows_s[i], weights_s[i], widths_s[i], backend)
+                if timings is not None:
+                    _sync(device)
+                    timings.append((t1 - t0, time.perf_counter() - t1))
+                    stats.copy_ms += 1e3 * (t1 - t0)
+                if copy_stream is not None and got.resident is not None:  # GPU-only
+                    used = torch.cuda.Event()
+                    used.record(compute_stream)
+                    cache.mark_used(layer_id, task.expert, used)
+        finally:
+            stats.hits += acquired - copies
+            stats.expert_runs += acquired
+
+    def _run_resident(self, layer_id: int, x, out, stats: LayerStats, tasks, rows_s, weights_s, widths_s,
+                      room: int, gpu_placement: bool) -> None:
+        """The synchronous path of a step that copies nothing (``bytes_missing`` 0: every task's prefix was
+        resident at its width when the step was planned, and nothing ran since): each task's prefix asked of
+        the cache in order (``acquire_resident``: the same requests as the general loop, all hits), then their
+        kernels in one grouped entry, in the same order (the same sums). Counted once per step."""
+        experts = [t.expert for t in tasks]
+        widths = [t.width for t in tasks] if gpu_placement else [t.gpu_width for t in tasks]  # see _run_gpu
+        resident, from_prefetch = self.cache.acquire_resident(layer_id, experts, widths, transient_room=room)
+        stats.hits += len(tasks)
+        stats.expert_runs += len(tasks)
+        stats.prefetch_hits += from_prefetch
+        experts_mlp_accumulate_unchecked_(out, x, resident, widths, rows_s, weights_s, widths_s, self.backend)
 
     def _clock_step(self, step: StepPlan, top_k_index: torch.Tensor) -> None:
         """Time this step on the modeled clock (``PrefetchPolicy.window``): one job per expert run, in the
@@ -584,6 +604,22 @@ def _run_transient(out, x, got, rows, weights, widths, backend) -> None:
         expert_mlp_accumulate_unchecked_(out, x, got.resident, r, rows, weights, widths, backend)
     expert_mlp_accumulate_unchecked_(out, x, got.transient, got.width - r, rows, weights,
                                      (widths - r).clamp_(min=0), backend)
+
+
+def _count_copy(stats: LayerStats, decision: Decision) -> int:
+    """Count a task's copy (a miss, a widening or a transient copy) in ``stats``; returns the bytes it took from
+    the step's transient buffer (0 unless "transient": rows copied into the buffer, not admitted)."""
+    stats.bytes_h2d += decision.copy_bytes
+    stats.evictions += len(decision.evicted)
+    if decision.kind == MISS:
+        stats.misses += 1
+    elif decision.kind == TRANSIENT:
+        stats.transients += 1
+        stats.transient_bytes += decision.copy_bytes
+        return decision.copy_bytes
+    else:
+        stats.widenings += 1
+    return 0
 
 
 def _add_served(stats: LayerStats, served: ServedSlots) -> None:

@@ -18,8 +18,11 @@ from runtime_helpers import random_layers
 
 from crisp_kernels import Backend, QuantFormat, pack_layer
 from crisp_kernels._triton import interpreter_enabled
-from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_
+from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_, experts_mlp_accumulate_unchecked_
 from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths
+from crisp_runtime.device_cache import PrefixCache
+from crisp_runtime.host_store import HostStore
+from crisp_runtime.residency import Decision, ResidencyLedger
 from crisp_runtime.scheduler import TaskOrder, plan_step
 from crisp_runtime.serving import SERVING_POLICIES, plan_served_step, serve_slots
 
@@ -191,3 +194,152 @@ def test_outputs_are_never_overwritten_and_buffers_start_at_zero(dtype, serving)
             assert old.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
         kept.append((out, out.clone()))
     assert rt.stats.layers[0].expert_runs > 0
+
+
+# ----------------------------------------------------------------- session 4: hits and grouped kernel calls
+
+GROUP_BACKENDS = [Backend.TORCH] + ([Backend.TRITON_INTERPRET] if interpreter_enabled() else [])
+
+
+@pytest.mark.parametrize("backend", GROUP_BACKENDS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_grouped_kernel_entry_equals_the_calls_one_by_one(backend, bias, tokens):
+    layer = _biased_layer() if bias else random_layers(layer_ids=(0,), num_experts=E, inter=INTER,
+                                                        hidden=HIDDEN)[0]
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    experts = [layer.expert(e) for e in (3, 0, 5, 1)]
+    widths = [INTER, 5, 1, INTER // 2]
+    rows, weights, token_widths = [], [], []
+    for i in range(len(experts)):
+        n = 1 if tokens == 1 else 2 + i % 3  # a token may repeat (rows index x and out alike)
+        rows.append(torch.randint(0, tokens, (n,), generator=g))
+        weights.append(torch.rand(n, generator=g))
+        token_widths.append(None if i % 2 else torch.randint(0, INTER + 3, (n,), generator=g))  # clamped
+    start = torch.randn(tokens, HIDDEN, generator=g)  # accumulated into, not overwritten
+    one_by_one = start.clone()
+    for args in zip(experts, widths, rows, weights, token_widths, strict=True):
+        expert_mlp_accumulate_unchecked_(one_by_one, x, *args, backend)
+    grouped = start.clone()
+    experts_mlp_accumulate_unchecked_(grouped, x, experts, widths, rows, weights, token_widths, backend)
+    assert torch.equal(grouped, one_by_one)
+    assert not torch.equal(grouped, start)
+
+
+def test_a_hit_decision_is_a_value_and_a_hit_never_returns_dropped_buffers():
+    layers = random_layers(layer_ids=(0,), num_experts=E, inter=INTER, hidden=HIDDEN)
+    nb = layers[0].neuron_nbytes
+    ledger = ResidencyLedger(4 * INTER * nb, {0: nb}, {0: INTER})
+    assert ledger.request(0, 1, INTER // 2).kind == "miss"
+    for width in (INTER // 2, 3, INTER // 2, 3):  # reused or rebuilt: always the value a new one has
+        assert ledger.request(0, 1, width) == Decision((0, 1), "hit", width, INTER // 2, INTER // 2, 0)
+    assert ledger.request(0, 1, INTER).kind == "widen"
+    assert ledger.request(0, 1, 3) == Decision((0, 1), "hit", 3, INTER, INTER, 0)  # the old width: not reused
+    assert ledger.prefetch(0, 2, 4) is not None
+    assert ledger.request(0, 2, 4).from_prefetch and not ledger.request(0, 2, 4).from_prefetch
+    with pytest.raises(ValueError, match="width 0"):
+        ledger.request(0, 1, 0)  # a hit is checked first, an invalid width still refused
+    assert ledger.counters.hits == 7 and ledger.counters.prefetch_hits == 1
+
+    cache = PrefixCache(HostStore(layers), 2 * INTER * nb, "cpu")
+    cache.acquire(0, 1, INTER)
+    first = cache.acquire(0, 1, INTER)
+    assert first.kind == "hit" and cache.acquire(0, 1, INTER) is first  # reused while the buffers stay
+    narrower = cache.acquire(0, 1, 3)  # another width on the same buffers: its own width and decision
+    assert narrower.width == 3 and narrower.decision.width == 3 and narrower.resident is first.resident
+    assert cache.acquire(0, 1, INTER).width == INTER
+    cache.evict((0, 1))
+    cache.acquire(0, 1, INTER)  # the same width again: new buffers
+    again = cache.acquire(0, 1, INTER)
+    assert again.decision == first.decision and again.resident is not first.resident
+    assert again.resident is cache.acquire_resident(0, [1], [INTER])[0][0]
+
+
+def test_acquire_resident_refuses_a_missing_prefix_and_keeps_the_cache_consistent():
+    layers = random_layers(layer_ids=(0,), num_experts=E, inter=INTER, hidden=HIDDEN)
+    cache = PrefixCache(HostStore(layers), 3 * INTER * layers[0].neuron_nbytes, "cpu")
+    cache.acquire(0, 2, INTER)
+    got, from_prefetch = cache.acquire_resident(0, [2, 2], [INTER, 4])
+    assert got[0] is got[1] and got[0].width == INTER and from_prefetch == 0
+    with pytest.raises(RuntimeError, match="expert 5 of layer 0 was not resident at width 4"):
+        cache.acquire_resident(0, [2, 5], [INTER, 4])
+    assert cache.resident() == {(0, 2): INTER, (0, 5): 4}  # the ledger's miss was applied: buffers follow
+    assert cache.acquire(0, 5, 4).kind == "hit" and cache.acquire(0, 5, 4).resident.width == 4
+
+
+def _serving_cases():
+    from crisp_runtime.scheduler import CostModel
+
+    cpu = CostModel(cpu_bytes_per_s=60e9, cpu_latency_s=2e-6, h2d_bytes_per_s_cpu_busy=15e9, join_s=5e-6)
+    return [("plan", None, CostModel()), ("resident-floor75", None, CostModel()),
+            ("plan", "none-budget", CostModel()), ("hybrid_split_transient", None, cpu), ("hybrid", None, cpu)]
+
+
+@pytest.mark.parametrize(("serving", "variant", "cost"), _serving_cases())
+def test_steps_that_copy_nothing_run_as_the_general_loop_runs_them(monkeypatch, serving, variant, cost):
+    """The executor's path for a step that copies nothing (one ``acquire_resident``, one grouped kernel entry)
+    against its general loop (taken with ``record_timings``): the same outputs bit for bit, the same
+    statistics and the same ledger requests in the same order, prefetch hits included."""
+    from crisp_runtime.cpu_experts import EXACT
+
+    log: dict[int, list] = {}
+    for name in ("request", "request_transient"):
+        original = getattr(ResidencyLedger, name)
+
+        def logged(self, layer_id, expert, width, *args, _original=original, _name=name, **kw):
+            d = _original(self, layer_id, expert, width, *args, **kw)
+            log.setdefault(id(self), []).append((_name, layer_id, expert, width, d))
+            return d
+
+        monkeypatch.setattr(ResidencyLedger, name, logged)
+    ran = {"resident": 0}
+    resident_path = CrispRuntime._run_resident
+
+    def counting_resident(self, *a, **kw):
+        ran["resident"] += 1
+        return resident_path(self, *a, **kw)
+
+    monkeypatch.setattr(CrispRuntime, "_run_resident", counting_resident)
+    layers = random_layers(layer_ids=(0, 1), num_experts=E, inter=INTER, hidden=HIDDEN)
+    plan = _plans(4)["crisp"]  # 4 experts a token: their order changes the sums (two would commute)
+    plan = CrispPlan.crisp(E, 4, INTER, {0: plan.layers[0], 1: plan.layers[0]}, plan.tier_widths)
+    budget = None if variant == "none-budget" else 7 * INTER * layers[0].neuron_nbytes
+    runtimes = [CrispRuntime(layers, plan, device="cpu", gpu_budget=budget,
+                             config=RuntimeConfig(serving=serving, cost=cost, cpu_experts=EXACT, record_timings=t))
+                for t in (False, True)]
+    g = torch.Generator().manual_seed(4)
+    prefetched = None
+    try:
+        for step_no in range(40):
+            layer_id = step_no % 2
+            hot = (step_no // 8) % 3  # the same pair for a few steps: steps that copy nothing
+            other = prefetched if prefetched is not None else hot + 4 if step_no % 8 < 6 else 7
+            index = torch.tensor([[hot, hot + 3, hot + 1, other]])
+            weights = torch.softmax(torch.randn(1, 4, generator=g), -1)
+            x = torch.randn(1, HIDDEN, generator=g)
+            outs = [rt.forward(layer_id, x, index, weights) for rt in runtimes]
+            assert torch.equal(outs[0], outs[1]), step_no
+            prefetched = None
+            if step_no % 8 == 4:  # the next step (the other layer) runs what this one prefetches: a prefetch hit
+                prefetched = 6
+                for rt in runtimes:
+                    rt.prefetch(1 - layer_id, [(prefetched, INTER)])
+    finally:
+        for rt in runtimes:
+            rt.close()
+    stats = [rt.stats.as_dict() for rt in runtimes]
+    for s in stats:
+        s.pop("copy_ms")
+        for layer in s["layers"].values():
+            layer.pop("copy_ms")
+    assert stats[0] == stats[1]
+    assert stats[0]["expert_runs"] > 0
+    if budget is not None:
+        logs = [log[id(rt.cache.ledger)] for rt in runtimes]
+        assert logs[0] == logs[1]
+        kinds = {d.kind for *_, d in logs[0]}
+        assert "hit" in kinds and "miss" in kinds
+        assert stats[0]["prefetch_hits"] > 0
+    assert ran["resident"] > 0  # the path under test ran, and with a budget so did the loop (steps that copied)
+    assert budget is None or stats[0]["misses"] > 0
