@@ -192,8 +192,9 @@ def measure_expert_overhead(*, num_experts: int = 8, top_ks=(1, 8), hidden: int 
     """CPU microseconds that ``CrispRuntime.forward`` spends around its kernels, per expert call.
 
     Decode steps (one token, all experts resident) on a CPU with the torch kernel's arithmetic
-    (``expert_mlp_accumulate_ref_``) replaced by a no-op for the measurement, so that what is
-    timed is the runtime's own work: checks, planning, residency lookups, dispatch and the
+    replaced by no-ops for the measurement (``expert_mlp_accumulate_ref_``, one expert, and
+    ``experts_mlp_accumulate_ref_``, a step's experts through the grouped entry), so that what
+    is timed is the runtime's own work: checks, planning, residency lookups, dispatch and the
     kernel entry. For each top-k in ``top_ks``: the step and the planner alone; medians per block
     of ``iters`` steps, the lowest block kept (a shared machine only ever adds time), and the
     median over blocks beside it (``*_median``). ``per_expert_us`` = (step - planner) / k at the
@@ -212,7 +213,9 @@ def measure_expert_overhead(*, num_experts: int = 8, top_ks=(1, 8), hidden: int 
     out = {"num_experts": num_experts, "hidden": hidden, "inter": inter, "threads": torch.get_num_threads()}
     load_before = os.getloadavg()[0]
     kernels = sys.modules["crisp_kernels.expert_mlp"]
-    with mock.patch.object(kernels, "expert_mlp_accumulate_ref_", lambda *a, **k: None):
+    no_op = lambda *a, **k: None  # noqa: E731
+    with (mock.patch.object(kernels, "expert_mlp_accumulate_ref_", no_op),
+          mock.patch.object(kernels, "experts_mlp_accumulate_ref_", no_op)):
         for k in top_ks:
             rt = CrispRuntime({0: layer}, CrispPlan.full(num_experts, k, inter, [0]), device="cpu",
                               gpu_budget=layer.nbytes())

@@ -162,14 +162,14 @@ def experts_mlp_accumulate_unchecked_(
     """Several experts accumulated into ``out``, in order: ``expert_mlp_accumulate_unchecked_(out, x,
     experts[i], widths[i], rows[i], weights[i], token_widths[i], backend)`` for each i.
 
-    The same kernel calls in the same order, so the same sums (bit-identical to the calls one by one),
-    with one entry per layer step instead of one per expert: a decode step's executor spends ~0.3 us
-    (2-core CPU VM) per expert in each Python entry and backend dispatch. Unchecked, as the single entry.
+    The same kernels in the same order, so the same sums (bit-identical to the calls one by one), with
+    one entry per layer step instead of one per expert: each Python entry, backend dispatch and call of
+    the reference cost a decode step ~0.3-0.6 us per expert on the 2-core CPU VM. The torch backend runs
+    :func:`experts_mlp_accumulate_ref_` once; Triton launches one kernel per expert (a single launch for
+    the step is not built). Unchecked, as the single entry.
     """
     if backend is Backend.TORCH:
-        kernel = expert_mlp_accumulate_ref_
-        for packed, width, r, w, tw in zip(experts, widths, rows, weights, token_widths, strict=True):
-            kernel(out, x, packed, width, rows=r, weights=w, token_widths=tw)
+        experts_mlp_accumulate_ref_(out, x, experts, widths, rows, weights, token_widths)
         return
     from .expert_mlp_triton import expert_mlp_accumulate_triton_  # imports Triton: only off the torch backend
 
@@ -239,5 +239,21 @@ def expert_mlp_accumulate_ref_(
     token_widths: torch.Tensor | None = None,
 ) -> None:
     """``out[rows[t]] += weights[t] * expert(x[rows[t]])`` in float32, the reference."""
-    y = expert_mlp_ref(x[rows.long()], packed, width, token_widths=token_widths, compute_dtype=torch.float32)
-    out.index_add_(0, rows.long(), y * weights.unsqueeze(1))
+    experts_mlp_accumulate_ref_(out, x, (packed,), (width,), (rows,), (weights,), (token_widths,))
+
+
+def experts_mlp_accumulate_ref_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    experts: Sequence[PackedExpert],
+    widths: Sequence[int | None],
+    rows: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    token_widths: Sequence[torch.Tensor | None],
+) -> None:
+    """:func:`expert_mlp_accumulate_ref_` for several experts, in order: the reference's one loop (the
+    single-expert entry calls it with one expert; the grouped entry with a layer step's experts)."""
+    for packed, width, r, w, tw in zip(experts, widths, rows, weights, token_widths, strict=True):
+        r = r.long()
+        y = expert_mlp_ref(x[r], packed, width, token_widths=tw, compute_dtype=torch.float32)
+        out.index_add_(0, r, y * w.unsqueeze(1))

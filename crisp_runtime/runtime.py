@@ -182,6 +182,7 @@ class CrispRuntime:
         # decode steps' routing weights, per stream on CUDA (see _accumulator and _decode_weights).
         self._accumulators: dict = {}
         self._weight_buffers: dict = {}
+        self._cuda = self.device.type == "cuda"  # read per step (torch.device.type: ~0.35 us, 2-core VM)
         self._gpu_placement = not self.serving.placement.uses_cpu  # read per step (the enum property: ~0.8 us)
         self._copy_stream = None  # GPU-only, created on first use
         self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu_knob.CpuDecision), for stats()
@@ -279,7 +280,7 @@ class CrispRuntime:
         x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
         out = self._accumulator(x)
         if step.tasks:
-            timer = _StepTimer(self.device) if self.config.record_timings and self.device.type == "cuda" else None
+            timer = _StepTimer(self.device) if self._cuda and self.config.record_timings else None
             self._run(layer_id, step, x, top_k_weights, out, stats)
             if timer is not None:
                 stats.step_ms += timer.stop()
@@ -299,7 +300,7 @@ class CrispRuntime:
         """
         if x.dtype == torch.float32 or x.shape[0] > _KEEP_ACCUMULATOR_ROWS or x.requires_grad:
             return torch.zeros_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
-        key = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None  # GPU-only: per stream
+        key = torch.cuda.current_stream(self.device) if self._cuda else None  # GPU-only: per stream
         buf = self._accumulators.get(key)
         if buf is None or buf.shape != x.shape:
             buf = self._accumulators[key] = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
@@ -314,8 +315,7 @@ class CrispRuntime:
         kernels of the step read the views before the next step overwrites them: on the CPU they have
         run; on CUDA the next copy is queued behind them on the same stream (one buffer per stream).
         """
-        key = (top_k_weights.shape[1],
-               torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)  # GPU-only: stream
+        key = (top_k_weights.shape[1], torch.cuda.current_stream(self.device) if self._cuda else None)  # GPU-only
         got = self._weight_buffers.get(key)
         if got is None:
             buf = torch.empty((1, key[0]), dtype=torch.float32, device=self.device)
@@ -328,15 +328,16 @@ class CrispRuntime:
         hidden = self._hidden.get(layer_id)
         if hidden is None:
             raise KeyError(f"CRISP runtime has no layer {layer_id}; it holds {list(self.layer_ids)}")
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != hidden:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"layer {layer_id}: hidden_states must be (T, H={hidden}), got {shape}")
+        shape = x.shape if isinstance(x, torch.Tensor) else None  # each tensor getter is ~0.1 us: read once
+        if shape is None or len(shape) != 2 or shape[1] != hidden:
+            got = type(x).__name__ if shape is None else tuple(shape)
+            raise ValueError(f"layer {layer_id}: hidden_states must be (T, H={hidden}), got {got}")
         if x.dtype not in _ACTIVATION_DTYPES:
             raise ValueError(f"layer {layer_id}: hidden_states must be fp16, bf16 or fp32, got {x.dtype}")
         if x.device != self.device:
             raise RuntimeError(f"layer {layer_id}: activations are on {x.device}, CRISP experts on {self.device}")
-        if (top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape
-                or top_k_index.shape[0] != x.shape[0]):
+        index_shape = top_k_index.shape
+        if len(index_shape) != 2 or index_shape != top_k_weights.shape or index_shape[0] != shape[0]:
             raise ValueError(f"layer {layer_id}: top_k_index and top_k_weights must both be (T={x.shape[0]}, k), "
                              f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
 
@@ -420,11 +421,14 @@ class CrispRuntime:
                  gpu_placement: bool = False) -> None:
         device = self.device
         rows_s, weights_s, widths_s = self._task_inputs(step, tasks, top_k_weights, gpu_placement)
+        room = self._transient_room.get(layer_id, 0)  # bytes this step may still copy to the transient buffer
+        if not (step.bytes_missing or self._async or self.config.record_timings):  # synchronous, copies nothing
+            self._run_resident(layer_id, x, out, stats, tasks, rows_s, weights_s, widths_s, room, gpu_placement)
+            return
         # The step's keys not yet run are protected from eviction; a step that copies nothing evicts nothing
         # (bytes_missing: the GPU tasks' missing rows at planning, nothing changed since), so none to protect.
         pending = {(layer_id, t.expert) for t in tasks} if step.bytes_missing else set()
         cache, backend = self.cache, self.backend
-        room = self._transient_room.get(layer_id, 0)  # bytes this step may still copy to the transient buffer
         compute_stream = copy_stream = None
         if self._async:  # GPU-only
             compute_stream = torch.cuda.current_stream(device)
@@ -432,9 +436,6 @@ class CrispRuntime:
         timings = [] if self.config.record_timings and copy_stream is None else None
         if timings is not None:
             self.last_timings[layer_id] = timings
-        elif copy_stream is None and not step.bytes_missing:
-            self._run_resident(layer_id, x, out, stats, tasks, rows_s, weights_s, widths_s, room, gpu_placement)
-            return
         # Hits and expert runs are counted once per step: the loop counts only the tasks that copied (`copies`)
         # and how many got their prefix (`acquired`, so a step that raises counts what it did, as before).
         acquired = copies = 0

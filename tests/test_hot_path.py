@@ -343,3 +343,25 @@ def test_steps_that_copy_nothing_run_as_the_general_loop_runs_them(monkeypatch, 
         assert stats[0]["prefetch_hits"] > 0
     assert ran["resident"] > 0  # the path under test ran, and with a budget so did the loop (steps that copied)
     assert budget is None or stats[0]["misses"] > 0
+
+
+@pytest.mark.parametrize(("case", "error", "match"), [
+    ("layer", KeyError, "no layer 5"),
+    ("list", ValueError, r"must be \(T, H=64\), got list"),
+    ("3d", ValueError, r"must be \(T, H=64\), got \(1, 1, 64\)"),
+    ("hidden", ValueError, r"must be \(T, H=64\), got \(1, 32\)"),
+    ("int", ValueError, "fp16, bf16 or fp32"),
+    ("index_1d", ValueError, r"must both be \(T=1, k\), got \(2,\) and \(1, 2\)"),
+    ("mismatch", ValueError, r"must both be \(T=1, k\), got \(1, 2\) and \(1, 3\)"),
+    ("tokens", ValueError, r"must both be \(T=1, k\), got \(2, 2\) and \(2, 2\)"),
+])
+def test_the_step_boundary_refuses_bad_inputs(case, error, match):
+    layers = random_layers(layer_ids=(0,), num_experts=E, inter=INTER, hidden=HIDDEN)
+    rt = CrispRuntime(layers, CrispPlan.full(E, 2, INTER, [0]), device="cpu", gpu_budget=None)
+    x, index, weights = torch.randn(1, HIDDEN), torch.tensor([[0, 1]]), torch.tensor([[0.6, 0.4]])
+    layer_id = 5 if case == "layer" else 0
+    x = {"list": [[0.0] * HIDDEN], "3d": x[None], "hidden": x[:, :32], "int": x.long()}.get(case, x)
+    index = {"index_1d": index[0], "tokens": index.repeat(2, 1)}.get(case, index)
+    weights = {"mismatch": torch.rand(1, 3), "tokens": weights.repeat(2, 1)}.get(case, weights)
+    with pytest.raises(error, match=match):
+        rt.forward(layer_id, x, index, weights)
