@@ -127,6 +127,7 @@ class ResidencyLedger:
         self._widths: dict[Key, int] = {}
         self._prefetched: set[Key] = set()  # prefetched, not demanded since
         self._hits: dict[Key, Decision] = {}  # per key, the last hit's Decision (request reuses it)
+        self._on_use = self.policy.on_use  # a hit's one policy call, bound once (the policy is never replaced)
         self.used = 0
         self.peak = 0
         self.counters = LedgerCounters()
@@ -159,7 +160,7 @@ class ResidencyLedger:
         key = (layer_id, expert)
         old = self._widths.get(key, 0)
         if old >= width > 0:  # a hit (checked first: 0 < width <= old <= the layer's full width is valid)
-            self.policy.on_use(key)
+            self._on_use(key)
             self.counters.hits += 1
             if key in self._prefetched:
                 self._prefetched.discard(key)

@@ -281,7 +281,10 @@ class CrispRuntime:
         out = self._accumulator(x)
         if step.tasks:
             timer = _StepTimer(self.device) if self._cuda and self.config.record_timings else None
-            self._run(layer_id, step, x, top_k_weights, out, stats)
+            if self._gpu_placement:  # every task whole on the GPU: no CPU rows to hand out
+                self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks, gpu_placement=True)
+            else:
+                self._run(layer_id, step, x, top_k_weights, out, stats)
             if timer is not None:
                 stats.step_ms += timer.stop()
         if self._clock is not None:
@@ -342,9 +345,7 @@ class CrispRuntime:
                              f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
 
     def _run(self, layer_id: int, step: StepPlan, x, top_k_weights, out, stats: LayerStats) -> None:
-        if self._gpu_placement:  # every task whole on the GPU: skip the two passes for CPU rows
-            self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks, gpu_placement=True)
-            return
+        """A step under a placement that uses the CPU (``forward`` runs a GPU placement's through ``_run_gpu``)."""
         n_gpu = sum(1 for t in step.tasks if not t.on_cpu)
         cpu_parts = [t for t in step.tasks if t.cpu_rows is not None]  # CPU tasks and split tasks' CPU rows
         if not cpu_parts:

@@ -9,10 +9,17 @@ both alike; printed: (lowest block, median over blocks) in microseconds.
     mv /tmp/hp/crisp_runtime /tmp/hp/crisp_runtime_base
     OMP_NUM_THREADS=1 python docs/hot-path-ab.py /tmp/hp 20
 
+(session 4 compared against 91bbacf the same way). Both versions use this checkout's ``crisp_kernels``.
+
 Planner: ``CrispRuntime.plan_served`` per layer step as ``crisp_bench.runtime.measure_planner_overhead``
 (crisp plan, one token, half the experts resident, fresh routing per step). Per expert call: as
-``crisp_bench.layer.measure_expert_overhead`` (all experts resident, the torch kernel's arithmetic
-replaced by a no-op; (step - planner) / 8 at top-8).
+``crisp_bench.layer.measure_expert_overhead`` (all experts resident, the torch kernels' arithmetic
+replaced by no-ops: ``expert_mlp_accumulate_ref_`` and the grouped ``experts_mlp_accumulate_ref_``;
+(step - planner) / 8 at top-8).
+
+The breakdown times the after-version's parts alone, and the planner's slowdown when any other code
+runs between its calls (``planner + 6 us of arithmetic``: a Python loop that allocates nothing), the
+part of "step - planner" that no change to the executor removes.
 """
 
 from __future__ import annotations
@@ -87,7 +94,7 @@ def planner_fn(mod, layer, num_experts: int, top_k: int, serving: str):
 def breakdown(layer, x, blocks: int) -> dict:
     """Where the after-version's top-8 step goes (kernel arithmetic removed by the caller): its parts
     timed alone, interleaved (private methods of CrispRuntime: a measurement, not an API)."""
-    from crisp_kernels.expert_mlp import Backend, expert_mlp_accumulate_unchecked_
+    from crisp_kernels.expert_mlp import Backend, expert_mlp_accumulate_unchecked_, experts_mlp_accumulate_unchecked_
 
     num_experts, top_k = 8, 8
     g = torch.Generator().manual_seed(1)
@@ -112,15 +119,36 @@ def breakdown(layer, x, blocks: int) -> dict:
             expert_mlp_accumulate_unchecked_(out, x, resident, task.width, rt._zero_row, one_weight, None,
                                              Backend.TORCH)
 
+    experts = [t.expert for t in step.tasks]
+    widths = [t.width for t in step.tasks]
+    inputs = rt._task_inputs(step, step.tasks, weights, True)
+    residents = cache.acquire_resident(0, experts, widths)[0]
+    served_step = (served, step)
+    cached = after_rt.CrispRuntime({0: layer}, after_rt.CrispPlan.full(num_experts, top_k, INTER, [0]),
+                                   device="cpu", gpu_budget=layer.nbytes())
+    cached.forward(0, x, index, weights)
+    cached.plan_served = lambda *a: served_step  # the executor alone: the planner's result reused
+
+    def burn():  # ~6 us of Python arithmetic, nothing allocated, no torch
+        total = 0
+        for i in range(150):
+            total += i
+
     fns = {
         "part: forward (whole step)": lambda: rt.forward(0, x, index, weights),
         "part: planner (plan_served)": lambda: rt.plan_served(0, index, weights),
         "part: boundary checks (_check_step)": lambda: rt._check_step(0, x, index, weights),
         "part: float32 accumulator (_accumulator)": lambda: rt._accumulator(x),
-        "part: executor, 8 tasks (_run)": lambda: rt._run(0, step, x, weights, out, stats),
+        "part: executor, 8 tasks (_run_gpu)": lambda: rt._run_gpu(0, step, x, weights, out, stats, step.tasks, True),
         "part:   of which kernel inputs (_task_inputs)": lambda: rt._task_inputs(step, step.tasks, weights, True),
         "part:   of which 8 x PrefixCache.acquire (hits)": acquire_all,
         "part:   of which 8 x unchecked kernel entry": kernel_all,
+        "part:   of which PrefixCache.acquire_resident (8 hits)": lambda: cache.acquire_resident(0, experts, widths),
+        "part:   of which the grouped kernel entry (8 experts)": lambda: experts_mlp_accumulate_unchecked_(
+            out, x, residents, widths, *inputs, Backend.TORCH),
+        "part: forward with the planner's result reused (executor only)": lambda: cached.forward(0, x, index, weights),
+        "part: 6 us of arithmetic alone": burn,
+        "part: planner + 6 us of arithmetic": lambda: (rt.plan_served(0, index, weights), burn()),
     }
     return {key: (min(meds), statistics.median(meds)) for key, meds in interleaved(fns, blocks, 200).items()}
 
@@ -139,7 +167,9 @@ def main() -> None:
     layer = _random_packed(num_experts, INTER, HIDDEN)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, HIDDEN, generator=g)
-    with mock.patch.object(KERNELS, "expert_mlp_accumulate_ref_", lambda *a, **k: None):
+    no_op = lambda *a, **k: None  # noqa: E731
+    with (mock.patch.object(KERNELS, "expert_mlp_accumulate_ref_", no_op),
+          mock.patch.object(KERNELS, "experts_mlp_accumulate_ref_", no_op)):
         fns = {}
         for top_k in (1, 8):
             index = torch.randperm(num_experts, generator=g)[:top_k][None]
