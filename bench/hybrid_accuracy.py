@@ -12,11 +12,15 @@ the simulator's hybrid configurations are (so the served widths come from the sa
   counts, the oracle both simulated hybrids start from), unless the case says ``nopin``;
 - the CPU's rows on the exact fp32 path (``cpu_experts.EXACT``), so the accuracy is that of the widths.
 
+- prefetches cut as the simulator cuts them (``--window on``, the default): ``PrefetchPolicy.window`` is the
+  profile's modeled copy clock for the target (``bench.simulate.target_window``), which times each hybrid
+  step as the simulator does (``CopyClock.hybrid_step``) and admits only the rows that arrive before the next
+  router's end; ``--window off``: every prefetch whole (session 3's decodes).
+
 What is not the simulator's: the split granule is the runtime's (64 neurons, 1/4 of the tiny model's
-256; the simulator's is 1 traced neuron for Mixtral), and prefetches are never cut (the runtime's
-``PrefetchPolicy.window`` models a GPU-only copy engine and refuses CPU placements), so a decode may
-narrow a different share of dominant slots than the simulation: every record reports that share
-(``narrowed_dominant_fraction``) for comparison with the simulation's ``fallbacks_per_token``.
+256; the simulator's is 1 traced neuron for Mixtral), and the tiny model's routing, so a decode may narrow a
+different share of dominant slots than the simulation: every record reports that share
+(``narrowed_dominant_fraction``) for comparison with the simulation's, and the prefetches cut.
 
     python -m crisp_bench.hybrid_accuracy --budget 0.25 --case hybrid_split+prefetch \\
         --case floor=0.875+prefetch --json docs/hybrid-accuracy-s3-25.json
@@ -49,7 +53,7 @@ from . import traces as tr
 from .common import CliError
 from .profiles import HardwareProfile, get_profile
 from .shapes import TARGETS
-from .simulate import _pin_hot_experts, neuron_scale
+from .simulate import _pin_hot_experts, neuron_scale, target_window
 
 
 @dataclass(frozen=True)
@@ -114,8 +118,9 @@ def trace_counts(trace, plan: CrispPlan) -> tuple[list, list]:
 
 
 def decode_case(model, pack_dir: str, layers, plan: CrispPlan, windows, case: Case, budget: int, cost: CostModel,
-                pinned) -> dict:
-    """Decode ``windows`` under ``case``; the record (accuracy, served-width and cache statistics)."""
+                pinned, window=None) -> dict:
+    """Decode ``windows`` under ``case``; the record (accuracy, served-width and cache statistics).
+    window: ``PrefetchPolicy.window`` of a case with prefetch (None: every prefetch whole)."""
     from crisp_tools.serving_eval import decode_windows
 
     first = next(iter(layers.values()))
@@ -126,8 +131,8 @@ def decode_case(model, pack_dir: str, layers, plan: CrispPlan, windows, case: Ca
                                                             tuple(sorted(layers))), gpu_budget=None)
     else:
         handle = apply(model, pack_dir, gpu_budget=budget,
-                       config=RuntimeConfig(serving=case.policy, prefetch=PrefetchPolicy() if case.prefetch else None,
-                                            cost=cost, cpu_experts=EXACT))
+                       config=RuntimeConfig(serving=case.policy, cost=cost, cpu_experts=EXACT,
+                                            prefetch=PrefetchPolicy(window=window) if case.prefetch else None))
         if case.pin:
             routed, wanted = pinned
             _pin_hot_experts([handle.runtime.cache] * len(layers), routed, wanted, len(layers), nb, inter)
@@ -138,11 +143,13 @@ def decode_case(model, pack_dir: str, layers, plan: CrispPlan, windows, case: Ca
     finally:
         handle.restore()
     out = {"case": case.text, "serving": None if case.policy is None else case.policy.to_dict(),
-           "prefetch": case.prefetch, "pinned": case.pin, "accuracy": float(scores.correct.float().mean()),
+           "prefetch": case.prefetch, "prefetch_window": window is not None and case.prefetch,
+           "pinned": case.pin, "accuracy": float(scores.correct.float().mean()),
            "tokens_evaluated": int(scores.correct.numel()), "elapsed_s": round(time.perf_counter() - t0, 1)}
     if case.policy is not None:
         out.update({k: stats.get(k) for k in ("fallbacks", "served_dominant_slots", "served_widened", "hit_rate",
-                                              "cpu_runs", "cpu_splits", "transients", "prefetches", "prefetch_hits")})
+                                              "cpu_runs", "cpu_splits", "transients", "prefetches", "prefetch_hits",
+                                              "prefetch_bytes", "prefetch_cut", "prefetch_cut_rows")})
         out["narrowed_dominant_fraction"] = stats["fallbacks"] / max(1, stats["served_dominant_slots"])
     return out
 
@@ -163,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="mixtral-8x7b", choices=sorted(TARGETS),
                    help="model whose expert sizes the cost model is scaled to (default %(default)s)")
     p.add_argument("--case", action="append", required=True, help="see the module docstring; repeatable")
+    p.add_argument("--window", choices=("on", "off"), default="on",
+                   help="cut prefetches at the profile's modeled copy clock, as the simulator (default on)")
     p.add_argument("--json", required=True, help="output file (written atomically; an existing file is refused)")
     return p
 
@@ -208,9 +217,10 @@ def _run(args) -> int:
                        shape.neuron_nbytes * scale)
     budget = int(args.budget * total_expert_bytes(layers))
     pinned = trace_counts(tr.Trace.load(args.trace), plan)
+    window = target_window(profile, shape, inter) if args.window == "on" else None
     records = []
     for case in cases:
-        r = decode_case(model, args.crisp, layers, plan, windows, case, budget, cost, pinned)
+        r = decode_case(model, args.crisp, layers, plan, windows, case, budget, cost, pinned, window)
         records.append(r)
         print(json.dumps(r), flush=True)
     full = next((r["accuracy"] for r in records if r["case"] == "full"), None)
@@ -219,7 +229,8 @@ def _run(args) -> int:
     meta = {"format": "crisp-hybrid-accuracy", "version": 1, "model": args.model, "crisp": args.crisp,
             "data": args.data, "windows": [args.windows, args.seq_len], "trace": args.trace,
             "budget_fraction": args.budget, "budget_bytes": budget, "profile": args.profile, "target": args.target,
-            "cost_model": vars(cost), "notes": "runtime in the loop; see crisp_bench/hybrid_accuracy.py's docstring",
+            "cost_model": vars(cost), "prefetch_window": None if window is None else window.to_dict(),
+            "notes": "runtime in the loop; see crisp_bench/hybrid_accuracy.py's docstring",
             "records": records}
     write_json(args.json, meta)
     return 0

@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig
+from crisp_runtime.copy_window import CopyClock
 from crisp_runtime.cpu_experts import CpuExpertsConfig
 from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
 from crisp_runtime.residency import LedgerCounters, ResidencyLedger
@@ -97,7 +98,7 @@ def simulated_step_s(step, served, profile: HardwareProfile, neuron_nbytes: int)
     res = SimResult(0, 1, LedgerCounters(), per_order={"widest_first": OrderTotals()})
     copies = {t.expert: t.copy_bytes for t in step.tasks}
     ledger = SimpleNamespace(request=lambda layer, expert, width, protected: SimpleNamespace(copy_bytes=copies[expert]))
-    _hybrid_step(res, ledger, 0, step, served, profile, neuron_nbytes, 0.0, True)
+    _hybrid_step(res, ledger, 0, step, served, CopyClock(profile.prefetch_window(neuron_nbytes)), profile, 0.0, True)
     return res.per_order["widest_first"].time_s
 
 

@@ -132,14 +132,17 @@ class HardwareProfile:
 
     def prefetch_window(self, row_nbytes: int, name: str = ""):
         """This machine's timing as ``crisp_runtime.copy_window.PrefetchWindow`` for neuron rows of ``row_nbytes``
-        bytes (lead = other + router): the modeled clock that cuts prefetches in the simulator and, through
-        ``PrefetchPolicy.window``, in the runtime (``bench.simulate.target_window`` maps a model onto a target)."""
+        bytes (lead = other + router; the CPU's timing for steps under a CPU placement): the modeled clock that
+        cuts prefetches in the simulator and, through ``PrefetchPolicy.window``, in the runtime
+        (``bench.simulate.target_window`` maps a model onto a target)."""
         from crisp_runtime.copy_window import PrefetchWindow
 
         return PrefetchWindow(row_nbytes=int(row_nbytes), h2d_bytes_per_s=self.h2d_bytes_per_s,
                               copy_latency_s=self.copy_latency_s, compute_bytes_per_s=self.compute_bytes_per_s,
                               compute_latency_s=self.compute_latency_s, lead_s=self.other_s + self.router_s,
-                              name=name or self.name)
+                              name=name or self.name, cpu_bytes_per_s=self.cpu_bytes_per_s,
+                              cpu_latency_s=self.cpu_latency_s, h2d_bytes_per_s_cpu_busy=self.h2d_bytes_per_s_cpu_busy,
+                              join_s=self.join_s)
 
     def with_cpu(self, cpu_bytes_per_s: float) -> HardwareProfile:
         """The same machine with a CPU of another bandwidth (for sweeps)."""

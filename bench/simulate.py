@@ -58,7 +58,9 @@ go through ``ResidencyLedger.request_transient`` (into the buffer, not admitted,
 in the free budget), as the runtime asks. Prefetch under a CPU placement (``_hybrid_prefetch``): the
 next layer's predicted experts, from the end of the step's demanded copies (at the busy H2D rate while
 the step lasts, converted to full-rate time) to the next router's end (the CPU computes no expert in
-attention, so the rest runs at the full rate); nothing copied after that deadline.
+attention, so the rest runs at the full rate); nothing copied after that deadline. The step's times and
+that span are ``crisp_runtime.copy_window.CopyClock.hybrid_step``: the runtime's clock with
+``PrefetchPolicy.window`` under a CPU placement, so the runtime in the loop cuts the same prefetches.
 
 Everything here is plain Python and deterministic; times are seconds.
 """
@@ -94,10 +96,8 @@ from crisp_runtime.residency import TRANSIENT, LedgerCounters, ResidencyLedger, 
 from crisp_runtime.scheduler import (
     SPLIT_GRANULE,
     CostModel,
-    HybridJob,
     Placement,
     plan_step,
-    split_makespan,
 )
 from crisp_runtime.serving import ServingPolicy, serve_slots
 
@@ -364,7 +364,9 @@ def simulate_decode(
                                    phase=2)
     # widest-first with prefetch or a timeline: the modeled clock of crisp_runtime.copy_window (the runtime's, with
     # PrefetchPolicy.window): each step's times, its prefetch span, the copy engine's spill into the next step
-    copy_clock = CopyClock(profile.prefetch_window(nb)) if policy.prefetch or timeline is not None else None
+    # (a CPU placement's steps are timed by its hybrid_step, with or without prefetch)
+    copy_clock = (CopyClock(profile.prefetch_window(nb)) if policy.prefetch or timeline is not None
+                  or placement.uses_cpu else None)
     clock = 0.0  # widest-first: absolute time of the current layer's start (for the timeline)
     for t in range(num_tokens):
         counting = t >= warmup
@@ -385,11 +387,10 @@ def simulate_decode(
                              resident_width=lambda e, led=led, layer=layer: led.width(layer, e), cost=cost,
                              placement=placement, split_granule=granule, max_copy_rows=copy_rows)
             if placement.uses_cpu:
-                span, idle = _hybrid_step(res, led, layer, step, served, profile, nb, lead, counting, room)
+                _hybrid_step(res, led, layer, step, served, copy_clock, profile, lead, counting, room)
                 if requests is not None and layer + 1 < layers:
                     _hybrid_prefetch(led if cache_scope == "global" else ledgers[layer + 1], layer, step,
-                                     requests[li][t], topups[li][t], nb, profile, lead + span - idle,
-                                     lead + span + lead)
+                                     requests[li][t], topups[li][t], copy_clock.span)
                 continue
             pending = {(layer, task.expert) for task in step.tasks}
             jobs: dict[int, Job] = {}
@@ -443,20 +444,20 @@ def _pin_hot_experts(ledgers, routed, wanted, layers: int, nb: int, inter: int) 
     pin_most_used(counts, ledgers, dict.fromkeys(range(layers), inter))
 
 
-def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: HardwareProfile, nb: int, lead: float,
-                 counting: bool, room: int = 0) -> tuple[float, float]:
-    """One layer step under a CPU placement: the GPU's tasks through the ledger, the time of the split.
-    Returns (the expert phase from the router's end, the copy engine's idle time in it after the demanded
-    copies, in seconds at the full H2D rate).
+def _hybrid_step(res: SimResult, led, layer: int, step, served, clock: CopyClock, profile: HardwareProfile,
+                 lead: float, counting: bool, room: int = 0) -> None:
+    """One layer step under a CPU placement: the GPU's tasks through the ledger, the time of the split on the
+    modeled clock (``CopyClock.hybrid_step``: the runtime's with ``PrefetchPolicy.window``), which opens the
+    step's prefetch span.
 
     room: bytes of the neuron split's transient buffer (0: none); a GPU prefix's missing rows go there when
     they do not fit in the free budget (``ResidencyLedger.request_transient``, as the runtime asks)."""
+    window = clock.window
     pending = {(layer, t.expert) for t in step.tasks if not t.on_cpu}
     jobs, gpu, cpu = [], [], []
     for i, task in enumerate(step.tasks):  # GPU tasks first (issue order), then the CPU's
-        nbytes = task.width * nb
         if task.on_cpu:
-            jobs.append(HybridJob(0.0, 0.0, profile.compute_s(nbytes), profile.cpu_s(nbytes)))
+            jobs.append(window.hybrid_job(task.width, 0, 0, on_cpu=True))
             cpu.append(i)
             continue
         # The GPU part is the prefix [0, gpu_width) (the whole expert unless the neuron split cut it): the
@@ -469,24 +470,18 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: Hardwar
         else:
             decision = led.request(layer, task.expert, gw, protected=pending)
         pending.discard((layer, task.expert))
-        jobs.append(HybridJob(profile.load_s(decision.copy_bytes), profile.load_busy_s(decision.copy_bytes),
-                              profile.compute_s(gw * nb), profile.cpu_s((task.width - gw) * nb)))
+        jobs.append(window.hybrid_job(task.width, gw, decision.copy_bytes, on_cpu=False))
         gpu.append(i)
         if gw < task.width:
             cpu.append(i)
             if counting:
                 res.splits += 1
-    span = split_makespan(gpu, cpu, jobs, profile.join_s) if jobs else 0.0
-    busy = bool(cpu)
-    # the copy engine's idle time in the step after its demanded copies (back to back from the router's
-    # end), in full-rate seconds: while the CPU streams it copies at the busy rate
-    copied = sum(jobs[i].load_busy_s if busy else jobs[i].load_s for i in gpu)
-    busy_rate = profile.h2d_bytes_per_s_cpu_busy or profile.h2d_bytes_per_s
-    idle = max(0.0, span - copied) * (busy_rate / profile.h2d_bytes_per_s if busy else 1.0)
+    times = clock.hybrid_step(jobs, gpu, cpu)
     if not counting:
-        return span, idle
-    res.bytes_computed += sum(t.width * nb for t in step.tasks)
-    res.load_s += copied
+        return
+    span = times.span
+    res.bytes_computed += sum(t.width * window.row_nbytes for t in step.tasks)
+    res.load_s += times.copied
     res.compute_s += sum(jobs[i].gpu_s for i in gpu)
     res.cpu_s += sum(jobs[i].cpu_s for i in cpu)
     res.cpu_runs += len(cpu)
@@ -495,21 +490,18 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, profile: Hardwar
     tot.time_s += lead + span
     tot.expert_s += span
     tot.bound_s += lead + span  # the split is exact for decode steps: its makespan is the bound
-    return span, idle
 
 
-def _hybrid_prefetch(led, layer: int, step, wanted, topups, nb: int, profile: HardwareProfile, start: float,
-                     deadline: float) -> None:
+def _hybrid_prefetch(led, layer: int, step, wanted, topups, span: PrefetchSpan) -> None:
     """A CPU placement's prefetch of layer ``layer + 1``'s predicted experts (``wanted``, then the second
-    phase ``topups``), as ``CrispRuntime.prefetch`` asks them (protecting every key of the step), cut at
-    ``deadline`` (the next router's end: a prefetch never delays a demanded copy). The copy engine is free
-    from its demanded copies' end; until the step ends the CPU streams and a copy runs at the busy rate,
-    then (attention: the CPU computes no expert) at the full rate. ``start`` = the step's end minus the
-    step's idle copy time converted to full-rate seconds, so the span at the full rate holds the same bytes."""
+    phase ``topups`` in the time the first left), as ``CrispRuntime.prefetch`` asks them (protecting every key
+    of the step), in the step's ``span`` (``CopyClock.hybrid_step``: from the end of the demanded copies, at the
+    busy H2D rate while the step lasts, then the full rate, to the next router's end: a prefetch never delays a
+    demanded copy)."""
     keys = {(layer, t.expert) for t in step.tasks}
-    issued, cut = _prefetch(led, layer + 1, wanted, nb, profile, start, deadline, keys)
-    if not cut and topups:
-        _prefetch(led, layer + 1, topups, nb, profile, issued[-1][3] if issued else start, deadline, keys)
+    _prefetch_span(led, layer + 1, wanted, span, keys)
+    if not span.cut and topups:
+        _prefetch_span(led, layer + 1, topups, span, keys)
 
 
 def _ledgers(policy: SimPolicy, budget: int, layers: int, scope: str, nb: int, inter: int, wanted, routed,

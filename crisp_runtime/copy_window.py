@@ -23,6 +23,14 @@ module models that time, so that the simulator (``bench/simulate.py``) and the r
 - ``copy_free`` of the next step = max(0, last prefetch copy end - this step's end): at most ``lead``,
   so the next step's demanded copies never start later than they would without the prefetch.
 
+Under a CPU placement (``Placement.HYBRID`` / ``SPLIT``; :meth:`CopyClock.hybrid_step`, :func:`hybrid_times`)
+a step is the split's makespan (``scheduler.split_makespan``: the GPU's flow shop, copying at the reduced
+H2D rate while the CPU streams host memory, beside the CPU's jobs and one join); the prefetch span starts
+when the demanded copies are done, at the busy rate until the step ends, then at the full rate (in
+attention the CPU computes no expert) until the next router's end. At the full rate that is the span
+[end - idle, end + lead), ``idle`` the copy engine's idle time in the step converted to full-rate seconds.
+No copy time carries over: every prefetch copy ends by the next router's end.
+
 Times are a model (:class:`PrefetchWindow`: a machine's copy/compute rates and per-layer fixed time,
 expressed per neuron row of the model being run, so a tiny model can stand for Mixtral-8x7B: each of
 its rows is worth ``row_nbytes`` bytes of the target). Plain Python, deterministic for an input
@@ -36,7 +44,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from .scheduler import johnson_order
+from .scheduler import HybridJob, johnson_order, split_makespan
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,13 @@ class PrefetchWindow:
     compute_latency_s: float
     lead_s: float
     name: str = ""  # e.g. "rtx4090-pcie4/mixtral-8x7b", for records
+    # The host CPU, for a step under a CPU placement (:meth:`CopyClock.hybrid_step`; None: no CPU, GPU-only steps
+    # only): its bytes/s and fixed time per expert call (``HardwareProfile.cpu_s``), the H2D rate while it
+    # streams host memory (None: unchanged) and the join of its partial output (``scheduler.split_makespan``).
+    cpu_bytes_per_s: float | None = None
+    cpu_latency_s: float = 0.0
+    h2d_bytes_per_s_cpu_busy: float | None = None
+    join_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.row_nbytes, bool) or not isinstance(self.row_nbytes, int) or self.row_nbytes <= 0:
@@ -63,7 +78,12 @@ class PrefetchWindow:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"PrefetchWindow: {f} must be a positive number, got {v!r}")
-        for f in ("copy_latency_s", "compute_latency_s", "lead_s"):
+        for f in ("cpu_bytes_per_s", "h2d_bytes_per_s_cpu_busy"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ValueError(f"PrefetchWindow: {f} must be a positive number or None, got {v!r}")
+        for f in ("copy_latency_s", "compute_latency_s", "lead_s", "cpu_latency_s", "join_s"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"PrefetchWindow: {f} must be a non-negative number, got {v!r}")
@@ -79,6 +99,31 @@ class PrefetchWindow:
     def job(self, expert: int, width: int, copy_rows: int) -> Job:
         """A demanded expert of a step: ``copy_rows`` rows copied, computed at ``width`` rows."""
         return Job(expert, width, self.load_s(copy_rows * self.row_nbytes), self.compute_s(width * self.row_nbytes))
+
+    @property
+    def has_cpu(self) -> bool:
+        return self.cpu_bytes_per_s is not None
+
+    def load_busy_s(self, nbytes: int) -> float:
+        """Copy time while the CPU streams host memory (``HardwareProfile.load_busy_s``)."""
+        rate = self.h2d_bytes_per_s if self.h2d_bytes_per_s_cpu_busy is None else self.h2d_bytes_per_s_cpu_busy
+        return 0.0 if nbytes <= 0 else self.copy_latency_s + nbytes / rate
+
+    def cpu_s(self, nbytes: int) -> float:
+        """The CPU's time for one expert over a prefix of ``nbytes`` (``HardwareProfile.cpu_s``); inf without a CPU."""
+        if self.cpu_bytes_per_s is None:
+            return math.inf
+        return 0.0 if nbytes <= 0 else self.cpu_latency_s + nbytes / self.cpu_bytes_per_s
+
+    def hybrid_job(self, width: int, gpu_width: int, copy_bytes: int, on_cpu: bool) -> HybridJob:
+        """One task of a step under a CPU placement (``scheduler.HybridJob``): on the CPU whole (``on_cpu``:
+        its GPU time is what it would take there), or a GPU prefix ``gpu_width`` that copied ``copy_bytes``
+        target bytes, the CPU computing rows [gpu_width, width)."""
+        nb = self.row_nbytes
+        if on_cpu:
+            return HybridJob(0.0, 0.0, self.compute_s(width * nb), self.cpu_s(width * nb))
+        return HybridJob(self.load_s(copy_bytes), self.load_busy_s(copy_bytes), self.compute_s(gpu_width * nb),
+                         self.cpu_s((width - gpu_width) * nb))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,6 +213,29 @@ class StepTimes:
     deadline: float  # end + lead: the next step's demanded copies may start
 
 
+@dataclass(frozen=True)
+class HybridTimes:
+    """A step under a CPU placement (:func:`hybrid_times`), in seconds from the router's end."""
+
+    span: float  # the expert phase: the split's makespan (GPU flow shop beside the CPU's jobs and join)
+    copied: float  # the demanded copies back to back (at the busy rate when the CPU computes a job)
+    idle: float  # the copy engine's time left in the span after them, converted to full-rate seconds
+
+
+def hybrid_times(window: PrefetchWindow, jobs: Sequence[HybridJob], gpu: Sequence[int],
+                 cpu: Sequence[int]) -> HybridTimes:
+    """Time one step's ``jobs`` (``gpu``: indices on the GPU in issue order, ``cpu``: indices with rows on the
+    CPU): the makespan of ``scheduler.split_makespan``; the copy engine is idle after the demanded copies until
+    the step ends, copying at the busy rate while the CPU streams host memory, so its idle time holds
+    ``idle * h2d_bytes_per_s`` bytes (the full-rate seconds a prefetch span may use)."""
+    span = split_makespan(gpu, cpu, jobs, window.join_s) if jobs else 0.0
+    busy = bool(cpu)
+    copied = sum(jobs[i].load_busy_s if busy else jobs[i].load_s for i in gpu)
+    busy_rate = window.h2d_bytes_per_s_cpu_busy or window.h2d_bytes_per_s
+    idle = max(0.0, span - copied) * (busy_rate / window.h2d_bytes_per_s if busy else 1.0)
+    return HybridTimes(span, copied, idle)
+
+
 class CopyClock:
     """The modeled clock of consecutive layer steps: :meth:`step` per layer step (its demanded jobs),
     then :meth:`span` for that step's prefetches; ``copy_free`` carries to the next step."""
@@ -195,6 +263,21 @@ class CopyClock:
         self._span = PrefetchSpan(self.window, demand_done, deadline)
         self._end = end
         return StepTimes(end, slots, demand_done, deadline)
+
+    def hybrid_step(self, jobs: Sequence[HybridJob], gpu: Sequence[int], cpu: Sequence[int]) -> HybridTimes:
+        """Time one layer step under a CPU placement (:func:`hybrid_times`) and open its prefetch span: from
+        the step's end less its idle copy time (``lead + span - idle``: at the full rate the span holds what the
+        engine copies at the busy rate while the step lasts, then at the full rate in attention, where the CPU
+        computes no expert) to the next router's end (``lead + span + lead``). The previous span closes;
+        no copy time carries into the next step (every prefetch copy ends by its router's end, where the next
+        step's demanded copies start)."""
+        if not self.window.has_cpu:
+            raise ValueError(f"CopyClock.hybrid_step: window {self.window.name!r} has no CPU (cpu_bytes_per_s)")
+        times = hybrid_times(self.window, jobs, gpu, cpu)
+        lead = self.window.lead_s
+        self._span = PrefetchSpan(self.window, lead + times.span - times.idle, lead + times.span + lead)
+        self._end = lead + times.span
+        return times
 
     @property
     def span(self) -> PrefetchSpan | None:

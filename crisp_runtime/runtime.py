@@ -200,10 +200,13 @@ class CrispRuntime:
         self._async = config.async_copies and self.device.type == "cuda" and isinstance(self.cache, PrefixCache)
         # PrefetchPolicy.window: the modeled copy clock (crisp_runtime.copy_window) stepped by every forward, which
         # admits only the prefetch rows that modeled copy engine delivers in time (the simulator's rule).
+        # Under a CPU placement the clock times each step as the split does (CopyClock.hybrid_step: the CPU's
+        # timing comes from the window, HardwareProfile.prefetch_window).
         window = None if config.prefetch is None else config.prefetch.window
-        if window is not None and self.serving.placement.uses_cpu:
-            raise ValueError(f"PrefetchPolicy.window models the GPU's copy engine only; serving placement "
-                             f"{self.serving.placement.value!r} computes experts on the CPU (use window=None)")
+        if window is not None and self.serving.placement.uses_cpu and not window.has_cpu:
+            raise ValueError(f"PrefetchPolicy.window {window.name!r} has no CPU timing (cpu_bytes_per_s); serving "
+                             f"placement {self.serving.placement.value!r} computes experts on the CPU (build the "
+                             "window from a profile with a CPU, or use window=None)")
         self._clock = None if window is None else CopyClock(window)
 
     def _transient_buffer(self, gpu_budget: int) -> int:
@@ -518,6 +521,21 @@ class CrispRuntime:
         the rows its prefix lacked before the step (the ledger's decision unless a step streams through a
         budget below its own experts) and computing its width."""
         window = self._clock.window
+        if not self._gpu_placement:  # a CPU placement: the split's makespan, as the simulator's _hybrid_step
+            hybrid, gpu, cpu = [], [], []
+            for i, task in enumerate(step.tasks):
+                if task.on_cpu:
+                    hybrid.append(window.hybrid_job(task.width, 0, 0, on_cpu=True))
+                    cpu.append(i)
+                    continue
+                copy_rows = max(0, task.gpu_width - task.resident_width)
+                hybrid.append(window.hybrid_job(task.width, task.gpu_width, copy_rows * window.row_nbytes,
+                                                on_cpu=False))
+                gpu.append(i)
+                if task.gpu_width < task.width:
+                    cpu.append(i)
+            self._clock.hybrid_step(hybrid, gpu, cpu)
+            return
         tasks = {t.expert: t for t in step.tasks}
         jobs = []
         for e in dict.fromkeys(top_k_index.reshape(-1).tolist()):

@@ -59,10 +59,15 @@ def test_a_short_decode_serves_what_the_policies_say(tmp_path):
             "--seq-len", "12", "--budget", "0.25", "--case", "full", "--case", "hybrid_split+prefetch",
             "--case", "floor=0.875,placement=cpu_only+nopin", "--json", str(out)]
     assert main(args) == 0
-    recs = {r["case"]: r for r in json.loads(out.read_text())["records"]}
+    meta = json.loads(out.read_text())
+    recs = {r["case"]: r for r in meta["records"]}
     assert recs["full"]["accuracy_loss"] == 0.0 and recs["full"]["tokens_evaluated"] == 11
     split = recs["hybrid_split+prefetch"]
     assert split["narrowed_dominant_fraction"] == 0.0 and split["prefetches"] > 0 and split["pinned"]
+    # the prefetch window is on by default: the profile's clock for the target, with its CPU (the hybrid step)
+    window = meta["prefetch_window"]
+    assert split["prefetch_window"] and not recs["full"]["prefetch_window"] and split["prefetch_cut"] >= 0
+    assert window["name"] == "rtx4090-pcie4-ddr5/mixtral-8x7b" and window["cpu_bytes_per_s"] > 0
     assert recs["floor=0.875,placement=cpu_only+nopin"]["narrowed_dominant_fraction"] == 1.0
     assert main(args) == 2  # the output exists: refused, never overwritten
 

@@ -313,3 +313,69 @@ def test_hybrid_prefetch_is_cut_at_the_next_router():
     short, long = run(PROFILE, True), run(LONG_LEAD, True)
     assert 0 < short.counters.prefetch_bytes < long.counters.prefetch_bytes
     assert short.tokens_per_s("widest_first") >= run(PROFILE, False).tokens_per_s("widest_first")
+
+
+@pytest.mark.parametrize("serving", ["hybrid_split", "split-t0.5", "floor-hit"])
+def test_hybrid_prefetch_window_makes_the_same_cuts(decisions, serving):
+    """With ``PrefetchPolicy.window`` (the toy profile's short lead: prefetches are cut) the runtime's clock
+    times a hybrid step as the simulator does (``CopyClock.hybrid_step``: the split's makespan, the copy
+    engine's idle time at the busy rate): identical demand and prefetch decisions (widths asked, so the same
+    cuts), bytes and counters; without the window the runtime copies every prefetch whole and differs."""
+    from crisp_bench.simulate import target_window
+    from test_sim_runtime_equivalence import _TracePredictor
+
+    from crisp_runtime.prefetch import Prefetcher, PrefetchPolicy
+
+    policy = {**SERVINGS, "floor-hit": ServingPolicy("floor-hit", dominant_floor=0.625, dominant_widen="hit",
+                                                     placement="hybrid_split")}[serving]
+    trace, plan = _trace_and_plan(tokens=16, seed=5)
+    predicted = np.full((LAYERS, trace.num_tokens, 2), -1, dtype=np.int64)
+    predicted[:-1] = trace.index[1:]
+    shape = ModelShape("toy", LAYERS, EXPERTS, 2, HIDDEN, INTER)
+    budget = 5 * EXPERT
+    window = target_window(PROFILE, shape, INTER)
+    assert window.row_nbytes == NB and window.has_cpu  # one runtime row is one target row here
+
+    def replay(prefetch: PrefetchPolicy) -> dict:
+        runtime = CrispRuntime(LAYER_MODELS, plan, device="cpu", gpu_budget=budget,
+                               config=RuntimeConfig(serving=policy, cost=PROFILE.cost_model(), cpu_experts=EXACT,
+                                                    prefetch=prefetch))
+        token = [0]
+        try:
+            _pin(runtime, trace, plan)
+            decode_trace(runtime, trace, HIDDEN, Prefetcher(_TracePredictor(predicted, token), runtime, prefetch),
+                         token)
+        finally:
+            runtime.close()
+        return runtime.stats.as_dict()
+
+    stats = replay(PrefetchPolicy(window=window))
+    by_runtime = list(decisions)
+    decisions.clear()
+    res = simulate_decode(trace, SimPolicy("crisp", plan, policy, prefetch=True), PROFILE, shape, budget,
+                          orders=["widest_first"], predicted=predicted)
+    assert decisions == by_runtime
+    c = res.counters
+    assert (c.hits, c.misses, c.widenings, c.transients, c.evictions, c.bytes_copied, c.prefetches, c.prefetch_bytes,
+            c.prefetch_rejected, c.prefetch_hits) == (
+        stats["hits"], stats["misses"], stats["widenings"], stats["transients"], stats["evictions"],
+        stats["bytes_h2d"], stats["prefetches"], stats["prefetch_bytes"], stats["prefetch_rejected"],
+        stats["prefetch_hits"])
+    assert res.splits == stats["cpu_splits"] and res.fallbacks == stats["fallbacks"] and res.peak_bytes <= budget
+    # The window cut prefetches (not vacuous): requests copied short or not at all.
+    assert stats["prefetch_cut"] > 0 and stats["prefetch_cut_rows"] > 0 and stats["prefetches"] > 0
+    # Without the window every prefetch is whole: other decisions, more prefetched bytes.
+    decisions.clear()
+    plain = replay(PrefetchPolicy())
+    assert decisions != by_runtime and plain["prefetch_bytes"] > stats["prefetch_bytes"] and plain["prefetch_cut"] == 0
+
+
+def test_a_window_without_a_cpu_is_refused_under_a_cpu_placement():
+    from crisp_runtime.prefetch import PrefetchPolicy
+
+    trace, plan = _trace_and_plan(tokens=2)
+    gpu_only = replace(PROFILE, cpu_bytes_per_s=None, h2d_bytes_per_s_cpu_busy=None).prefetch_window(NB)
+    with pytest.raises(ValueError, match="has no CPU timing"):
+        CrispRuntime(LAYER_MODELS, plan, device="cpu", gpu_budget=5 * EXPERT,
+                     config=RuntimeConfig(serving=SERVINGS["hybrid_split"], cost=PROFILE.cost_model(),
+                                          cpu_experts=EXACT, prefetch=PrefetchPolicy(window=gpu_only)))
