@@ -118,9 +118,10 @@ def trace_counts(trace, plan: CrispPlan) -> tuple[list, list]:
 
 
 def decode_case(model, pack_dir: str, layers, plan: CrispPlan, windows, case: Case, budget: int, cost: CostModel,
-                pinned, window=None) -> dict:
+                pinned, window=None, eviction: str = "lru") -> dict:
     """Decode ``windows`` under ``case``; the record (accuracy, served-width and cache statistics).
-    window: ``PrefetchPolicy.window`` of a case with prefetch (None: every prefetch whole)."""
+    window: ``PrefetchPolicy.window`` of a case with prefetch (None: every prefetch whole); eviction: the
+    runtime's (``RuntimeConfig.eviction``) for an offloading case."""
     from crisp_tools.serving_eval import decode_windows
 
     first = next(iter(layers.values()))
@@ -131,7 +132,7 @@ def decode_case(model, pack_dir: str, layers, plan: CrispPlan, windows, case: Ca
                                                             tuple(sorted(layers))), gpu_budget=None)
     else:
         handle = apply(model, pack_dir, gpu_budget=budget,
-                       config=RuntimeConfig(serving=case.policy, cost=cost, cpu_experts=EXACT,
+                       config=RuntimeConfig(serving=case.policy, cost=cost, cpu_experts=EXACT, eviction=eviction,
                                             prefetch=PrefetchPolicy(window=window) if case.prefetch else None))
         if case.pin:
             routed, wanted = pinned
@@ -144,7 +145,8 @@ def decode_case(model, pack_dir: str, layers, plan: CrispPlan, windows, case: Ca
         handle.restore()
     out = {"case": case.text, "serving": None if case.policy is None else case.policy.to_dict(),
            "prefetch": case.prefetch, "prefetch_window": window is not None and case.prefetch,
-           "pinned": case.pin, "accuracy": float(scores.correct.float().mean()),
+           "pinned": case.pin, "eviction": None if case.policy is None else eviction,
+           "accuracy": float(scores.correct.float().mean()),
            "tokens_evaluated": int(scores.correct.numel()), "elapsed_s": round(time.perf_counter() - t0, 1)}
     if case.policy is not None:
         out.update({k: stats.get(k) for k in ("fallbacks", "served_dominant_slots", "served_widened", "hit_rate",
@@ -170,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="mixtral-8x7b", choices=sorted(TARGETS),
                    help="model whose expert sizes the cost model is scaled to (default %(default)s)")
     p.add_argument("--case", action="append", required=True, help="see the module docstring; repeatable")
+    p.add_argument("--eviction", choices=("lru", "next_use", "frequency", "tier"), default="lru",
+                   help="the runtime's eviction policy in every offloading case (default lru)")
     p.add_argument("--window", choices=("on", "off"), default="on",
                    help="cut prefetches at the profile's modeled copy clock, as the simulator (default on)")
     p.add_argument("--json", required=True, help="output file (written atomically; an existing file is refused)")
@@ -220,7 +224,7 @@ def _run(args) -> int:
     window = target_window(profile, shape, inter) if args.window == "on" else None
     records = []
     for case in cases:
-        r = decode_case(model, args.crisp, layers, plan, windows, case, budget, cost, pinned, window)
+        r = decode_case(model, args.crisp, layers, plan, windows, case, budget, cost, pinned, window, args.eviction)
         records.append(r)
         print(json.dumps(r), flush=True)
     full = next((r["accuracy"] for r in records if r["case"] == "full"), None)

@@ -3,8 +3,8 @@
 The inputs of ``crisp-bench simulate`` (its own argument parser and ``_simulation_inputs``: the trace, the
 plans, the target, the warm-up), configurations the named matrices do not hold: ``hybrid_split`` with a missed
 dominant served at a ``FLOOR`` prefix (never widened), next-layer prefetch at the plan's widths, LRU or next-use
-eviction, beside the full-width LRU baseline (no prefetch, widest first). One record per configuration, the
-simulator's own (``bench.simulate.simulate_policies``). Usage (the simulate options, then --floors):
+eviction, beside the full-width LRU baseline (no prefetch, router order: the issue's baseline). One record per
+configuration, the simulator's own (``bench.simulate.simulate_policies``). Usage (the simulate options, then --floors):
 
     python docs/hybrid-s4-variants.py --trace docs/bench-trace-heldout-predicted.npz \\
         --plan models/tiny-mixtral-crisp --profile rtx4090-pcie4-ddr5 --budget 0.25 \\
@@ -46,9 +46,11 @@ def main(argv: list[str]) -> int:
         serving = ServingPolicy(f"hybrid_split-floor{100 * floor:g}", dominant_floor=floor, placement=Placement.SPLIT)
         configs += [sim.SimPolicy("crisp", plans["crisp"], serving, e, prefetch=True) for e in args.eviction]
     t0 = time.perf_counter()
-    records = sim.simulate_policies(trace, configs, profile, shape, args.budget, orders=["widest_first"],
+    records = sim.simulate_policies(trace, configs[:1], profile, shape, args.budget, orders=["router"],
                                     warmup=warmup, predicted=trace.predicted)
-    base = next(r for r in records if r["label"] == "full/plan/lru")["tokens_per_s"]
+    records += sim.simulate_policies(trace, configs[1:], profile, shape, args.budget, orders=["widest_first"],
+                                     warmup=warmup, predicted=trace.predicted)
+    base = records[0]["tokens_per_s"]  # full-width LRU, router order
     for r in records:
         r["speedup_vs_full_lru"] = r["tokens_per_s"] / base
         r["narrowed_dominant_fraction"] = r["fallbacks_per_token"] / shape.num_layers  # one dominant per layer

@@ -67,6 +67,7 @@ def test_a_short_decode_serves_what_the_policies_say(tmp_path):
     # the prefetch window is on by default: the profile's clock for the target, with its CPU (the hybrid step)
     window = meta["prefetch_window"]
     assert split["prefetch_window"] and not recs["full"]["prefetch_window"] and split["prefetch_cut"] >= 0
+    assert split["eviction"] == "lru" and recs["full"]["eviction"] is None  # --eviction's default, offloading only
     assert window["name"] == "rtx4090-pcie4-ddr5/mixtral-8x7b" and window["cpu_bytes_per_s"] > 0
     assert recs["floor=0.875,placement=cpu_only+nopin"]["narrowed_dominant_fraction"] == 1.0
     assert main(args) == 2  # the output exists: refused, never overwritten
