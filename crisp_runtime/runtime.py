@@ -254,9 +254,12 @@ class CrispRuntime:
         """Served widths and the ordered step plan (all on the CPU): ``serving.plan_served_step`` (which reads
         a decode step's routing with one ``tolist`` each and converts a larger one to CPU tensors)."""
         cache = self.cache
+        # One frame per routed expert (the ledger's dict read directly) instead of three (closure, cache, ledger).
+        width = (cache.ledger.layer_width(layer_id) if type(cache) is PrefixCache
+                 else lambda e: cache.resident_width(layer_id, e))
         return plan_served_step(
             self.serving, self.plan, layer_id, top_k_index, top_k_weights, num_experts=self.num_experts,
-            neuron_nbytes=self._nb[layer_id], resident_width=lambda e: cache.resident_width(layer_id, e),
+            neuron_nbytes=self._nb[layer_id], resident_width=width,
             cost=self.config.cost, order=self.config.order,
         )
 
@@ -519,7 +522,8 @@ class CrispRuntime:
         """Time this step on the modeled clock (``PrefetchPolicy.window``): one job per expert run, in the
         routing's first-appearance order (the clock orders them by Johnson's rule, as the simulator), copying
         the rows its prefix lacked before the step (the ledger's decision unless a step streams through a
-        budget below its own experts) and computing its width."""
+        budget below its own experts) and computing its width. Under a CPU placement the step is the split's
+        (``CopyClock.hybrid_step`` on the tasks in issue order, as ``bench.simulate._hybrid_step``)."""
         window = self._clock.window
         if not self._gpu_placement:  # a CPU placement: the split's makespan, as the simulator's _hybrid_step
             hybrid, gpu, cpu = [], [], []
