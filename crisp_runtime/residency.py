@@ -50,7 +50,7 @@ budget and calls the policy's hooks ``on_insert`` / ``on_use`` / ``on_remove`` /
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -127,7 +127,7 @@ class ResidencyLedger:
         self._widths: dict[Key, int] = {}
         self._prefetched: set[Key] = set()  # prefetched, not demanded since
         self._hits: dict[Key, Decision] = {}  # per key, the last hit's Decision (request reuses it)
-        self._on_use = self.policy.on_use  # a hit's one policy call, bound once (the policy is never replaced)
+        self._on_use = self.policy.use_hook()  # a hit's one policy call, bound once (the policy is never replaced)
         self.used = 0
         self.peak = 0
         self.counters = LedgerCounters()
@@ -136,6 +136,12 @@ class ResidencyLedger:
 
     def width(self, layer_id: int, expert: int) -> int:
         return self._widths.get((layer_id, expert), 0)
+
+    def layer_width(self, layer_id: int) -> Callable[[int], int]:
+        """``lambda e: width(layer_id, e)`` as one frame (the planner asks it per routed expert; through
+        the cache's and the ledger's methods it was three). Reads the ledger live, like :meth:`width`."""
+        get = self._widths.get
+        return lambda e: get((layer_id, e), 0)
 
     def resident(self) -> dict[Key, int]:
         return dict(self._widths)

@@ -254,9 +254,12 @@ class CrispRuntime:
         """Served widths and the ordered step plan (all on the CPU): ``serving.plan_served_step`` (which reads
         a decode step's routing with one ``tolist`` each and converts a larger one to CPU tensors)."""
         cache = self.cache
+        # One frame per routed expert (the ledger's dict read directly) instead of three (closure, cache, ledger).
+        width = (cache.ledger.layer_width(layer_id) if type(cache) is PrefixCache
+                 else lambda e: cache.resident_width(layer_id, e))
         return plan_served_step(
             self.serving, self.plan, layer_id, top_k_index, top_k_weights, num_experts=self.num_experts,
-            neuron_nbytes=self._nb[layer_id], resident_width=lambda e: cache.resident_width(layer_id, e),
+            neuron_nbytes=self._nb[layer_id], resident_width=width,
             cost=self.config.cost, order=self.config.order,
         )
 

@@ -365,3 +365,69 @@ def test_the_step_boundary_refuses_bad_inputs(case, error, match):
     weights = {"mismatch": torch.rand(1, 3), "tokens": weights.repeat(2, 1)}.get(case, weights)
     with pytest.raises(error, match=match):
         rt.forward(layer_id, x, index, weights)
+
+
+def _policy(name: str):
+    from crisp_runtime.eviction import POLICIES, PinnedPolicy
+    if name.endswith("+pinned"):
+        return PinnedPolicy(POLICIES[name.split("+")[0]](), [(0, 1), (1, 3)])
+    return POLICIES[name]()
+
+
+@pytest.mark.parametrize("name", ["lru", "frequency", "tier", "next_use", "lru+pinned", "frequency+pinned"])
+def test_the_ledgers_use_hook_orders_keys_as_on_use(name):
+    """``use_hook()`` (the ledger's hit call) leaves the policy in the state ``on_use`` leaves it in: the same
+    victim after every event of a random insert/use/remove stream, with and without protected keys."""
+    g = torch.Generator().manual_seed(11)
+    by_hook, by_method = _policy(name), _policy(name)
+    hook = by_hook.use_hook()
+    resident: list[tuple[int, int]] = []
+    for _ in range(400):
+        key = (int(torch.randint(0, 2, (1,), generator=g)), int(torch.randint(0, 6, (1,), generator=g)))
+        op = int(torch.randint(0, 4, (1,), generator=g))
+        if key not in resident:
+            by_hook.on_insert(key), by_method.on_insert(key)
+            resident.append(key)
+        elif op == 0:
+            by_hook.on_remove(key), by_method.on_remove(key)
+            resident.remove(key)
+        else:
+            hook(key)
+            by_method.on_use(key)
+        for protected in (set(), {key}, set(resident[:2])):
+            assert by_hook.victim(protected) == by_method.victim(protected)
+
+
+def test_use_hook_bypasses_only_the_base_on_use():
+    from crisp_runtime.eviction import FrequencyPolicy, LRUPolicy, PinnedPolicy
+    lru = LRUPolicy()
+    assert lru.use_hook() == lru._recency.move_to_end  # no Python frame per hit
+    assert PinnedPolicy(lru, []).use_hook() == lru._recency.move_to_end
+    freq = FrequencyPolicy()
+    assert freq.use_hook() == freq.on_use
+    uses = []
+    patched = LRUPolicy()
+    patched.on_use = uses.append  # an instance override is what the hook calls
+    patched.use_hook()((0, 0))
+    assert uses == [(0, 0)]
+
+    class Counting(LRUPolicy):
+        def on_use(self, key):
+            uses.append(key)
+            super().on_use(key)
+
+    counting = Counting()
+    counting.on_insert((0, 1))
+    counting.use_hook()((0, 1))
+    assert uses == [(0, 0), (0, 1)]
+
+
+def test_the_ledgers_layer_width_reads_the_ledger_live():
+    ledger = ResidencyLedger(256, {0: 4, 1: 4}, {0: INTER, 1: INTER})  # 4 full prefixes: evictions happen
+    widths = {layer: ledger.layer_width(layer) for layer in (0, 1)}
+    g = torch.Generator().manual_seed(5)
+    for _ in range(60):
+        layer, e = int(torch.randint(0, 2, (1,), generator=g)), int(torch.randint(0, E, (1,), generator=g))
+        ledger.request(layer, e, int(torch.randint(1, INTER + 1, (1,), generator=g)))
+        for lay in (0, 1):
+            assert [widths[lay](x) for x in range(E)] == [ledger.width(lay, x) for x in range(E)]
