@@ -47,6 +47,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from crisp_runtime.copy_window import busy_copy_rate, timed_s
+
 from .common import CliError
 from .shapes import MIXTRAL_8X7B
 
@@ -101,11 +103,11 @@ class HardwareProfile:
 
     def load_s(self, nbytes: int) -> float:
         """Time to copy ``nbytes`` host -> device (one expert prefix or widening); 0 for 0 bytes."""
-        return 0.0 if nbytes <= 0 else self.copy_latency_s + nbytes / self.h2d_bytes_per_s
+        return timed_s(nbytes, self.copy_latency_s, self.h2d_bytes_per_s)
 
     def compute_s(self, nbytes: int) -> float:
         """Time to run one expert over a prefix of ``nbytes`` bytes; 0 for a skipped expert."""
-        return 0.0 if nbytes <= 0 else self.compute_latency_s + nbytes / self.compute_bytes_per_s
+        return timed_s(nbytes, self.compute_latency_s, self.compute_bytes_per_s)
 
     @property
     def has_cpu(self) -> bool:
@@ -113,14 +115,13 @@ class HardwareProfile:
 
     def load_busy_s(self, nbytes: int) -> float:
         """Copy time while the CPU streams host memory (the reduced H2D rate)."""
-        rate = self.h2d_bytes_per_s if self.h2d_bytes_per_s_cpu_busy is None else self.h2d_bytes_per_s_cpu_busy
-        return 0.0 if nbytes <= 0 else self.copy_latency_s + nbytes / rate
+        return timed_s(nbytes, self.copy_latency_s, busy_copy_rate(self.h2d_bytes_per_s, self.h2d_bytes_per_s_cpu_busy))
 
     def cpu_s(self, nbytes: int) -> float:
         """Time for the CPU to run one expert (batch 1) over a prefix of ``nbytes``; inf without a CPU."""
         if self.cpu_bytes_per_s is None:
             return math.inf
-        return 0.0 if nbytes <= 0 else self.cpu_latency_s + nbytes / self.cpu_bytes_per_s
+        return timed_s(nbytes, self.cpu_latency_s, self.cpu_bytes_per_s)
 
     def cost_model(self):
         """The runtime scheduler's cost model with this profile's bandwidths (its split decisions)."""

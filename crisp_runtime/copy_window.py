@@ -47,6 +47,17 @@ from dataclasses import asdict, dataclass
 from .scheduler import HybridJob, johnson_order, split_makespan
 
 
+def timed_s(nbytes: int, latency_s: float, bytes_per_s: float) -> float:
+    """A copy or a compute over ``nbytes``: a fixed latency plus the bytes at a rate; 0 for nothing.
+    The one timing formula of the simulator's hardware profiles and of this module's window."""
+    return 0.0 if nbytes <= 0 else latency_s + nbytes / bytes_per_s
+
+
+def busy_copy_rate(h2d_bytes_per_s: float, h2d_bytes_per_s_cpu_busy: float | None) -> float:
+    """The copy rate while the CPU streams host memory (the full rate when no busy rate is given)."""
+    return h2d_bytes_per_s if h2d_bytes_per_s_cpu_busy is None else h2d_bytes_per_s_cpu_busy
+
+
 @dataclass(frozen=True)
 class PrefetchWindow:
     """A machine's timing per neuron row of the model being run (see the module docstring).
@@ -90,11 +101,11 @@ class PrefetchWindow:
 
     def load_s(self, nbytes: int) -> float:
         """Copy time of ``nbytes`` target bytes (the expression of ``HardwareProfile.load_s``)."""
-        return 0.0 if nbytes <= 0 else self.copy_latency_s + nbytes / self.h2d_bytes_per_s
+        return timed_s(nbytes, self.copy_latency_s, self.h2d_bytes_per_s)
 
     def compute_s(self, nbytes: int) -> float:
         """Compute time over a prefix of ``nbytes`` target bytes (``HardwareProfile.compute_s``)."""
-        return 0.0 if nbytes <= 0 else self.compute_latency_s + nbytes / self.compute_bytes_per_s
+        return timed_s(nbytes, self.compute_latency_s, self.compute_bytes_per_s)
 
     def job(self, expert: int, width: int, copy_rows: int) -> Job:
         """A demanded expert of a step: ``copy_rows`` rows copied, computed at ``width`` rows."""
@@ -106,14 +117,13 @@ class PrefetchWindow:
 
     def load_busy_s(self, nbytes: int) -> float:
         """Copy time while the CPU streams host memory (``HardwareProfile.load_busy_s``)."""
-        rate = self.h2d_bytes_per_s if self.h2d_bytes_per_s_cpu_busy is None else self.h2d_bytes_per_s_cpu_busy
-        return 0.0 if nbytes <= 0 else self.copy_latency_s + nbytes / rate
+        return timed_s(nbytes, self.copy_latency_s, busy_copy_rate(self.h2d_bytes_per_s, self.h2d_bytes_per_s_cpu_busy))
 
     def cpu_s(self, nbytes: int) -> float:
         """The CPU's time for one expert over a prefix of ``nbytes`` (``HardwareProfile.cpu_s``); inf without a CPU."""
         if self.cpu_bytes_per_s is None:
             return math.inf
-        return 0.0 if nbytes <= 0 else self.cpu_latency_s + nbytes / self.cpu_bytes_per_s
+        return timed_s(nbytes, self.cpu_latency_s, self.cpu_bytes_per_s)
 
     def hybrid_job(self, width: int, gpu_width: int, copy_bytes: int, on_cpu: bool) -> HybridJob:
         """One task of a step under a CPU placement (``scheduler.HybridJob``): on the CPU whole (``on_cpu``:
