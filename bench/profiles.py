@@ -47,7 +47,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from crisp_runtime.copy_window import busy_copy_rate, timed_s
+from crisp_runtime.copy_window import ExpertTiming
 
 from .common import CliError
 from .shapes import MIXTRAL_8X7B
@@ -62,7 +62,7 @@ class ProfileError(CliError):
 
 
 @dataclass(frozen=True)
-class HardwareProfile:
+class HardwareProfile(ExpertTiming):
     """Timing model of one machine (see the module docstring)."""
 
     name: str
@@ -100,28 +100,6 @@ class HardwareProfile:
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ProfileError(f"profile {self.name!r}: {f} must be a non-negative number, got {v!r}")
-
-    def load_s(self, nbytes: int) -> float:
-        """Time to copy ``nbytes`` host -> device (one expert prefix or widening); 0 for 0 bytes."""
-        return timed_s(nbytes, self.copy_latency_s, self.h2d_bytes_per_s)
-
-    def compute_s(self, nbytes: int) -> float:
-        """Time to run one expert over a prefix of ``nbytes`` bytes; 0 for a skipped expert."""
-        return timed_s(nbytes, self.compute_latency_s, self.compute_bytes_per_s)
-
-    @property
-    def has_cpu(self) -> bool:
-        return self.cpu_bytes_per_s is not None
-
-    def load_busy_s(self, nbytes: int) -> float:
-        """Copy time while the CPU streams host memory (the reduced H2D rate)."""
-        return timed_s(nbytes, self.copy_latency_s, busy_copy_rate(self.h2d_bytes_per_s, self.h2d_bytes_per_s_cpu_busy))
-
-    def cpu_s(self, nbytes: int) -> float:
-        """Time for the CPU to run one expert (batch 1) over a prefix of ``nbytes``; inf without a CPU."""
-        if self.cpu_bytes_per_s is None:
-            return math.inf
-        return timed_s(nbytes, self.cpu_latency_s, self.cpu_bytes_per_s)
 
     def cost_model(self):
         """The runtime scheduler's cost model with this profile's bandwidths (its split decisions)."""

@@ -79,6 +79,7 @@ from crisp_runtime.copy_window import (
     PrefetchSpan,
     Slot,
     admit_requests,
+    hybrid_jobs,
     johnson_jobs,
     overlap_schedule,
 )
@@ -454,28 +455,22 @@ def _hybrid_step(res: SimResult, led, layer: int, step, served, clock: CopyClock
     they do not fit in the free budget (``ResidencyLedger.request_transient``, as the runtime asks)."""
     window = clock.window
     pending = {(layer, t.expert) for t in step.tasks if not t.on_cpu}
-    jobs, gpu, cpu = [], [], []
-    for i, task in enumerate(step.tasks):  # GPU tasks first (issue order), then the CPU's
-        if task.on_cpu:
-            jobs.append(window.hybrid_job(task.width, 0, 0, on_cpu=True))
-            cpu.append(i)
-            continue
+    def request(task) -> int:
         # The GPU part is the prefix [0, gpu_width) (the whole expert unless the neuron split cut it): the
         # ledger is asked for that width; the CPU computes the rows [gpu_width, width), if any.
-        gw = task.gpu_width
+        nonlocal room
         if room:
-            decision = led.request_transient(layer, task.expert, gw, room, protected=pending)
+            decision = led.request_transient(layer, task.expert, task.gpu_width, room, protected=pending)
             if decision.kind == TRANSIENT:
                 room -= decision.copy_bytes
         else:
-            decision = led.request(layer, task.expert, gw, protected=pending)
+            decision = led.request(layer, task.expert, task.gpu_width, protected=pending)
         pending.discard((layer, task.expert))
-        jobs.append(window.hybrid_job(task.width, gw, decision.copy_bytes, on_cpu=False))
-        gpu.append(i)
-        if gw < task.width:
-            cpu.append(i)
-            if counting:
-                res.splits += 1
+        return decision.copy_bytes
+
+    jobs, gpu, cpu = hybrid_jobs(window, step.tasks, request)  # GPU tasks first (issue order), then the CPU's
+    if counting:
+        res.splits += len(set(gpu) & set(cpu))  # GPU prefixes whose remaining rows the CPU computes
     times = clock.hybrid_step(jobs, gpu, cpu)
     if not counting:
         return

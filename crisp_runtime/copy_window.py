@@ -48,18 +48,49 @@ from .scheduler import HybridJob, johnson_order, split_makespan
 
 
 def timed_s(nbytes: int, latency_s: float, bytes_per_s: float) -> float:
-    """A copy or a compute over ``nbytes``: a fixed latency plus the bytes at a rate; 0 for nothing.
-    The one timing formula of the simulator's hardware profiles and of this module's window."""
+    """A copy or a compute over ``nbytes``: a fixed latency plus the bytes at a rate; 0 for nothing."""
     return 0.0 if nbytes <= 0 else latency_s + nbytes / bytes_per_s
 
 
-def busy_copy_rate(h2d_bytes_per_s: float, h2d_bytes_per_s_cpu_busy: float | None) -> float:
-    """The copy rate while the CPU streams host memory (the full rate when no busy rate is given)."""
-    return h2d_bytes_per_s if h2d_bytes_per_s_cpu_busy is None else h2d_bytes_per_s_cpu_busy
+class ExpertTiming:
+    """The timing formulas of one machine, shared by the simulator's ``HardwareProfile`` and
+    :class:`PrefetchWindow` (both frozen dataclasses with these fields): ``h2d_bytes_per_s``,
+    ``copy_latency_s``, ``compute_bytes_per_s``, ``compute_latency_s``, ``cpu_bytes_per_s`` (None: no
+    CPU), ``cpu_latency_s``, ``h2d_bytes_per_s_cpu_busy`` (None: the copy rate does not drop while the
+    CPU streams host memory). ``nbytes`` are bytes of the target machine's experts."""
+
+    __slots__ = ()
+
+    def load_s(self, nbytes: int) -> float:
+        """Time to copy ``nbytes`` host -> device (one expert prefix or widening); 0 for 0 bytes."""
+        return timed_s(nbytes, self.copy_latency_s, self.h2d_bytes_per_s)
+
+    def compute_s(self, nbytes: int) -> float:
+        """Time to run one expert over a prefix of ``nbytes`` bytes; 0 for a skipped expert."""
+        return timed_s(nbytes, self.compute_latency_s, self.compute_bytes_per_s)
+
+    @property
+    def has_cpu(self) -> bool:
+        return self.cpu_bytes_per_s is not None
+
+    @property
+    def busy_copy_rate(self) -> float:
+        """The H2D rate while the CPU streams host memory (the full rate when none is given)."""
+        return self.h2d_bytes_per_s if self.h2d_bytes_per_s_cpu_busy is None else self.h2d_bytes_per_s_cpu_busy
+
+    def load_busy_s(self, nbytes: int) -> float:
+        """Copy time while the CPU streams host memory (the reduced H2D rate)."""
+        return timed_s(nbytes, self.copy_latency_s, self.busy_copy_rate)
+
+    def cpu_s(self, nbytes: int) -> float:
+        """Time for the CPU to run one expert (batch 1) over a prefix of ``nbytes``; inf without a CPU."""
+        if self.cpu_bytes_per_s is None:
+            return math.inf
+        return timed_s(nbytes, self.cpu_latency_s, self.cpu_bytes_per_s)
 
 
 @dataclass(frozen=True)
-class PrefetchWindow:
+class PrefetchWindow(ExpertTiming):
     """A machine's timing per neuron row of the model being run (see the module docstring).
 
     load(rows)    = copy_latency_s + rows * row_nbytes / h2d_bytes_per_s           (0 for no rows)
@@ -99,31 +130,9 @@ class PrefetchWindow:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"PrefetchWindow: {f} must be a non-negative number, got {v!r}")
 
-    def load_s(self, nbytes: int) -> float:
-        """Copy time of ``nbytes`` target bytes (the expression of ``HardwareProfile.load_s``)."""
-        return timed_s(nbytes, self.copy_latency_s, self.h2d_bytes_per_s)
-
-    def compute_s(self, nbytes: int) -> float:
-        """Compute time over a prefix of ``nbytes`` target bytes (``HardwareProfile.compute_s``)."""
-        return timed_s(nbytes, self.compute_latency_s, self.compute_bytes_per_s)
-
     def job(self, expert: int, width: int, copy_rows: int) -> Job:
         """A demanded expert of a step: ``copy_rows`` rows copied, computed at ``width`` rows."""
         return Job(expert, width, self.load_s(copy_rows * self.row_nbytes), self.compute_s(width * self.row_nbytes))
-
-    @property
-    def has_cpu(self) -> bool:
-        return self.cpu_bytes_per_s is not None
-
-    def load_busy_s(self, nbytes: int) -> float:
-        """Copy time while the CPU streams host memory (``HardwareProfile.load_busy_s``)."""
-        return timed_s(nbytes, self.copy_latency_s, busy_copy_rate(self.h2d_bytes_per_s, self.h2d_bytes_per_s_cpu_busy))
-
-    def cpu_s(self, nbytes: int) -> float:
-        """The CPU's time for one expert over a prefix of ``nbytes`` (``HardwareProfile.cpu_s``); inf without a CPU."""
-        if self.cpu_bytes_per_s is None:
-            return math.inf
-        return timed_s(nbytes, self.cpu_latency_s, self.cpu_bytes_per_s)
 
     def hybrid_job(self, width: int, gpu_width: int, copy_bytes: int, on_cpu: bool) -> HybridJob:
         """One task of a step under a CPU placement (``scheduler.HybridJob``): on the CPU whole (``on_cpu``:
@@ -241,9 +250,28 @@ def hybrid_times(window: PrefetchWindow, jobs: Sequence[HybridJob], gpu: Sequenc
     span = split_makespan(gpu, cpu, jobs, window.join_s) if jobs else 0.0
     busy = bool(cpu)
     copied = sum(jobs[i].load_busy_s if busy else jobs[i].load_s for i in gpu)
-    busy_rate = window.h2d_bytes_per_s_cpu_busy or window.h2d_bytes_per_s
-    idle = max(0.0, span - copied) * (busy_rate / window.h2d_bytes_per_s if busy else 1.0)
+    idle = max(0.0, span - copied) * (window.busy_copy_rate / window.h2d_bytes_per_s if busy else 1.0)
     return HybridTimes(span, copied, idle)
+
+
+def hybrid_jobs(window: PrefetchWindow, tasks: Sequence, copy_bytes: Callable[[object], int]
+                ) -> tuple[list[HybridJob], list[int], list[int]]:
+    """A step's ``scheduler.ExpertTask`` s under a CPU placement as :func:`hybrid_times` takes them: the jobs, the
+    indices on the GPU (issue order) and those with rows on the CPU (a CPU task, or a split task's rows
+    [gpu_width, width)). ``copy_bytes(task)``: the target bytes a GPU task's prefix [0, gpu_width) copied, asked
+    once per GPU task in issue order (the simulator asks its ledger there, the runtime reads the plan)."""
+    jobs, gpu, cpu = [], [], []
+    for i, task in enumerate(tasks):
+        if task.on_cpu:
+            jobs.append(window.hybrid_job(task.width, 0, 0, on_cpu=True))
+            cpu.append(i)
+            continue
+        gpu_width = task.gpu_width
+        jobs.append(window.hybrid_job(task.width, gpu_width, copy_bytes(task), on_cpu=False))
+        gpu.append(i)
+        if gpu_width < task.width:
+            cpu.append(i)
+    return jobs, gpu, cpu
 
 
 class CopyClock:

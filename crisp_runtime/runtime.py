@@ -53,7 +53,7 @@ from crisp_kernels.expert_mlp import (
     resolve_backend,
 )
 
-from .copy_window import CopyClock, admit_requests
+from .copy_window import CopyClock, admit_requests, hybrid_jobs
 from .cpu_experts import CpuExperts, CpuExpertsConfig
 from .device_cache import PrefixCache, ResidentExperts
 from .eviction import make_policy
@@ -526,19 +526,8 @@ class CrispRuntime:
         (``CopyClock.hybrid_step`` on the tasks in issue order, as ``bench.simulate._hybrid_step``)."""
         window = self._clock.window
         if not self._gpu_placement:  # a CPU placement: the split's makespan, as the simulator's _hybrid_step
-            hybrid, gpu, cpu = [], [], []
-            for i, task in enumerate(step.tasks):
-                if task.on_cpu:
-                    hybrid.append(window.hybrid_job(task.width, 0, 0, on_cpu=True))
-                    cpu.append(i)
-                    continue
-                copy_rows = max(0, task.gpu_width - task.resident_width)
-                hybrid.append(window.hybrid_job(task.width, task.gpu_width, copy_rows * window.row_nbytes,
-                                                on_cpu=False))
-                gpu.append(i)
-                if task.gpu_width < task.width:
-                    cpu.append(i)
-            self._clock.hybrid_step(hybrid, gpu, cpu)
+            self._clock.hybrid_step(*hybrid_jobs(
+                window, step.tasks, lambda t: max(0, t.gpu_width - t.resident_width) * window.row_nbytes))
             return
         tasks = {t.expert: t for t in step.tasks}
         jobs = []

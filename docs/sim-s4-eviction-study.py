@@ -7,11 +7,11 @@ docs/bench-simulate-s4-eviction-25.json. Run: OMP_NUM_THREADS=1 PYTHONPATH=. pyt
 (``--frontier OUT``: uniform / skip-auxiliary / CRISP at the plan's widths with next-use eviction and plan-width
 prefetch, the same window, for the frontier comparison -> docs/bench-simulate-s4-frontier-25.json.)
 """
-import json
 import math
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import crisp_bench.simulate as bs
 import torch
@@ -20,13 +20,13 @@ from crisp_bench.shapes import TARGETS
 from crisp_bench.traces import Trace
 
 import crisp_runtime.serving as sv
+from crisp_runtime.outputs import write_json
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.residency import MISS, WIDEN, CacheBudgetError, Decision, ResidencyLedger
 from crisp_runtime.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, DominantWiden
 
 torch.set_num_threads(1)
 TRACE = "docs/bench-trace-heldout-predicted.npz"
-FULL_LRU = 2.81  # full-width LRU, router order, 25% (docs/bench-simulate-rtx4090-25.json)
 
 
 class TrimLedger(ResidencyLedger):
@@ -155,10 +155,20 @@ def share_floor(th, lo, hi):
     return one
 
 
+def full_lru(trace, plan, prof, shape) -> float:
+    """The baseline, in the same run: full-width LRU in router order (mixtral-offloading), tokens/s."""
+    full = CrispPlan.full(plan.num_experts, plan.top_k, plan.intermediate_size, plan.layer_ids)
+    res = bs.simulate_decode(trace, bs.SimPolicy("full", full), prof, shape, int(0.25 * shape.total_expert_nbytes),
+                             orders=["router"], warmup=32)
+    return res.summary("router")["tokens_per_s"]
+
+
 def main(out_path):
+    _refuse_existing(out_path)
     trace = Trace.load(TRACE)
     plan = CrispPlan.load("models/tiny-mixtral-crisp/plan.json")
     prof, shape = get_profile("rtx4090-pcie4"), TARGETS["mixtral-8x7b"]
+    base_tps = full_lru(trace, plan, prof, shape)
     base = SERVING_POLICIES["resident"]
     stats = {}
     orig_ss, orig_one, orig_led = bs.serve_slots, sv._serve_one, bs.ResidencyLedger
@@ -206,7 +216,7 @@ def main(out_path):
         s = res.summary("widest_first")
         n = stats["n"]
         rec = {"label": label, "budget_fraction": 0.25, "eviction": ev, "tokens_per_s": s["tokens_per_s"],
-               "x_full_lru": s["tokens_per_s"] / FULL_LRU, "hit_rate": s["hit_rate"],
+               "x_full_lru": s["tokens_per_s"] / base_tps, "hit_rate": s["hit_rate"],
                "bytes_per_token": s["bytes_per_token"], "prefetch_bytes_per_token": s["prefetch_bytes_per_token"],
                "dom_narrower": stats["narrower"] / n, "dom_shortfall": stats["short"] / n,
                "dom_share_weighted_shortfall": stats["wshort"] / n}
@@ -217,8 +227,8 @@ def main(out_path):
     doc = {"format": "crisp-bench-simulate-records", "notes": [
         "2026-12-01 (session 4), shared 2-core CPU VM, docs/sim-s4-eviction-study.py: simulate_decode on " + TRACE
         + ", rtx4090-pcie4, mixtral-8x7b, 25%, warm-up 32, widest-first, global cache, serving-width prefetch with "
-        "the copy window, policies resident + dominant_widen ahead; x_full_lru over 2.81 tok/s (full-width LRU, "
-        "router order).",
+        "the copy window, policies resident + dominant_widen ahead; x_full_lru over full-width LRU in router "
+        f"order, {base_tps:.3f} tok/s in the same run.",
         "dom_narrower: dominant slots served below the plan's width; dom_shortfall: mean (wanted - served) / "
         "wanted over dominant slots; weighted: the same times the dominant's routing-weight share.",
         "trim-first / aux-first / share floors are prototypes patched around the runtime's ledger and serving rule "
@@ -229,9 +239,11 @@ def main(out_path):
 def frontier(out_path):
     """Families served at their plan's widths (outputs independent of the cache: the batch evaluation's accuracy
     holds), next-use eviction, plan-width prefetch with the window; CRISP residency-aware at floor 100% too."""
+    _refuse_existing(out_path)
     trace = Trace.load(TRACE)
     plan = CrispPlan.load("models/tiny-mixtral-crisp/plan.json")
     prof, shape = get_profile("rtx4090-pcie4"), TARGETS["mixtral-8x7b"]
+    base_tps = full_lru(trace, plan, prof, shape)
     e, k, inter, ids = plan.num_experts, plan.top_k, plan.intermediate_size, plan.layer_ids
     exact = SERVING_POLICIES["plan"]
     cases = [("uniform", f"w{w}", CrispPlan.uniform(e, k, inter, ids, w), exact, "plan")
@@ -247,22 +259,25 @@ def frontier(out_path):
                                  orders=["widest_first"], warmup=32, predicted=trace.predicted)
         s = res.summary("widest_first")
         rec = {"label": pol.label, "budget_fraction": 0.25, "tokens_per_s": s["tokens_per_s"],
-               "x_full_lru": s["tokens_per_s"] / FULL_LRU, "hit_rate": s["hit_rate"],
+               "x_full_lru": s["tokens_per_s"] / base_tps, "hit_rate": s["hit_rate"],
                "bytes_per_token": s["bytes_per_token"]}
         records.append(rec)
         print(f"{pol.label:50s} {rec['tokens_per_s']:.3f} tok/s {rec['x_full_lru']:.3f}x", flush=True)
     _write(out_path, {"format": "crisp-bench-simulate-records", "notes": [
         "2026-12-01 (session 4), docs/sim-s4-eviction-study.py --frontier: simulate_decode on " + TRACE
         + ", rtx4090-pcie4, mixtral-8x7b, 25%, warm-up 32, widest-first, next-use eviction, prefetch with the "
-        "copy window; x_full_lru over 2.81 tok/s."], "records": records})
+        "copy window; x_full_lru over full-width LRU in router order, "
+        f"{base_tps:.3f} tok/s in the same run."], "records": records})
+
+
+def _refuse_existing(out_path):
+    if Path(out_path).exists():
+        sys.exit(f"error: {out_path}: exists; refusing to overwrite it")
 
 
 def _write(out_path, doc):
-    import os
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    os.replace(tmp, out_path)
+    _refuse_existing(out_path)
+    write_json(out_path, doc)
 
 
 if __name__ == "__main__":
