@@ -44,6 +44,7 @@ import torch
 
 from crisp_runtime import CrispPlan, RuntimeConfig, apply
 from crisp_runtime.cpu_experts import EXACT
+from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
 from crisp_runtime.outputs import write_json
 from crisp_runtime.prefetch import PrefetchPolicy
 from crisp_runtime.scheduler import CostModel
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="mixtral-8x7b", choices=sorted(TARGETS),
                    help="model whose expert sizes the cost model is scaled to (default %(default)s)")
     p.add_argument("--case", action="append", required=True, help="see the module docstring; repeatable")
-    p.add_argument("--eviction", choices=("lru", "next_use", "frequency", "tier"), default="lru",
+    p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru",
                    help="the runtime's eviction policy in every offloading case (default lru)")
     p.add_argument("--window", choices=("on", "off"), default="on",
                    help="cut prefetches at the profile's modeled copy clock, as the simulator (default on)")
