@@ -14,22 +14,23 @@ for the figures behind the choice):
 
 - ``INT4PACK_BF16``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (torch's own AVX-512/AVX2
   4-bit kernel, the one torchao's int4 CPU path uses) with bf16 activations. Its layout stores
-  64-row blocks, K-major inside a block (checked in the tests), so
-  * gate and up are one matrix of 2I rows interleaved per 64-neuron block (gate block b, then up
-    block b): the first ``64 n`` neurons are the first ``128 n`` rows, one call;
-  * down is cut into one (R, I) matrix per R = min(64, group) rows of H: its K (neuron) prefix is
+  blocks of B rows, K-major inside a block, B the CPU's (64 with AVX-512, 32 with AVX2; probed by
+  :func:`int4pack_layout`, checked in the tests), so
+  * gate and up are one matrix of 2I rows interleaved per B-neuron block (gate block b, then up
+    block b): the first ``B n`` neurons are the first ``2 B n`` rows, one call;
+  * down is cut into one (R, I) matrix per R = min(B, group) rows of H: its K (neuron) prefix is
     a byte prefix of each block. The format's down scales run along H (one per neuron and group
     of H), which the op cannot express (its scales run along K), so each block is packed with
     unit scales (weight q - 8, exact) and the neuron's scale is folded into the activation
     (``h * s[:, group]``); the zero point's term ``sum_j h_j s_j (z_j - 8)`` is one fp32 matmul.
-  Neurons past the last whole 64-block (< 64 of them) run on the dequant path, from the host
+  Neurons past the last whole B-block (< B of them) run on the dequant path, from the host
   rows themselves. Cost: a second copy of the experts, 3 I H / 2 bytes of int4pack weights plus
   bf16 gate/up scales and zero terms (4 bytes per group per gate/up row) and the down scales (fp16)
   and zero terms (fp32) transposed (6 bytes per group): at H 4096, g 64 that is 7,040 bytes per
   neuron beside the format's 6,720, i.e. host memory for the experts doubles (x 2.05).
 - ``DEQUANT_FP32``: the host rows dequantized in chunks of ``chunk`` neurons (format's
   ``dequantize_rows``) and fp32 matmuls. Exact (fp32), no second copy, ~30x slower. Taken at
-  Precision.FP32, for a bare PackedExpert, and for the < 64 neurons past the last 64-block.
+  Precision.FP32, for a bare PackedExpert, and for the < B neurons past the last B-block.
 
 Precision: ``Precision.FP32`` (default for fp32 activations) equals the float64 reference within
 1e-5; ``Precision.BF16`` (default for bf16 activations; also selectable for fp32 ones) rounds the
@@ -55,11 +56,16 @@ from .format import SYMMETRIC_ZERO, PackedExpert, PackedLayer, Proj, dequantize_
 # ----------------------------------------------------------------------------- constants
 
 # torch's CPU int4pack layout (_convert_weight_to_int4pack_for_cpu, torch 2.13) stores rows in
-# blocks of 64, K-major inside a block: a prefix of 64 n rows and a K prefix of a <= 64-row matrix
-# are byte prefixes (tests/test_cpu_expert.py checks both against fresh conversions).
-BLOCK_N = 64
+# blocks of B rows, K-major inside a block: a prefix of B n rows and a K range of a B-row matrix are
+# byte ranges. B is the CPU's: 64 with AVX-512 (Intel Xeon, the VM of sessions 1-4), 32 with AVX2
+# only (AMD EPYC, session 5), so it is probed on the machine (int4pack_layout), never assumed:
+# a 64 assumed on an AVX2 host gave relative errors of ~1.0, silently. The candidates are the
+# op's K groups (>= 32), because a down matrix's unit scales come in K groups of DOWN_K_GROUP.
+BLOCK_N_CANDIDATES = (32, 64, 128)
 # The op's smallest group along K: the down matrices' (unit) scales come in groups of 32 neurons.
 DOWN_K_GROUP = 32
+# The probe's matrix: K = 256 elements, rows for two blocks of the largest candidate.
+_PROBE_K = 256
 # The op reads its (K/g, N, 2) scale tensor as if contiguous (a strided N prefix gives wrong
 # results, checked in the tests), so gate/up scales are stored per chunk of neurons: a width calls
 # the op once per chunk and copies only a partial last chunk's scales (<= 0.5 MB at H 4096, g 64).
@@ -125,7 +131,8 @@ class CpuKernelInfo:
 class CpuExpert:
     """One expert for the CPU: its host rows (``packed``) and their int4pack copy.
 
-    gate_up: (2 Ib, H/2) uint8, int4pack of gate/up rows interleaved per 64-neuron block;
+    gate_up: (2 Ib, H/2) uint8, int4pack of gate/up rows interleaved per block of ``block_n``
+    neurons (the op's block on this CPU, :func:`int4pack_layout`);
     gate_up_sz: per chunk of GATE_UP_CHUNK neurons, (H/g, 2 n, 2) bf16, the op's (scale, zero
     term) per group and row;
     down: (H / R, R Ib / 2) uint8, one int4pack (R, Ib) matrix per R rows of H, unit scales;
@@ -133,7 +140,9 @@ class CpuExpert:
     per block; the strided column of the host rows cost 490 us per block at I 14336, as much as
     the block's matmul);
     down_zero: (H/g, Ib) fp32, ``(z - 8) * s`` (exact in fp32), None for the symmetric format;
-    Ib = I rounded down to a multiple of 64 (the rest runs from ``packed``).
+    Ib = I rounded down to a multiple of ``block_n`` (the rest runs from ``packed``);
+    block_n: the int4pack layout's block rows on the CPU that built the copy (the layout is the
+    machine's: a copy is never stored or moved between machines).
     """
 
     packed: PackedExpert
@@ -142,6 +151,7 @@ class CpuExpert:
     down: torch.Tensor
     down_scales: torch.Tensor
     down_zero: torch.Tensor | None
+    block_n: int
 
     @property
     def blocked_width(self) -> int:
@@ -149,7 +159,7 @@ class CpuExpert:
 
     @property
     def down_rows(self) -> int:
-        return min(BLOCK_N, self.packed.fmt.group_size)
+        return min(self.block_n, self.packed.fmt.group_size)
 
     @property
     def nbytes(self) -> int:
@@ -178,14 +188,62 @@ def _int4pack(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
 
 
-def prepare_expert(packed: PackedExpert) -> CpuExpert:
-    """The int4pack copy of one host expert (reads it once; the host rows are kept as they are)."""
+class Int4PackUnsupported(RuntimeError):
+    """torch's CPU int4pack layout on this machine is not one the fast path can slice by prefix."""
+
+
+@dataclass(frozen=True)
+class Int4PackLayout:
+    """What the fast path relies on in torch's CPU int4pack layout, as measured on this machine."""
+
+    block_n: int  # rows per block: prefixes of block_n n rows, K ranges of a block_n-row matrix are byte ranges
+
+
+def int4pack_layout() -> Int4PackLayout:
+    """Probe the op's layout on this CPU (a few conversions of a (2 * 128, 256) matrix, ~1 ms).
+
+    The block B is the candidate for which the first B and 2B rows convert to the first B and 2B
+    rows of the whole matrix, and K prefixes and K ranges (from multiples of DOWN_K_GROUP) of a
+    B-row matrix convert to byte ranges of its conversion: exactly the slicing the fast path does.
+    Raises :class:`Int4PackUnsupported` when no candidate has those properties (a torch build or a
+    CPU whose layout differs: the runtime then computes on the exact path, ``CpuPrepare.NONE``)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = 2 * max(BLOCK_N_CANDIDATES)
+    q = torch.randint(0, 16, (rows, _PROBE_K), generator=gen, dtype=torch.uint8)
+    try:
+        full = _int4pack(q)
+        for block in BLOCK_N_CANDIDATES:
+            if not all(torch.equal(_int4pack(q[:n]), full[:n]) for n in (block, 2 * block)):
+                continue
+            matrix = _int4pack(q[:block]).flatten()
+            k_ranges = ((0, DOWN_K_GROUP), (0, _PROBE_K // 2), (DOWN_K_GROUP, _PROBE_K),
+                        (2 * DOWN_K_GROUP, _PROBE_K // 2))
+            if all(torch.equal(_int4pack(q[:block, k0:k1]).flatten(), matrix[block * k0 // 2: block * k1 // 2])
+                   for k0, k1 in k_ranges):
+                return Int4PackLayout(block)
+    except RuntimeError as err:  # the op missing or refusing on this build
+        raise Int4PackUnsupported(f"torch's CPU int4pack op failed on this machine: {err}") from err
+    raise Int4PackUnsupported(
+        f"torch's CPU int4pack layout on this machine (torch {torch.__version__}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}) has none of the row blocks {BLOCK_N_CANDIDATES} that the fast "
+        "path slices by prefix; use the exact path (CpuExpertsConfig(prepare='none'))")
+
+
+def prepare_expert(packed: PackedExpert, layout: Int4PackLayout | None = None) -> CpuExpert:
+    """The int4pack copy of one host expert (reads it once; the host rows are kept as they are).
+
+    layout: this machine's :func:`int4pack_layout` (probed here when None; pass it to prepare many)."""
     check_packed(packed)
     _check_supported(packed)
     if packed.device.type != "cpu":
         raise ValueError(f"packed: the CPU kernel needs a host expert, got one on {packed.device}")
+    if layout is None:
+        layout = int4pack_layout()
+    elif not isinstance(layout, Int4PackLayout):
+        raise TypeError(f"layout: expected an Int4PackLayout or None, got {type(layout).__name__}")
+    block_n = layout.block_n
     fmt, hidden = packed.fmt, packed.hidden_size
-    blocked = packed.width // BLOCK_N * BLOCK_N
+    blocked = packed.width // block_n * block_n
     groups = hidden // fmt.group_size
     gate_up = torch.empty(2 * blocked, hidden // 2, dtype=torch.uint8)
     sz = torch.empty(groups, 2 * blocked, 2, dtype=torch.bfloat16)
@@ -193,19 +251,19 @@ def prepare_expert(packed: PackedExpert) -> CpuExpert:
         stop = min(blocked, start + _PREPARE_ROWS // 2)
         rows = packed.qweight[start:stop, : Proj.UP + 1]  # (n, 2, H/2)
         n = stop - start
-        # Interleave per 64-neuron block: gate rows of block b, then its up rows.
-        q = unpack_nibbles(rows).view(n // BLOCK_N, BLOCK_N, 2, hidden).transpose(1, 2).reshape(2 * n, hidden)
+        # Interleave per block of block_n neurons: gate rows of block b, then its up rows.
+        q = unpack_nibbles(rows).view(n // block_n, block_n, 2, hidden).transpose(1, 2).reshape(2 * n, hidden)
         gate_up[2 * start: 2 * stop] = _int4pack(q)
         s = packed.scales[start:stop, : Proj.UP + 1].float()
         z = (packed.zeros[start:stop, : Proj.UP + 1].float() if packed.zeros is not None
              else torch.full_like(s, SYMMETRIC_ZERO))
         # The op dequantizes (q - 8) * S + Z; the format is (q - z) * s = (q - 8) * s + (8 - z) * s.
         pair = torch.stack((s, (SYMMETRIC_ZERO - z) * s), dim=-1)  # (n, 2, G, 2)
-        pair = pair.view(n // BLOCK_N, BLOCK_N, 2, groups, 2).transpose(1, 2).reshape(2 * n, groups, 2)
+        pair = pair.view(n // block_n, block_n, 2, groups, 2).transpose(1, 2).reshape(2 * n, groups, 2)
         sz[:, 2 * start: 2 * stop] = pair.transpose(0, 1).to(torch.bfloat16)
     sz_chunks = tuple(sz[:, 2 * c: 2 * min(blocked, c + GATE_UP_CHUNK)].contiguous()
                       for c in range(0, blocked, GATE_UP_CHUNK))
-    rows_per = min(BLOCK_N, fmt.group_size)
+    rows_per = min(block_n, fmt.group_size)
     down = torch.empty(hidden // rows_per, rows_per * blocked // 2, dtype=torch.uint8)
     if blocked:
         down_q = unpack_nibbles(packed.qweight[:blocked, Proj.DOWN])  # (Ib, H): column n of down^T
@@ -216,14 +274,15 @@ def prepare_expert(packed: PackedExpert) -> CpuExpert:
     if packed.zeros is not None:
         down_zero = ((packed.zeros[:blocked, Proj.DOWN].float() - SYMMETRIC_ZERO)
                      * packed.scales[:blocked, Proj.DOWN].float()).t().contiguous()
-    return CpuExpert(packed, gate_up, sz_chunks, down, down_scales, down_zero)
+    return CpuExpert(packed, gate_up, sz_chunks, down, down_scales, down_zero, block_n)
 
 
 def cpu_expert_prepare(layer: PackedLayer) -> CpuPreparedLayer:
     """The int4pack copy of a host layer, for the fast path (memory cost: see the module doc)."""
     if not isinstance(layer, PackedLayer):
         raise TypeError(f"layer: expected a PackedLayer, got {type(layer).__name__}")
-    return CpuPreparedLayer(layer, tuple(prepare_expert(layer.expert(e)) for e in range(layer.num_experts)))
+    layout = int4pack_layout()
+    return CpuPreparedLayer(layer, tuple(prepare_expert(layer.expert(e), layout) for e in range(layer.num_experts)))
 
 
 def _check_supported(packed: PackedExpert) -> None:
@@ -302,19 +361,20 @@ def expert_mlp_cpu_accumulate_(
     def kept(a, b):
         return None if keep is None else keep[:, a - row_start:b - row_start]
 
-    # The int4pack op runs whole 64-neuron blocks: [b0, b1); the fp32 path the < 64 neurons before
+    # The int4pack op runs whole B-neuron blocks: [b0, b1); the fp32 path the < B neurons before
     # b0 (a split inside a block) and after b1 (past the last block), from the host rows.
     b0 = b1 = row_start
     if prepared is not None and config.resolve(x.dtype) is Precision.BF16:
-        b0 = min(width, -(-row_start // BLOCK_N) * BLOCK_N)
-        b1 = max(b0, min(width // BLOCK_N * BLOCK_N, prepared.blocked_width))
+        block = prepared.block_n
+        b0 = min(width, -(-row_start // block) * block)
+        b1 = max(b0, min(width // block * block, prepared.blocked_width))
         xb = x.to(torch.bfloat16)  # the operand rounding Precision.BF16 allows (exact for bf16 x)
         x = xb.float()
         if b1 > b0:
             _int4pack_accumulate(xb, prepared, b0, b1, kept(b0, b1), scale, out)
         if b0 > row_start:
             _dequant_accumulate(x, host, row_start, b0, kept(row_start, b0), scale, out, config.chunk)
-    if b1 < width:  # the fp32 path; under BF16 only the < 64 neurons past the last block
+    if b1 < width:  # the fp32 path; under BF16 only the < B neurons past the last block
         _dequant_accumulate(x.float(), host, b1, width, kept(b1, width), scale, out, config.chunk)
 
 
@@ -337,9 +397,9 @@ def _dequant_accumulate(x, packed, start, stop, keep, scale, out, chunk) -> None
 
 
 def _int4pack_accumulate(xb, expert: CpuExpert, start: int, stop: int, keep, scale, out) -> None:
-    """Neurons start..stop (multiples of 64) through torch's int4pack CPU op.
+    """Neurons start..stop (multiples of the layout's block B) through torch's int4pack CPU op.
 
-    A neuron range is a row range of the gate/up matrix (64-row blocks) and a K range of each down
+    A neuron range is a row range of the gate/up matrix (B-row blocks) and a K range of each down
     block (K-major: bytes [R start / 2, R stop / 2), checked in the tests)."""
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     packed = expert.packed
@@ -353,7 +413,7 @@ def _int4pack_accumulate(xb, expert: CpuExpert, start: int, stop: int, keep, sca
         if (lo, hi) != (0, sz.shape[1]):  # the op reads its scales as contiguous: copy a partial chunk's
             sz = sz[:, lo:hi].contiguous()
         gu[:, 2 * (c0 - start): 2 * (c1 - start)] = mm(xb, expert.gate_up[2 * c0: 2 * c1], g, sz)
-    gu = gu.view(tokens, n // BLOCK_N, 2, BLOCK_N).float()
+    gu = gu.view(tokens, n // expert.block_n, 2, expert.block_n).float()
     h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens, n)  # fp32
     if keep is not None:
         h = h * keep

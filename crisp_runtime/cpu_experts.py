@@ -45,6 +45,7 @@ rows of the expert's neuron-major prefix, and with ``row_start = s`` (the neuron
 from __future__ import annotations
 
 import enum
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -55,8 +56,11 @@ from crisp_kernels.cpu_expert import (
     CpuExpert,
     CpuExpertConfig,
     CpuImpl,
+    Int4PackLayout,
+    Int4PackUnsupported,
     Precision,
     expert_mlp_cpu_accumulate_,
+    int4pack_layout,
     prepare_expert,
 )
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_
@@ -180,6 +184,17 @@ class CpuExperts:
         self._kernel_config = CpuExpertConfig(config.precision)
         self._prepared: dict[tuple[int, int], CpuExpert] = {}
         self._prepared_nbytes = 0
+        # The int4pack layout is the CPU's (block of 64 rows with AVX-512, 32 with AVX2), probed once;
+        # where the fast path cannot slice it, every expert runs on the exact path, said in info().
+        self.layout: Int4PackLayout | None = None
+        self.unsupported: str | None = None
+        if config.prepare is not CpuPrepare.NONE:
+            try:
+                self.layout = int4pack_layout()
+            except Int4PackUnsupported as err:
+                self.unsupported = str(err)
+                warnings.warn(f"CPU experts run on the exact fp32 path (~30x slower): {err}", RuntimeWarning,
+                              stacklevel=2)
         if config.prepare is CpuPrepare.EAGER:
             for layer_id, layer in layers.items():
                 for e in range(layer.num_experts):
@@ -198,12 +213,12 @@ class CpuExperts:
     def _expert(self, layer_id: int, expert: int) -> PackedExpert | CpuExpert:
         """What the kernel reads for this expert: its int4pack copy (built on first use) or its host rows."""
         packed = self.layers[layer_id].expert(expert)
-        if self.config.prepare is CpuPrepare.NONE or not covered(packed):
+        if self.layout is None or not covered(packed):  # prepare NONE, or a layout the fast path cannot slice
             return packed
         key = (layer_id, expert)
         got = self._prepared.get(key)
         if got is None:
-            got = self._prepared[key] = prepare_expert(packed)
+            got = self._prepared[key] = prepare_expert(packed, self.layout)
             self._prepared_nbytes += got.nbytes
         return got
 
@@ -237,7 +252,10 @@ class CpuExperts:
     def info(self) -> dict:
         """For ``stats()["cpu"]["experts"]``: the config, the worker's threads, the copies held and their bytes."""
         host = sum(layer.nbytes() for layer in self.layers.values())
-        return {**self.config.to_dict(), "impl": self.config.impl.value,
+        impl = self.config.impl if self.unsupported is None else CpuImpl.DEQUANT_FP32
+        return {**self.config.to_dict(), "impl": impl.value,
+                "int4pack_block": None if self.layout is None else self.layout.block_n,
+                "int4pack_unsupported": self.unsupported,
                 "worker_threads": self.worker.threads if self.worker.started else self.config.worker_threads(),
                 "tolerance": TOLERANCE[self.config.precision],
                 "prepared_experts": len(self._prepared), "prepared_bytes": self._prepared_nbytes,

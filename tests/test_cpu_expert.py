@@ -22,17 +22,20 @@ import torch
 
 from crisp_kernels import PackedExpert, QuantFormat, pack_expert
 from crisp_kernels.cpu_expert import (
-    BLOCK_N,
+    BLOCK_N_CANDIDATES,
     DEFAULT_CHUNK,
     DEFAULT_CONFIG,
     GATE_UP_CHUNK,
     CpuExpert,
     CpuExpertConfig,
     CpuImpl,
+    Int4PackLayout,
+    Int4PackUnsupported,
     Precision,
     _int4pack,
     cpu_expert_prepare,
     expert_mlp_cpu_accumulate_,
+    int4pack_layout,
     kernel_info,
     prepare_expert,
     reference_check,
@@ -43,6 +46,9 @@ from crisp_kernels.format import pack_layer
 
 FP32_TOL = 1e-5
 BF16_TOL = 2 * 2.0**-8
+# The int4pack layout's block on this machine (64 with AVX-512, 32 with AVX2): the widths and
+# starts below sit on its boundaries.
+BLOCK_N = int4pack_layout().block_n
 
 # (H, I, group, symmetric): odd intermediate sizes (not multiples of 64), every group size.
 SHAPES = [(256, 200, 64, False), (256, 130, 32, True), (384, 300, 128, False)]
@@ -158,7 +164,7 @@ def _poison_prepared(ce: CpuExpert, width: int) -> CpuExpert:
     zero = None if ce.down_zero is None else ce.down_zero.clone()
     if zero is not None:
         zero[:, blocked:] = float("nan")
-    return CpuExpert(_poison_host(ce.packed, width), gate_up, tuple(sz), down, scales, zero)
+    return CpuExpert(_poison_host(ce.packed, width), gate_up, tuple(sz), down, scales, zero, ce.block_n)
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], BIG])
@@ -179,17 +185,46 @@ def test_rows_past_width_are_never_read(shape, width, precision):
 
 
 def test_int4pack_layout_prefixes():
-    """The layout facts the fast path relies on (torch's CPU int4pack): a prefix of 64 n rows and
-    a K prefix of a <= 64-row matrix are byte prefixes of the converted matrix."""
+    """The layout facts the fast path relies on (torch's CPU int4pack), for the probed block B: a
+    prefix of B n rows and a K range of a B-row matrix are byte ranges of the converted matrix,
+    checked on other shapes than the probe's."""
+    assert BLOCK_N in BLOCK_N_CANDIDATES
     gen = torch.Generator().manual_seed(3)
-    q = torch.randint(0, 16, (192, 512), generator=gen, dtype=torch.uint8)
+    q = torch.randint(0, 16, (3 * BLOCK_N, 512), generator=gen, dtype=torch.uint8)
     full = _int4pack(q)
-    for rows in (64, 128):
+    for rows in (BLOCK_N, 2 * BLOCK_N):
         assert torch.equal(_int4pack(q[:rows]), full[:rows])
-    for rows in (32, 64):
-        block = _int4pack(q[:rows])
-        for k in (64, 128, 448):
-            assert torch.equal(_int4pack(q[:rows, :k]).flatten(), block.flatten()[: rows * k // 2])
+    block = _int4pack(q[:BLOCK_N]).flatten()
+    for k0, k1 in ((0, 64), (0, 128), (0, 448), (32, 448), (64, 512), (128, 160)):
+        assert torch.equal(_int4pack(q[:BLOCK_N, k0:k1]).flatten(), block[BLOCK_N * k0 // 2: BLOCK_N * k1 // 2])
+
+
+def test_int4pack_layout_refuses_an_unknown_layout(monkeypatch):
+    """A layout with none of the candidate blocks (here: rows stored in reverse) is refused with
+    Int4PackUnsupported, never used: a wrong block gave relative errors of ~1.0."""
+    import crisp_kernels.cpu_expert as cpu_expert
+
+    real = cpu_expert._int4pack
+    monkeypatch.setattr(cpu_expert, "_int4pack", lambda q: real(q.flip(0)).flip(0))
+    with pytest.raises(Int4PackUnsupported, match="row blocks"):
+        int4pack_layout()
+    with pytest.raises(Int4PackUnsupported):
+        prepare_expert(expert(*SHAPES[0]))
+
+
+def test_a_wrong_block_is_caught_by_the_reference():
+    """The probe matters: another candidate block than this machine's gives a wrong fast path at
+    prefixes (the failure seen on an AVX2 host with 64 assumed: ~1.0), so the equality tests above
+    can fail. At full width the slicing is the identity and any block is right."""
+    shape = (256, 4 * max(BLOCK_N_CANDIDATES), 64, False)
+    width = 3 * max(BLOCK_N_CANDIDATES)  # a prefix on every candidate's block boundary
+    x, weights, _ = inputs(1, shape[0], torch.bfloat16, shape[1], False)
+    assert reference_check(x, prepare_expert(expert(*shape), Int4PackLayout(BLOCK_N)), None, width,
+                           weights) <= BF16_TOL
+    for other in (b for b in BLOCK_N_CANDIDATES if b != BLOCK_N):
+        wrong = prepare_expert(expert(*shape), Int4PackLayout(other))
+        assert reference_check(x, wrong, None, width, weights) > 10 * BF16_TOL
+        assert reference_check(x, wrong, None, shape[1], weights) <= BF16_TOL
 
 
 def test_prepare_layer_and_info():
@@ -350,7 +385,7 @@ def _poison_before(ce: CpuExpert, start: int) -> CpuExpert:
     zero = None if ce.down_zero is None else ce.down_zero.clone()
     if zero is not None:
         zero[:, :b0] = float("nan")
-    return CpuExpert(PackedExpert(ce.packed.fmt, q, s, z), gate_up, tuple(sz), down, scales, zero)
+    return CpuExpert(PackedExpert(ce.packed.fmt, q, s, z), gate_up, tuple(sz), down, scales, zero, ce.block_n)
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], BIG])

@@ -272,8 +272,38 @@ def test_cpu_experts_config_checks_and_stats():
     # the int4pack copy of the 128 blocked neurons (of 160) costs about as much as the format's rows of them
     assert 0.5 < info["prepared_bytes"] / (host * 128 / 160) < 1.5
     assert info == {**info, "precision": "bf16", "prepare": "eager", "impl": "int4pack-bf16", "worker_threads": 1,
-                    "tolerance": 2 * 2.0**-8}
+                    "tolerance": 2 * 2.0**-8, "int4pack_unsupported": None}
+    assert info["int4pack_block"] in (32, 64, 128)
     assert not eager._cpu.started  # built here, before any job: no thread yet
+
+
+def test_an_unsliceable_int4pack_layout_falls_back_to_the_exact_path(monkeypatch):
+    """Where the probe finds no layout the fast path can slice (another torch build or CPU), the CPU
+    experts run on the exact fp32 path, with a warning and in stats, and still equal the reference."""
+    import crisp_runtime.cpu_experts as cpu_experts
+    from crisp_kernels.cpu_expert import Int4PackUnsupported
+
+    def unsupported():
+        raise Int4PackUnsupported("no row block")
+
+    monkeypatch.setattr(cpu_experts, "int4pack_layout", unsupported)
+    with pytest.warns(RuntimeWarning, match="exact fp32 path"):
+        cpu = cpu_experts.CpuExperts(WIDE, CpuExpertsConfig(prepare="eager"))
+    info = cpu.info()
+    assert info["impl"] == "dequant-fp32" and info["int4pack_unsupported"] == "no row block"
+    assert info["int4pack_block"] is None and info["prepared_experts"] == 0
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, WIDE_HIDDEN, generator=g)
+    rows, weights = torch.tensor([0, 2]), torch.tensor([0.7, 0.4])
+    token_widths = torch.tensor([WIDE_INTER, 70])
+    part = torch.zeros(x.shape)
+    cpu.accumulate_(part, x, 1, 3, WIDE_INTER, rows, weights, token_widths)
+    gate, up, down = WIDE_DEQ[1][3]
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for r, w, k in zip(rows.tolist(), weights.tolist(), token_widths.tolist(), strict=True):
+        xt = x[r].double()
+        ref[r] = w * (down[:, :k] @ (torch.nn.functional.silu(gate[:k] @ xt) * (up[:k] @ xt)))
+    assert rel_err(part, ref) < 1e-5  # the exact path, whatever precision was asked for
 
 
 # ---------------------------------------------------------------------- the neuron split (Placement.SPLIT)
