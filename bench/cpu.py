@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from crisp_kernels import cpu_native
 from crisp_kernels.cpu_expert import (
     CpuExpertConfig,
     CpuImpl,
@@ -105,25 +106,37 @@ def _call(x, packed, width, weights, config):
 
 
 def validated_inputs(expert, hidden, width, tokens, config, seed=1):
-    """Activations and routing weights for one point, after checking the call against the reference."""
+    """Activations and routing weights for one point, after checking the call against the reference
+    (the native and dequant paths compute in fp32: held to the fp32 tolerance)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)  # bf16 values, as the runtime passes
     x = x.float() if config.precision is Precision.FP32 else x
     weights = torch.rand(tokens, generator=gen) + 0.5
     err = reference_check(x, expert, None, width, weights, config)
-    tol = tolerance(config.resolve(x.dtype))
+    fp32 = config.impl in (CpuImpl.NATIVE_FP32, CpuImpl.DEQUANT_FP32)
+    tol = tolerance(Precision.FP32 if fp32 else config.resolve(x.dtype))
     if not err <= tol:
         raise CpuBenchError(f"the CPU kernel differs from the reference at width {width}, T={tokens}: relative "
                             f"error {err:.2e} > {tol:.1e}; not timing it")
     return x, weights, err
 
 
+def default_impl(precision: Precision) -> CpuImpl:
+    """What the runtime's CPU experts take by default (CpuExpertsConfig kernel 'auto'): the native
+    kernel where it builds, else int4pack for bf16 and the exact dequant path for fp32."""
+    if cpu_native.available():
+        return CpuImpl.NATIVE_FP32
+    return CpuImpl.INT4PACK_BF16 if precision is Precision.BF16 else CpuImpl.DEQUANT_FP32
+
+
 def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precision: Precision = Precision.BF16,
-            memcpy_bytes: int = MEMCPY_BYTES) -> tuple[list[dict], dict]:
-    """Records per (width, tokens) and the memory figures, all timed in the same interleaved rounds."""
+            impl: CpuImpl | None = None, memcpy_bytes: int = MEMCPY_BYTES) -> tuple[list[dict], dict]:
+    """Records per (width, tokens) and the memory figures, all timed in the same interleaved rounds.
+    impl None: :func:`default_impl`; INT4PACK_BF16 times the int4pack copy (built before timing)."""
     packed = random_expert(shape)
-    expert = prepare_expert(packed) if precision is Precision.BF16 else packed
-    config = CpuExpertConfig(precision)
+    impl = default_impl(precision) if impl is None else impl
+    expert = prepare_expert(packed) if impl is CpuImpl.INT4PACK_BF16 else packed
+    config = CpuExpertConfig(precision, impl=impl)
     rounds = _Rounds()
     _memory_thunks(rounds, memcpy_bytes)
     points = []
@@ -161,9 +174,10 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
     return records, memory
 
 
-def measure_cpu_expert(shape: ModelShape, widths, *, repeats: int = DEFAULT_REPEATS) -> dict:
+def measure_cpu_expert(shape: ModelShape, widths, *, repeats: int = DEFAULT_REPEATS,
+                       impl: CpuImpl | None = None) -> dict:
     """CPU seconds of one token through one expert of ``shape`` at each width (neurons), by the
-    kernel the runtime uses (int4pack, bf16), with this machine's memcpy measured alongside.
+    kernel the runtime uses (:func:`default_impl`, or ``impl``), with this machine's memcpy measured alongside.
 
     Returns ``{"impl", "widths", "seconds", "prefix_bytes", "gbps", "memcpy_gbps", "read_gbps",
     "loadavg", "threads", "info"}`` (``info``: a CpuKernelInfo with the full-width GB/s); each width
@@ -173,7 +187,7 @@ def measure_cpu_expert(shape: ModelShape, widths, *, repeats: int = DEFAULT_REPE
     if not widths or any(not 1 <= w <= shape.intermediate_size for w in widths):
         raise CpuBenchError(f"widths: expected neuron counts in [1, {shape.intermediate_size}], got {widths}")
     fractions = sorted({w / shape.intermediate_size for w in widths} | {1.0})
-    records, memory = measure(shape, fractions, [1], repeats)
+    records, memory = measure(shape, fractions, [1], repeats, impl=impl)
     by_width = {r["width"]: r for r in records}
     chosen = [by_width[_width_neurons(shape, w / shape.intermediate_size)] for w in widths]
     return {"impl": chosen[0]["impl"], "widths": [r["width"] for r in chosen],
@@ -240,8 +254,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--widths", type=common.fractions, default="0.25,0.5,1.0", help="width fractions in (0, 1]")
     p.add_argument("--tokens", type=common.int_list, default="1,4,16", help="token counts (>= 1), comma separated")
     p.add_argument("--repeats", type=common.positive_int, default=5, help="interleaved timed rounds")
+    p.add_argument("--impl", choices=("auto", *(i.value for i in CpuImpl)), default="auto",
+                   help="kernel: auto (the runtime's: native-fp32 where it builds), native-fp32 (the C kernel "
+                   "on the format's rows), int4pack-bf16 (torch's op on a second copy), dequant-fp32")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16: torch's int4pack op (the fast path); fp32: the exact dequant path")
+                   help="without the native kernel: bf16 takes torch's int4pack op, fp32 the exact dequant path")
     p.add_argument("--candidates", action="store_true",
                    help="also time the other candidate implementations on one gate matrix")
     p.add_argument("--model", metavar="DIR", default=str(common.DEFAULT_MODEL), type=ca.nonempty_path,
@@ -254,9 +271,15 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     shapes = resolve_shapes(args.shapes, getattr(args, "model", None))
     precision = Precision(args.precision)
+    impl = None if args.impl == "auto" else CpuImpl(args.impl)
+    if impl is CpuImpl.NATIVE_FP32:
+        try:
+            cpu_native.load()
+        except cpu_native.NativeUnavailable as err:
+            raise CpuBenchError(f"--impl native-fp32: {err}") from err
     records, memories = [], {}
     for shape in shapes:
-        recs, memory = measure(shape, args.widths, args.tokens, args.repeats, precision=precision)
+        recs, memory = measure(shape, args.widths, args.tokens, args.repeats, precision=precision, impl=impl)
         records += recs
         memories[shape.name] = memory
         print(report.table(recs, [("width", "k"), ("width_frac", "k/I"), ("tokens", "T"), ("ms", "ms"),

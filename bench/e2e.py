@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from crisp_tools.text import read_texts, sample_sequences
 from crisp_kernels.cpu_expert import Precision
 from crisp_kernels.expert_mlp import expert_mlp_ref
 from crisp_runtime import cli_args as ca
-from crisp_runtime.cpu_experts import EXACT, TOLERANCE, CpuExpertsConfig
+from crisp_runtime.cpu_experts import EXACT, TOLERANCE, CpuExpertsConfig, CpuKernel
 from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
 from crisp_runtime.hf import apply
 from crisp_runtime.moe_layers import max_positions, record_routing
@@ -179,9 +180,12 @@ def add_parser(subparsers) -> None:
                    help=f"where experts run, comma separated: {', '.join(PLACEMENTS)} (default gpu; the others use the "
                    "host CPU: issue 11's hybrid and its baselines)")
     p.add_argument("--cpu-precision", choices=CPU_PRECISIONS, default="bf16",
-                   help="how the CPU placements compute their experts: bf16 (default: torch's int4pack op on an "
-                   "int4pack copy built lazily, within 2u of bf16 of the reference) or fp32 (the exact path on the "
-                   "host rows, ~45x slower)")
+                   help="the precision the CPU placements promise (the torch kernels' choice): bf16 (torch's int4pack "
+                   "op on an int4pack copy built lazily, within 2u of bf16 of the reference) or fp32 (exact); the "
+                   "native kernel computes in fp32 either way")
+    p.add_argument("--cpu-kernel", choices=tuple(k.value for k in CpuKernel), default="auto",
+                   help="the CPU experts' kernel: auto (default: the native C kernel on the host rows where it "
+                   "builds), native, or torch (int4pack for bf16, the dequant path for fp32)")
     common.add_outputs(p)
 
 
@@ -237,7 +241,8 @@ def run(args) -> int:
                 "hit_rate": None, "accuracy": ref["accuracy"], "tokens": ref["tokens"]}]
     placements = list(getattr(args, "placements", None) or ["gpu"])
     gpu_logits: dict[str, torch.Tensor] = {}
-    cpu_experts = EXACT if getattr(args, "cpu_precision", "bf16") == "fp32" else CpuExpertsConfig()
+    cpu_experts = replace(EXACT if getattr(args, "cpu_precision", "bf16") == "fp32" else CpuExpertsConfig(),
+                          kernel=CpuKernel(getattr(args, "cpu_kernel", "auto")))
     for placement in placements:
         config = _placement_config(placement, pack, cpu_experts)
         handle = apply(model, pack, plan=plans.get("full") or next(iter(plans.values())), gpu_budget=budget,

@@ -9,9 +9,14 @@ Public entry points:
   (fast path) or a bare :class:`PackedExpert` (the chunked-dequant path, no second copy);
 - ``CpuKernelInfo`` / :func:`kernel_info`: which implementation a call takes, and its extra bytes.
 
-Implementations (:class:`CpuImpl`), chosen per call from ``Precision`` (see ``docs/cpu-kernel.md``
+Implementations (:class:`CpuImpl`), chosen per call by :func:`choose_impl` (see ``docs/cpu-kernel.md``
 for the figures behind the choice):
 
+- ``NATIVE_FP32`` (the default where it builds): ``cpu_expert_native.c`` (``crisp_kernels.cpu_native``),
+  compiled on first use with the host's C compiler, reads the format's own rows in one fused pass per
+  neuron (no second copy), fp32 throughout (within 1e-5 of the float64 reference), threads over
+  neurons. On an AVX2-only host it reads 2-3x the bytes per second of the int4pack op (whose AVX2
+  kernel is compute-bound at ~3 GB/s per core); up to ``cpu_native.MAX_TOKENS`` tokens a call.
 - ``INT4PACK_BF16``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (torch's own AVX-512/AVX2
   4-bit kernel, the one torchao's int4 CPU path uses) with bf16 activations. Its layout stores
   blocks of B rows, K-major inside a block, B the CPU's (64 with AVX-512, 32 with AVX2; probed by
@@ -50,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_native
 from .checks import INDEX_DTYPES, check_activations, check_packed, check_token_vector, check_width
 from .format import SYMMETRIC_ZERO, PackedExpert, PackedLayer, Proj, dequantize_rows, unpack_nibbles
 
@@ -88,20 +94,29 @@ class Precision(enum.Enum):
 
 
 class CpuImpl(enum.Enum):
+    NATIVE_FP32 = "native-fp32"  # cpu_expert_native.c on the host rows, fp32 (crisp_kernels.cpu_native)
     INT4PACK_BF16 = "int4pack-bf16"  # torch.ops.aten._weight_int4pack_mm_for_cpu, bf16
     DEQUANT_FP32 = "dequant-fp32"  # chunked dequant of the host rows + fp32 matmul
 
 
 @dataclass(frozen=True)
 class CpuExpertConfig:
-    """How a call computes. ``precision`` None: FP32 for fp32 activations, BF16 for bf16 ones."""
+    """How a call computes. ``precision`` None: FP32 for fp32 activations, BF16 for bf16 ones.
+
+    ``impl`` None: the native kernel when it builds on this machine (fp32, so within either
+    precision's tolerance), else int4pack for BF16 with a prepared expert, else the dequant path.
+    An explicit ``impl`` is taken or refused (NATIVE_FP32 where it cannot build: NativeUnavailable;
+    INT4PACK_BF16 without a prepared expert: ValueError)."""
 
     precision: Precision | None = None
     chunk: int = DEFAULT_CHUNK
+    impl: CpuImpl | None = None
 
     def __post_init__(self) -> None:
         if self.precision is not None and not isinstance(self.precision, Precision):
             raise TypeError(f"CpuExpertConfig.precision: expected a Precision or None, got {self.precision!r}")
+        if self.impl is not None and not isinstance(self.impl, CpuImpl):
+            raise TypeError(f"CpuExpertConfig.impl: expected a CpuImpl or None, got {self.impl!r}")
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
             raise ValueError(f"CpuExpertConfig.chunk: expected a positive int, got {self.chunk!r}")
 
@@ -297,12 +312,30 @@ def _check_supported(packed: PackedExpert) -> None:
 # ----------------------------------------------------------------------------- implementation
 
 
+def choose_impl(packed: PackedExpert | CpuExpert, x_dtype: torch.dtype, tokens: int,
+                config: CpuExpertConfig = DEFAULT_CONFIG) -> CpuImpl:
+    """The implementation a call takes (see :class:`CpuExpertConfig`)."""
+    impl = config.impl
+    if impl is None:
+        if tokens <= cpu_native.MAX_TOKENS and cpu_native.available():
+            return CpuImpl.NATIVE_FP32
+        if config.resolve(x_dtype) is Precision.BF16 and isinstance(packed, CpuExpert):
+            return CpuImpl.INT4PACK_BF16
+        return CpuImpl.DEQUANT_FP32
+    if impl is CpuImpl.NATIVE_FP32:
+        cpu_native.load()  # raises NativeUnavailable with the reason
+        if tokens > cpu_native.MAX_TOKENS:
+            raise ValueError(f"x: the native CPU kernel takes at most {cpu_native.MAX_TOKENS} tokens, got {tokens}")
+    elif impl is CpuImpl.INT4PACK_BF16 and not isinstance(packed, CpuExpert):
+        raise ValueError("packed: CpuImpl.INT4PACK_BF16 reads the int4pack copy: pass prepare_expert(packed)")
+    return impl
+
+
 def kernel_info(packed: PackedExpert | CpuExpert, x_dtype: torch.dtype = torch.bfloat16,
                 config: CpuExpertConfig = DEFAULT_CONFIG) -> CpuKernelInfo:
-    """The implementation a call with these arguments takes, and the extra host bytes it reads from."""
-    if config.resolve(x_dtype) is Precision.BF16 and isinstance(packed, CpuExpert):
-        return CpuKernelInfo(CpuImpl.INT4PACK_BF16, packed.nbytes)
-    return CpuKernelInfo(CpuImpl.DEQUANT_FP32, 0)
+    """The implementation a call with these arguments (one token) takes, and the extra host bytes it reads."""
+    impl = choose_impl(packed, x_dtype, 1, config)
+    return CpuKernelInfo(impl, packed.nbytes if impl is CpuImpl.INT4PACK_BF16 else 0)
 
 
 def expert_mlp_cpu_accumulate_(
@@ -352,6 +385,13 @@ def expert_mlp_cpu_accumulate_(
         raise ValueError(f"row_start: expected an int in [0, width = {width}], got {row_start!r}")
     if row_start == width or tokens == 0:
         return
+    impl = choose_impl(packed, x.dtype, tokens, config)
+    if impl is CpuImpl.NATIVE_FP32:
+        kt = None if token_widths is None else token_widths.to(torch.int64).clamp(0, width).contiguous()
+        # the host rows are contiguous (check_packed), so row j sits at offset j
+        cpu_native.load().rows_f32(x.float().contiguous(), host.qweight, host.scales, host.zeros, host.fmt.group_size,
+                                   kt, row_start, width, weights.contiguous(), out, torch.get_num_threads())
+        return
     keep = None  # (T, width - row_start): token t uses neuron row_start + j
     if token_widths is not None:
         k_t = token_widths.to(torch.int64).clamp(0, width)
@@ -364,7 +404,7 @@ def expert_mlp_cpu_accumulate_(
     # The int4pack op runs whole B-neuron blocks: [b0, b1); the fp32 path the < B neurons before
     # b0 (a split inside a block) and after b1 (past the last block), from the host rows.
     b0 = b1 = row_start
-    if prepared is not None and config.resolve(x.dtype) is Precision.BF16:
+    if impl is CpuImpl.INT4PACK_BF16:
         block = prepared.block_n
         b0 = min(width, -(-row_start // block) * block)
         b1 = max(b0, min(width // block * block, prepared.blocked_width))

@@ -11,6 +11,12 @@ float32 partial output on the CPU, which joins the GPU accumulator with one smal
 The kernel is ``crisp_kernels.cpu_expert.expert_mlp_cpu_accumulate_`` (docs/cpu-kernel.md), set by
 a frozen :class:`CpuExpertsConfig` (``RuntimeConfig.cpu_experts``):
 
+- **kernel** ``AUTO`` (default): the native C kernel (``crisp_kernels.cpu_native``, built on first use
+  with the host's compiler) on the host rows themselves, fp32, no second copy, so ``prepare`` and
+  ``precision`` only matter where it cannot build (then ``TORCH``, with a warning-free fallback
+  reported as ``stats()["cpu"]["experts"]["impl"]``) or for steps of more than
+  ``cpu_native.MAX_TOKENS`` tokens; ``NATIVE`` refuses to start without it; ``TORCH`` is the path below.
+
 - **precision** ``BF16`` (default): the activations are rounded to bf16 on the CPU and the 64-neuron
   blocks of the prefix go through torch's int4pack op (bf16 operands and outputs, fp32 sums of the
   partial products and fp32 accumulation into the partial output); each expert's contribution is
@@ -51,7 +57,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from crisp_kernels import Backend, PackedExpert
+from crisp_kernels import Backend, PackedExpert, cpu_native
 from crisp_kernels.cpu_expert import (
     CpuExpert,
     CpuExpertConfig,
@@ -64,6 +70,14 @@ from crisp_kernels.cpu_expert import (
     prepare_expert,
 )
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_
+
+
+class CpuKernel(enum.Enum):
+    """Which kernel computes a covered expert (see the module docstring)."""
+
+    AUTO = "auto"  # the native kernel when it builds on this machine, else TORCH (default)
+    NATIVE = "native"  # crisp_kernels/cpu_expert_native.c, fp32 on the host rows; refused where it cannot build
+    TORCH = "torch"  # torch's int4pack op on the prepared copy (prepare != none), else the exact dequant path
 
 
 class CpuPrepare(enum.Enum):
@@ -81,9 +95,10 @@ class CpuExpertsConfig:
     precision: Precision = Precision.BF16
     prepare: CpuPrepare = CpuPrepare.LAZY
     threads: int | None = None
+    kernel: CpuKernel = CpuKernel.AUTO
 
     def __post_init__(self) -> None:
-        for name, kind in (("precision", Precision), ("prepare", CpuPrepare)):
+        for name, kind in (("precision", Precision), ("prepare", CpuPrepare), ("kernel", CpuKernel)):
             value = getattr(self, name)
             if not isinstance(value, kind):
                 try:
@@ -99,16 +114,25 @@ class CpuExpertsConfig:
             raise ValueError(f"CpuExpertsConfig.threads: expected None or a positive int, got {self.threads!r}")
 
     @property
-    def impl(self) -> CpuImpl:
-        """The implementation of the 64-neuron blocks of a covered expert."""
+    def torch_impl(self) -> CpuImpl:
+        """The torch path's implementation of a covered expert's blocks."""
         return CpuImpl.INT4PACK_BF16 if self.prepare is not CpuPrepare.NONE else CpuImpl.DEQUANT_FP32
+
+    @property
+    def impl(self) -> CpuImpl:
+        """The implementation of a covered expert at decode sizes (<= cpu_native.MAX_TOKENS tokens; more
+        take the torch path). AUTO builds the native kernel on first use to know (once per process)."""
+        if self.kernel is CpuKernel.NATIVE or (self.kernel is CpuKernel.AUTO and cpu_native.available()):
+            return CpuImpl.NATIVE_FP32
+        return self.torch_impl
 
     def worker_threads(self) -> int:
         """The worker's intra-op threads: ``threads``, or one fewer than the calling thread has (>= 1)."""
         return self.threads if self.threads is not None else max(1, torch.get_num_threads() - 1)
 
     def to_dict(self) -> dict:
-        return {"precision": self.precision.value, "prepare": self.prepare.value, "threads": self.threads}
+        return {"precision": self.precision.value, "prepare": self.prepare.value, "threads": self.threads,
+                "kernel": self.kernel.value}
 
 
 EXACT = CpuExpertsConfig(Precision.FP32, CpuPrepare.NONE)  # fp32 on the host rows, no second copy
@@ -181,21 +205,31 @@ class CpuExperts:
         self.config = config
         self.kernel = expert_mlp_cpu_accumulate_
         self.worker = CpuWorker(config.threads)
-        self._kernel_config = CpuExpertConfig(config.precision)
         self._prepared: dict[tuple[int, int], CpuExpert] = {}
         self._prepared_nbytes = 0
+        if config.kernel is CpuKernel.NATIVE:
+            try:
+                cpu_native.load()
+            except cpu_native.NativeUnavailable as err:
+                raise ValueError(f"CpuExpertsConfig(kernel='native'): {err}") from err
+        self.impl = config.impl  # at decode sizes; NATIVE_FP32 needs no second copy of the experts
+        # None: the native kernel up to its token limit, then the torch path (cpu_expert.choose_impl)
+        self._kernel_config = CpuExpertConfig(
+            config.precision, impl=None if self.impl is CpuImpl.NATIVE_FP32 else config.torch_impl)
         # The int4pack layout is the CPU's (block of 64 rows with AVX-512, 32 with AVX2), probed once;
         # where the fast path cannot slice it, every expert runs on the exact path, said in info().
         self.layout: Int4PackLayout | None = None
         self.unsupported: str | None = None
-        if config.prepare is not CpuPrepare.NONE:
+        if self.impl is CpuImpl.INT4PACK_BF16:
             try:
                 self.layout = int4pack_layout()
             except Int4PackUnsupported as err:
                 self.unsupported = str(err)
+                self.impl = CpuImpl.DEQUANT_FP32
+                self._kernel_config = CpuExpertConfig(config.precision, impl=CpuImpl.DEQUANT_FP32)
                 warnings.warn(f"CPU experts run on the exact fp32 path (~30x slower): {err}", RuntimeWarning,
                               stacklevel=2)
-        if config.prepare is CpuPrepare.EAGER:
+        if config.prepare is CpuPrepare.EAGER and self.impl is CpuImpl.INT4PACK_BF16:
             for layer_id, layer in layers.items():
                 for e in range(layer.num_experts):
                     self._expert(layer_id, e)
@@ -213,7 +247,7 @@ class CpuExperts:
     def _expert(self, layer_id: int, expert: int) -> PackedExpert | CpuExpert:
         """What the kernel reads for this expert: its int4pack copy (built on first use) or its host rows."""
         packed = self.layers[layer_id].expert(expert)
-        if self.layout is None or not covered(packed):  # prepare NONE, or a layout the fast path cannot slice
+        if self.layout is None or not covered(packed):  # native or exact path, or a layout int4pack cannot slice
             return packed
         key = (layer_id, expert)
         got = self._prepared.get(key)
@@ -252,8 +286,7 @@ class CpuExperts:
     def info(self) -> dict:
         """For ``stats()["cpu"]["experts"]``: the config, the worker's threads, the copies held and their bytes."""
         host = sum(layer.nbytes() for layer in self.layers.values())
-        impl = self.config.impl if self.unsupported is None else CpuImpl.DEQUANT_FP32
-        return {**self.config.to_dict(), "impl": impl.value,
+        return {**self.config.to_dict(), "impl": self.impl.value,
                 "int4pack_block": None if self.layout is None else self.layout.block_n,
                 "int4pack_unsupported": self.unsupported,
                 "worker_threads": self.worker.threads if self.worker.started else self.config.worker_threads(),

@@ -29,6 +29,7 @@ from crisp_kernels.cpu_expert import (
     CpuExpert,
     CpuExpertConfig,
     CpuImpl,
+    CpuKernelInfo,
     Int4PackLayout,
     Int4PackUnsupported,
     Precision,
@@ -87,6 +88,25 @@ def run(x, packed, widths, width, weights, config=DEFAULT_CONFIG):
     return out
 
 
+# The paths under test: the torch paths by precision (int4pack for BF16 on a prepared expert, the
+# dequant path otherwise: the choice made without the native kernel) and the native kernel, fp32
+# whatever the precision asked, so held to the fp32 tolerance.
+NATIVE = "native"
+PATHS = [Precision.FP32, Precision.BF16, NATIVE]
+
+
+def config_of(path, packed) -> CpuExpertConfig:
+    if path == NATIVE:
+        return CpuExpertConfig(impl=CpuImpl.NATIVE_FP32)
+    torch_impl = (CpuImpl.INT4PACK_BF16 if path is Precision.BF16 and isinstance(packed, CpuExpert)
+                  else CpuImpl.DEQUANT_FP32)
+    return CpuExpertConfig(path, impl=torch_impl)
+
+
+def tol_of(path) -> float:
+    return FP32_TOL if path in (NATIVE, Precision.FP32) else BF16_TOL
+
+
 def test_tolerances_are_the_kernels():
     assert tolerance(Precision.FP32) == FP32_TOL and tolerance(Precision.BF16) == BF16_TOL
 
@@ -97,26 +117,26 @@ def _widths(inter):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("tokens", [1, 3, 16])
-@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.parametrize("precision", PATHS)
 @pytest.mark.parametrize("kind", ["prepared", "host"])
 def test_equals_reference(shape, tokens, precision, kind):
     packed = prepared(*shape) if kind == "prepared" else expert(*shape)
-    tol = FP32_TOL if precision is Precision.FP32 else BF16_TOL
+    tol = tol_of(precision)
     for dtype in (torch.float32, torch.bfloat16):
         for width in _widths(shape[1]):
             for per_token in (False, True):
                 x, weights, widths = inputs(tokens, shape[0], dtype, width, per_token)
-                err = reference_check(x, packed, widths, width, weights, CpuExpertConfig(precision))
+                err = reference_check(x, packed, widths, width, weights, config_of(precision, packed))
                 assert err <= tol, f"{dtype} width {width} per_token {per_token}: {err:.3e} > {tol:.1e}"
 
 
 @pytest.mark.parametrize("width", [DEFAULT_CHUNK - 1, DEFAULT_CHUNK + 1, GATE_UP_CHUNK - 1, GATE_UP_CHUNK,
                                    GATE_UP_CHUNK + 1, BIG[1]])
-@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.parametrize("precision", PATHS)
 def test_chunk_boundaries(width, precision):
     x, weights, widths = inputs(3, BIG[0], torch.float32, width, per_token=True)
-    err = reference_check(x, prepared(*BIG), widths, width, weights, CpuExpertConfig(precision))
-    assert err <= tolerance(precision), f"{err:.3e}"
+    err = reference_check(x, prepared(*BIG), widths, width, weights, config_of(precision, prepared(*BIG)))
+    assert err <= tol_of(precision), f"{err:.3e}"
 
 
 def test_width_zero_and_zero_token_widths_add_nothing():
@@ -169,12 +189,12 @@ def _poison_prepared(ce: CpuExpert, width: int) -> CpuExpert:
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], BIG])
 @pytest.mark.parametrize("width", [0, 1, BLOCK_N, BLOCK_N + 1, 2 * BLOCK_N - 1])
-@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.parametrize("precision", PATHS)
 def test_rows_past_width_are_never_read(shape, width, precision):
     clean = prepared(*shape)
     poisoned = _poison_prepared(clean, width)
     x, weights, widths = inputs(3, shape[0], torch.bfloat16, width, True)
-    config = CpuExpertConfig(precision)
+    config = config_of(precision, clean)
     want = run(x, clean, widths, width, weights, config)
     got = run(x, poisoned, widths, width, weights, config)
     assert torch.equal(got, want)
@@ -219,12 +239,13 @@ def test_a_wrong_block_is_caught_by_the_reference():
     shape = (256, 4 * max(BLOCK_N_CANDIDATES), 64, False)
     width = 3 * max(BLOCK_N_CANDIDATES)  # a prefix on every candidate's block boundary
     x, weights, _ = inputs(1, shape[0], torch.bfloat16, shape[1], False)
+    int4pack = CpuExpertConfig(impl=CpuImpl.INT4PACK_BF16)
     assert reference_check(x, prepare_expert(expert(*shape), Int4PackLayout(BLOCK_N)), None, width,
-                           weights) <= BF16_TOL
+                           weights, int4pack) <= BF16_TOL
     for other in (b for b in BLOCK_N_CANDIDATES if b != BLOCK_N):
         wrong = prepare_expert(expert(*shape), Int4PackLayout(other))
-        assert reference_check(x, wrong, None, width, weights) > 10 * BF16_TOL
-        assert reference_check(x, wrong, None, shape[1], weights) <= BF16_TOL
+        assert reference_check(x, wrong, None, width, weights, int4pack) > 10 * BF16_TOL
+        assert reference_check(x, wrong, None, shape[1], weights, int4pack) <= BF16_TOL
 
 
 def test_prepare_layer_and_info():
@@ -240,13 +261,38 @@ def test_prepare_layer_and_info():
     want = 3 * blocked * hidden // 2 + 2 * blocked * (hidden // group) * 2 * 2 + blocked * (hidden // group) * 6
     assert prep.expert(1).nbytes == want and prep.nbytes == 2 * want
     x, weights, widths = inputs(2, hidden, torch.bfloat16, inter, True)
-    out = run(x, prep.expert(1), widths, inter, weights)
+    out = run(x, prep.expert(1), widths, inter, weights, config_of(Precision.BF16, prep.expert(1)))
     ref = expert_mlp_ref(x, layer.expert(1), inter, token_widths=widths, compute_dtype=torch.float64)
     ref = ref * weights.double().unsqueeze(1)
     assert ((out.double() - ref).norm() / ref.norm()).item() <= BF16_TOL
-    assert kernel_info(prep.expert(0), torch.bfloat16).impl is CpuImpl.INT4PACK_BF16
-    assert kernel_info(prep.expert(0), torch.float32).impl is CpuImpl.DEQUANT_FP32
-    assert kernel_info(layer.expert(0), torch.bfloat16).impl is CpuImpl.DEQUANT_FP32
+    # the default takes the native kernel (it builds on this machine: a C compiler is part of the kind)
+    assert kernel_info(prep.expert(0), torch.bfloat16).impl is CpuImpl.NATIVE_FP32
+    assert kernel_info(layer.expert(0), torch.float32) == CpuKernelInfo(CpuImpl.NATIVE_FP32, 0)
+    torch_only = CpuExpertConfig(impl=CpuImpl.INT4PACK_BF16)
+    assert kernel_info(prep.expert(0), torch.bfloat16, torch_only) == CpuKernelInfo(CpuImpl.INT4PACK_BF16, want)
+    with pytest.raises(ValueError, match="pass prepare_expert"):
+        kernel_info(layer.expert(0), torch.bfloat16, torch_only)
+
+
+def test_without_the_native_kernel_the_torch_paths_are_chosen(monkeypatch):
+    """Where the native kernel cannot build, the default falls back to the earlier choice: int4pack
+    for bf16 on a prepared expert, the dequant path otherwise; asking for it explicitly is refused."""
+    from crisp_kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "available", lambda: False)
+
+    def unavailable():
+        raise cpu_native.NativeUnavailable("no C compiler found")
+
+    monkeypatch.setattr(cpu_native, "load", unavailable)
+    shape = SHAPES[0]
+    assert kernel_info(prepared(*shape), torch.bfloat16).impl is CpuImpl.INT4PACK_BF16
+    assert kernel_info(prepared(*shape), torch.float32).impl is CpuImpl.DEQUANT_FP32
+    assert kernel_info(expert(*shape), torch.bfloat16).impl is CpuImpl.DEQUANT_FP32
+    x, weights, widths = inputs(3, shape[0], torch.bfloat16, shape[1], True)
+    assert reference_check(x, prepared(*shape), widths, shape[1], weights) <= BF16_TOL
+    with pytest.raises(cpu_native.NativeUnavailable, match="no C compiler"):
+        run(x, expert(*shape), widths, shape[1], weights, CpuExpertConfig(impl=CpuImpl.NATIVE_FP32))
 
 
 def test_runs_on_a_worker_thread():
@@ -319,13 +365,13 @@ def _starts(width):
 
 
 @pytest.mark.parametrize("shape", [*SHAPES, BIG])
-@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.parametrize("precision", PATHS)
 @pytest.mark.parametrize("kind", ["prepared", "host"])
 def test_row_range_equals_reference(shape, precision, kind):
     """Rows [row_start, width) against the float64 expert at width minus at row_start, for odd
     shapes, starts inside and on 64-blocks, full and partial widths, per-token widths."""
     packed = prepared(*shape) if kind == "prepared" else expert(*shape)
-    tol = tolerance(precision)
+    tol = tol_of(precision)
     for width in sorted({shape[1], shape[1] - 1, 2 * BLOCK_N + 3} & set(range(1, shape[1] + 1))):
         for start in _starts(width):
             for per_token in (False, True):
@@ -333,31 +379,32 @@ def test_row_range_equals_reference(shape, precision, kind):
                 if start == width:
                     assert torch.count_nonzero(run_range(x, packed, widths, width, weights, start, precision)) == 0
                     continue
-                err = reference_check(x, packed, widths, width, weights, CpuExpertConfig(precision), row_start=start)
+                err = reference_check(x, packed, widths, width, weights, config_of(precision, packed),
+                                      row_start=start)
                 assert err <= tol, f"width {width} start {start} per_token {per_token}: {err:.3e} > {tol:.1e}"
 
 
 def run_range(x, packed, widths, width, weights, start, precision):
     out = torch.zeros(x.shape, dtype=torch.float32)
-    expert_mlp_cpu_accumulate_(x, packed, widths, width, weights, out, config=CpuExpertConfig(precision),
+    expert_mlp_cpu_accumulate_(x, packed, widths, width, weights, out, config=config_of(precision, packed),
                                row_start=start)
     return out
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], BIG])
-@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.parametrize("precision", PATHS)
 def test_split_equals_unsplit(shape, precision):
     """rows [0, s) + rows [s, k) is the expert at k (a split is exact up to the summation order):
     fp32 within 1e-5 of the unsplit output; bf16 within 2u (the op rounds each call's down sum)."""
     packed = prepared(*shape)
     width = shape[1]
     x, weights, widths = inputs(4, shape[0], torch.bfloat16, width, per_token=True)
-    whole = run(x, packed, widths, width, weights, CpuExpertConfig(precision))
+    whole = run(x, packed, widths, width, weights, config_of(precision, packed))
     for s in _starts(width):
-        head = run(x, packed, widths, s, weights, CpuExpertConfig(precision))
+        head = run(x, packed, widths, s, weights, config_of(precision, packed))
         tail = run_range(x, packed, widths, width, weights, s, precision)
         err = ((head + tail - whole).norm() / whole.norm()).item()
-        assert err <= tolerance(precision), f"split at {s}: {err:.3e}"
+        assert err <= tol_of(precision), f"split at {s}: {err:.3e}"
 
 
 def _poison_before(ce: CpuExpert, start: int) -> CpuExpert:
@@ -390,7 +437,7 @@ def _poison_before(ce: CpuExpert, start: int) -> CpuExpert:
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], BIG])
 @pytest.mark.parametrize("start", [1, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, 2 * BLOCK_N])
-@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+@pytest.mark.parametrize("precision", PATHS)
 def test_rows_before_start_are_never_read(shape, start, precision):
     clean = prepared(*shape)
     poisoned = _poison_before(clean, start)

@@ -16,13 +16,13 @@ MODEL, TEXT = ROOT / "models" / "tiny-mixtral", ROOT / "data" / "stdlib-heldout.
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").is_file() or not TEXT.is_file(), reason="committed tiny model absent")
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_e2e_placements_equal_the_reference(tmp_path, precision):
+@pytest.mark.parametrize("precision, kernel", [("bf16", "torch"), ("fp32", "torch"), ("bf16", "native")])
+def test_e2e_placements_equal_the_reference(tmp_path, precision, kernel):
     pytest.importorskip("transformers")
     out = tmp_path / "e2e.json"
     assert main(["e2e", "--model", str(MODEL), "--text", str(TEXT), "--tokens", "12", "--policies", "full,crisp",
                  "--placements", "gpu,hybrid,hybrid_split,static_hybrid,cpu_only", "--cpu-precision", precision,
-                 "--json", str(out), "--threads", "1"]) == 0
+                 "--cpu-kernel", kernel, "--json", str(out), "--threads", "1"]) == 0
     recs = {r["policy"]: r for r in json.loads(out.read_text())["records"]}
     for plan in ("full", "crisp"):
         for placement in ("hybrid", "hybrid_split", "static_hybrid", "cpu_only"):
@@ -30,11 +30,12 @@ def test_e2e_placements_equal_the_reference(tmp_path, precision):
             # 12 tokens + 3 warm-up, 4 MoE layers: every step checked, each within its bound
             assert r["steps_checked"] == 4 * 15 and r["within_tolerance"], (plan, placement, r["max_err_over_bound"])
             assert r["cpu_precision"] == precision
-            if precision == "fp32":
+            if precision == "fp32" or kernel == "native":  # the native kernel computes in fp32 too
                 # float32 logits of a 128-wide model: a different summation order moves them by ~1e-6; 1e-4 is a bug
                 assert r["max_logit_diff_vs_gpu"] <= 1e-4, (plan, placement, r["max_logit_diff_vs_gpu"])
                 assert r["accuracy"] == pytest.approx(recs[plan]["accuracy"])
                 assert r["cpu_experts"]["prepared_experts"] == 0
+                assert r["cpu_experts"]["impl"] == ("native-fp32" if kernel == "native" else "dequant-fp32")
             elif r["cpu_runs_per_token"] > 0:  # the bf16 path read int4pack copies, built for the experts it ran
                 assert 0 < r["cpu_experts"]["prepared_experts"] <= 4 * 8
         assert recs[f"{plan}/cpu_only"]["cpu_runs_per_token"] > 0 and recs[f"{plan}/cpu_only"]["bytes_per_token"] == 0

@@ -36,8 +36,11 @@ DEQ = {i: [dequantize_expert(layer.expert(e), dtype=torch.float64) for e in rang
 WIDE_INTER, WIDE_HIDDEN = 160, 128
 WIDE = random_layers(layer_ids=LAYER_IDS, num_experts=E, inter=WIDE_INTER, hidden=WIDE_HIDDEN, seed=6)
 WIDE_DEQ = {i: [dequantize_expert(layer.expert(e), dtype=torch.float64) for e in range(E)] for i, layer in WIDE.items()}
-CPU_CONFIGS = {"exact": EXACT, "bf16-lazy": CpuExpertsConfig(), "bf16-eager": CpuExpertsConfig(prepare="eager"),
-               "bf16-host-rows": CpuExpertsConfig(prepare="none")}
+# "native": the default (the C kernel on the host rows, no copy); the torch paths asked for by kernel="torch".
+CPU_CONFIGS = {"exact": EXACT, "native": CpuExpertsConfig(kernel="native"),
+               "bf16-lazy": CpuExpertsConfig(kernel="torch"),
+               "bf16-eager": CpuExpertsConfig(prepare="eager", kernel="torch"),
+               "bf16-host-rows": CpuExpertsConfig(prepare="none", kernel="torch")}
 # Bandwidths in bytes/s chosen so that both sides get work: a full expert (16 x NB bytes) copies in
 # ~2x the CPU's time, the CPU is 20x slower than the GPU's kernels, the copy slows 40% while the CPU streams.
 COST = CostModel(h2d_bytes_per_s=1e6, device_bytes_per_s=4e7, cpu_bytes_per_s=2e6, h2d_bytes_per_s_cpu_busy=6e5,
@@ -156,7 +159,8 @@ def test_outputs_equal_reference_at_served_widths(placement, serving, plan_name,
     if placement is not Placement.HYBRID:
         assert copied == 0  # static and cpu_only never copy on demand
     info = runtime.cpu_stats()["experts"]
-    prepared = {"exact": 0, "bf16-host-rows": 0, "bf16-lazy": len(cpu_ran), "bf16-eager": len(LAYER_IDS) * E}[cpu]
+    prepared = {"exact": 0, "native": 0, "bf16-host-rows": 0, "bf16-lazy": len(cpu_ran),
+                "bf16-eager": len(LAYER_IDS) * E}[cpu]
     assert info["prepared_experts"] == prepared  # lazily: exactly the experts the CPU ran, each once
     assert info["prepared_bytes"] == sum(x.nbytes for x in runtime._cpu._prepared.values())
     runtime.close()
@@ -265,16 +269,25 @@ def test_cpu_experts_config_checks_and_stats():
     assert gpu.cpu_stats() is None and not gpu._cpu._prepared
     eager = CrispRuntime(WIDE, _plans(WIDE_INTER)["full"], device="cpu", gpu_budget=min_budget_bytes(WIDE, TOP_K),
                          config=RuntimeConfig(serving="cpu_only", cost=COST,
-                                              cpu_experts=CpuExpertsConfig(prepare="eager", threads=1)))
+                                              cpu_experts=CpuExpertsConfig(prepare="eager", threads=1,
+                                                                           kernel="torch")))
     info = eager.cpu_stats()["experts"]
     host = sum(layer.nbytes() for layer in WIDE.values())
     assert info["prepared_experts"] == len(LAYER_IDS) * E and info["host_expert_bytes"] == host
     # the int4pack copy of the 128 blocked neurons (of 160) costs about as much as the format's rows of them
     assert 0.5 < info["prepared_bytes"] / (host * 128 / 160) < 1.5
     assert info == {**info, "precision": "bf16", "prepare": "eager", "impl": "int4pack-bf16", "worker_threads": 1,
-                    "tolerance": 2 * 2.0**-8, "int4pack_unsupported": None}
+                    "tolerance": 2 * 2.0**-8, "int4pack_unsupported": None, "kernel": "torch"}
     assert info["int4pack_block"] in (32, 64, 128)
     assert not eager._cpu.started  # built here, before any job: no thread yet
+    # the default kernel: the native one on the host rows, no copy even when told to build them eagerly
+    native = CrispRuntime(WIDE, _plans(WIDE_INTER)["full"], device="cpu", gpu_budget=min_budget_bytes(WIDE, TOP_K),
+                          config=RuntimeConfig(serving="cpu_only", cost=COST,
+                                               cpu_experts=CpuExpertsConfig(prepare="eager", threads=1)))
+    info = native.cpu_stats()["experts"]
+    assert info["impl"] == "native-fp32" and info["kernel"] == "auto" and info["prepared_experts"] == 0
+    with pytest.raises(ValueError, match="CpuExpertsConfig.kernel: expected one of"):
+        CpuExpertsConfig(kernel="fast")
 
 
 def test_an_unsliceable_int4pack_layout_falls_back_to_the_exact_path(monkeypatch):
@@ -288,7 +301,7 @@ def test_an_unsliceable_int4pack_layout_falls_back_to_the_exact_path(monkeypatch
 
     monkeypatch.setattr(cpu_experts, "int4pack_layout", unsupported)
     with pytest.warns(RuntimeWarning, match="exact fp32 path"):
-        cpu = cpu_experts.CpuExperts(WIDE, CpuExpertsConfig(prepare="eager"))
+        cpu = cpu_experts.CpuExperts(WIDE, CpuExpertsConfig(prepare="eager", kernel="torch"))
     info = cpu.info()
     assert info["impl"] == "dequant-fp32" and info["int4pack_unsupported"] == "no row block"
     assert info["int4pack_block"] is None and info["prepared_experts"] == 0
@@ -329,7 +342,7 @@ SPLIT_COST = CostModel(h2d_bytes_per_s=2e6, device_bytes_per_s=4e8, cpu_bytes_pe
                        join_s=1e-5)
 
 
-@pytest.mark.parametrize("cpu", ["exact", "bf16-lazy"])
+@pytest.mark.parametrize("cpu", ["exact", "native", "bf16-lazy"])
 @pytest.mark.parametrize("plan_name", ["full", "uniform"])
 def test_split_outputs_equal_unsplit(plan_name, cpu):
     """hybrid_split: a split expert's GPU prefix (device cache, at split_at) + its CPU rows [split_at, width) (the

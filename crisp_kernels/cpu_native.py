@@ -1,0 +1,195 @@
+"""The native CPU expert kernel: ``cpu_expert_native.c``, built on first use with the host's C compiler.
+
+Why a hand-written kernel (docs/cpu-kernel.md has the figures): torch's int4pack CPU op, the
+well-kept candidate, reaches 88% of memcpy with AVX-512 but is compute-bound at ~3 GB/s per core
+with AVX2 only (30% of memcpy on this session's AMD EPYC at full width), its down projection runs
+one op call per 32 or 64 rows of H (single-threaded each), and it needs a second copy of the
+experts in its own layout (x 2.05 host memory). This kernel reads the format's neuron-major rows
+themselves (no second copy), in fp32 (the exact path's precision, 1e-5), one pass per row.
+
+Building: ``cc -O3 -march=native -shared -fPIC -pthread`` (``$CC`` if set) into a cache folder
+(``$CRISP_CACHE_DIR``, else ``$XDG_CACHE_HOME/crisp`` or ``~/.cache/crisp``), named by a hash of the
+source, the flags, the compiler's version and this CPU's flags, so a changed source or another
+machine builds anew and nothing else is ever overwritten. The library is written to a temporary
+file in that folder and renamed into place (atomic: two processes building at once both end with a
+whole file). :func:`load` builds at most once per process; :class:`NativeUnavailable` says why it
+could not (no compiler, a failed build), and callers fall back to the torch paths.
+
+The call releases the GIL (ctypes), so the runtime's CPU worker runs it beside the GPU's thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_expert_native.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=c11")
+ABI = 1  # crisp_native_abi() of the source this module calls
+# The C kernel's token limit (MAX_TOKENS): a decode step sends 1-16 tokens to an expert; more are
+# refused (ValueError), the caller takes another path.
+MAX_TOKENS = 64
+_COMPILE_TIMEOUT_S = 120
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernel cannot be built or loaded on this machine (the message says why)."""
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    """The loaded library and where it came from."""
+
+    path: Path
+    lib: ctypes.CDLL
+
+    def rows_f32(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 group: int, token_widths: torch.Tensor | None, row_start: int, row_stop: int,
+                 weights: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+        """``out += weights[:, None] * sum over neurons row_start <= j < min(row_stop, k_t)`` of the expert.
+
+        x: (T, H) fp32 contiguous; qweight / scales / zeros: the expert's (W, 3, ...) rows, contiguous
+        (row j at offset j); token_widths: (T,) int64 contiguous or None; weights: (T,) fp32; out: (T, H)
+        fp32 contiguous. The caller has checked shapes and dtypes (crisp_kernels.cpu_expert)."""
+        tokens, hidden = x.shape
+        if tokens > MAX_TOKENS:
+            raise ValueError(f"x: the native CPU kernel takes at most {MAX_TOKENS} tokens, got {tokens}")
+        row_q = qweight[row_start:]
+        row_s = scales[row_start:]
+        row_z = None if zeros is None else zeros[row_start:]
+        rc = self.lib.crisp_expert_rows_f32(
+            x.data_ptr(), tokens, hidden, group, row_q.data_ptr(), row_s.data_ptr(),
+            None if row_z is None else row_z.data_ptr(),
+            None if token_widths is None else token_widths.data_ptr(), row_start, row_stop,
+            weights.data_ptr(), out.data_ptr(), threads)
+        if rc != 0:
+            raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory or threads, -2 bad sizes); "
+                               "out is unchanged")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (created on first build)."""
+    if os.environ.get("CRISP_CACHE_DIR"):
+        return Path(os.environ["CRISP_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "crisp"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise NativeUnavailable("no C compiler found (cc, gcc, or $CC): the CPU experts use torch's int4pack op")
+    return cc
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (what -march=native compiles for), for the library's name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build_key(cc: str, source: bytes, flags: tuple[str, ...]) -> str:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise NativeUnavailable(f"the C compiler {cc!r} does not run: {err}") from err
+    digest = hashlib.sha256()
+    parts = (source, " ".join(flags).encode(), version.encode(), _cpu_flags().encode(), platform.machine().encode())
+    for part in parts:
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:20]
+
+
+def build(folder: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library for this source, compiler, flags and CPU: built into ``folder`` (default
+    :func:`cache_dir`) unless a library of that name is there already. Never overwrites another file.
+    ``flags``: the compiler's (tests build the portable C path with ``-mno-avx2``)."""
+    cc = _compiler()
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as err:
+        raise NativeUnavailable(f"the kernel's source {SOURCE} is missing: {err}") from err
+    folder = cache_dir() if folder is None else Path(folder)
+    target = folder / f"crisp_cpu_expert-{_build_key(cc, source, flags)}.so"
+    if target.is_file():
+        return target
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".crisp_cpu_expert-", suffix=".so.tmp", dir=folder)
+    except OSError as err:
+        raise NativeUnavailable(f"cannot write the native kernel into {folder}: {err} (set CRISP_CACHE_DIR)") from err
+    os.close(fd)
+    try:
+        try:
+            done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=_COMPILE_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise NativeUnavailable(f"building the native CPU kernel failed: {err}") from err
+        if done.returncode != 0:
+            raise NativeUnavailable(f"building the native CPU kernel failed ({cc} exit {done.returncode}): "
+                                    f"{done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)  # our own temporary file: never a user's
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.crisp_expert_rows_f32.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, p, i64]
+    lib.crisp_expert_rows_f32.restype = ctypes.c_int
+    lib.crisp_native_abi.argtypes = []
+    lib.crisp_native_abi.restype = ctypes.c_int
+
+
+def open_library(path: Path) -> NativeKernel:
+    """A built library (:func:`build`) as a :class:`NativeKernel`."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except (OSError, AttributeError) as err:
+        raise NativeUnavailable(f"loading the native CPU kernel {path} failed: {err}") from err
+    if lib.crisp_native_abi() != ABI:
+        raise NativeUnavailable(f"{path}: ABI {lib.crisp_native_abi()}, expected {ABI}")
+    return NativeKernel(Path(path), lib)
+
+
+@functools.cache
+def _load_once() -> NativeKernel | NativeUnavailable:
+    try:
+        return open_library(build())
+    except NativeUnavailable as err:
+        return err
+
+
+def load() -> NativeKernel:
+    """The native kernel, built if needed; once per process (a failure is remembered and raised again)."""
+    got = _load_once()
+    if isinstance(got, NativeUnavailable):
+        raise got
+    return got
+
+
+def available() -> bool:
+    try:
+        load()
+    except NativeUnavailable:
+        return False
+    return True

@@ -1,0 +1,112 @@
+"""The native CPU expert kernel's build and call (crisp_kernels.cpu_native); its arithmetic against the
+float64 reference is in tests/test_cpu_expert.py (every shape, width, row range and poison test runs
+it, held to the fp32 tolerance 1e-5).
+
+Here: the build is cached by name and never overwrites a file it did not make, a failed or impossible
+build says why and leaves nothing behind, the portable C path (built without AVX2) equals the AVX2
+one, results do not depend on timing (bitwise equal for a thread count, within fp32 rounding across
+thread counts), and the token limit is enforced."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_cpu_expert import FP32_TOL, SHAPES, expert, inputs
+
+from crisp_kernels import cpu_native
+from crisp_kernels.cpu_expert import CpuExpertConfig, CpuImpl, expert_mlp_cpu_accumulate_, reference_check
+from crisp_kernels.expert_mlp import expert_mlp_ref
+
+NATIVE = CpuExpertConfig(impl=CpuImpl.NATIVE_FP32)
+
+
+def call(kernel, packed, x, widths, start, stop, weights, threads):
+    out = torch.zeros(x.shape)
+    kt = None if widths is None else widths.clamp(0, stop).to(torch.int64)
+    kernel.rows_f32(x, packed.qweight, packed.scales, packed.zeros, packed.fmt.group_size, kt, start, stop, weights,
+                    out, threads)
+    return out
+
+
+def test_build_is_cached_by_name_and_leaves_other_files_alone(tmp_path):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("the user's")
+    first = cpu_native.build(tmp_path)
+    assert first.parent == tmp_path and first.name.startswith("crisp_cpu_expert-") and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    other = cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, "-DCRISP_TEST_FLAG"))
+    assert other != first  # other flags, another name: nothing overwritten
+    assert mine.read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["notes.txt", first.name, other.name])
+
+
+def test_a_failed_build_says_why_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a compiler that runs and fails
+    with pytest.raises(cpu_native.NativeUnavailable, match="building the native CPU kernel failed"):
+        cpu_native.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(cpu_native.NativeUnavailable, match="does not run"):
+        cpu_native.build(tmp_path)
+
+
+def test_an_unwritable_cache_folder_is_refused(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("the user's")
+    with pytest.raises(cpu_native.NativeUnavailable, match="CRISP_CACHE_DIR"):
+        cpu_native.build(blocker / "cache")  # a folder under a file cannot be made, even by root
+    assert blocker.read_text() == "the user's"
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("CRISP_CACHE_DIR", str(tmp_path / "c"))
+    assert cpu_native.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("CRISP_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cpu_native.cache_dir() == tmp_path / "x" / "crisp"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_portable_c_equals_the_reference(tmp_path, shape):
+    """The element-by-element C path (what a CPU without AVX2/FMA runs) against the float64 reference."""
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        pytest.skip("-mno-avx2 is an x86 flag")
+    portable = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, "-mno-avx2", "-mno-fma")))
+    packed = expert(*shape)
+    for tokens in (1, 5):
+        x, weights, widths = inputs(tokens, shape[0], torch.float32, shape[1], per_token=True)
+        for start, stop in ((0, shape[1]), (0, 33), (7, shape[1] - 1)):
+            got = call(portable, packed, x, widths, start, stop, weights, 2)
+            k = widths.clamp(0, stop)
+            ref = expert_mlp_ref(x, packed, stop, token_widths=k, compute_dtype=torch.float64)
+            if start:
+                ref -= expert_mlp_ref(x, packed, start, token_widths=k, compute_dtype=torch.float64)
+            ref *= weights.double().unsqueeze(1)
+            assert ((got.double() - ref).norm() / ref.norm()).item() <= FP32_TOL
+
+
+def test_threads_split_neurons_deterministically():
+    kernel = cpu_native.load()
+    shape = (256, 1100, 64, False)
+    packed = expert(*shape)
+    x, weights, widths = inputs(3, shape[0], torch.float32, shape[1], per_token=True)
+    one = call(kernel, packed, x, widths, 0, shape[1], weights, 1)
+    for threads in (2, 3, 7, 5000):  # more threads than neurons: one neuron each at most
+        got = call(kernel, packed, x, widths, 0, shape[1], weights, threads)
+        assert torch.equal(got, call(kernel, packed, x, widths, 0, shape[1], weights, threads))  # same split
+        assert ((got - one).norm() / one.norm()).item() <= FP32_TOL  # another summation order only
+
+
+def test_token_limit_and_auto_fallback():
+    shape = SHAPES[0]
+    packed = expert(*shape)
+    x, weights, _ = inputs(cpu_native.MAX_TOKENS + 1, shape[0], torch.float32, shape[1], per_token=False)
+    out = torch.zeros(x.shape)
+    with pytest.raises(ValueError, match="at most"):
+        expert_mlp_cpu_accumulate_(x, packed, None, shape[1], weights, out, config=NATIVE)
+    assert torch.count_nonzero(out) == 0
+    # the default takes the torch path past the limit, still equal to the reference
+    assert reference_check(x, packed, None, shape[1], weights) <= FP32_TOL
