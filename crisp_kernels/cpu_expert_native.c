@@ -11,8 +11,17 @@
  *
  * Even and odd elements: a byte holds elements 2i (low) and 2i + 1 (high), so x and y are kept
  * split into their even and odd halves (xe, xo, ye, yo), and a byte's two nibbles meet their
- * operands without shuffles. The zero point leaves the inner loop: sum_h x_h (q_h - z) s =
- * s (sum_h x_h q_h - z xsum_group).
+ * operands without shuffles. The zero point is subtracted from the integer codes before they
+ * become floats, so every product is x_h (q_h - z) s as in the reference: taking z out of the sum
+ * (s (sum_h x_h q_h - z sum_h x_h)) saves that subtraction but cancels: a neuron whose
+ * pre-activation is 1/1000 of sum |x_h w_h| then lost 4e-5 of it, against 1.3e-5 for a sequential
+ * fp32 dot (tests/test_cpu_expert.py's single-neuron row ranges).
+ *
+ * Neurons go in chunks of CHUNK: first every gate/up dot of the chunk (a_tj), then the chunk's down
+ * columns block by block of 32 elements of H, summed over the chunk's neurons in registers and
+ * added to y once per chunk (adding each neuron's column to y in memory cost one load and one
+ * store of y per 8 elements per token: the bottleneck at T > 1, 0.45 GB/s at T = 16). A chunk's
+ * rows (CHUNK x 3 H / 2 bytes, 192 KB at H 4096) stay in L2 between the two passes.
  *
  * Threads: neurons are split into nthreads contiguous ranges (pthreads; no OpenMP, whose runtime
  * would be a second one beside torch's), each with its own (T, H) accumulator, summed at the end
@@ -32,7 +41,8 @@
 #endif
 
 #define MAX_TOKENS 64   /* checked by the caller */
-#define TOKEN_TILE 4    /* tokens whose accumulators stay in registers at once */
+#define TOKEN_TILE 2    /* tokens whose accumulators stay in registers at once (16 ymm registers) */
+#define CHUNK 32        /* neurons per chunk (see the header) */
 
 #if !CRISP_AVX2
 static float half_to_float(uint16_t h) {
@@ -54,12 +64,14 @@ static float half_to_float(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+#define SCALE(s, g) half_to_float((s)[g])
+#else
+#define SCALE(s, g) _cvtsh_ss((s)[g])
 #endif
 
 typedef struct {
     /* shared, read-only */
     const float *xe, *xo;      /* (T, H/2) even / odd elements of x */
-    const float *xsum;         /* (T, G) sum of x over each group */
     const uint8_t *qweight;    /* (rows, 3, H/2), row 0 = neuron j0 */
     const uint16_t *scales;    /* (rows, 3, G) fp16 */
     const uint8_t *zeros;      /* (rows, 3, G) or NULL: 8 */
@@ -74,17 +86,15 @@ typedef struct {
 #if CRISP_AVX2
 #define INLINE static inline __attribute__((always_inline))
 
-INLINE float scale_of(const uint16_t *s, int g) { return _cvtsh_ss(s[g]); }
-
-/* 16 bytes of a row: elements 2i (lo) and 2i + 1 (hi) of bytes [i, i + 8) and [i + 8, i + 16). */
-INLINE void nibbles16(const uint8_t *q, __m256 *lo0, __m256 *hi0, __m256 *lo1, __m256 *hi1) {
+/* 16 bytes of a row as q - z: elements 2i (lo) and 2i + 1 (hi) of bytes [i, i + 8) and [i + 8, i + 16). */
+INLINE void nibbles16(const uint8_t *q, __m256i vz, __m256 v[4]) {
     const __m256i low = _mm256_set1_epi32(0x0f);
     __m128i b16 = _mm_loadu_si128((const __m128i *)q);
     __m256i b0 = _mm256_cvtepu8_epi32(b16), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b16, 8));
-    *lo0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
-    *hi0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-    *lo1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
-    *hi1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    v[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b0, low), vz));  /* even elements, bytes [i, i + 8) */
+    v[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b0, 4), vz));   /* odd */
+    v[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b1, low), vz));  /* even, bytes [i + 8, i + 16) */
+    v[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b1, 4), vz));
 }
 
 INLINE float hsum(__m256 a) {
@@ -94,71 +104,103 @@ INLINE float hsum(__m256 a) {
     return _mm_cvtss_f32(v);
 }
 
-/* NT is a constant at every call (the switch below), so the accumulators stay in registers:
- * NT * NACC of them, NACC = 4 / 2 / 1 independent chains per token for NT = 1 / 2 / >= 3 (one
- * token needs several chains to cover the FMA latency; four tokens with two chains each spilled:
- * 2.3x slower per token than three). The group's scale multiplies the unpacked values once,
- * shared by every token. */
+/* res[t] = sum_h x_th (q_h - z) s over one projection row, tokens [t0, t0 + NT). NT is a constant at
+ * every call (the switch below), so the accumulators stay in registers: per token NACC = 4 / 2
+ * independent chains (one token needs several to cover the FMA latency), per group partial sums
+ * scaled once by the group's scale. */
 INLINE void dot_row_nt(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, const int NT,
                        float *res) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
-    const int NACC = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+    const int NACC = NT == 1 ? 4 : 2;
     const float *xe[TOKEN_TILE], *xo[TOKEN_TILE];
     __m256 acc[TOKEN_TILE][4];
-    float zterm[TOKEN_TILE];
     for (int t = 0; t < NT; t++) {
         xe[t] = w->xe + (size_t)(t0 + t) * half;
         xo[t] = w->xo + (size_t)(t0 + t) * half;
         for (int a = 0; a < NACC; a++) acc[t][a] = _mm256_setzero_ps();
-        zterm[t] = 0.0f;
     }
     for (int g = 0; g < groups; g++) {
-        const float sc = scale_of(s, g), zp = z ? (float)z[g] : 8.0f;
-        const __m256 vs = _mm256_set1_ps(sc);
+        const __m256i vz = _mm256_set1_epi32(z ? z[g] : 8);
+        __m256 part[TOKEN_TILE][4];
+        for (int t = 0; t < NT; t++)
+            for (int a = 0; a < NACC; a++) part[t][a] = _mm256_setzero_ps();
         for (int i = g * gh; i < (g + 1) * gh; i += 16) {
-            __m256 lo0, hi0, lo1, hi1;
-            nibbles16(q + i, &lo0, &hi0, &lo1, &hi1);
-            lo0 = _mm256_mul_ps(lo0, vs); hi0 = _mm256_mul_ps(hi0, vs);
-            lo1 = _mm256_mul_ps(lo1, vs); hi1 = _mm256_mul_ps(hi1, vs);
+            __m256 v[4];
+            nibbles16(q + i, vz, v);
             for (int t = 0; t < NT; t++) {
-                acc[t][0] = _mm256_fmadd_ps(lo0, _mm256_loadu_ps(xe[t] + i), acc[t][0]);
-                acc[t][1 % NACC] = _mm256_fmadd_ps(hi0, _mm256_loadu_ps(xo[t] + i), acc[t][1 % NACC]);
-                acc[t][2 % NACC] = _mm256_fmadd_ps(lo1, _mm256_loadu_ps(xe[t] + i + 8), acc[t][2 % NACC]);
-                acc[t][3 % NACC] = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(xo[t] + i + 8), acc[t][3 % NACC]);
+                part[t][0] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xe[t] + i), part[t][0]);
+                part[t][1 % NACC] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xo[t] + i), part[t][1 % NACC]);
+                part[t][2 % NACC] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xe[t] + i + 8), part[t][2 % NACC]);
+                part[t][3 % NACC] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xo[t] + i + 8), part[t][3 % NACC]);
             }
         }
-        for (int t = 0; t < NT; t++) zterm[t] += sc * zp * w->xsum[(size_t)(t0 + t) * groups + g];
+        const __m256 vs = _mm256_set1_ps(SCALE(s, g));
+        for (int t = 0; t < NT; t++)
+            for (int a = 0; a < NACC; a++) acc[t][a] = _mm256_fmadd_ps(vs, part[t][a], acc[t][a]);
     }
     for (int t = 0; t < NT; t++) {
         __m256 sum = acc[t][0];
         for (int a = 1; a < NACC; a++) sum = _mm256_add_ps(sum, acc[t][a]);
-        res[t] = hsum(sum) - zterm[t];
+        res[t] = hsum(sum);
     }
 }
 
-INLINE void axpy_row_nt(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, const int NT,
-                        const float *a) {
+/* The down columns of rows [0, n) of a chunk: y_t += sum_j c_tgj (q_j - z_jg), c_tgj = a_tj s_jg;
+ * a: (NT, CHUNK). Rows whose a is 0 for every token of the tile are not read. */
+INLINE void down_chunk_nt(const Work *w, const uint8_t *q0, const uint16_t *s0, const uint8_t *z0, int n, int t0,
+                          const int NT, const float *a) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
-    float *ye[TOKEN_TILE], *yo[TOKEN_TILE];
-    for (int t = 0; t < NT; t++) {
-        ye[t] = w->ye + (size_t)(t0 + t) * half;
-        yo[t] = w->yo + (size_t)(t0 + t) * half;
+    const size_t row_q = (size_t)3 * half, row_s = (size_t)3 * groups;
+    int live[CHUNK], nlive = 0;
+    for (int j = 0; j < n; j++) {
+        int used = 0;
+        for (int t = 0; t < NT; t++) used |= a[t * CHUNK + j] != 0.0f;
+        if (used) live[nlive++] = j;
     }
+    if (!nlive) return;
+    float c[TOKEN_TILE][CHUNK];
+    int zk[CHUNK];
     for (int g = 0; g < groups; g++) {
-        const float sc = scale_of(s, g);
-        const __m256 vz = _mm256_set1_ps(z ? (float)z[g] : 8.0f);
-        __m256 c[TOKEN_TILE];
-        for (int t = 0; t < NT; t++) c[t] = _mm256_set1_ps(a[t] * sc);
+        for (int k = 0; k < nlive; k++) {
+            const int j = live[k];
+            const float sc = SCALE(s0 + j * row_s + 2 * groups, g);
+            zk[k] = z0 ? z0[j * row_s + 2 * groups + g] : 8;
+            for (int t = 0; t < NT; t++) c[t][k] = a[t * CHUNK + j] * sc;
+        }
         for (int i = g * gh; i < (g + 1) * gh; i += 16) {
-            __m256 lo0, hi0, lo1, hi1;
-            nibbles16(q + i, &lo0, &hi0, &lo1, &hi1);
-            lo0 = _mm256_sub_ps(lo0, vz); hi0 = _mm256_sub_ps(hi0, vz);
-            lo1 = _mm256_sub_ps(lo1, vz); hi1 = _mm256_sub_ps(hi1, vz);
+            __m256 acc[TOKEN_TILE][4];
+            for (int t = 0; t < NT; t++)
+                for (int e = 0; e < 4; e++) acc[t][e] = _mm256_setzero_ps();
+            int k = 0;
+            if (NT == 1) {  /* two neurons at a time into two accumulator sets: the FMA latency, not its rate */
+                __m256 acc2[4];
+                for (int e = 0; e < 4; e++) acc2[e] = _mm256_setzero_ps();
+                for (; k + 1 < nlive; k += 2) {
+                    __m256 v[4], u[4];
+                    nibbles16(q0 + live[k] * row_q + 2 * half + i, _mm256_set1_epi32(zk[k]), v);
+                    nibbles16(q0 + live[k + 1] * row_q + 2 * half + i, _mm256_set1_epi32(zk[k + 1]), u);
+                    const __m256 ck = _mm256_broadcast_ss(&c[0][k]), cu = _mm256_broadcast_ss(&c[0][k + 1]);
+                    for (int e = 0; e < 4; e++) {
+                        acc[0][e] = _mm256_fmadd_ps(ck, v[e], acc[0][e]);
+                        acc2[e] = _mm256_fmadd_ps(cu, u[e], acc2[e]);
+                    }
+                }
+                for (int e = 0; e < 4; e++) acc[0][e] = _mm256_add_ps(acc[0][e], acc2[e]);
+            }
+            for (; k < nlive; k++) {
+                __m256 v[4];
+                nibbles16(q0 + live[k] * row_q + 2 * half + i, _mm256_set1_epi32(zk[k]), v);
+                for (int t = 0; t < NT; t++) {
+                    const __m256 ck = _mm256_broadcast_ss(&c[t][k]);
+                    for (int e = 0; e < 4; e++) acc[t][e] = _mm256_fmadd_ps(ck, v[e], acc[t][e]);
+                }
+            }
             for (int t = 0; t < NT; t++) {
-                _mm256_storeu_ps(ye[t] + i, _mm256_fmadd_ps(c[t], lo0, _mm256_loadu_ps(ye[t] + i)));
-                _mm256_storeu_ps(yo[t] + i, _mm256_fmadd_ps(c[t], hi0, _mm256_loadu_ps(yo[t] + i)));
-                _mm256_storeu_ps(ye[t] + i + 8, _mm256_fmadd_ps(c[t], lo1, _mm256_loadu_ps(ye[t] + i + 8)));
-                _mm256_storeu_ps(yo[t] + i + 8, _mm256_fmadd_ps(c[t], hi1, _mm256_loadu_ps(yo[t] + i + 8)));
+                float *ye = w->ye + (size_t)(t0 + t) * half + i, *yo = w->yo + (size_t)(t0 + t) * half + i;
+                _mm256_storeu_ps(ye, _mm256_add_ps(_mm256_loadu_ps(ye), acc[t][0]));
+                _mm256_storeu_ps(yo, _mm256_add_ps(_mm256_loadu_ps(yo), acc[t][1]));
+                _mm256_storeu_ps(ye + 8, _mm256_add_ps(_mm256_loadu_ps(ye + 8), acc[t][2]));
+                _mm256_storeu_ps(yo + 8, _mm256_add_ps(_mm256_loadu_ps(yo + 8), acc[t][3]));
             }
         }
     }
@@ -166,22 +208,14 @@ INLINE void axpy_row_nt(const Work *w, const uint8_t *q, const uint16_t *s, cons
 
 static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
                     float *res) {
-    switch (nt) {
-        case 1: dot_row_nt(w, q, s, z, t0, 1, res); break;
-        case 2: dot_row_nt(w, q, s, z, t0, 2, res); break;
-        case 3: dot_row_nt(w, q, s, z, t0, 3, res); break;
-        default: dot_row_nt(w, q, s, z, t0, 4, res); break;
-    }
+    if (nt == 1) dot_row_nt(w, q, s, z, t0, 1, res);
+    else dot_row_nt(w, q, s, z, t0, 2, res);
 }
 
-static void axpy_row(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
-                     const float *a) {
-    switch (nt) {
-        case 1: axpy_row_nt(w, q, s, z, t0, 1, a); break;
-        case 2: axpy_row_nt(w, q, s, z, t0, 2, a); break;
-        case 3: axpy_row_nt(w, q, s, z, t0, 3, a); break;
-        default: axpy_row_nt(w, q, s, z, t0, 4, a); break;
-    }
+static void down_chunk(const Work *w, const uint8_t *q0, const uint16_t *s0, const uint8_t *z0, int n, int t0, int nt,
+                       const float *a) {
+    if (nt == 1) down_chunk_nt(w, q0, s0, z0, n, t0, 1, a);
+    else down_chunk_nt(w, q0, s0, z0, n, t0, 2, a);
 }
 
 #else /* portable C: the same arithmetic, element by element */
@@ -191,29 +225,34 @@ static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const ui
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
     for (int t = 0; t < nt; t++) {
         const float *xe = w->xe + (size_t)(t0 + t) * half, *xo = w->xo + (size_t)(t0 + t) * half;
-        float acc = 0.0f, zterm = 0.0f;
+        float acc = 0.0f;
         for (int g = 0; g < groups; g++) {
-            const float sc = half_to_float(s[g]), zp = z ? (float)z[g] : 8.0f;
+            const int zp = z ? z[g] : 8;
             float part = 0.0f;
-            for (int i = g * gh; i < (g + 1) * gh; i++) part += (float)(q[i] & 0x0f) * xe[i] + (float)(q[i] >> 4) * xo[i];
-            acc += sc * part;
-            zterm += sc * zp * w->xsum[(size_t)(t0 + t) * groups + g];
+            for (int i = g * gh; i < (g + 1) * gh; i++)
+                part += (float)((q[i] & 0x0f) - zp) * xe[i] + (float)((q[i] >> 4) - zp) * xo[i];
+            acc += SCALE(s, g) * part;
         }
-        res[t] = acc - zterm;
+        res[t] = acc;
     }
 }
 
-static void axpy_row(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
-                     const float *a) {
+static void down_chunk(const Work *w, const uint8_t *q0, const uint16_t *s0, const uint8_t *z0, int n, int t0, int nt,
+                       const float *a) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
-    for (int g = 0; g < groups; g++) {
-        const float sc = half_to_float(s[g]), zp = z ? (float)z[g] : 8.0f;
+    const size_t row_q = (size_t)3 * half, row_s = (size_t)3 * groups;
+    for (int j = 0; j < n; j++) {
+        const uint8_t *q = q0 + j * row_q + 2 * half;
         for (int t = 0; t < nt; t++) {
-            const float c = a[t] * sc;
+            if (a[t * CHUNK + j] == 0.0f) continue;
             float *ye = w->ye + (size_t)(t0 + t) * half, *yo = w->yo + (size_t)(t0 + t) * half;
-            for (int i = g * gh; i < (g + 1) * gh; i++) {
-                ye[i] += c * ((float)(q[i] & 0x0f) - zp);
-                yo[i] += c * ((float)(q[i] >> 4) - zp);
+            for (int g = 0; g < groups; g++) {
+                const float c = a[t * CHUNK + j] * SCALE(s0 + j * row_s + 2 * groups, g);
+                const int zp = z0 ? z0[j * row_s + 2 * groups + g] : 8;
+                for (int i = g * gh; i < (g + 1) * gh; i++) {
+                    ye[i] += c * (float)((q[i] & 0x0f) - zp);
+                    yo[i] += c * (float)((q[i] >> 4) - zp);
+                }
             }
         }
     }
@@ -224,24 +263,32 @@ static void *run_rows(void *arg) {
     const Work *w = (const Work *)arg;
     const int half = w->hidden / 2, groups = w->hidden / w->group;
     const size_t row_q = (size_t)3 * half, row_s = (size_t)3 * groups;
-    for (int64_t r = w->r0; r < w->r1; r++) {
-        const int64_t j = w->j0 + r;
-        const uint8_t *q = w->qweight + r * row_q;
-        const uint16_t *s = w->scales + r * row_s;
-        const uint8_t *z = w->zeros ? w->zeros + r * row_s : NULL;
+    float act[TOKEN_TILE * CHUNK];
+    for (int64_t c0 = w->r0; c0 < w->r1; c0 += CHUNK) {
+        const int n = (int)(w->r1 - c0 < CHUNK ? w->r1 - c0 : CHUNK);
+        const uint8_t *q0 = w->qweight + c0 * row_q;
+        const uint16_t *s0 = w->scales + c0 * row_s;
+        const uint8_t *z0 = w->zeros ? w->zeros + c0 * row_s : NULL;
         for (int t0 = 0; t0 < w->tokens; t0 += TOKEN_TILE) {
-            int nt = w->tokens - t0 < TOKEN_TILE ? w->tokens - t0 : TOKEN_TILE;
-            int used = 0;
-            for (int t = 0; t < nt; t++) used |= !w->kt || j < w->kt[t0 + t];
-            if (!used) continue;  /* no token of this tile reads row j: its bytes are not touched */
-            float gate[TOKEN_TILE], up[TOKEN_TILE], act[TOKEN_TILE];
-            dot_row(w, q, s, z, t0, nt, gate);
-            dot_row(w, q + half, s + groups, z ? z + groups : NULL, t0, nt, up);
-            for (int t = 0; t < nt; t++) {
-                const int keep = !w->kt || j < w->kt[t0 + t];
-                act[t] = keep ? gate[t] / (1.0f + expf(-gate[t])) * up[t] : 0.0f;
+            const int nt = w->tokens - t0 < TOKEN_TILE ? w->tokens - t0 : TOKEN_TILE;
+            for (int j = 0; j < n; j++) {
+                const int64_t neuron = w->j0 + c0 + j;
+                int used = 0;
+                for (int t = 0; t < nt; t++) used |= !w->kt || neuron < w->kt[t0 + t];
+                for (int t = 0; t < TOKEN_TILE; t++) act[t * CHUNK + j] = 0.0f;
+                if (!used) continue;  /* no token of this tile reads row j: its bytes are not touched */
+                const uint8_t *q = q0 + j * row_q;
+                const uint16_t *s = s0 + j * row_s;
+                const uint8_t *z = z0 ? z0 + j * row_s : NULL;
+                float gate[TOKEN_TILE], up[TOKEN_TILE];
+                dot_row(w, q, s, z, t0, nt, gate);
+                dot_row(w, q + half, s + groups, z ? z + groups : NULL, t0, nt, up);
+                for (int t = 0; t < nt; t++) {
+                    const int keep = !w->kt || neuron < w->kt[t0 + t];
+                    act[t * CHUNK + j] = keep ? gate[t] / (1.0f + expf(-gate[t])) * up[t] : 0.0f;
+                }
             }
-            axpy_row(w, q + 2 * half, s + 2 * groups, z ? z + 2 * groups : NULL, t0, nt, act);
+            down_chunk(w, q0, s0, z0, n, t0, nt, act);
         }
     }
     return NULL;
@@ -250,41 +297,37 @@ static void *run_rows(void *arg) {
 /* out[t, :] += weights[t] * sum_{j0 <= j < j1, j < kt[t]} a_tj down_j, for T tokens.
  * x: (T, H) fp32; qweight/scales/zeros: the expert's rows from row j0 on; kt: (T,) int64 or NULL;
  * weights: (T,) fp32; out: (T, H) fp32. Returns 0, or -1 when a buffer cannot be allocated or a
- * thread started (out untouched then). */
+ * thread started, -2 for sizes it does not take (out untouched then). */
 int crisp_expert_rows_f32(const float *x, int64_t tokens, int64_t hidden, int64_t group,
                           const uint8_t *qweight, const uint16_t *scales, const uint8_t *zeros,
                           const int64_t *kt, int64_t j0, int64_t j1, const float *weights, float *out,
                           int64_t nthreads) {
     if (tokens <= 0 || j1 <= j0) return 0;
-    if (tokens > MAX_TOKENS || hidden % group || group % 16 || nthreads < 1) return -2;
-    const int64_t half = hidden / 2, groups = hidden / group, rows = j1 - j0;
+    if (tokens > MAX_TOKENS || hidden % group || group % 32 || nthreads < 1) return -2;
+    const int64_t half = hidden / 2, rows = j1 - j0;
     if (nthreads > rows) nthreads = rows;
-    float *xs = malloc(sizeof(float) * (size_t)tokens * (size_t)(hidden + groups));
-    float *acc = calloc((size_t)nthreads * (size_t)tokens * (size_t)hidden, sizeof(float));
+    const size_t per_thread = (size_t)tokens * (size_t)hidden;  /* ye, yo */
+    float *xs = malloc(sizeof(float) * (size_t)tokens * (size_t)hidden);
+    float *acc = calloc((size_t)nthreads * per_thread, sizeof(float));
     Work *work = malloc(sizeof(Work) * (size_t)nthreads);
     pthread_t *tid = malloc(sizeof(pthread_t) * (size_t)nthreads);
     int rc = 0;
     if (!xs || !acc || !work || !tid) { rc = -1; goto done; }
-    float *xe = xs, *xo = xs + tokens * half, *xsum = xs + tokens * hidden;
+    float *xe = xs, *xo = xs + tokens * half;
     for (int64_t t = 0; t < tokens; t++) {
         for (int64_t i = 0; i < half; i++) {
             xe[t * half + i] = x[t * hidden + 2 * i];
             xo[t * half + i] = x[t * hidden + 2 * i + 1];
         }
-        for (int64_t g = 0; g < groups; g++) {
-            float sum = 0.0f;
-            for (int64_t h = g * group; h < (g + 1) * group; h++) sum += x[t * hidden + h];
-            xsum[t * groups + g] = sum;
-        }
     }
     int64_t started = 0;
     for (int64_t p = 0; p < nthreads; p++) {
         Work *w = &work[p];
-        w->xe = xe; w->xo = xo; w->xsum = xsum;
+        w->xe = xe; w->xo = xo;
         w->qweight = qweight; w->scales = scales; w->zeros = zeros; w->kt = kt; w->j0 = j0;
         w->tokens = (int)tokens; w->hidden = (int)hidden; w->group = (int)group;
         w->r0 = rows * p / nthreads; w->r1 = rows * (p + 1) / nthreads;
-        w->ye = acc + (size_t)p * tokens * hidden; w->yo = w->ye + tokens * half;
+        w->ye = acc + (size_t)p * per_thread; w->yo = w->ye + tokens * half;
     }
     for (int64_t p = 1; p < nthreads; p++) {
         if (pthread_create(&tid[p], NULL, run_rows, &work[p]) != 0) { rc = -1; break; }
@@ -298,9 +341,8 @@ int crisp_expert_rows_f32(const float *x, int64_t tokens, int64_t hidden, int64_
         for (int64_t i = 0; i < half; i++) {
             float e = 0.0f, o = 0.0f;
             for (int64_t p = 0; p < nthreads; p++) {
-                const float *ye = acc + (size_t)p * tokens * hidden + t * half;
-                e += ye[i];
-                o += ye[tokens * half + i];
+                e += work[p].ye[t * half + i];
+                o += work[p].yo[t * half + i];
             }
             out[t * hidden + 2 * i] += wt * e;
             out[t * hidden + 2 * i + 1] += wt * o;

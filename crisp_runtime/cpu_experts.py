@@ -13,8 +13,8 @@ a frozen :class:`CpuExpertsConfig` (``RuntimeConfig.cpu_experts``):
 
 - **kernel** ``AUTO`` (default): the native C kernel (``crisp_kernels.cpu_native``, built on first use
   with the host's compiler) on the host rows themselves, fp32, no second copy, so ``prepare`` and
-  ``precision`` only matter where it cannot build (then ``TORCH``, with a warning-free fallback
-  reported as ``stats()["cpu"]["experts"]["impl"]``) or for steps of more than
+  ``precision`` only matter where it cannot build (then ``TORCH``, with a RuntimeWarning saying why,
+  and ``stats()["cpu"]["experts"]["impl"]``) or for steps of more than
   ``cpu_native.MAX_TOKENS`` tokens; ``NATIVE`` refuses to start without it; ``TORCH`` is the path below.
 
 - **precision** ``BF16`` (default): the activations are rounded to bf16 on the CPU and the 64-neuron
@@ -213,6 +213,12 @@ class CpuExperts:
             except cpu_native.NativeUnavailable as err:
                 raise ValueError(f"CpuExpertsConfig(kernel='native'): {err}") from err
         self.impl = config.impl  # at decode sizes; NATIVE_FP32 needs no second copy of the experts
+        if config.kernel is CpuKernel.AUTO and self.impl is not CpuImpl.NATIVE_FP32:
+            try:
+                cpu_native.load()
+            except cpu_native.NativeUnavailable as err:
+                warnings.warn(f"CPU experts take torch's kernels ({self.impl.value}): {err}", RuntimeWarning,
+                              stacklevel=2)
         # None: the native kernel up to its token limit, then the torch path (cpu_expert.choose_impl)
         self._kernel_config = CpuExpertConfig(
             config.precision, impl=None if self.impl is CpuImpl.NATIVE_FP32 else config.torch_impl)
