@@ -130,34 +130,36 @@ def default_impl(precision: Precision) -> CpuImpl:
 
 
 def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precision: Precision = Precision.BF16,
-            impl: CpuImpl | None = None, memcpy_bytes: int = MEMCPY_BYTES) -> tuple[list[dict], dict]:
-    """Records per (width, tokens) and the memory figures, all timed in the same interleaved rounds.
-    impl None: :func:`default_impl`; INT4PACK_BF16 times the int4pack copy (built before timing)."""
+            impls=None, memcpy_bytes: int = MEMCPY_BYTES) -> tuple[list[dict], dict]:
+    """Records per (implementation, width, tokens) and the memory figures, all timed in the same
+    interleaved rounds (the machine's drift hits every implementation alike: a fair A/B).
+    impls: CpuImpl values, None = [:func:`default_impl`]; INT4PACK_BF16 times the int4pack copy
+    (built before timing). ``memory["extra_nbytes"]``: per implementation, its second copy's bytes."""
     packed = random_expert(shape)
-    impl = default_impl(precision) if impl is None else impl
-    expert = prepare_expert(packed) if impl is CpuImpl.INT4PACK_BF16 else packed
-    config = CpuExpertConfig(precision, impl=impl)
+    impls = [default_impl(precision)] if impls is None else list(dict.fromkeys(impls))
     rounds = _Rounds()
     _memory_thunks(rounds, memcpy_bytes)
-    points = []
-    for fraction in fractions:
-        width = _width_neurons(shape, fraction)
-        for tokens in tokens_list:
-            x, weights, err = validated_inputs(expert, shape.hidden_size, width, tokens, config)
-            name = f"{width}/{tokens}"
-            rounds.add(name, _call(x, expert, width, weights, config))
-            points.append((name, fraction, width, tokens, err))
+    points, extra = [], {}
+    for impl in impls:
+        expert = prepare_expert(packed) if impl is CpuImpl.INT4PACK_BF16 else packed
+        config = CpuExpertConfig(precision, impl=impl)
+        extra[impl.value] = kernel_info(expert, torch.bfloat16 if precision is Precision.BF16 else torch.float32,
+                                        config).extra_nbytes
+        for fraction in fractions:
+            width = _width_neurons(shape, fraction)
+            for tokens in tokens_list:
+                x, weights, err = validated_inputs(expert, shape.hidden_size, width, tokens, config)
+                name = f"{impl.value}/{width}/{tokens}"
+                rounds.add(name, _call(x, expert, width, weights, config))
+                points.append((name, impl.value, width, tokens, err))
     load_before = os.getloadavg()
     med = rounds.run(repeats)
     load_after = os.getloadavg()
     memcpy_gbps = memcpy_bytes / med["memcpy"] / 1e9
     read_gbps = memcpy_bytes / med["read"] / 1e9
-    info = kernel_info(expert, torch.bfloat16 if precision is Precision.BF16 else torch.float32, config)
-    impl = info.impl.value
-    full = {tokens: med[f"{shape.intermediate_size}/{tokens}"] for _, f, w, tokens, _ in points
-            if w == shape.intermediate_size}
+    full = {(impl, tokens): med[name] for name, impl, w, tokens, _ in points if w == shape.intermediate_size}
     records = []
-    for name, _, width, tokens, err in points:
+    for name, impl, width, tokens, err in points:
         seconds = med[name]
         nbytes = packed.nbytes(width)
         gbps = nbytes / seconds / 1e9
@@ -165,11 +167,11 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
                "tokens": tokens, "ms": seconds * 1e3, "prefix_mb": nbytes / 1e6, "gbps": gbps,
                "memcpy_gbps": memcpy_gbps, "pct_memcpy": 100 * gbps / memcpy_gbps, "read_gbps": read_gbps,
                "rel_err": err}
-        if tokens in full:
-            rec["time_frac"] = seconds / full[tokens]  # against k / I: the prefix's proportionality
+        if (impl, tokens) in full:
+            rec["time_frac"] = seconds / full[impl, tokens]  # against k / I: the prefix's proportionality
         records.append(rec)
     memory = {"memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps, "memcpy_bytes": memcpy_bytes,
-              "extra_nbytes": info.extra_nbytes, "loadavg_before": load_before, "loadavg_after": load_after,
+              "extra_nbytes": extra, "loadavg_before": load_before, "loadavg_after": load_after,
               "threads": torch.get_num_threads(), "repeats": repeats}
     return records, memory
 
@@ -187,14 +189,14 @@ def measure_cpu_expert(shape: ModelShape, widths, *, repeats: int = DEFAULT_REPE
     if not widths or any(not 1 <= w <= shape.intermediate_size for w in widths):
         raise CpuBenchError(f"widths: expected neuron counts in [1, {shape.intermediate_size}], got {widths}")
     fractions = sorted({w / shape.intermediate_size for w in widths} | {1.0})
-    records, memory = measure(shape, fractions, [1], repeats, impl=impl)
+    records, memory = measure(shape, fractions, [1], repeats, impls=None if impl is None else [impl])
     by_width = {r["width"]: r for r in records}
     chosen = [by_width[_width_neurons(shape, w / shape.intermediate_size)] for w in widths]
     return {"impl": chosen[0]["impl"], "widths": [r["width"] for r in chosen],
             "seconds": [r["ms"] / 1e3 for r in chosen], "prefix_bytes": [round(r["prefix_mb"] * 1e6) for r in chosen],
             "gbps": [r["gbps"] for r in chosen], "memcpy_gbps": memory["memcpy_gbps"],
             "read_gbps": memory["read_gbps"], "loadavg": memory["loadavg_after"], "threads": memory["threads"],
-            "info": CpuKernelInfo(CpuImpl(chosen[0]["impl"]), memory["extra_nbytes"],
+            "info": CpuKernelInfo(CpuImpl(chosen[0]["impl"]), memory["extra_nbytes"][chosen[0]["impl"]],
                                   by_width[shape.intermediate_size]["gbps"])}
 
 
@@ -254,9 +256,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--widths", type=common.fractions, default="0.25,0.5,1.0", help="width fractions in (0, 1]")
     p.add_argument("--tokens", type=common.int_list, default="1,4,16", help="token counts (>= 1), comma separated")
     p.add_argument("--repeats", type=common.positive_int, default=5, help="interleaved timed rounds")
-    p.add_argument("--impl", choices=("auto", *(i.value for i in CpuImpl)), default="auto",
-                   help="kernel: auto (the runtime's: native-fp32 where it builds), native-fp32 (the C kernel "
-                   "on the format's rows), int4pack-bf16 (torch's op on a second copy), dequant-fp32")
+    p.add_argument("--impl", type=common.csv_choices(("auto", *(i.value for i in CpuImpl))), default=["auto"],
+                   help="kernels, comma separated, timed in the same rounds: auto (the runtime's: native-fp32 where "
+                   "it builds), native-fp32 (the C kernel on the format's rows), int4pack-bf16 (torch's op on a "
+                   "second copy), dequant-fp32")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                    help="without the native kernel: bf16 takes torch's int4pack op, fp32 the exact dequant path")
     p.add_argument("--candidates", action="store_true",
@@ -271,22 +274,22 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     shapes = resolve_shapes(args.shapes, getattr(args, "model", None))
     precision = Precision(args.precision)
-    impl = None if args.impl == "auto" else CpuImpl(args.impl)
-    if impl is CpuImpl.NATIVE_FP32:
+    impls = [default_impl(precision) if name == "auto" else CpuImpl(name) for name in args.impl]
+    if CpuImpl.NATIVE_FP32 in impls:
         try:
             cpu_native.load()
         except cpu_native.NativeUnavailable as err:
             raise CpuBenchError(f"--impl native-fp32: {err}") from err
     records, memories = [], {}
     for shape in shapes:
-        recs, memory = measure(shape, args.widths, args.tokens, args.repeats, precision=precision, impl=impl)
+        recs, memory = measure(shape, args.widths, args.tokens, args.repeats, precision=precision, impls=impls)
         records += recs
         memories[shape.name] = memory
-        print(report.table(recs, [("width", "k"), ("width_frac", "k/I"), ("tokens", "T"), ("ms", "ms"),
-                                  ("prefix_mb", "prefix MB"), ("gbps", "GB/s"), ("pct_memcpy", "% memcpy"),
-                                  ("time_frac", "t(k)/t(I)"), ("rel_err", "rel err")],
+        print(report.table(recs, [("impl", "kernel"), ("width", "k"), ("width_frac", "k/I"), ("tokens", "T"),
+                                  ("ms", "ms"), ("prefix_mb", "prefix MB"), ("gbps", "GB/s"),
+                                  ("pct_memcpy", "% memcpy"), ("time_frac", "t(k)/t(I)"), ("rel_err", "rel err")],
                            title=f"{shape.name} (H {shape.hidden_size}, I {shape.intermediate_size}, g "
-                           f"{shape.group_size}), {recs[0]['impl']}, {memory['threads']} threads: memcpy "
+                           f"{shape.group_size}), {memory['threads']} threads, kernels in the same rounds: memcpy "
                            f"{memory['memcpy_gbps']:.2f} GB/s copied, read {memory['read_gbps']:.2f} GB/s; "
                            f"load average {memory['loadavg_after'][0]:.1f} (noisy on a shared machine)"))
         print()

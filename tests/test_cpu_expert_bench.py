@@ -43,6 +43,21 @@ def test_cli_json(tmp_path, capsys):
     assert "memcpy" in capsys.readouterr().out
 
 
+def test_cli_times_several_kernels_in_the_same_rounds(tmp_path, capsys):
+    path = tmp_path / "cpu.json"
+    assert main(["cpu", "--shapes", "tiny", "--widths", "0.5,1", "--tokens", "1", "--repeats", "1",
+                 "--impl", "native-fp32,int4pack-bf16", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    recs = doc["records"]
+    assert {(r["impl"], r["width_frac"] > 0.9) for r in recs} == {
+        (i, f) for i in ("native-fp32", "int4pack-bf16") for f in (False, True)}
+    assert all(r["rel_err"] <= (1e-5 if r["impl"] == "native-fp32" else 2 * 2.0**-8) for r in recs)
+    extra = next(iter(doc["memory"].values()))["extra_nbytes"]
+    assert extra["native-fp32"] == 0 and extra["int4pack-bf16"] > 0
+    out = capsys.readouterr().out
+    assert "native-fp32" in out and "int4pack-bf16" in out
+
+
 def test_cli_bad_shape(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["cpu", "--shapes", "nope"])
