@@ -7,7 +7,7 @@ one op call per 32 or 64 rows of H (single-threaded each), and it needs a second
 experts in its own layout (x 2.05 host memory). This kernel reads the format's neuron-major rows
 themselves (no second copy), in fp32 (the exact path's precision, 1e-5), one pass per row.
 
-Building: ``cc -O3 -march=native -shared -fPIC -pthread`` (``$CC`` if set) into a cache folder
+Building: ``cc -O3 -march=native -shared -fPIC -fopenmp`` (``$CC`` if set) into a cache folder
 (``$CRISP_CACHE_DIR``, else ``$XDG_CACHE_HOME/crisp`` or ``~/.cache/crisp``), named by a hash of the
 source, the flags, the compiler's version and this CPU's flags, so a changed source or another
 machine builds anew and nothing else is ever overwritten. The library is written to a temporary
@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_expert_native.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=c11")
+# -fopenmp links libgomp.so.1, resolved to the copy torch has loaded (its intra-op threads: see the source)
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-std=c11")
 ABI = 1  # crisp_native_abi() of the source this module calls
 # The C kernel's token limit (MAX_TOKENS): a decode step sends 1-16 tokens to an expert; more are
 # refused (ValueError), the caller takes another path.

@@ -110,3 +110,15 @@ def test_token_limit_and_auto_fallback():
     assert torch.count_nonzero(out) == 0
     # the default takes the torch path past the limit, still equal to the reference
     assert reference_check(x, packed, None, shape[1], weights) <= FP32_TOL
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mapped libraries (Linux)")
+def test_the_kernel_runs_on_torchs_openmp_runtime():
+    """One libgomp in the process, torch's: the kernel's threads are torch's intra-op threads (a second
+    OpenMP runtime, or threads of its own, would compete with torch's spinning ones for the cores)."""
+    cpu_native.load()
+    with open("/proc/self/maps") as maps:
+        gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    if not gomp:
+        pytest.skip("this torch build does not use libgomp")
+    assert len(gomp) == 1 and os.path.dirname(torch.__file__) in next(iter(gomp))
