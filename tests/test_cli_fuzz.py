@@ -69,12 +69,13 @@ BENCH = (
                                 "--shapes": SHAPES, "--widths": FRACTION_LIST, "--model": [""]})
     + _cases("bench cpu", {"--json": ["", "DIR", "MISSING"], "--threads": THREADS, "--repeats": POS_INT,
                            "--shapes": SHAPES, "--widths": FRACTION_LIST, "--tokens": INT_LIST, "--model": [""],
-                           "--precision": ["fp16", ""]})
+                           "--precision": ["fp16", ""], "--impl": ["fast", "", "native-fp32,x", "NATIVE-FP32"]})
     + _cases("bench layer", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--steps": POS_INT,
                              "--policies": ["fastest", "", "full,x"]})
     + _cases("bench e2e", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--tokens": POS_INT,
                            "--policies": ["fastest", ""], "--record-trace": ["", "DIR", "MISSING"],
-                           "--placements": ["magic", "", "gpu,x"], "--cpu-precision": ["fp16", "", "BF16"]})
+                           "--placements": ["magic", "", "gpu,x"], "--cpu-precision": ["fp16", "", "BF16"],
+                           "--cpu-kernel": ["fast", "", "Native"]})
     + _cases("bench simulate", {
         **OUTPUT_OPTIONS, **MODEL_OPTIONS, "--sequences": POS_INT, "--seq-len": POS_INT, "--tokens": POS_INT,
         "--budget": BENCH_FRACTION, "--policies": ["fastest", ""], "--orders": ["random", ""],
