@@ -210,6 +210,39 @@ INLINE void down_chunk_nt(const Work *w, const uint8_t *q0, const uint16_t *s0, 
     }
 }
 
+/* One token's gate and up dots of one neuron in one pass: each x vector is loaded once for both
+ * rows (half the loads of two dot_row passes), four independent chains, 8 bytes of each row per
+ * step so that everything stays in the 16 ymm registers. */
+static void gate_up_1(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, float *gate,
+                      float *up) {
+    const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
+    const float *xe = w->xe + (size_t)t0 * half, *xo = w->xo + (size_t)t0 * half;
+    const uint8_t *qu = q + half;
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    __m256 ag0 = _mm256_setzero_ps(), ag1 = _mm256_setzero_ps(), au0 = _mm256_setzero_ps(), au1 = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const __m256i zg = _mm256_set1_epi32(z ? z[g] : 8), zu = _mm256_set1_epi32(z ? z[groups + g] : 8);
+        __m256 pg0 = _mm256_setzero_ps(), pg1 = _mm256_setzero_ps(), pu0 = _mm256_setzero_ps(), pu1 = _mm256_setzero_ps();
+        for (int i = g * gh; i < (g + 1) * gh; i += 8) {
+            __m256i bg = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)));
+            __m256i bu = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qu + i)));
+            __m256 xv = _mm256_loadu_ps(xe + i);
+            pg0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bg, low), zg)), xv, pg0);
+            pu0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bu, low), zu)), xv, pu0);
+            xv = _mm256_loadu_ps(xo + i);
+            pg1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bg, 4), zg)), xv, pg1);
+            pu1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bu, 4), zu)), xv, pu1);
+        }
+        const __m256 sg = _mm256_set1_ps(SCALE(s, g)), su = _mm256_set1_ps(SCALE(s, groups + g));
+        ag0 = _mm256_fmadd_ps(sg, pg0, ag0);
+        ag1 = _mm256_fmadd_ps(sg, pg1, ag1);
+        au0 = _mm256_fmadd_ps(su, pu0, au0);
+        au1 = _mm256_fmadd_ps(su, pu1, au1);
+    }
+    *gate = hsum(_mm256_add_ps(ag0, ag1));
+    *up = hsum(_mm256_add_ps(au0, au1));
+}
+
 static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
                     float *res) {
     if (nt == 1) dot_row_nt(w, q, s, z, t0, 1, res);
@@ -284,8 +317,15 @@ static void run_rows(const Work *w) {
                 const uint16_t *s = s0 + j * row_s;
                 const uint8_t *z = z0 ? z0 + j * row_s : NULL;
                 float gate[TOKEN_TILE], up[TOKEN_TILE];
-                dot_row(w, q, s, z, t0, nt, gate);
-                dot_row(w, q + half, s + groups, z ? z + groups : NULL, t0, nt, up);
+#if CRISP_AVX2
+                if (nt == 1) {
+                    gate_up_1(w, q, s, z, t0, gate, up);
+                } else
+#endif
+                {
+                    dot_row(w, q, s, z, t0, nt, gate);
+                    dot_row(w, q + half, s + groups, z ? z + groups : NULL, t0, nt, up);
+                }
                 for (int t = 0; t < nt; t++) {
                     const int keep = !w->kt || neuron < w->kt[t0 + t];
                     act[t * CHUNK + j] = keep ? gate[t] / (1.0f + expf(-gate[t])) * up[t] : 0.0f;
