@@ -27,7 +27,9 @@
 #                    recorded), then 9. simulate-measured: the measured profile against that run
 # 10. layer          layer steps of the real runtime vs the flow-shop bound, per order
 # 11. kernels        the kernel benchmark (Mixtral-8x7B, DeepSeek-MoE-16B, Qwen3-30B-A3B shapes)
-# 12. planner        the planner's CPU overhead per step (a CPU figure: last)
+# 12. cpu-kernel     the CPU expert kernels (native C against torch's int4pack op, same rounds) on the
+#                    lent machine's many cores: the per-core figures so far come from a 2-core VM
+# 13. planner        the planner's CPU overhead per step (a CPU figure: last)
 # --dry-run (or DRY_RUN=1): print one line per step, `STEP <name> <needs s> <command...>`, in order,
 # and run nothing. Logs and JSON go to OUT_DIR; `summary.txt` there lists each step's rc, time, or
 # why it was skipped. Exit status: non-zero when a step failed (skipped steps do not fail).
@@ -111,6 +113,8 @@ step simulate-measured 30 "${cb[@]}" simulate --profile "$out/measured-profile.j
 step layer 120 "${cb[@]}" layer --json "$out/layer.json"
 step kernels 120 "${cb[@]}" kernels --device cuda --widths 0.25,0.5,0.75,1 --tokens 1,4,16,128 \
   --json "$out/kernels.json"
+step cpu-kernel 60 "${cb[@]}" cpu --shapes mixtral --tokens 1,4 --widths 0.125,0.25,0.5,1 --repeats 5 \
+  --impl native-fp32,int4pack-bf16 --json "$out/cpu-kernel.json"
 step planner 20 "$py" -c "import json; from crisp_bench.runtime import measure_planner_overhead as m; print(json.dumps(m(), indent=1))"
 
 [ "$dry_run" = 1 ] && exit 0

@@ -16,7 +16,7 @@ from crisp_bench import cli as bench_cli
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 ORDER = ["h2d-cpu-busy", "hybrid-step", "prefetch-step", "e2e-hybrid", "pytest-gpu", "kernel-tests", "transfer", "e2e",
-         "simulate-measured", "layer", "kernels", "planner"]
+         "simulate-measured", "layer", "kernels", "cpu-kernel", "planner"]
 
 
 def run(*args, env=None):
