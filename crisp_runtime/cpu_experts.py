@@ -155,6 +155,27 @@ def _set_worker_threads(threads: int) -> None:
     torch.get_num_threads()
 
 
+def _resolve_kernel(config: CpuExpertsConfig) -> tuple[CpuImpl, Int4PackLayout | None, str | None]:
+    """(implementation, int4pack layout, why int4pack is unsupported) for ``config`` on this machine;
+    warns where AUTO cannot have the native kernel or int4pack cannot slice this CPU's layout."""
+    if config.kernel is not CpuKernel.TORCH:
+        try:
+            cpu_native.load()
+            return CpuImpl.NATIVE_FP32, None, None
+        except cpu_native.NativeUnavailable as err:
+            if config.kernel is CpuKernel.NATIVE:
+                raise ValueError(f"CpuExpertsConfig(kernel='native'): {err}") from err
+            warnings.warn(f"CPU experts take torch's kernels ({config.torch_impl.value}): {err}", RuntimeWarning,
+                          stacklevel=3)
+    if config.torch_impl is not CpuImpl.INT4PACK_BF16:
+        return config.torch_impl, None, None
+    try:
+        return CpuImpl.INT4PACK_BF16, int4pack_layout(), None
+    except Int4PackUnsupported as err:
+        warnings.warn(f"CPU experts run on the exact fp32 path (~30x slower): {err}", RuntimeWarning, stacklevel=3)
+        return CpuImpl.DEQUANT_FP32, None, str(err)
+
+
 class CpuWorker:
     """One lazily created single-thread pool whose thread runs torch at ``threads`` intra-op threads."""
 
@@ -207,34 +228,13 @@ class CpuExperts:
         self.worker = CpuWorker(config.threads)
         self._prepared: dict[tuple[int, int], CpuExpert] = {}
         self._prepared_nbytes = 0
-        if config.kernel is CpuKernel.NATIVE:
-            try:
-                cpu_native.load()
-            except cpu_native.NativeUnavailable as err:
-                raise ValueError(f"CpuExpertsConfig(kernel='native'): {err}") from err
-        self.impl = config.impl  # at decode sizes; NATIVE_FP32 needs no second copy of the experts
-        if config.kernel is CpuKernel.AUTO and self.impl is not CpuImpl.NATIVE_FP32:
-            try:
-                cpu_native.load()
-            except cpu_native.NativeUnavailable as err:
-                warnings.warn(f"CPU experts take torch's kernels ({self.impl.value}): {err}", RuntimeWarning,
-                              stacklevel=2)
-        # None: the native kernel up to its token limit, then the torch path (cpu_expert.choose_impl)
-        self._kernel_config = CpuExpertConfig(
-            config.precision, impl=None if self.impl is CpuImpl.NATIVE_FP32 else config.torch_impl)
-        # The int4pack layout is the CPU's (block of 64 rows with AVX-512, 32 with AVX2), probed once;
-        # where the fast path cannot slice it, every expert runs on the exact path, said in info().
-        self.layout: Int4PackLayout | None = None
-        self.unsupported: str | None = None
-        if self.impl is CpuImpl.INT4PACK_BF16:
-            try:
-                self.layout = int4pack_layout()
-            except Int4PackUnsupported as err:
-                self.unsupported = str(err)
-                self.impl = CpuImpl.DEQUANT_FP32
-                self._kernel_config = CpuExpertConfig(config.precision, impl=CpuImpl.DEQUANT_FP32)
-                warnings.warn(f"CPU experts run on the exact fp32 path (~30x slower): {err}", RuntimeWarning,
-                              stacklevel=2)
+        # impl: the kernel at decode sizes (NATIVE_FP32 needs no second copy of the experts); layout: the
+        # int4pack layout of this CPU (blocks of 64 rows with AVX-512, 32 with AVX2) when that op is used;
+        # unsupported: why int4pack cannot run here, if so (every expert then takes the exact path).
+        self.impl, self.layout, self.unsupported = _resolve_kernel(config)
+        # impl None for the native kernel: up to its token limit, then the torch path (cpu_expert.choose_impl)
+        self._kernel_config = CpuExpertConfig(config.precision,
+                                              impl=None if self.impl is CpuImpl.NATIVE_FP32 else self.impl)
         if config.prepare is CpuPrepare.EAGER and self.impl is CpuImpl.INT4PACK_BF16:
             for layer_id, layer in layers.items():
                 for e in range(layer.num_experts):

@@ -319,6 +319,36 @@ def test_an_unsliceable_int4pack_layout_falls_back_to_the_exact_path(monkeypatch
     assert rel_err(part, ref) < 1e-5  # the exact path, whatever precision was asked for
 
 
+def test_without_the_native_kernel_auto_takes_torchs_and_native_is_refused(monkeypatch):
+    """kernel='auto' where the C kernel cannot build (no compiler): torch's int4pack path, with a warning
+    saying why; kernel='native' refuses to start. Outputs still equal the reference (bf16 contract)."""
+    import crisp_runtime.cpu_experts as cpu_experts
+    from crisp_kernels import cpu_native
+
+    def unavailable():
+        raise cpu_native.NativeUnavailable("no C compiler found")
+
+    monkeypatch.setattr(cpu_native, "load", unavailable)
+    monkeypatch.setattr(cpu_native, "available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="torch's kernels .int4pack-bf16.: no C compiler"):
+        cpu = cpu_experts.CpuExperts(WIDE, CpuExpertsConfig())
+    assert cpu.info()["impl"] == "int4pack-bf16" and cpu.info()["kernel"] == "auto"
+    with pytest.raises(ValueError, match="kernel='native'.*no C compiler"):
+        cpu_experts.CpuExperts(WIDE, CpuExpertsConfig(kernel="native"))
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, WIDE_HIDDEN, generator=g)
+    rows, weights, token_widths = torch.tensor([0, 1]), torch.tensor([0.6, 0.3]), torch.tensor([WIDE_INTER, 90])
+    part = torch.zeros(x.shape)
+    cpu.accumulate_(part, x, 2, 4, WIDE_INTER, rows, weights, token_widths)
+    gate, up, down = WIDE_DEQ[2][4]
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for r, w, k in zip(rows.tolist(), weights.tolist(), token_widths.tolist(), strict=True):
+        xt = x[r].double()
+        ref[r] = w * (down[:, :k] @ (torch.nn.functional.silu(gate[:k] @ xt) * (up[:k] @ xt)))
+    assert rel_err(part, ref) <= TOLERANCE[Precision.BF16]
+    assert cpu.info()["prepared_experts"] == 1  # the int4pack copy, built for the expert it ran
+
+
 # ---------------------------------------------------------------------- the neuron split (Placement.SPLIT)
 
 
