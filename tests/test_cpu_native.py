@@ -61,6 +61,16 @@ def test_an_unwritable_cache_folder_is_refused(tmp_path):
     assert blocker.read_text() == "the user's"
 
 
+def test_a_corrupt_library_is_refused_not_loaded_blindly(tmp_path):
+    """A damaged file where a build should be (we write atomically, so only someone else makes one) is
+    refused with its path: the callers fall back to torch's kernels and say why."""
+    bad = tmp_path / "crisp_cpu_expert-0123.so"
+    bad.write_bytes(b"\x7fELF not really")
+    with pytest.raises(cpu_native.NativeUnavailable, match="crisp_cpu_expert-0123.so"):
+        cpu_native.open_library(bad)
+    assert bad.read_bytes() == b"\x7fELF not really"  # left as it was
+
+
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("CRISP_CACHE_DIR", str(tmp_path / "c"))
     assert cpu_native.cache_dir() == tmp_path / "c"
