@@ -2,7 +2,7 @@
 
 Why a hand-written kernel (docs/cpu-kernel.md has the figures): torch's int4pack CPU op, the
 well-kept candidate, reaches 88% of memcpy with AVX-512 but is compute-bound at ~3 GB/s per core
-with AVX2 only (30% of memcpy on this session's AMD EPYC at full width), its down projection runs
+with AVX2 only (22-43% of memcpy on this session's AMD EPYC at T = 1), its down projection runs
 one op call per 32 or 64 rows of H (single-threaded each), and it needs a second copy of the
 experts in its own layout (x 2.05 host memory). This kernel reads the format's neuron-major rows
 themselves (no second copy), in fp32 (the exact path's precision, 1e-5), one pass per row.
@@ -61,10 +61,13 @@ class NativeKernel:
 
         x: (T, H) fp32 contiguous; qweight / scales / zeros: the expert's (W, 3, ...) rows, contiguous
         (row j at offset j); token_widths: (T,) int64 contiguous or None; weights: (T,) fp32; out: (T, H)
-        fp32 contiguous. The caller has checked shapes and dtypes (crisp_kernels.cpu_expert)."""
+        fp32 contiguous. ``crisp_kernels.cpu_expert`` checks the format; what the C code's pointer
+        arithmetic relies on is checked here again (a few microseconds), so a bad call raises instead of
+        reading or writing past a tensor."""
         tokens, hidden = x.shape
         if tokens > MAX_TOKENS:
             raise ValueError(f"x: the native CPU kernel takes at most {MAX_TOKENS} tokens, got {tokens}")
+        _check_call(x, qweight, scales, zeros, group, token_widths, row_start, row_stop, weights, out)
         row_q = qweight[row_start:]
         row_s = scales[row_start:]
         row_z = None if zeros is None else zeros[row_start:]
@@ -74,8 +77,30 @@ class NativeKernel:
             None if token_widths is None else token_widths.data_ptr(), row_start, row_stop,
             weights.data_ptr(), out.data_ptr(), threads)
         if rc != 0:
-            raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory or threads, -2 bad sizes); "
+            raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory, -2 bad sizes); "
                                "out is unchanged")
+
+
+def _check_call(x, qweight, scales, zeros, group, token_widths, row_start, row_stop, weights, out) -> None:
+    tokens, hidden = x.shape
+    groups = hidden // group if group > 0 else 0
+    tensors = {"x": (x, torch.float32, (tokens, hidden)), "out": (out, torch.float32, (tokens, hidden)),
+               "weights": (weights, torch.float32, (tokens,)),
+               "qweight": (qweight, torch.uint8, (qweight.shape[0], 3, hidden // 2)),
+               "scales": (scales, torch.float16, (qweight.shape[0], 3, groups))}
+    if zeros is not None:
+        tensors["zeros"] = (zeros, torch.uint8, (qweight.shape[0], 3, groups))
+    if token_widths is not None:
+        tensors["token_widths"] = (token_widths, torch.int64, (tokens,))
+    for name, (t, dtype, shape) in tensors.items():
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: the native CPU kernel needs a contiguous {dtype} {shape} CPU tensor, got "
+                             f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (strided)'} on {t.device}")
+    if group not in (32, 64, 128) or hidden % group:
+        raise ValueError(f"group: expected 32, 64 or 128 dividing H = {hidden}, got {group}")
+    if not 0 <= row_start <= row_stop <= qweight.shape[0]:
+        raise ValueError(f"rows: expected 0 <= row_start <= row_stop <= {qweight.shape[0]}, got [{row_start}, "
+                         f"{row_stop})")
 
 
 def cache_dir() -> Path:

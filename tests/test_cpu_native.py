@@ -132,3 +132,25 @@ def test_the_kernel_runs_on_torchs_openmp_runtime():
     if not gomp:
         pytest.skip("this torch build does not use libgomp")
     assert len(gomp) == 1 and os.path.dirname(torch.__file__) in next(iter(gomp))
+
+
+@pytest.mark.parametrize("bad", ["x fp64", "x strided", "out shape", "weights int", "qweight rows < stop",
+                                 "scales fp32", "group 48", "token_widths int32", "start > stop"])
+def test_a_bad_direct_call_raises_before_the_c_code_runs(bad):
+    shape = SHAPES[0]
+    packed = expert(*shape)
+    x, weights, widths = inputs(2, shape[0], torch.float32, shape[1], per_token=True)
+    args = dict(x=x, qweight=packed.qweight, scales=packed.scales, zeros=packed.zeros, group=packed.fmt.group_size,
+                token_widths=widths.to(torch.int64), row_start=0, row_stop=shape[1], weights=weights,
+                out=torch.zeros(x.shape), threads=2)
+    edits = {"x fp64": dict(x=x.double()), "x strided": dict(x=torch.randn(shape[0], 2).t()),
+             "out shape": dict(out=torch.zeros(3, shape[0])),
+             "weights int": dict(weights=torch.ones(2, dtype=torch.int32)),
+             "qweight rows < stop": dict(row_stop=shape[1] + 1), "scales fp32": dict(scales=packed.scales.float()),
+             "group 48": dict(group=48), "token_widths int32": dict(token_widths=widths.to(torch.int32)),
+             "start > stop": dict(row_start=5, row_stop=4)}
+    before = args["out"].clone()
+    with pytest.raises(ValueError):
+        cpu_native.load().rows_f32(**{**args, **edits[bad]})
+    assert torch.equal(args["out"], before)
+
