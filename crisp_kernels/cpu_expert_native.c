@@ -369,8 +369,10 @@ int crisp_expert_rows_f32(const float *x, int64_t tokens, int64_t hidden, int64_
         w->r0 = rows * p / nthreads; w->r1 = rows * (p + 1) / nthreads;
         w->ye = acc + (size_t)p * per_thread; w->yo = w->ye + tokens * half;
     }
-    /* the ranges are fixed by nthreads; a smaller team than asked for takes several each */
-#pragma omp parallel num_threads((int)nthreads)
+    /* the ranges are fixed by nthreads (the result depends on it alone); the team is at most one thread
+     * per processor, and a smaller team than there are ranges takes several each */
+    const int team_size = (int)(nthreads < omp_get_num_procs() ? nthreads : omp_get_num_procs());
+#pragma omp parallel num_threads(team_size)
     {
         const int team = omp_get_num_threads();
         for (int64_t p = omp_get_thread_num(); p < nthreads; p += team) run_rows(&work[p]);
