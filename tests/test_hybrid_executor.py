@@ -290,6 +290,16 @@ def test_cpu_experts_config_checks_and_stats():
         CpuExpertsConfig(kernel="fast")
 
 
+def _rows_reference(x, expert_deq, rows, weights, token_widths):
+    """(T, H) float64: weights[i] * expert(x[rows[i]]) at token_widths[i] neurons, in rows[i]."""
+    gate, up, down = expert_deq
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for r, w, k in zip(rows.tolist(), weights.tolist(), token_widths.tolist(), strict=True):
+        xt = x[r].double()
+        ref[r] = w * (down[:, :k] @ (torch.nn.functional.silu(gate[:k] @ xt) * (up[:k] @ xt)))
+    return ref
+
+
 def test_an_unsliceable_int4pack_layout_falls_back_to_the_exact_path(monkeypatch):
     """Where the probe finds no layout the fast path can slice (another torch build or CPU), the CPU
     experts run on the exact fp32 path, with a warning and in stats, and still equal the reference."""
@@ -311,11 +321,7 @@ def test_an_unsliceable_int4pack_layout_falls_back_to_the_exact_path(monkeypatch
     token_widths = torch.tensor([WIDE_INTER, 70])
     part = torch.zeros(x.shape)
     cpu.accumulate_(part, x, 1, 3, WIDE_INTER, rows, weights, token_widths)
-    gate, up, down = WIDE_DEQ[1][3]
-    ref = torch.zeros(x.shape, dtype=torch.float64)
-    for r, w, k in zip(rows.tolist(), weights.tolist(), token_widths.tolist(), strict=True):
-        xt = x[r].double()
-        ref[r] = w * (down[:, :k] @ (torch.nn.functional.silu(gate[:k] @ xt) * (up[:k] @ xt)))
+    ref = _rows_reference(x, WIDE_DEQ[1][3], rows, weights, token_widths)
     assert rel_err(part, ref) < 1e-5  # the exact path, whatever precision was asked for
 
 
@@ -340,11 +346,7 @@ def test_without_the_native_kernel_auto_takes_torchs_and_native_is_refused(monke
     rows, weights, token_widths = torch.tensor([0, 1]), torch.tensor([0.6, 0.3]), torch.tensor([WIDE_INTER, 90])
     part = torch.zeros(x.shape)
     cpu.accumulate_(part, x, 2, 4, WIDE_INTER, rows, weights, token_widths)
-    gate, up, down = WIDE_DEQ[2][4]
-    ref = torch.zeros(x.shape, dtype=torch.float64)
-    for r, w, k in zip(rows.tolist(), weights.tolist(), token_widths.tolist(), strict=True):
-        xt = x[r].double()
-        ref[r] = w * (down[:, :k] @ (torch.nn.functional.silu(gate[:k] @ xt) * (up[:k] @ xt)))
+    ref = _rows_reference(x, WIDE_DEQ[2][4], rows, weights, token_widths)
     assert rel_err(part, ref) <= TOLERANCE[Precision.BF16]
     assert cpu.info()["prepared_experts"] == 1  # the int4pack copy, built for the expert it ran
 
