@@ -45,7 +45,8 @@
 #endif
 
 #define MAX_TOKENS 64   /* checked by the caller */
-#define TOKEN_TILE 2    /* tokens whose accumulators stay in registers at once (16 ymm registers) */
+#define TOKEN_TILE 2    /* tokens of a down pass, whose accumulators stay in the 16 ymm registers */
+#define ACT_TILE 4      /* tokens of a gate/up pass (two down passes each) */
 #define CHUNK 32        /* neurons per chunk (see the header) */
 
 #if !CRISP_AVX2
@@ -116,8 +117,8 @@ INLINE void dot_row_nt(const Work *w, const uint8_t *q, const uint16_t *s, const
                        float *res) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
     const int NACC = NT == 1 ? 4 : 2;
-    const float *xe[TOKEN_TILE], *xo[TOKEN_TILE];
-    __m256 acc[TOKEN_TILE][4];
+    const float *xe[ACT_TILE], *xo[ACT_TILE];
+    __m256 acc[ACT_TILE][4];
     for (int t = 0; t < NT; t++) {
         xe[t] = w->xe + (size_t)(t0 + t) * half;
         xo[t] = w->xo + (size_t)(t0 + t) * half;
@@ -125,7 +126,7 @@ INLINE void dot_row_nt(const Work *w, const uint8_t *q, const uint16_t *s, const
     }
     for (int g = 0; g < groups; g++) {
         const __m256i vz = _mm256_set1_epi32(z ? z[g] : 8);
-        __m256 part[TOKEN_TILE][4];
+        __m256 part[ACT_TILE][4];
         for (int t = 0; t < NT; t++)
             for (int a = 0; a < NACC; a++) part[t][a] = _mm256_setzero_ps();
         for (int i = g * gh; i < (g + 1) * gh; i += 16) {
@@ -243,10 +244,44 @@ static void gate_up_1(const Work *w, const uint8_t *q, const uint16_t *s, const 
     *up = hsum(_mm256_add_ps(au0, au1));
 }
 
+/* Three or four tokens: per-group partial sums would take 2 x NT x 2 registers, so the unpacked codes
+ * are scaled once per 16 bytes (shared by the tokens) and summed straight into two chains per token. */
+INLINE void dot_row_wide_nt(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0,
+                            const int NT, float *res) {
+    const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
+    const float *xe[ACT_TILE], *xo[ACT_TILE];
+    __m256 acc[ACT_TILE][2];
+    for (int t = 0; t < NT; t++) {
+        xe[t] = w->xe + (size_t)(t0 + t) * half;
+        xo[t] = w->xo + (size_t)(t0 + t) * half;
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    }
+    for (int g = 0; g < groups; g++) {
+        const __m256i vz = _mm256_set1_epi32(z ? z[g] : 8);
+        const __m256 vs = _mm256_set1_ps(SCALE(s, g));
+        for (int i = g * gh; i < (g + 1) * gh; i += 16) {
+            __m256 v[4];
+            nibbles16(q + i, vz, v);
+            for (int e = 0; e < 4; e++) v[e] = _mm256_mul_ps(v[e], vs);
+            for (int t = 0; t < NT; t++) {
+                acc[t][0] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xe[t] + i), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xo[t] + i), acc[t][1]);
+                acc[t][0] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xe[t] + i + 8), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xo[t] + i + 8), acc[t][1]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) res[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
 static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
                     float *res) {
-    if (nt == 1) dot_row_nt(w, q, s, z, t0, 1, res);
-    else dot_row_nt(w, q, s, z, t0, 2, res);
+    switch (nt) {
+        case 1: dot_row_nt(w, q, s, z, t0, 1, res); break;
+        case 2: dot_row_nt(w, q, s, z, t0, 2, res); break;
+        case 3: dot_row_wide_nt(w, q, s, z, t0, 3, res); break;
+        default: dot_row_wide_nt(w, q, s, z, t0, 4, res); break;
+    }
 }
 
 static void down_chunk(const Work *w, const uint8_t *q0, const uint16_t *s0, const uint8_t *z0, int n, int t0, int nt,
@@ -299,24 +334,24 @@ static void down_chunk(const Work *w, const uint8_t *q0, const uint16_t *s0, con
 static void run_rows(const Work *w) {
     const int half = w->hidden / 2, groups = w->hidden / w->group;
     const size_t row_q = (size_t)3 * half, row_s = (size_t)3 * groups;
-    float act[TOKEN_TILE * CHUNK];
+    float act[ACT_TILE * CHUNK];
     for (int64_t c0 = w->r0; c0 < w->r1; c0 += CHUNK) {
         const int n = (int)(w->r1 - c0 < CHUNK ? w->r1 - c0 : CHUNK);
         const uint8_t *q0 = w->qweight + c0 * row_q;
         const uint16_t *s0 = w->scales + c0 * row_s;
         const uint8_t *z0 = w->zeros ? w->zeros + c0 * row_s : NULL;
-        for (int t0 = 0; t0 < w->tokens; t0 += TOKEN_TILE) {
-            const int nt = w->tokens - t0 < TOKEN_TILE ? w->tokens - t0 : TOKEN_TILE;
+        for (int t0 = 0; t0 < w->tokens; t0 += ACT_TILE) {
+            const int nt = w->tokens - t0 < ACT_TILE ? w->tokens - t0 : ACT_TILE;
             for (int j = 0; j < n; j++) {
                 const int64_t neuron = w->j0 + c0 + j;
                 int used = 0;
                 for (int t = 0; t < nt; t++) used |= !w->kt || neuron < w->kt[t0 + t];
-                for (int t = 0; t < TOKEN_TILE; t++) act[t * CHUNK + j] = 0.0f;
+                for (int t = 0; t < ACT_TILE; t++) act[t * CHUNK + j] = 0.0f;
                 if (!used) continue;  /* no token of this tile reads row j: its bytes are not touched */
                 const uint8_t *q = q0 + j * row_q;
                 const uint16_t *s = s0 + j * row_s;
                 const uint8_t *z = z0 ? z0 + j * row_s : NULL;
-                float gate[TOKEN_TILE], up[TOKEN_TILE];
+                float gate[ACT_TILE], up[ACT_TILE];
 #if CRISP_AVX2
                 if (nt == 1) {
                     gate_up_1(w, q, s, z, t0, gate, up);
@@ -331,7 +366,8 @@ static void run_rows(const Work *w) {
                     act[t * CHUNK + j] = keep ? gate[t] / (1.0f + expf(-gate[t])) * up[t] : 0.0f;
                 }
             }
-            down_chunk(w, q0, s0, z0, n, t0, nt, act);
+            for (int d = 0; d < nt; d += TOKEN_TILE)
+                down_chunk(w, q0, s0, z0, n, t0 + d, nt - d < TOKEN_TILE ? nt - d : TOKEN_TILE, act + d * CHUNK);
         }
     }
 }
