@@ -40,6 +40,7 @@ from crisp_kernels.cpu_expert import (
 )
 from crisp_kernels.format import PackedExpert, QuantFormat, dequantize_rows, unpack_nibbles
 from crisp_runtime import cli_args as ca
+from crisp_runtime.cpu_experts import EXACT, CpuExpertsConfig
 
 from . import common, report
 from .common import CliError
@@ -122,11 +123,10 @@ def validated_inputs(expert, hidden, width, tokens, config, seed=1):
 
 
 def default_impl(precision: Precision) -> CpuImpl:
-    """What the runtime's CPU experts take by default (CpuExpertsConfig kernel 'auto'): the native
-    kernel where it builds, else int4pack for bf16 and the exact dequant path for fp32."""
-    if cpu_native.available():
-        return CpuImpl.NATIVE_FP32
-    return CpuImpl.INT4PACK_BF16 if precision is Precision.BF16 else CpuImpl.DEQUANT_FP32
+    """What the runtime's CPU experts take by default at this precision (its own rule,
+    ``CpuExpertsConfig.impl``: the native kernel where it builds, else int4pack for bf16 and the
+    exact dequant path for fp32)."""
+    return (EXACT if precision is Precision.FP32 else CpuExpertsConfig()).impl
 
 
 def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precision: Precision = Precision.BF16,

@@ -109,45 +109,39 @@ INLINE float hsum(__m256 a) {
     return _mm_cvtss_f32(v);
 }
 
-/* res[t] = sum_h x_th (q_h - z) s over one projection row, tokens [t0, t0 + NT). NT is a constant at
- * every call (the switch below), so the accumulators stay in registers: per token NACC = 4 / 2
- * independent chains (one token needs several to cover the FMA latency), per group partial sums
- * scaled once by the group's scale. */
-INLINE void dot_row_nt(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, const int NT,
-                       float *res) {
+/* res[t] = sum_h x_th (q_h - z) s over one projection row for two tokens [t0, t0 + 2): two independent
+ * chains per token (one chain cannot cover the FMA latency), per group partial sums scaled once by the
+ * group's scale; 8 accumulators in registers. (One token takes gate_up_1, three or four dot_row_wide_nt.) */
+static void dot_row_2(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, float *res) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
-    const int NACC = NT == 1 ? 4 : 2;
-    const float *xe[ACT_TILE], *xo[ACT_TILE];
-    __m256 acc[ACT_TILE][4];
-    for (int t = 0; t < NT; t++) {
+    const float *xe[2], *xo[2];
+    __m256 acc[2][2];
+    for (int t = 0; t < 2; t++) {
         xe[t] = w->xe + (size_t)(t0 + t) * half;
         xo[t] = w->xo + (size_t)(t0 + t) * half;
-        for (int a = 0; a < NACC; a++) acc[t][a] = _mm256_setzero_ps();
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     }
     for (int g = 0; g < groups; g++) {
         const __m256i vz = _mm256_set1_epi32(z ? z[g] : 8);
-        __m256 part[ACT_TILE][4];
-        for (int t = 0; t < NT; t++)
-            for (int a = 0; a < NACC; a++) part[t][a] = _mm256_setzero_ps();
+        __m256 part[2][2];
+        for (int t = 0; t < 2; t++) part[t][0] = part[t][1] = _mm256_setzero_ps();
         for (int i = g * gh; i < (g + 1) * gh; i += 16) {
             __m256 v[4];
             nibbles16(q + i, vz, v);
-            for (int t = 0; t < NT; t++) {
+            for (int t = 0; t < 2; t++) {
                 part[t][0] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xe[t] + i), part[t][0]);
-                part[t][1 % NACC] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xo[t] + i), part[t][1 % NACC]);
-                part[t][2 % NACC] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xe[t] + i + 8), part[t][2 % NACC]);
-                part[t][3 % NACC] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xo[t] + i + 8), part[t][3 % NACC]);
+                part[t][1] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xo[t] + i), part[t][1]);
+                part[t][0] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xe[t] + i + 8), part[t][0]);
+                part[t][1] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xo[t] + i + 8), part[t][1]);
             }
         }
         const __m256 vs = _mm256_set1_ps(SCALE(s, g));
-        for (int t = 0; t < NT; t++)
-            for (int a = 0; a < NACC; a++) acc[t][a] = _mm256_fmadd_ps(vs, part[t][a], acc[t][a]);
+        for (int t = 0; t < 2; t++) {
+            acc[t][0] = _mm256_fmadd_ps(vs, part[t][0], acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(vs, part[t][1], acc[t][1]);
+        }
     }
-    for (int t = 0; t < NT; t++) {
-        __m256 sum = acc[t][0];
-        for (int a = 1; a < NACC; a++) sum = _mm256_add_ps(sum, acc[t][a]);
-        res[t] = hsum(sum);
-    }
+    for (int t = 0; t < 2; t++) res[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
 }
 
 /* The down columns of rows [0, n) of a chunk: y_t += sum_j c_tgj (q_j - z_jg), c_tgj = a_tj s_jg;
@@ -277,8 +271,8 @@ INLINE void dot_row_wide_nt(const Work *w, const uint8_t *q, const uint16_t *s, 
 static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
                     float *res) {
     switch (nt) {
-        case 1: dot_row_nt(w, q, s, z, t0, 1, res); break;
-        case 2: dot_row_nt(w, q, s, z, t0, 2, res); break;
+        case 1: dot_row_wide_nt(w, q, s, z, t0, 1, res); break;  /* not reached: one token takes gate_up_1 */
+        case 2: dot_row_2(w, q, s, z, t0, res); break;
         case 3: dot_row_wide_nt(w, q, s, z, t0, 3, res); break;
         default: dot_row_wide_nt(w, q, s, z, t0, 4, res); break;
     }

@@ -154,3 +154,14 @@ def test_a_bad_direct_call_raises_before_the_c_code_runs(bad):
         cpu_native.load().rows_f32(**{**args, **edits[bad]})
     assert torch.equal(args["out"], before)
 
+
+
+@pytest.mark.parametrize("tokens", range(1, 10))
+def test_every_token_tile_remainder_equals_the_reference(tokens):
+    """T = 1..9: one token (the fused gate/up pass), and 4-token gate/up tiles with remainders 0-3 (the
+    2-token and 3-4-token dot paths), each followed by 2-token down passes, per-token widths included."""
+    shape = (256, 200, 64, False)
+    packed = expert(*shape)
+    x, weights, widths = inputs(tokens, shape[0], torch.float32, shape[1], per_token=True)
+    assert reference_check(x, packed, widths, shape[1], weights, NATIVE) <= FP32_TOL
+    assert reference_check(x, packed, None, 131, weights, NATIVE) <= FP32_TOL
