@@ -23,6 +23,11 @@
  * store of y per 8 elements per token: the bottleneck at T > 1, 0.45 GB/s at T = 16). A chunk's
  * rows (CHUNK x 3 H / 2 bytes, 192 KB at H 4096) stay in L2 between the two passes.
  *
+ * Vectors: one source for AVX-512 (16 lanes), AVX2 + FMA (8) and portable C, chosen at build time by
+ * -march=native (the vector macros below). At T = 1 the kernel was bound by the memory stream more than by
+ * its instructions on a Zen 4 VM: prefetching the next row's gate and up bytes (prefetch_next_row) took a
+ * Mixtral expert from 9.5 to 6.8 ms with AVX2 and to 6.1 ms with AVX-512 on both cores (docs/cpu-kernel.md).
+ *
  * Threads: neurons are split into nthreads contiguous ranges, each with its own (T, H) accumulator,
  * summed at the end in a fixed order: the result does not depend on timing, only on nthreads. The
  * ranges run on an OpenMP team, and the library links libgomp.so.1 by that name, which the dynamic
@@ -37,19 +42,28 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__FMA__)
 #include <immintrin.h>
-#define CRISP_AVX2 1
+#define CRISP_SIMD 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CRISP_SIMD 256
 #else
-#define CRISP_AVX2 0
+#define CRISP_SIMD 0
 #endif
 
 #define MAX_TOKENS 64   /* checked by the caller */
-#define TOKEN_TILE 2    /* tokens of a down pass, whose accumulators stay in the 16 ymm registers */
-#define ACT_TILE 4      /* tokens of a gate/up pass (two down passes each) */
+#if CRISP_SIMD == 512
+/* tokens of a down pass, whose accumulators stay in registers: 8 of the 32 zmm (4 against 2: 5-7% faster at
+ * T = 3..16 on the Zen 4 VM, one pass unpacks each down column once for the whole 4-token tile) */
+#define TOKEN_TILE 4
+#else
+#define TOKEN_TILE 2    /* of the 16 ymm: 2 tokens x 4 accumulators */
+#endif
+#define ACT_TILE 4      /* tokens of a gate/up pass (ACT_TILE / TOKEN_TILE down passes each) */
 #define CHUNK 32        /* neurons per chunk (see the header) */
 
-#if !CRISP_AVX2
+#if !CRISP_SIMD
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
     if (exp == 0) {
@@ -88,25 +102,82 @@ typedef struct {
     float *ye, *yo;            /* (T, H/2) accumulators */
 } Work;
 
-#if CRISP_AVX2
+#if CRISP_SIMD
 #define INLINE static inline __attribute__((always_inline))
 
-/* 16 bytes of a row as q - z: elements 2i (lo) and 2i + 1 (hi) of bytes [i, i + 8) and [i + 8, i + 16). */
-INLINE void nibbles16(const uint8_t *q, __m256i vz, __m256 v[4]) {
-    const __m256i low = _mm256_set1_epi32(0x0f);
-    __m128i b16 = _mm_loadu_si128((const __m128i *)q);
-    __m256i b0 = _mm256_cvtepu8_epi32(b16), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b16, 8));
-    v[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b0, low), vz));  /* even elements, bytes [i, i + 8) */
-    v[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b0, 4), vz));   /* odd */
-    v[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b1, low), vz));  /* even, bytes [i + 8, i + 16) */
-    v[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b1, 4), vz));
+/* One vector type of VL floats for both instruction sets: the kernel below is written once. A 16-byte
+ * step of a row holds 32 elements, NV vectors of even and NV of odd elements. With AVX-512 a step is one
+ * widening load of 16 bytes into 16 lanes, so the passes issue half the instructions of AVX2 for the
+ * same bytes (the kernel is compute-bound at T = 1: docs/cpu-kernel.md). */
+#if CRISP_SIMD == 512
+typedef __m512 vf;
+typedef __m512i vi;
+#define VL 16
+#define V_LOAD _mm512_loadu_ps
+#define V_STORE _mm512_storeu_ps
+#define V_FMA _mm512_fmadd_ps
+#define V_ADD _mm512_add_ps
+#define V_MUL _mm512_mul_ps
+#define V_ZERO _mm512_setzero_ps
+#define V_SET1 _mm512_set1_ps
+#define VI_SET1 _mm512_set1_epi32
+#define VI_AND _mm512_and_si512
+#define VI_SUB _mm512_sub_epi32
+#define VI_SRLI _mm512_srli_epi32
+#define VI_CVT _mm512_cvtepi32_ps
+#define BYTES_TO_VI(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))  /* VL bytes */
+#else
+typedef __m256 vf;
+typedef __m256i vi;
+#define VL 8
+#define V_LOAD _mm256_loadu_ps
+#define V_STORE _mm256_storeu_ps
+#define V_FMA _mm256_fmadd_ps
+#define V_ADD _mm256_add_ps
+#define V_MUL _mm256_mul_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_SET1 _mm256_set1_ps
+#define VI_SET1 _mm256_set1_epi32
+#define VI_AND _mm256_and_si256
+#define VI_SUB _mm256_sub_epi32
+#define VI_SRLI _mm256_srli_epi32
+#define VI_CVT _mm256_cvtepi32_ps
+#define BYTES_TO_VI(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))  /* VL bytes */
+#endif
+#define NV (16 / VL)  /* vectors of each parity in a 16-byte step */
+
+/* 16 bytes of a row as q - z: v[2h] = even elements of bytes [i + h VL, i + (h + 1) VL), v[2h + 1] = odd. */
+INLINE void nibbles16(const uint8_t *q, vi vz, vf v[2 * NV]) {
+    const vi low = VI_SET1(0x0f);
+    for (int h = 0; h < NV; h++) {
+        const vi b = BYTES_TO_VI(q + h * VL);
+        v[2 * h] = VI_CVT(VI_SUB(VI_AND(b, low), vz));
+        v[2 * h + 1] = VI_CVT(VI_SUB(VI_SRLI(b, 4), vz));
+    }
 }
 
-INLINE float hsum(__m256 a) {
+INLINE float hsum8(__m256 a) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
     return _mm_cvtss_f32(v);
+}
+
+/* The same bytes of the next neuron's row (3 H / 2 bytes on), one cache line at a time: at T = 1 the
+ * gate/up pass streams two ranges of each row (gate and up), and the hardware prefetcher alone left the
+ * AVX-512 kernel at 9.2 ms for a Mixtral expert with both cores of a Zen 4 VM against 7.2 ms with this
+ * (14.6 / 18.3 ms on one core; a row further ahead or the down range too: no faster). Prefetches do not
+ * fault, so the last row's point past the end of the rows is harmless. */
+INLINE void prefetch_next_row(const uint8_t *q, int n, int half) {
+    for (int i = 0; i < n; i += 64) _mm_prefetch((const char *)(q + 3 * (size_t)half + i), _MM_HINT_T0);
+}
+
+INLINE float hsum(vf a) {
+#if CRISP_SIMD == 512
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+#else
+    return hsum8(a);
+#endif
 }
 
 /* res[t] = sum_h x_th (q_h - z) s over one projection row for two tokens [t0, t0 + 2): two independent
@@ -115,33 +186,33 @@ INLINE float hsum(__m256 a) {
 static void dot_row_2(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, float *res) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
     const float *xe[2], *xo[2];
-    __m256 acc[2][2];
+    vf acc[2][2];
     for (int t = 0; t < 2; t++) {
         xe[t] = w->xe + (size_t)(t0 + t) * half;
         xo[t] = w->xo + (size_t)(t0 + t) * half;
-        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        acc[t][0] = acc[t][1] = V_ZERO();
     }
     for (int g = 0; g < groups; g++) {
-        const __m256i vz = _mm256_set1_epi32(z ? z[g] : 8);
-        __m256 part[2][2];
-        for (int t = 0; t < 2; t++) part[t][0] = part[t][1] = _mm256_setzero_ps();
+        const vi vz = VI_SET1(z ? z[g] : 8);
+        prefetch_next_row(q + g * gh, gh, half);
+        vf part[2][2];
+        for (int t = 0; t < 2; t++) part[t][0] = part[t][1] = V_ZERO();
         for (int i = g * gh; i < (g + 1) * gh; i += 16) {
-            __m256 v[4];
+            vf v[2 * NV];
             nibbles16(q + i, vz, v);
-            for (int t = 0; t < 2; t++) {
-                part[t][0] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xe[t] + i), part[t][0]);
-                part[t][1] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xo[t] + i), part[t][1]);
-                part[t][0] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xe[t] + i + 8), part[t][0]);
-                part[t][1] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xo[t] + i + 8), part[t][1]);
-            }
+            for (int t = 0; t < 2; t++)
+                for (int h = 0; h < NV; h++) {
+                    part[t][0] = V_FMA(v[2 * h], V_LOAD(xe[t] + i + h * VL), part[t][0]);
+                    part[t][1] = V_FMA(v[2 * h + 1], V_LOAD(xo[t] + i + h * VL), part[t][1]);
+                }
         }
-        const __m256 vs = _mm256_set1_ps(SCALE(s, g));
+        const vf vs = V_SET1(SCALE(s, g));
         for (int t = 0; t < 2; t++) {
-            acc[t][0] = _mm256_fmadd_ps(vs, part[t][0], acc[t][0]);
-            acc[t][1] = _mm256_fmadd_ps(vs, part[t][1], acc[t][1]);
+            acc[t][0] = V_FMA(vs, part[t][0], acc[t][0]);
+            acc[t][1] = V_FMA(vs, part[t][1], acc[t][1]);
         }
     }
-    for (int t = 0; t < 2; t++) res[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    for (int t = 0; t < 2; t++) res[t] = hsum(V_ADD(acc[t][0], acc[t][1]));
 }
 
 /* The down columns of rows [0, n) of a chunk: y_t += sum_j c_tgj (q_j - z_jg), c_tgj = a_tj s_jg;
@@ -167,75 +238,76 @@ INLINE void down_chunk_nt(const Work *w, const uint8_t *q0, const uint16_t *s0, 
             for (int t = 0; t < NT; t++) c[t][k] = a[t * CHUNK + j] * sc;
         }
         for (int i = g * gh; i < (g + 1) * gh; i += 16) {
-            __m256 acc[TOKEN_TILE][4];
+            vf acc[TOKEN_TILE][2 * NV];  /* acc[t][2h] -> ye + i + h VL, acc[t][2h + 1] -> yo + i + h VL */
             for (int t = 0; t < NT; t++)
-                for (int e = 0; e < 4; e++) acc[t][e] = _mm256_setzero_ps();
+                for (int e = 0; e < 2 * NV; e++) acc[t][e] = V_ZERO();
             int k = 0;
             if (NT == 1) {  /* two neurons at a time into two accumulator sets: the FMA latency, not its rate */
-                __m256 acc2[4];
-                for (int e = 0; e < 4; e++) acc2[e] = _mm256_setzero_ps();
+                vf acc2[2 * NV];
+                for (int e = 0; e < 2 * NV; e++) acc2[e] = V_ZERO();
                 for (; k + 1 < nlive; k += 2) {
-                    __m256 v[4], u[4];
-                    nibbles16(q0 + live[k] * row_q + 2 * half + i, _mm256_set1_epi32(zk[k]), v);
-                    nibbles16(q0 + live[k + 1] * row_q + 2 * half + i, _mm256_set1_epi32(zk[k + 1]), u);
-                    const __m256 ck = _mm256_broadcast_ss(&c[0][k]), cu = _mm256_broadcast_ss(&c[0][k + 1]);
-                    for (int e = 0; e < 4; e++) {
-                        acc[0][e] = _mm256_fmadd_ps(ck, v[e], acc[0][e]);
-                        acc2[e] = _mm256_fmadd_ps(cu, u[e], acc2[e]);
+                    vf v[2 * NV], u[2 * NV];
+                    nibbles16(q0 + live[k] * row_q + 2 * half + i, VI_SET1(zk[k]), v);
+                    nibbles16(q0 + live[k + 1] * row_q + 2 * half + i, VI_SET1(zk[k + 1]), u);
+                    const vf ck = V_SET1(c[0][k]), cu = V_SET1(c[0][k + 1]);
+                    for (int e = 0; e < 2 * NV; e++) {
+                        acc[0][e] = V_FMA(ck, v[e], acc[0][e]);
+                        acc2[e] = V_FMA(cu, u[e], acc2[e]);
                     }
                 }
-                for (int e = 0; e < 4; e++) acc[0][e] = _mm256_add_ps(acc[0][e], acc2[e]);
+                for (int e = 0; e < 2 * NV; e++) acc[0][e] = V_ADD(acc[0][e], acc2[e]);
             }
             for (; k < nlive; k++) {
-                __m256 v[4];
-                nibbles16(q0 + live[k] * row_q + 2 * half + i, _mm256_set1_epi32(zk[k]), v);
+                vf v[2 * NV];
+                nibbles16(q0 + live[k] * row_q + 2 * half + i, VI_SET1(zk[k]), v);
                 for (int t = 0; t < NT; t++) {
-                    const __m256 ck = _mm256_broadcast_ss(&c[t][k]);
-                    for (int e = 0; e < 4; e++) acc[t][e] = _mm256_fmadd_ps(ck, v[e], acc[t][e]);
+                    const vf ck = V_SET1(c[t][k]);
+                    for (int e = 0; e < 2 * NV; e++) acc[t][e] = V_FMA(ck, v[e], acc[t][e]);
                 }
             }
             for (int t = 0; t < NT; t++) {
                 float *ye = w->ye + (size_t)(t0 + t) * half + i, *yo = w->yo + (size_t)(t0 + t) * half + i;
-                _mm256_storeu_ps(ye, _mm256_add_ps(_mm256_loadu_ps(ye), acc[t][0]));
-                _mm256_storeu_ps(yo, _mm256_add_ps(_mm256_loadu_ps(yo), acc[t][1]));
-                _mm256_storeu_ps(ye + 8, _mm256_add_ps(_mm256_loadu_ps(ye + 8), acc[t][2]));
-                _mm256_storeu_ps(yo + 8, _mm256_add_ps(_mm256_loadu_ps(yo + 8), acc[t][3]));
+                for (int h = 0; h < NV; h++) {
+                    V_STORE(ye + h * VL, V_ADD(V_LOAD(ye + h * VL), acc[t][2 * h]));
+                    V_STORE(yo + h * VL, V_ADD(V_LOAD(yo + h * VL), acc[t][2 * h + 1]));
+                }
             }
         }
     }
 }
 
 /* One token's gate and up dots of one neuron in one pass: each x vector is loaded once for both
- * rows (half the loads of two dot_row passes), four independent chains, 8 bytes of each row per
- * step so that everything stays in the 16 ymm registers. */
+ * rows (half the loads of two dot_row passes), four independent chains, VL bytes of each row per
+ * step so that everything stays in registers. */
 static void gate_up_1(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, float *gate,
                       float *up) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
     const float *xe = w->xe + (size_t)t0 * half, *xo = w->xo + (size_t)t0 * half;
     const uint8_t *qu = q + half;
-    const __m256i low = _mm256_set1_epi32(0x0f);
-    __m256 ag0 = _mm256_setzero_ps(), ag1 = _mm256_setzero_ps(), au0 = _mm256_setzero_ps(), au1 = _mm256_setzero_ps();
+    const vi low = VI_SET1(0x0f);
+    vf ag0 = V_ZERO(), ag1 = V_ZERO(), au0 = V_ZERO(), au1 = V_ZERO();
     for (int g = 0; g < groups; g++) {
-        const __m256i zg = _mm256_set1_epi32(z ? z[g] : 8), zu = _mm256_set1_epi32(z ? z[groups + g] : 8);
-        __m256 pg0 = _mm256_setzero_ps(), pg1 = _mm256_setzero_ps(), pu0 = _mm256_setzero_ps(), pu1 = _mm256_setzero_ps();
-        for (int i = g * gh; i < (g + 1) * gh; i += 8) {
-            __m256i bg = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)));
-            __m256i bu = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qu + i)));
-            __m256 xv = _mm256_loadu_ps(xe + i);
-            pg0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bg, low), zg)), xv, pg0);
-            pu0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bu, low), zu)), xv, pu0);
-            xv = _mm256_loadu_ps(xo + i);
-            pg1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bg, 4), zg)), xv, pg1);
-            pu1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bu, 4), zu)), xv, pu1);
+        const vi zg = VI_SET1(z ? z[g] : 8), zu = VI_SET1(z ? z[groups + g] : 8);
+        vf pg0 = V_ZERO(), pg1 = V_ZERO(), pu0 = V_ZERO(), pu1 = V_ZERO();
+        prefetch_next_row(q + g * gh, gh, half);
+        prefetch_next_row(qu + g * gh, gh, half);
+        for (int i = g * gh; i < (g + 1) * gh; i += VL) {
+            const vi bg = BYTES_TO_VI(q + i), bu = BYTES_TO_VI(qu + i);
+            vf xv = V_LOAD(xe + i);
+            pg0 = V_FMA(VI_CVT(VI_SUB(VI_AND(bg, low), zg)), xv, pg0);
+            pu0 = V_FMA(VI_CVT(VI_SUB(VI_AND(bu, low), zu)), xv, pu0);
+            xv = V_LOAD(xo + i);
+            pg1 = V_FMA(VI_CVT(VI_SUB(VI_SRLI(bg, 4), zg)), xv, pg1);
+            pu1 = V_FMA(VI_CVT(VI_SUB(VI_SRLI(bu, 4), zu)), xv, pu1);
         }
-        const __m256 sg = _mm256_set1_ps(SCALE(s, g)), su = _mm256_set1_ps(SCALE(s, groups + g));
-        ag0 = _mm256_fmadd_ps(sg, pg0, ag0);
-        ag1 = _mm256_fmadd_ps(sg, pg1, ag1);
-        au0 = _mm256_fmadd_ps(su, pu0, au0);
-        au1 = _mm256_fmadd_ps(su, pu1, au1);
+        const vf sg = V_SET1(SCALE(s, g)), su = V_SET1(SCALE(s, groups + g));
+        ag0 = V_FMA(sg, pg0, ag0);
+        ag1 = V_FMA(sg, pg1, ag1);
+        au0 = V_FMA(su, pu0, au0);
+        au1 = V_FMA(su, pu1, au1);
     }
-    *gate = hsum(_mm256_add_ps(ag0, ag1));
-    *up = hsum(_mm256_add_ps(au0, au1));
+    *gate = hsum(V_ADD(ag0, ag1));
+    *up = hsum(V_ADD(au0, au1));
 }
 
 /* Three or four tokens: per-group partial sums would take 2 x NT x 2 registers, so the unpacked codes
@@ -244,28 +316,28 @@ INLINE void dot_row_wide_nt(const Work *w, const uint8_t *q, const uint16_t *s, 
                             const int NT, float *res) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
     const float *xe[ACT_TILE], *xo[ACT_TILE];
-    __m256 acc[ACT_TILE][2];
+    vf acc[ACT_TILE][2];
     for (int t = 0; t < NT; t++) {
         xe[t] = w->xe + (size_t)(t0 + t) * half;
         xo[t] = w->xo + (size_t)(t0 + t) * half;
-        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        acc[t][0] = acc[t][1] = V_ZERO();
     }
     for (int g = 0; g < groups; g++) {
-        const __m256i vz = _mm256_set1_epi32(z ? z[g] : 8);
-        const __m256 vs = _mm256_set1_ps(SCALE(s, g));
+        const vi vz = VI_SET1(z ? z[g] : 8);
+        const vf vs = V_SET1(SCALE(s, g));
+        prefetch_next_row(q + g * gh, gh, half);
         for (int i = g * gh; i < (g + 1) * gh; i += 16) {
-            __m256 v[4];
+            vf v[2 * NV];
             nibbles16(q + i, vz, v);
-            for (int e = 0; e < 4; e++) v[e] = _mm256_mul_ps(v[e], vs);
-            for (int t = 0; t < NT; t++) {
-                acc[t][0] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xe[t] + i), acc[t][0]);
-                acc[t][1] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xo[t] + i), acc[t][1]);
-                acc[t][0] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xe[t] + i + 8), acc[t][0]);
-                acc[t][1] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xo[t] + i + 8), acc[t][1]);
-            }
+            for (int e = 0; e < 2 * NV; e++) v[e] = V_MUL(v[e], vs);
+            for (int t = 0; t < NT; t++)
+                for (int h = 0; h < NV; h++) {
+                    acc[t][0] = V_FMA(v[2 * h], V_LOAD(xe[t] + i + h * VL), acc[t][0]);
+                    acc[t][1] = V_FMA(v[2 * h + 1], V_LOAD(xo[t] + i + h * VL), acc[t][1]);
+                }
         }
     }
-    for (int t = 0; t < NT; t++) res[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    for (int t = 0; t < NT; t++) res[t] = hsum(V_ADD(acc[t][0], acc[t][1]));
 }
 
 static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
@@ -280,8 +352,14 @@ static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const ui
 
 static void down_chunk(const Work *w, const uint8_t *q0, const uint16_t *s0, const uint8_t *z0, int n, int t0, int nt,
                        const float *a) {
-    if (nt == 1) down_chunk_nt(w, q0, s0, z0, n, t0, 1, a);
-    else down_chunk_nt(w, q0, s0, z0, n, t0, 2, a);
+    switch (nt) {  /* nt <= TOKEN_TILE */
+        case 1: down_chunk_nt(w, q0, s0, z0, n, t0, 1, a); break;
+#if TOKEN_TILE > 2
+        case 3: down_chunk_nt(w, q0, s0, z0, n, t0, 3, a); break;
+        case 4: down_chunk_nt(w, q0, s0, z0, n, t0, 4, a); break;
+#endif
+        default: down_chunk_nt(w, q0, s0, z0, n, t0, 2, a); break;
+    }
 }
 
 #else /* portable C: the same arithmetic, element by element */
@@ -346,7 +424,7 @@ static void run_rows(const Work *w) {
                 const uint16_t *s = s0 + j * row_s;
                 const uint8_t *z = z0 ? z0 + j * row_s : NULL;
                 float gate[ACT_TILE], up[ACT_TILE];
-#if CRISP_AVX2
+#if CRISP_SIMD
                 if (nt == 1) {
                     gate_up_1(w, q, s, z, t0, gate, up);
                 } else
@@ -424,4 +502,7 @@ done:
     return rc;
 }
 
-int crisp_native_abi(void) { return 1; }
+int crisp_native_abi(void) { return 2; }
+
+/* The vector width this build computes with: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (portable C). */
+int crisp_native_vector_bits(void) { return CRISP_SIMD; }

@@ -36,7 +36,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_expert_native.c")
 # -fopenmp links libgomp.so.1, resolved to the copy torch has loaded (its intra-op threads: see the source)
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-std=c11")
-ABI = 1  # crisp_native_abi() of the source this module calls
+ABI = 2  # crisp_native_abi() of the source this module calls
 # The C kernel's token limit (MAX_TOKENS): a decode step sends 1-16 tokens to an expert; more are
 # refused (ValueError), the caller takes another path.
 MAX_TOKENS = 64
@@ -53,6 +53,11 @@ class NativeKernel:
 
     path: Path
     lib: ctypes.CDLL
+
+    @property
+    def vector_bits(self) -> int:
+        """What the build computes with: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (portable C)."""
+        return int(self.lib.crisp_native_vector_bits())
 
     def rows_f32(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group: int, token_widths: torch.Tensor | None, row_start: int, row_stop: int,
@@ -183,6 +188,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.crisp_expert_rows_f32.restype = ctypes.c_int
     lib.crisp_native_abi.argtypes = []
     lib.crisp_native_abi.restype = ctypes.c_int
+    lib.crisp_native_vector_bits.argtypes = []
+    lib.crisp_native_vector_bits.restype = ctypes.c_int
 
 
 def open_library(path: Path) -> NativeKernel:

@@ -289,11 +289,19 @@ class CpuExperts:
         self.kernel(xs, source, token_widths, width, weights, part, config=self._kernel_config, row_start=row_start)
         partial.index_add_(0, rows, part)
 
+    def _native_vector_bits(self) -> int | None:
+        if self.impl is not CpuImpl.NATIVE_FP32:
+            return None
+        from crisp_kernels import cpu_native
+
+        return cpu_native.load().vector_bits  # loaded already: the impl resolved to it
+
     def info(self) -> dict:
         """For ``stats()["cpu"]["experts"]``: the config, the worker's threads, the copies held and their bytes."""
         host = sum(layer.nbytes() for layer in self.layers.values())
         return {**self.config.to_dict(), "impl": self.impl.value,
                 "int4pack_block": None if self.layout is None else self.layout.block_n,
+                "native_vector_bits": self._native_vector_bits(),
                 "int4pack_unsupported": self.unsupported,
                 "worker_threads": self.worker.threads if self.worker.started else self.config.worker_threads(),
                 "tolerance": TOLERANCE[self.config.precision],

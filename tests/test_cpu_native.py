@@ -3,9 +3,10 @@ float64 reference is in tests/test_cpu_expert.py (every shape, width, row range 
 it, held to the fp32 tolerance 1e-5).
 
 Here: the build is cached by name and never overwrites a file it did not make, a failed or impossible
-build says why and leaves nothing behind, the portable C path (built without AVX2) equals the AVX2
-one, results do not depend on timing (bitwise equal for a thread count, within fp32 rounding across
-thread counts), and the token limit is enforced."""
+build says why and leaves nothing behind, the portable C and AVX2 paths (built without AVX2 or
+AVX-512) equal the reference, the native build uses the widest vectors the CPU has, results do not
+depend on timing (bitwise equal for a thread count, within fp32 rounding across thread counts), and the
+token limit is enforced."""
 
 from __future__ import annotations
 
@@ -20,6 +21,22 @@ from crisp_kernels.cpu_expert import CpuExpertConfig, CpuImpl, expert_mlp_cpu_ac
 from crisp_kernels.expert_mlp import expert_mlp_ref
 
 NATIVE = CpuExpertConfig(impl=CpuImpl.NATIVE_FP32)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return set(next(line for line in info if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def test_the_native_build_uses_the_widest_vectors_this_cpu_has():
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    expected = 512 if "avx512f" in flags and "fma" in flags else 256 if {"avx2", "fma"} <= flags else 0
+    assert cpu_native.load().vector_bits == expected
 
 
 def call(kernel, packed, x, widths, start, stop, weights, threads):
@@ -79,12 +96,22 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert cpu_native.cache_dir() == tmp_path / "x" / "crisp"
 
 
+# The paths a host's -march=native does not take, built on purpose: the element-by-element C (a CPU without
+# AVX2/FMA) and the 256-bit one (AVX2 without AVX-512; on an AVX2 host this is the native build again).
+NARROWER_BUILDS = {"portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma"), "avx2": ("-mno-avx512f",)}
+NARROWER_BITS = {"portable": 0, "avx2": 256}
+
+
+@pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_portable_c_equals_the_reference(tmp_path, shape):
-    """The element-by-element C path (what a CPU without AVX2/FMA runs) against the float64 reference."""
+def test_narrower_builds_equal_the_reference(tmp_path, shape, build):
+    """What a CPU with fewer vector instructions runs, against the float64 reference."""
     if os.uname().machine not in ("x86_64", "AMD64"):
-        pytest.skip("-mno-avx2 is an x86 flag")
-    portable = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, "-mno-avx2", "-mno-fma")))
+        pytest.skip("-mno-avx2 / -mno-avx512f are x86 flags")
+    portable = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, *NARROWER_BUILDS[build])))
+    if build == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 / FMA")
+    assert portable.vector_bits == NARROWER_BITS[build]  # the path it was built for, not the native one
     packed = expert(*shape)
     for tokens in (1, 5):
         x, weights, widths = inputs(tokens, shape[0], torch.float32, shape[1], per_token=True)

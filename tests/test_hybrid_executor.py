@@ -278,7 +278,7 @@ def test_cpu_experts_config_checks_and_stats():
     assert 0.5 < info["prepared_bytes"] / (host * 128 / 160) < 1.5
     assert info == {**info, "precision": "bf16", "prepare": "eager", "impl": "int4pack-bf16", "worker_threads": 1,
                     "tolerance": 2 * 2.0**-8, "int4pack_unsupported": None, "kernel": "torch"}
-    assert info["int4pack_block"] in (32, 64, 128)
+    assert info["int4pack_block"] in (32, 64, 128) and info["native_vector_bits"] is None
     assert not eager._cpu.started  # built here, before any job: no thread yet
     # the default kernel: the native one on the host rows, no copy even when told to build them eagerly
     native = CrispRuntime(WIDE, _plans(WIDE_INTER)["full"], device="cpu", gpu_budget=min_budget_bytes(WIDE, TOP_K),
@@ -286,6 +286,7 @@ def test_cpu_experts_config_checks_and_stats():
                                                cpu_experts=CpuExpertsConfig(prepare="eager", threads=1)))
     info = native.cpu_stats()["experts"]
     assert info["impl"] == "native-fp32" and info["kernel"] == "auto" and info["prepared_experts"] == 0
+    assert info["native_vector_bits"] in (0, 256, 512)
     with pytest.raises(ValueError, match="CpuExpertsConfig.kernel: expected one of"):
         CpuExpertsConfig(kernel="fast")
 
