@@ -6,6 +6,8 @@ with AVX2 only (22-43% of memcpy on this session's AMD EPYC at T = 1), its down 
 one op call per 32 or 64 rows of H (single-threaded each), and it needs a second copy of the
 experts in its own layout (x 2.05 host memory). This kernel reads the format's neuron-major rows
 themselves (no second copy), in fp32 (the exact path's precision, 1e-5), one pass per row.
+It has AVX-512, AVX2 + FMA and portable C paths, chosen by ``-march=native``
+(:attr:`NativeKernel.vector_bits` says which); at T = 1 it reaches 64-89% of memcpy on a Zen 4 VM.
 
 Building: ``cc -O3 -march=native -shared -fPIC -fopenmp`` (``$CC`` if set) into a cache folder
 (``$CRISP_CACHE_DIR``, else ``$XDG_CACHE_HOME/crisp`` or ``~/.cache/crisp``), named by a hash of the

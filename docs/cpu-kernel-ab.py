@@ -30,7 +30,7 @@ def main() -> None:
     old_src = work / "old.c"
     old_src.write_bytes(subprocess.run(["git", "show", f"{args.old_rev}:crisp_kernels/cpu_expert_native.c"],
                                        check=True, capture_output=True).stdout)
-    current, abi = cpu_native.SOURCE, cpu_native.ABI
+    current = cpu_native.SOURCE
     try:  # the old source under the module's own build (same flags, cache naming, atomic write)
         cpu_native.SOURCE = old_src
         old_lib = ctypes.CDLL(str(cpu_native.build(work / "old")))
@@ -46,7 +46,6 @@ def main() -> None:
               "now, -mno-avx512f": cpu_native.open_library(cpu_native.build(work / "new",
                                                                               (*cpu_native.FLAGS, "-mno-avx512f"))),
               "now, -march=native": cpu_native.open_library(cpu_native.build(work / "new"))}
-    assert abi == cpu_native.ABI
     hidden, group, rows, experts = 4096, 64, 14336, 6
     gen = torch.Generator().manual_seed(0)
     qs = [torch.randint(0, 256, (rows, 3, hidden // 2), dtype=torch.uint8, generator=gen) for _ in range(experts)]
@@ -55,7 +54,6 @@ def main() -> None:
     print("ms per expert, best of", args.rounds, "rounds:", " | ".join(builds))
     for tokens in (1, 4):
         x, w, out = torch.randn(tokens, hidden, generator=gen), torch.ones(tokens), torch.zeros(tokens, hidden)
-        ref = None
         for width in (3584, 14336):
             for threads in (1, 2):
                 best = dict.fromkeys(builds, float("inf"))
