@@ -26,7 +26,7 @@
  * Vectors: one source for AVX-512 (16 lanes), AVX2 + FMA (8) and portable C, chosen at build time by
  * -march=native (the vector macros below). At T = 1 the kernel was bound by the memory stream more than by
  * its instructions on a Zen 4 VM: prefetching the next row's gate and up bytes (prefetch_next_row) took a
- * Mixtral expert from 9.5 to 6.8 ms with AVX2 and to 6.1 ms with AVX-512 on both cores (docs/cpu-kernel.md).
+ * Mixtral expert from 9.97 to 7.01 ms with AVX2, and AVX-512 to 6.15 ms, on both cores (docs/cpu-kernel-ab.py).
  *
  * Threads: neurons are split into nthreads contiguous ranges, each with its own (T, H) accumulator,
  * summed at the end in a fixed order: the result does not depend on timing, only on nthreads. The
@@ -108,7 +108,7 @@ typedef struct {
 /* One vector type of VL floats for both instruction sets: the kernel below is written once. A 16-byte
  * step of a row holds 32 elements, NV vectors of even and NV of odd elements. With AVX-512 a step is one
  * widening load of 16 bytes into 16 lanes, so the passes issue half the instructions of AVX2 for the
- * same bytes (the kernel is compute-bound at T = 1: docs/cpu-kernel.md). */
+ * same bytes (once the row prefetch feeds the stream, they count: 7.01 -> 6.15 ms above). */
 #if CRISP_SIMD == 512
 typedef __m512 vf;
 typedef __m512i vi;
@@ -166,7 +166,7 @@ INLINE float hsum8(__m256 a) {
 /* The same bytes of the next neuron's row (3 H / 2 bytes on), one cache line at a time: at T = 1 the
  * gate/up pass streams two ranges of each row (gate and up), and the hardware prefetcher alone left the
  * AVX-512 kernel at 9.2 ms for a Mixtral expert with both cores of a Zen 4 VM against 7.2 ms with this
- * (14.6 / 18.3 ms on one core; a row further ahead or the down range too: no faster). Prefetches do not
+ * (one core: 18.3 -> 14.6 ms; a row further ahead or the down range too: no faster). Prefetches do not
  * fault, so the last row's point past the end of the rows is harmless. */
 INLINE void prefetch_next_row(const uint8_t *q, int n, int half) {
     for (int i = 0; i < n; i += 64) _mm_prefetch((const char *)(q + 3 * (size_t)half + i), _MM_HINT_T0);

@@ -36,12 +36,9 @@ def main() -> None:
         old_lib = ctypes.CDLL(str(cpu_native.build(work / "old")))
     finally:
         cpu_native.SOURCE = current
-    old_lib.crisp_native_abi.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     old_lib.crisp_expert_rows_f32.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, p, i64]
-    old = object.__new__(cpu_native.NativeKernel)
-    object.__setattr__(old, "path", work / "old")
-    object.__setattr__(old, "lib", old_lib)
+    old = cpu_native.NativeKernel(work / "old", old_lib)  # its ABI 1 is not asked: open_library would refuse it
     builds = {f"{args.old_rev} (avx2)": old,
               "now, -mno-avx512f": cpu_native.open_library(cpu_native.build(work / "new",
                                                                               (*cpu_native.FLAGS, "-mno-avx512f"))),

@@ -24,11 +24,8 @@ NATIVE = CpuExpertConfig(impl=CpuImpl.NATIVE_FP32)
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return set(next(line for line in info if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return set()
+    """The flags /proc/cpuinfo lists (empty where it has none), as the build names its library by."""
+    return set(cpu_native._cpu_flags().partition(":")[2].split())
 
 
 def test_the_native_build_uses_the_widest_vectors_this_cpu_has():
@@ -108,15 +105,15 @@ def test_narrower_builds_equal_the_reference(tmp_path, shape, build):
     """What a CPU with fewer vector instructions runs, against the float64 reference."""
     if os.uname().machine not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx2 / -mno-avx512f are x86 flags")
-    portable = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, *NARROWER_BUILDS[build])))
     if build == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2 / FMA")
-    assert portable.vector_bits == NARROWER_BITS[build]  # the path it was built for, not the native one
+    kernel = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, *NARROWER_BUILDS[build])))
+    assert kernel.vector_bits == NARROWER_BITS[build]  # the path it was built for, not the native one
     packed = expert(*shape)
     for tokens in (1, 5):
         x, weights, widths = inputs(tokens, shape[0], torch.float32, shape[1], per_token=True)
         for start, stop in ((0, shape[1]), (0, 33), (7, shape[1] - 1)):
-            got = call(portable, packed, x, widths, start, stop, weights, 2)
+            got = call(kernel, packed, x, widths, start, stop, weights, 2)
             k = widths.clamp(0, stop)
             ref = expert_mlp_ref(x, packed, stop, token_widths=k, compute_dtype=torch.float64)
             if start:
