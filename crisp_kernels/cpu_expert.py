@@ -17,7 +17,9 @@ for the figures behind the choice):
   neuron (no second copy), fp32 throughout (within 1e-5 of the float64 reference), threads over
   neurons. On an AVX2-only host (AMD EPYC, 2 cores) it is 1.3-1.9x faster than the int4pack op at
   T = 1 and 1.2-1.5x at T = 4 (that op's AVX2 kernel is compute-bound at ~3 GB/s per core, and its down
-  projection runs one call per 32 rows of H on one thread); up to ``cpu_native.MAX_TOKENS`` tokens a call.
+  projection runs one call per 32 rows of H on one thread); on an AVX-512 Zen 4 host 1.25x at T = 1 and
+  1.03-1.29x at T = 2..16 (full width, both cores; its AVX512-BF16 dots had been faster at T >= 4 before the
+  multi-token gate/up pass, session 7); up to ``cpu_native.MAX_TOKENS`` tokens a call.
 - ``INT4PACK_BF16``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (torch's own AVX-512/AVX2
   4-bit kernel, the one torchao's int4 CPU path uses) with bf16 activations. Its layout stores
   blocks of B rows, K-major inside a block, B the CPU's (64 with AVX-512, 32 with AVX2; probed by

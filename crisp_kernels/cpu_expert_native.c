@@ -55,12 +55,14 @@
 #define MAX_TOKENS 64   /* checked by the caller */
 #if CRISP_SIMD == 512
 /* tokens of a down pass, whose accumulators stay in registers: 8 of the 32 zmm (4 against 2: 5-7% faster at
- * T = 3..16 on the Zen 4 VM, one pass unpacks each down column once for the whole 4-token tile) */
+ * T = 3..16 on the Zen 4 VM, one pass unpacks each down column once for the whole 4-token tile; 8 tokens, 16
+ * zmm: no faster at T = 8..16 and 4% slower at T = 1, session 7) */
 #define TOKEN_TILE 4
+#define ACT_TILE 8      /* tokens of a gate/up pass (gate_up_nt) */
 #else
 #define TOKEN_TILE 2    /* of the 16 ymm: 2 tokens x 4 accumulators */
-#endif
 #define ACT_TILE 4      /* tokens of a gate/up pass (ACT_TILE / TOKEN_TILE down passes each) */
+#endif
 #define CHUNK 32        /* neurons per chunk (see the header) */
 
 #if !CRISP_SIMD
@@ -91,6 +93,7 @@ static float half_to_float(uint16_t h) {
 typedef struct {
     /* shared, read-only */
     const float *xe, *xo;      /* (T, H/2) even / odd elements of x */
+    const float *xp;           /* x packed by token tile (pack_tiles): one address register for a whole tile */
     const uint8_t *qweight;    /* (rows, 3, H/2), row 0 = neuron j0 */
     const uint16_t *scales;    /* (rows, 3, G) fp16 */
     const uint8_t *zeros;      /* (rows, 3, G) or NULL: 8 */
@@ -104,6 +107,9 @@ typedef struct {
 
 #if CRISP_SIMD
 #define INLINE static inline __attribute__((always_inline))
+/* The token loops of a tile must unroll completely for its accumulators to live in registers: gcc 12's
+ * default heuristics stop short of 5 or more tokens (T = 5 ran 2.2x slower than T = 4 on the Zen 4 VM). */
+#define UNROLL_TILE _Pragma("GCC unroll 8")
 
 /* One vector type of VL floats for both instruction sets: the kernel below is written once. A 16-byte
  * step of a row holds 32 elements, NV vectors of even and NV of odd elements. With AVX-512 a step is one
@@ -180,6 +186,7 @@ INLINE float hsum(vf a) {
 #endif
 }
 
+#if CRISP_SIMD == 256  /* AVX-512 takes gate_up_nt for more than one token */
 /* res[t] = sum_h x_th (q_h - z) s over one projection row for two tokens [t0, t0 + 2): two independent
  * chains per token (one chain cannot cover the FMA latency), per group partial sums scaled once by the
  * group's scale; 8 accumulators in registers. (One token takes gate_up_1, three or four dot_row_wide_nt.) */
@@ -214,6 +221,8 @@ static void dot_row_2(const Work *w, const uint8_t *q, const uint16_t *s, const 
     }
     for (int t = 0; t < 2; t++) res[t] = hsum(V_ADD(acc[t][0], acc[t][1]));
 }
+
+#endif
 
 /* The down columns of rows [0, n) of a chunk: y_t += sum_j c_tgj (q_j - z_jg), c_tgj = a_tj s_jg;
  * a: (NT, CHUNK). Rows whose a is 0 for every token of the tile are not read. */
@@ -260,6 +269,7 @@ INLINE void down_chunk_nt(const Work *w, const uint8_t *q0, const uint16_t *s0, 
             for (; k < nlive; k++) {
                 vf v[2 * NV];
                 nibbles16(q0 + live[k] * row_q + 2 * half + i, VI_SET1(zk[k]), v);
+                UNROLL_TILE
                 for (int t = 0; t < NT; t++) {
                     const vf ck = V_SET1(c[t][k]);
                     for (int e = 0; e < 2 * NV; e++) acc[t][e] = V_FMA(ck, v[e], acc[t][e]);
@@ -310,6 +320,7 @@ static void gate_up_1(const Work *w, const uint8_t *q, const uint16_t *s, const 
     *up = hsum(V_ADD(au0, au1));
 }
 
+#if CRISP_SIMD == 256
 /* Three or four tokens: per-group partial sums would take 2 x NT x 2 registers, so the unpacked codes
  * are scaled once per 16 bytes (shared by the tokens) and summed straight into two chains per token. */
 INLINE void dot_row_wide_nt(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0,
@@ -340,6 +351,77 @@ INLINE void dot_row_wide_nt(const Work *w, const uint8_t *q, const uint16_t *s, 
     for (int t = 0; t < NT; t++) res[t] = hsum(V_ADD(acc[t][0], acc[t][1]));
 }
 
+#endif
+
+#if CRISP_SIMD == 512
+/* Two to eight tokens' gate and up dots of one neuron in one pass over its two rows (AVX-512 only: the
+ * tile needs 27 of the 32 zmm): each 16-byte step is unpacked and scaled once for all NT tokens, and each
+ * token's x vectors, packed tile by tile (pack_tiles) so that one address register serves the tile, are
+ * loaded once for both rows. dot_row_2 / dot_row_wide_nt, which this replaces with AVX-512 (AVX2 keeps
+ * them), unpacked each row once per 2 or 4 tokens and loaded x once per row, from a pointer per token (16
+ * at NT = 8: more than the general registers). A Mixtral expert on the Zen 4 VM, both cores, same rounds:
+ * T = 4 18.8 -> 14.8 ms, T = 8 40.1 -> 28.8, T = 16 74.9 -> 59.4; T = 2 11.4 -> 10.5 against the two
+ * dot_row_2 passes (docs/cpu-kernel-ab.py, session 7). */
+INLINE void gate_up_nt(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, const int NT,
+                       float *gate, float *up) {
+    const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
+    const uint8_t *qu = q + half;
+    const float *xp = w->xp + (size_t)t0 * w->hidden;  /* this tile's NT tokens, packed (pack_tiles) */
+    /* up to 4 tokens, even and odd elements in chains of their own (8 or fewer chains cannot cover the FMA
+     * latency otherwise); beyond, one chain per token and row: 4 NT accumulators would not fit */
+    const int SPLIT = NT <= 4;
+    vf ag[ACT_TILE][2], au[ACT_TILE][2];
+    for (int t = 0; t < NT; t++) ag[t][0] = ag[t][1] = au[t][0] = au[t][1] = V_ZERO();
+    for (int g = 0; g < groups; g++) {
+        const vi zg = VI_SET1(z ? z[g] : 8), zu = VI_SET1(z ? z[groups + g] : 8);
+        const vf sg = V_SET1(SCALE(s, g)), su = V_SET1(SCALE(s, groups + g));
+        prefetch_next_row(q + g * gh, gh, half);
+        prefetch_next_row(qu + g * gh, gh, half);
+        for (int i = g * gh; i < (g + 1) * gh; i += 16) {
+            vf vg[2], vu[2];
+            nibbles16(q + i, zg, vg);
+            nibbles16(qu + i, zu, vu);
+            vg[0] = V_MUL(vg[0], sg);
+            vg[1] = V_MUL(vg[1], sg);
+            vu[0] = V_MUL(vu[0], su);
+            vu[1] = V_MUL(vu[1], su);
+            const float *xb = xp + (size_t)i * 2 * NT;  /* step i / 16: NT x (16 even, 16 odd) floats */
+            UNROLL_TILE
+            for (int t = 0; t < NT; t++) {
+                const vf e = V_LOAD(xb + 32 * t), o = V_LOAD(xb + 32 * t + 16);
+                if (SPLIT) {
+                    ag[t][0] = V_FMA(vg[0], e, ag[t][0]);
+                    ag[t][1] = V_FMA(vg[1], o, ag[t][1]);
+                    au[t][0] = V_FMA(vu[0], e, au[t][0]);
+                    au[t][1] = V_FMA(vu[1], o, au[t][1]);
+                } else {
+                    ag[t][0] = V_FMA(vg[1], o, V_FMA(vg[0], e, ag[t][0]));
+                    au[t][0] = V_FMA(vu[1], o, V_FMA(vu[0], e, au[t][0]));
+                }
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        gate[t] = hsum(V_ADD(ag[t][0], ag[t][1]));
+        up[t] = hsum(V_ADD(au[t][0], au[t][1]));
+    }
+}
+
+static void gate_up(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
+                    float *gate, float *up) {
+    switch (nt) {  /* 1 < nt <= ACT_TILE: a constant NT per case keeps the tile in registers */
+        case 2: gate_up_nt(w, q, s, z, t0, 2, gate, up); break;
+        case 3: gate_up_nt(w, q, s, z, t0, 3, gate, up); break;
+        case 4: gate_up_nt(w, q, s, z, t0, 4, gate, up); break;
+        case 5: gate_up_nt(w, q, s, z, t0, 5, gate, up); break;
+        case 6: gate_up_nt(w, q, s, z, t0, 6, gate, up); break;
+        case 7: gate_up_nt(w, q, s, z, t0, 7, gate, up); break;
+        default: gate_up_nt(w, q, s, z, t0, 8, gate, up); break;
+    }
+}
+#endif
+
+#if CRISP_SIMD == 256
 static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
                     float *res) {
     switch (nt) {
@@ -349,6 +431,8 @@ static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const ui
         default: dot_row_wide_nt(w, q, s, z, t0, 4, res); break;
     }
 }
+
+#endif
 
 static void down_chunk(const Work *w, const uint8_t *q0, const uint16_t *s0, const uint8_t *z0, int n, int t0, int nt,
                        const float *a) {
@@ -424,6 +508,12 @@ static void run_rows(const Work *w) {
                 const uint16_t *s = s0 + j * row_s;
                 const uint8_t *z = z0 ? z0 + j * row_s : NULL;
                 float gate[ACT_TILE], up[ACT_TILE];
+#if CRISP_SIMD == 512
+                if (nt == 1)
+                    gate_up_1(w, q, s, z, t0, gate, up);
+                else
+                    gate_up(w, q, s, z, t0, nt, gate, up);
+#else
 #if CRISP_SIMD
                 if (nt == 1) {
                     gate_up_1(w, q, s, z, t0, gate, up);
@@ -433,6 +523,7 @@ static void run_rows(const Work *w) {
                     dot_row(w, q, s, z, t0, nt, gate);
                     dot_row(w, q + half, s + groups, z ? z + groups : NULL, t0, nt, up);
                 }
+#endif
                 for (int t = 0; t < nt; t++) {
                     const int keep = !w->kt || neuron < w->kt[t0 + t];
                     act[t * CHUNK + j] = keep ? gate[t] / (1.0f + expf(-gate[t])) * up[t] : 0.0f;
@@ -443,6 +534,24 @@ static void run_rows(const Work *w) {
         }
     }
 }
+
+#if CRISP_SIMD == 512
+/* x for the multi-token gate/up pass (gate_up_nt): tile by tile (ACT_TILE tokens, the last one nt), for each 16-byte
+ * step i of a row, each token's 16 even then 16 odd elements: a tile at t0 starts at t0 H floats and its
+ * step i at i / 16 x 32 nt floats on. */
+static void pack_tiles(const float *xe, const float *xo, int tokens, int half, float *xp) {
+    for (int t0 = 0; t0 < tokens; t0 += ACT_TILE) {
+        const int nt = tokens - t0 < ACT_TILE ? tokens - t0 : ACT_TILE;
+        float *tile = xp + (size_t)t0 * 2 * half;
+        for (int i = 0; i < half; i += 16)
+            for (int t = 0; t < nt; t++) {
+                float *dst = tile + (size_t)i * 2 * nt + 32 * t;
+                memcpy(dst, xe + (size_t)(t0 + t) * half + i, 16 * sizeof(float));
+                memcpy(dst + 16, xo + (size_t)(t0 + t) * half + i, 16 * sizeof(float));
+            }
+    }
+}
+#endif
 
 /* out[t, :] += weights[t] * sum_{j0 <= j < j1, j < kt[t]} a_tj down_j, for T tokens.
  * x: (T, H) fp32; qweight/scales/zeros: the expert's rows from row j0 on; kt: (T,) int64 or NULL;
@@ -457,7 +566,7 @@ int crisp_expert_rows_f32(const float *x, int64_t tokens, int64_t hidden, int64_
     const int64_t half = hidden / 2, rows = j1 - j0;
     if (nthreads > rows) nthreads = rows;
     const size_t per_thread = (size_t)tokens * (size_t)hidden;  /* ye, yo */
-    float *xs = malloc(sizeof(float) * (size_t)tokens * (size_t)hidden);
+    float *xs = malloc(sizeof(float) * 2 * (size_t)tokens * (size_t)hidden);  /* xe, xo; then xp */
     float *acc = calloc((size_t)nthreads * per_thread, sizeof(float));
     Work *work = malloc(sizeof(Work) * (size_t)nthreads);
     int rc = 0;
@@ -469,9 +578,13 @@ int crisp_expert_rows_f32(const float *x, int64_t tokens, int64_t hidden, int64_
             xo[t * half + i] = x[t * hidden + 2 * i + 1];
         }
     }
+    float *xp = xs + tokens * hidden;
+#if CRISP_SIMD == 512
+    if (tokens > 1) pack_tiles(xe, xo, (int)tokens, (int)half, xp);  /* read by gate_up_nt only */
+#endif
     for (int64_t p = 0; p < nthreads; p++) {
         Work *w = &work[p];
-        w->xe = xe; w->xo = xo;
+        w->xe = xe; w->xo = xo; w->xp = xp;
         w->qweight = qweight; w->scales = scales; w->zeros = zeros; w->kt = kt; w->j0 = j0;
         w->tokens = (int)tokens; w->hidden = (int)hidden; w->group = (int)group;
         w->r0 = rows * p / nthreads; w->r1 = rows * (p + 1) / nthreads;
