@@ -305,7 +305,9 @@ def run(args) -> int:
     checked = [r for r in records if "within_tolerance" in r]
     if checked:
         bad = [r["policy"] for r in checked if not r["within_tolerance"]]
-        print(f"CPU placements ({checked[0]['cpu_precision']}): every layer step against the float64 reference at the "
+        impl = (checked[0].get("cpu_experts") or {}).get("impl", "?")
+        print(f"CPU placements (kernel {impl}, held to the {checked[0]['cpu_precision']} tolerance): every layer step "
+              "against the float64 reference at the "
               f"widths served: {'all within tolerance' if not bad else 'OUT OF TOLERANCE: ' + ', '.join(bad)} "
               f"(max error / bound {max(r['max_err_over_bound'] for r in checked):.3f})")
         if bad:

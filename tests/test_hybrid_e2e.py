@@ -17,13 +17,17 @@ MODEL, TEXT = ROOT / "models" / "tiny-mixtral", ROOT / "data" / "stdlib-heldout.
 
 @pytest.mark.skipif(not (MODEL / "config.json").is_file() or not TEXT.is_file(), reason="committed tiny model absent")
 @pytest.mark.parametrize("precision, kernel", [("bf16", "torch"), ("fp32", "torch"), ("bf16", "native")])
-def test_e2e_placements_equal_the_reference(tmp_path, precision, kernel):
+def test_e2e_placements_equal_the_reference(tmp_path, capsys, precision, kernel):
     pytest.importorskip("transformers")
     out = tmp_path / "e2e.json"
     assert main(["e2e", "--model", str(MODEL), "--text", str(TEXT), "--tokens", "12", "--policies", "full,crisp",
                  "--placements", "gpu,hybrid,hybrid_split,static_hybrid,cpu_only", "--cpu-precision", precision,
                  "--cpu-kernel", kernel, "--json", str(out), "--threads", "1"]) == 0
     recs = {r["policy"]: r for r in json.loads(out.read_text())["records"]}
+    # the footer names the kernel that ran and the tolerance it was held to (the native kernel computes fp32 under
+    # either promise)
+    impl = recs["full/hybrid"]["cpu_experts"]["impl"]
+    assert f"CPU placements (kernel {impl}, held to the {precision} tolerance)" in capsys.readouterr().out
     for plan in ("full", "crisp"):
         for placement in ("hybrid", "hybrid_split", "static_hybrid", "cpu_only"):
             r = recs[f"{plan}/{placement}"]
