@@ -390,10 +390,14 @@ def expert_mlp_cpu_accumulate_(
         return
     impl = choose_impl(packed, x.dtype, tokens, config)
     if impl is CpuImpl.NATIVE_FP32:
-        kt = None if token_widths is None else token_widths.to(torch.int64).clamp(0, width).contiguous()
+        stop, kt = width, None
+        if token_widths is not None and tokens == 1:  # one token: its width is the rows' end (no tensor op)
+            stop = max(row_start, min(width, int(token_widths[0])))
+        elif token_widths is not None:
+            kt = token_widths.to(torch.int64).clamp(0, width).contiguous()
         # the host rows are contiguous (check_packed), so row j sits at offset j
         cpu_native.load().rows_f32(x.float().contiguous(), host.qweight, host.scales, host.zeros, host.fmt.group_size,
-                                   kt, row_start, width, weights.contiguous(), out, torch.get_num_threads())
+                                   kt, row_start, stop, weights.contiguous(), out, torch.get_num_threads())
         return
     keep = None  # (T, width - row_start): token t uses neuron row_start + j
     if token_widths is not None:

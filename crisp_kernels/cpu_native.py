@@ -75,12 +75,12 @@ class NativeKernel:
         if tokens > MAX_TOKENS:
             raise ValueError(f"x: the native CPU kernel takes at most {MAX_TOKENS} tokens, got {tokens}")
         _check_call(x, qweight, scales, zeros, group, token_widths, row_start, row_stop, weights, out)
-        row_q = qweight[row_start:]
-        row_s = scales[row_start:]
-        row_z = None if zeros is None else zeros[row_start:]
+        # row row_start's address (contiguous rows, checked): pointer arithmetic, not three slices (~4 us a call)
+        row_q = qweight.data_ptr() + row_start * qweight.stride(0)
+        row_s = scales.data_ptr() + row_start * scales.stride(0) * scales.element_size()
+        row_z = None if zeros is None else zeros.data_ptr() + row_start * zeros.stride(0)
         rc = self.lib.crisp_expert_rows_f32(
-            x.data_ptr(), tokens, hidden, group, row_q.data_ptr(), row_s.data_ptr(),
-            None if row_z is None else row_z.data_ptr(),
+            x.data_ptr(), tokens, hidden, group, row_q, row_s, row_z,
             None if token_widths is None else token_widths.data_ptr(), row_start, row_stop,
             weights.data_ptr(), out.data_ptr(), threads)
         if rc != 0:

@@ -448,3 +448,49 @@ def test_split_parts_of_a_biased_expert_sum_to_it(cut):
     cpu.accumulate_(parts, x, 0, 1, width, rows, weights, token_widths, cut)
     assert rel_err(parts, whole.double()) < 1e-5
     assert cpu.info()["prepared_experts"] == 0  # not covered by the int4pack kernel: no copy built
+
+
+@pytest.mark.parametrize("cpu", sorted(CPU_CONFIGS))
+@pytest.mark.parametrize("row, start", [(0, 0), (2, 0), (2, 37)])
+def test_a_single_slot_adds_into_its_row_in_place(cpu, row, start):
+    """One slot (batch-1 decode) takes the in-place path: the kernel adds into partial's row, the other rows
+    stay bitwise as they were, and the row gains the reference's contribution (rows [start, width) of the
+    expert) within the CPU's precision contract."""
+    from crisp_runtime.cpu_experts import CpuExperts
+
+    config = CPU_CONFIGS[cpu]
+    experts = CpuExperts(WIDE, config)
+    g = torch.Generator().manual_seed(11 + row + start)
+    x = torch.randn(4, WIDE_HIDDEN, generator=g)
+    before = torch.randn(x.shape, generator=g)
+    partial = before.clone()
+    rows, weights, token_widths = torch.tensor([row]), torch.tensor([0.6]), torch.tensor([WIDE_INTER - 9])
+    experts.accumulate_(partial, x, 2, 4, WIDE_INTER, rows, weights, token_widths, start)
+    others = [r for r in range(4) if r != row]
+    assert torch.equal(partial[others], before[others])
+    ref = _rows_reference(x, WIDE_DEQ[2][4], rows, weights, token_widths)
+    if start:
+        ref -= _rows_reference(x, WIDE_DEQ[2][4], rows, weights, torch.tensor([start]))
+    got = (partial - before).double()
+    assert rel_err(got, ref) < TOLERANCE[config.precision]
+    experts.close()
+
+
+def test_the_kept_expert_views_follow_a_replaced_layer():
+    """CpuExperts keeps each expert's view of its host rows; a layer replaced in its layers dict (another
+    tensor) is read afresh, not through the old view."""
+    from crisp_runtime.cpu_experts import CpuExperts
+
+    experts = CpuExperts(dict(WIDE), CpuExpertsConfig(kernel="native"))
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(1, WIDE_HIDDEN, generator=g)
+    rows, weights, widths = torch.tensor([0]), torch.tensor([1.0]), torch.tensor([WIDE_INTER])
+    first = torch.zeros(x.shape)
+    experts.accumulate_(first, x, 1, 0, WIDE_INTER, rows, weights, widths)
+    other = random_layers(layer_ids=(1,), num_experts=E, inter=WIDE_INTER, hidden=WIDE_HIDDEN, seed=13)[1]
+    experts.layers[1] = other
+    second = torch.zeros(x.shape)
+    experts.accumulate_(second, x, 1, 0, WIDE_INTER, rows, weights, widths)
+    ref = _rows_reference(x, dequantize_expert(other.expert(0), dtype=torch.float64), rows, weights, widths)
+    assert rel_err(second, ref) < 1e-5 and not torch.allclose(first, second)
+    experts.close()
