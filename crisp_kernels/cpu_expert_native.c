@@ -21,12 +21,16 @@
  * columns block by block of 32 elements of H, summed over the chunk's neurons in registers and
  * added to y once per chunk (adding each neuron's column to y in memory cost one load and one
  * store of y per 8 elements per token: the bottleneck at T > 1, 0.45 GB/s at T = 16). A chunk's
- * rows (CHUNK x 3 H / 2 bytes, 192 KB at H 4096) stay in L2 between the two passes.
+ * rows (CHUNK x 3 H / 2 bytes, 192 KB at H 4096) stay in L2 between the two passes. With several
+ * tokens the gate/up pass takes tiles of ACT_TILE tokens (gate_up_nt: 8 with AVX-512, 4 with AVX2),
+ * unpacking each row once per tile, and the down pass tiles of TOKEN_TILE.
  *
  * Vectors: one source for AVX-512 (16 lanes), AVX2 + FMA (8) and portable C, chosen at build time by
  * -march=native (the vector macros below). At T = 1 the kernel was bound by the memory stream more than by
  * its instructions on a Zen 4 VM: prefetching the next row's gate and up bytes (prefetch_next_row) took a
  * Mixtral expert from 9.97 to 7.01 ms with AVX2, and AVX-512 to 6.15 ms, on both cores (docs/cpu-kernel-ab.py).
+ * Since then one core is bound by its instructions: 0.82-1.0 us per row whether the rows come from DRAM or
+ * from L3 (session 7).
  *
  * Threads: neurons are split into nthreads contiguous ranges, each with its own (T, H) accumulator,
  * summed at the end in a fixed order: the result does not depend on timing, only on nthreads. The
@@ -59,9 +63,11 @@
  * zmm: no faster at T = 8..16 and 4% slower at T = 1, session 7) */
 #define TOKEN_TILE 4
 #define ACT_TILE 8      /* tokens of a gate/up pass (gate_up_nt) */
+#define SPLIT_TOKENS 4  /* gate_up_nt's tiles with even / odd chains of their own */
 #else
 #define TOKEN_TILE 2    /* of the 16 ymm: 2 tokens x 4 accumulators */
-#define ACT_TILE 4      /* tokens of a gate/up pass (ACT_TILE / TOKEN_TILE down passes each) */
+#define ACT_TILE 4      /* tokens of a gate/up pass (gate_up_nt; ACT_TILE / TOKEN_TILE down passes each) */
+#define SPLIT_TOKENS 2  /* 4: the split accumulators spill, 15-19% slower at T = 3..8 */
 #endif
 #define CHUNK 32        /* neurons per chunk (see the header) */
 
@@ -205,44 +211,6 @@ INLINE float hsum(vf a) {
 #endif
 }
 
-#if CRISP_SIMD == 256  /* AVX-512 takes gate_up_nt for more than one token */
-/* res[t] = sum_h x_th (q_h - z) s over one projection row for two tokens [t0, t0 + 2): two independent
- * chains per token (one chain cannot cover the FMA latency), per group partial sums scaled once by the
- * group's scale; 8 accumulators in registers. (One token takes gate_up_1, three or four dot_row_wide_nt.) */
-static void dot_row_2(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, float *res) {
-    const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
-    const float *xe[2], *xo[2];
-    vf acc[2][2];
-    for (int t = 0; t < 2; t++) {
-        xe[t] = w->xe + (size_t)(t0 + t) * half;
-        xo[t] = w->xo + (size_t)(t0 + t) * half;
-        acc[t][0] = acc[t][1] = V_ZERO();
-    }
-    for (int g = 0; g < groups; g++) {
-        const vi vz = VI_SET1(z ? z[g] : 8);
-        prefetch_next_row(q + g * gh, gh, half);
-        vf part[2][2];
-        for (int t = 0; t < 2; t++) part[t][0] = part[t][1] = V_ZERO();
-        for (int i = g * gh; i < (g + 1) * gh; i += 16) {
-            vf v[2 * NV];
-            nibbles16(q + i, vz, v);
-            for (int t = 0; t < 2; t++)
-                for (int h = 0; h < NV; h++) {
-                    part[t][0] = V_FMA(v[2 * h], V_LOAD(xe[t] + i + h * VL), part[t][0]);
-                    part[t][1] = V_FMA(v[2 * h + 1], V_LOAD(xo[t] + i + h * VL), part[t][1]);
-                }
-        }
-        const vf vs = V_SET1(SCALE(s, g));
-        for (int t = 0; t < 2; t++) {
-            acc[t][0] = V_FMA(vs, part[t][0], acc[t][0]);
-            acc[t][1] = V_FMA(vs, part[t][1], acc[t][1]);
-        }
-    }
-    for (int t = 0; t < 2; t++) res[t] = hsum(V_ADD(acc[t][0], acc[t][1]));
-}
-
-#endif
-
 /* The down columns of rows [0, n) of a chunk: y_t += sum_j c_tgj (q_j - z_jg), c_tgj = a_tj s_jg;
  * a: (NT, CHUNK). Rows whose a is 0 for every token of the tile are not read. */
 INLINE void down_chunk_nt(const Work *w, const uint8_t *q0, const uint16_t *s0, const uint8_t *z0, int n, int t0,
@@ -366,56 +334,24 @@ static void gate_up_1(const Work *w, const uint8_t *q, const uint16_t *s, const 
 }
 #endif
 
-#if CRISP_SIMD == 256
-/* Three or four tokens: per-group partial sums would take 2 x NT x 2 registers, so the unpacked codes
- * are scaled once per 16 bytes (shared by the tokens) and summed straight into two chains per token. */
-INLINE void dot_row_wide_nt(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0,
-                            const int NT, float *res) {
-    const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
-    const float *xe[ACT_TILE], *xo[ACT_TILE];
-    vf acc[ACT_TILE][2];
-    for (int t = 0; t < NT; t++) {
-        xe[t] = w->xe + (size_t)(t0 + t) * half;
-        xo[t] = w->xo + (size_t)(t0 + t) * half;
-        acc[t][0] = acc[t][1] = V_ZERO();
-    }
-    for (int g = 0; g < groups; g++) {
-        const vi vz = VI_SET1(z ? z[g] : 8);
-        const vf vs = V_SET1(SCALE(s, g));
-        prefetch_next_row(q + g * gh, gh, half);
-        for (int i = g * gh; i < (g + 1) * gh; i += 16) {
-            vf v[2 * NV];
-            nibbles16(q + i, vz, v);
-            for (int e = 0; e < 2 * NV; e++) v[e] = V_MUL(v[e], vs);
-            for (int t = 0; t < NT; t++)
-                for (int h = 0; h < NV; h++) {
-                    acc[t][0] = V_FMA(v[2 * h], V_LOAD(xe[t] + i + h * VL), acc[t][0]);
-                    acc[t][1] = V_FMA(v[2 * h + 1], V_LOAD(xo[t] + i + h * VL), acc[t][1]);
-                }
-        }
-    }
-    for (int t = 0; t < NT; t++) res[t] = hsum(V_ADD(acc[t][0], acc[t][1]));
-}
-
-#endif
-
-#if CRISP_SIMD == 512
-/* Two to eight tokens' gate and up dots of one neuron in one pass over its two rows (AVX-512 only: the
- * tile needs 27 of the 32 zmm): each 16-byte step is unpacked and scaled once for all NT tokens, and each
- * token's x vectors, packed tile by tile (pack_tiles) so that one address register serves the tile, are
- * loaded once for both rows. dot_row_2 / dot_row_wide_nt, which this replaces with AVX-512 (AVX2 keeps
- * them), unpacked each row once per 2 or 4 tokens and loaded x once per row, from a pointer per token (16
- * at NT = 8: more than the general registers). A Mixtral expert on the Zen 4 VM, both cores, same rounds:
- * T = 4 18.8 -> 14.8 ms, T = 8 40.1 -> 28.8, T = 16 74.9 -> 59.4; T = 2 11.4 -> 10.5 against the two
- * dot_row_2 passes (docs/cpu-kernel-ab.py, session 7). */
+/* Two to ACT_TILE tokens' gate and up dots of one neuron in one pass over its two rows: each 16-byte step
+ * is unpacked and scaled once for all NT tokens, VL bytes at a time (4 vectors live: AVX2's 16 ymm hold a
+ * 4-token tile beside them, AVX-512's 32 zmm an 8-token one), and each token's x vectors, packed tile by tile
+ * (pack_tiles) so that one address register serves the tile, are loaded once for both rows. dot_row_2 /
+ * dot_row_wide_nt, which this replaced, unpacked each row once per 2 or 4 tokens and loaded x once per row,
+ * from a pointer per token (16 at NT = 8: more than the general registers). A Mixtral expert on the Zen 4
+ * VM, both cores, same rounds, AVX-512: T = 4 18.8 -> 14.8 ms, T = 8 40.1 -> 28.8, T = 16 74.9 -> 59.4; T = 2
+ * 11.4 -> 10.5; AVX2 code (-mno-avx512f) on the same VM: T = 2 14.3 -> 13.9, T = 3 19.4 -> 17.3, T = 4
+ * 24.5 -> 21.1, T = 8 47.0 -> 40.2 (docs/cpu-kernel-ab.py, session 7). */
 INLINE void gate_up_nt(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, const int NT,
                        float *gate, float *up) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;
     const uint8_t *qu = q + half;
     const float *xp = w->xp + (size_t)t0 * w->hidden;  /* this tile's NT tokens, packed (pack_tiles) */
-    /* up to 4 tokens, even and odd elements in chains of their own (8 or fewer chains cannot cover the FMA
-     * latency otherwise); beyond, one chain per token and row: 4 NT accumulators would not fit */
-    const int SPLIT = NT <= 4;
+    const vi low = VI_SET1(0x0f);
+    /* few tokens: even and odd elements in chains of their own (fewer chains cannot cover the FMA latency);
+     * more: one chain per token and row (the split accumulators would not fit) */
+    const int SPLIT = NT <= SPLIT_TOKENS;
     vf ag[ACT_TILE][2], au[ACT_TILE][2];
     for (int t = 0; t < NT; t++) ag[t][0] = ag[t][1] = au[t][0] = au[t][1] = V_ZERO();
     for (int g = 0; g < groups; g++) {
@@ -424,25 +360,25 @@ INLINE void gate_up_nt(const Work *w, const uint8_t *q, const uint16_t *s, const
         prefetch_next_row(q + g * gh, gh, half);
         prefetch_next_row(qu + g * gh, gh, half);
         for (int i = g * gh; i < (g + 1) * gh; i += 16) {
-            vf vg[2], vu[2];
-            nibbles16(q + i, zg, vg);
-            nibbles16(qu + i, zu, vu);
-            vg[0] = V_MUL(vg[0], sg);
-            vg[1] = V_MUL(vg[1], sg);
-            vu[0] = V_MUL(vu[0], su);
-            vu[1] = V_MUL(vu[1], su);
             const float *xb = xp + (size_t)i * 2 * NT;  /* step i / 16: NT x (16 even, 16 odd) floats */
-            UNROLL_TILE
-            for (int t = 0; t < NT; t++) {
-                const vf e = V_LOAD(xb + 32 * t), o = V_LOAD(xb + 32 * t + 16);
-                if (SPLIT) {
-                    ag[t][0] = V_FMA(vg[0], e, ag[t][0]);
-                    ag[t][1] = V_FMA(vg[1], o, ag[t][1]);
-                    au[t][0] = V_FMA(vu[0], e, au[t][0]);
-                    au[t][1] = V_FMA(vu[1], o, au[t][1]);
-                } else {
-                    ag[t][0] = V_FMA(vg[1], o, V_FMA(vg[0], e, ag[t][0]));
-                    au[t][0] = V_FMA(vu[1], o, V_FMA(vu[0], e, au[t][0]));
+            for (int h = 0; h < NV; h++) {  /* bytes [i + h VL, i + (h + 1) VL) */
+                const vi bg = BYTES_TO_VI(q + i + h * VL), bu = BYTES_TO_VI(qu + i + h * VL);
+                const vf ge = V_MUL(VI_CVT(VI_SUB(VI_AND(bg, low), zg)), sg);
+                const vf go = V_MUL(VI_CVT(VI_SUB(VI_SRLI(bg, 4), zg)), sg);
+                const vf ue = V_MUL(VI_CVT(VI_SUB(VI_AND(bu, low), zu)), su);
+                const vf uo = V_MUL(VI_CVT(VI_SUB(VI_SRLI(bu, 4), zu)), su);
+                UNROLL_TILE
+                for (int t = 0; t < NT; t++) {
+                    const vf e = V_LOAD(xb + 32 * t + h * VL), o = V_LOAD(xb + 32 * t + 16 + h * VL);
+                    if (SPLIT) {
+                        ag[t][0] = V_FMA(ge, e, ag[t][0]);
+                        ag[t][1] = V_FMA(go, o, ag[t][1]);
+                        au[t][0] = V_FMA(ue, e, au[t][0]);
+                        au[t][1] = V_FMA(uo, o, au[t][1]);
+                    } else {
+                        ag[t][0] = V_FMA(go, o, V_FMA(ge, e, ag[t][0]));
+                        au[t][0] = V_FMA(uo, o, V_FMA(ue, e, au[t][0]));
+                    }
                 }
             }
         }
@@ -458,27 +394,15 @@ static void gate_up(const Work *w, const uint8_t *q, const uint16_t *s, const ui
     switch (nt) {  /* 1 < nt <= ACT_TILE: a constant NT per case keeps the tile in registers */
         case 2: gate_up_nt(w, q, s, z, t0, 2, gate, up); break;
         case 3: gate_up_nt(w, q, s, z, t0, 3, gate, up); break;
+#if ACT_TILE > 4
         case 4: gate_up_nt(w, q, s, z, t0, 4, gate, up); break;
         case 5: gate_up_nt(w, q, s, z, t0, 5, gate, up); break;
         case 6: gate_up_nt(w, q, s, z, t0, 6, gate, up); break;
         case 7: gate_up_nt(w, q, s, z, t0, 7, gate, up); break;
-        default: gate_up_nt(w, q, s, z, t0, 8, gate, up); break;
+#endif
+        default: gate_up_nt(w, q, s, z, t0, ACT_TILE, gate, up); break;
     }
 }
-#endif
-
-#if CRISP_SIMD == 256
-static void dot_row(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
-                    float *res) {
-    switch (nt) {
-        case 1: dot_row_wide_nt(w, q, s, z, t0, 1, res); break;  /* not reached: one token takes gate_up_1 */
-        case 2: dot_row_2(w, q, s, z, t0, res); break;
-        case 3: dot_row_wide_nt(w, q, s, z, t0, 3, res); break;
-        default: dot_row_wide_nt(w, q, s, z, t0, 4, res); break;
-    }
-}
-
-#endif
 
 static void down_chunk(const Work *w, const uint8_t *q0, const uint16_t *s0, const uint8_t *z0, int n, int t0, int nt,
                        const float *a) {
@@ -554,21 +478,14 @@ static void run_rows(const Work *w) {
                 const uint16_t *s = s0 + j * row_s;
                 const uint8_t *z = z0 ? z0 + j * row_s : NULL;
                 float gate[ACT_TILE], up[ACT_TILE];
-#if CRISP_SIMD == 512
+#if CRISP_SIMD
                 if (nt == 1)
                     gate_up_1(w, q, s, z, t0, gate, up);
                 else
                     gate_up(w, q, s, z, t0, nt, gate, up);
 #else
-#if CRISP_SIMD
-                if (nt == 1) {
-                    gate_up_1(w, q, s, z, t0, gate, up);
-                } else
-#endif
-                {
-                    dot_row(w, q, s, z, t0, nt, gate);
-                    dot_row(w, q + half, s + groups, z ? z + groups : NULL, t0, nt, up);
-                }
+                dot_row(w, q, s, z, t0, nt, gate);
+                dot_row(w, q + half, s + groups, z ? z + groups : NULL, t0, nt, up);
 #endif
                 for (int t = 0; t < nt; t++) {
                     const int keep = !w->kt || neuron < w->kt[t0 + t];
@@ -581,7 +498,7 @@ static void run_rows(const Work *w) {
     }
 }
 
-#if CRISP_SIMD == 512
+#if CRISP_SIMD
 /* x for the multi-token gate/up pass (gate_up_nt): tile by tile (ACT_TILE tokens, the last one nt), for each 16-byte
  * step i of a row, each token's 16 even then 16 odd elements: a tile at t0 starts at t0 H floats and its
  * step i at i / 16 x 32 nt floats on. */
@@ -625,7 +542,7 @@ int crisp_expert_rows_f32(const float *x, int64_t tokens, int64_t hidden, int64_
         }
     }
     float *xp = xs + tokens * hidden;
-#if CRISP_SIMD == 512
+#if CRISP_SIMD
     if (tokens > 1) pack_tiles(xe, xo, (int)tokens, (int)half, xp);  /* read by gate_up_nt only */
 #endif
     for (int64_t p = 0; p < nthreads; p++) {

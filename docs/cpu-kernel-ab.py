@@ -35,7 +35,7 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _build_rev(rev: str, work: Path) -> cpu_native.NativeKernel:
+def _build_rev(rev: str, work: Path, flags: tuple[str, ...]) -> cpu_native.NativeKernel:
     """The kernel source of ``rev`` (a git revision, or a path to a .c file)."""
     src = work / f"{len(list(work.glob('*.c')))}.c"
     if rev.endswith(".c"):
@@ -43,16 +43,16 @@ def _build_rev(rev: str, work: Path) -> cpu_native.NativeKernel:
     else:
         src.write_bytes(subprocess.run(["git", "show", f"{rev}:crisp_kernels/cpu_expert_native.c"],
                                        check=True, capture_output=True).stdout)
-    return _build_source(src, work / src.stem)
+    return _build_source(src, work / src.stem, flags)
 
 
-def _build_source(src: Path, folder: Path) -> cpu_native.NativeKernel:
+def _build_source(src: Path, folder: Path, flags: tuple[str, ...]) -> cpu_native.NativeKernel:
     """``src`` under the module's own build (same flags, atomic write). ABI 1 sources (before session 6)
     are declared by hand: open_library would refuse them; both ABIs share the entry."""
     current = cpu_native.SOURCE
     try:
         cpu_native.SOURCE = src
-        path = cpu_native.build(folder)
+        path = cpu_native.build(folder, (*cpu_native.FLAGS, *flags))
     finally:
         cpu_native.SOURCE = current
     lib = ctypes.CDLL(str(path))
@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--rev", action="append", default=[], help="git revision (or path to a .c "
                         "file) whose kernel is timed too (repeatable; -march=native)")
     parser.add_argument("--avx2", action="store_true", help="also the working tree's source with -mno-avx512f")
+    parser.add_argument("--flag", action="append", default=[], help="compiler flag added to every build "
+                        "(repeatable; e.g. --flag=-mno-avx512f to compare the AVX2 paths)")
     parser.add_argument("--tokens", type=_ints, default=[1, 4], help="token counts, comma separated")
     parser.add_argument("--widths", type=_ints, default=[14336], help="neurons read (<= 14336), comma separated")
     parser.add_argument("--threads", type=_ints, default=[2], help="kernel threads, comma separated")
@@ -78,11 +80,12 @@ def main() -> None:
     if args.rounds < 1:
         parser.error("--rounds: expected >= 1")
     work = Path(tempfile.mkdtemp(prefix="crisp-kernel-ab-"))
-    builds = {f"{rev}": _build_rev(rev, work) for rev in args.rev}
+    flags = tuple(args.flag)
+    builds = {f"{rev}": _build_rev(rev, work, flags) for rev in args.rev}
     if args.avx2:
         builds["now, -mno-avx512f"] = cpu_native.open_library(
             cpu_native.build(work / "avx2", (*cpu_native.FLAGS, "-mno-avx512f")))
-    builds["now"] = cpu_native.open_library(cpu_native.build(work / "now"))
+    builds["now"] = cpu_native.open_library(cpu_native.build(work / "now", (*cpu_native.FLAGS, *flags)))
     gen = torch.Generator().manual_seed(0)
     qs = [torch.randint(0, 256, (rows, 3, hidden // 2), dtype=torch.uint8, generator=gen) for _ in range(experts)]
     scales = (torch.rand(rows, 3, hidden // group, generator=gen) * 0.01).half()

@@ -110,7 +110,7 @@ def test_narrower_builds_equal_the_reference(tmp_path, shape, build):
     kernel = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, *NARROWER_BUILDS[build])))
     assert kernel.vector_bits == NARROWER_BITS[build]  # the path it was built for, not the native one
     packed = expert(*shape)
-    for tokens in (1, 5, 11):
+    for tokens in (1, 5, 6, 11):
         x, weights, widths = inputs(tokens, shape[0], torch.float32, shape[1], per_token=True)
         for start, stop in ((0, shape[1]), (0, 33), (7, shape[1] - 1)):
             got = call(kernel, packed, x, widths, start, stop, weights, 2)
@@ -182,9 +182,9 @@ def test_a_bad_direct_call_raises_before_the_c_code_runs(bad):
 
 @pytest.mark.parametrize("tokens", range(1, 18))
 def test_every_token_tile_remainder_equals_the_reference(tokens):
-    """T = 1..17: one token (the fused gate/up pass), and gate/up tiles of 8 tokens (AVX-512: the 3-8-token
-    fused pass, 2 tokens on dot_row_2) or 4 (AVX2, portable) with every remainder, each followed by down
-    passes of 8 / 2 tokens with their remainders, per-token widths included."""
+    """T = 1..17: one token (gate_up_1), and gate/up tiles of 8 tokens (AVX-512) or 4 (AVX2) through the
+    multi-token pass (gate_up_nt) with every remainder, each followed by down passes of 4 / 2 tokens with
+    their remainders, per-token widths included (the AVX2 and portable builds: test_narrower_builds_...)."""
     shape = (256, 200, 64, False)
     packed = expert(*shape)
     x, weights, widths = inputs(tokens, shape[0], torch.float32, shape[1], per_token=True)
