@@ -20,6 +20,7 @@ import torch
 
 from crisp_kernels.format import QuantFormat
 from crisp_runtime import cli_args as ca
+from crisp_runtime.cpu_experts import CpuWorker
 
 from . import common, report
 from .common import (
@@ -193,7 +194,15 @@ def run(args) -> int:
         records += [dict(r, kind="runtime_prefix_copy") for r in rt]
     extra = {}
     if args.profile_out is not None:
-        profile = measured_profile(load_points, compute_points, device, model_dir, cpu_points)
+        handoff = 0.0
+        if cpu_points:  # a step with CPU experts also waits for the worker thread's handoff (one per step)
+            worker = CpuWorker()
+            try:
+                handoff = worker.handoff_s()
+            finally:
+                worker.close()
+            print(f"CPU worker handoff (an empty job submitted and its result back): {handoff * 1e6:.0f} us per step")
+        profile = measured_profile(load_points, compute_points, device, model_dir, cpu_points, join_s=handoff)
         profile.save(args.profile_out)  # atomically; checked up front by crisp-bench's main
         extra["profile"] = profile.to_dict()
         print(f"wrote the measured profile {args.profile_out}: H2D {profile.h2d_bytes_per_s / 1e9:.2f} GB/s + "
@@ -222,10 +231,12 @@ def _measure_cpu(shape: ModelShape, widths, repeats: int) -> dict | None:
         return None
 
 
-def measured_profile(load_points, compute_points, device, model_dir=None, cpu_points=None) -> HardwareProfile:
+def measured_profile(load_points, compute_points, device, model_dir=None, cpu_points=None,
+                     join_s: float = 0.0) -> HardwareProfile:
     """Affine fits over all shapes' points, plus router/other per layer from the committed model, plus the
-    CPU's expert time (affine in prefix bytes) when measured. The copy rate while the CPU streams is not
-    measured here (it needs a GPU: ``bench/gpu_check.sh``): None, i.e. taken as unchanged."""
+    CPU's expert time (affine in prefix bytes) when measured and ``join_s``, the per-step cost of the CPU
+    side beyond its experts (the worker's handoff, ``CpuWorker.handoff_s``). The copy rate while the CPU
+    streams is not measured here (it needs a GPU: ``bench/gpu_check.sh``): None, i.e. taken as unchanged."""
     lp = [p for pts in load_points.values() for p in pts]
     cp = [p for pts in compute_points.values() for p in pts]
     copy_lat, s_per_byte = fit_affine(lp)
@@ -242,6 +253,7 @@ def measured_profile(load_points, compute_points, device, model_dir=None, cpu_po
         other_s=other_s, source="crisp-bench transfer --profile-out",
         description=f"measured on {report.environment()['device']} {report.environment()['date']}",
         cpu_bytes_per_s=None if cpu_per_byte is None else 1.0 / max(cpu_per_byte, 1e-15), cpu_latency_s=cpu_lat,
+        join_s=join_s if cpu else 0.0,
     )
 
 

@@ -51,6 +51,7 @@ rows of the expert's neuron-major prefix, and with ``row_start = s`` (the neuron
 from __future__ import annotations
 
 import enum
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -209,6 +210,23 @@ class CpuWorker:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    def handoff_s(self, jobs: int = 200, rounds: int = 5) -> float:
+        """Seconds from submitting an empty job to having its result back (the worker's wake-up and the
+        caller's), the least mean over ``rounds`` of ``jobs`` jobs in a row: what a layer step with CPU experts
+        pays beyond their compute. 85-260 us on the 2-core VM (docs/hybrid.md, session 7)."""
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise ValueError(f"jobs: expected a positive int, got {jobs!r}")
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"rounds: expected a positive int, got {rounds!r}")
+        self.submit(int).result()  # started
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(jobs):
+                self.submit(int).result()
+            best = min(best, (time.perf_counter() - t0) / jobs)
+        return best
 
 
 class CpuExperts:

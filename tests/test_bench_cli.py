@@ -125,6 +125,9 @@ def test_transfer_and_measured_profile(tmp_path, monkeypatch):
                "--profile-out", str(prof), "--threads", "1"])
     assert rc == 0
     assert any(r["kind"] == "load" for r in _json(out)["records"])
+    saved = json.loads(prof.read_text())
+    if saved.get("cpu_bytes_per_s") is not None:  # the CPU side measured: its per-step handoff too
+        assert 0 < saved["join_s"] < 0.1
     trace = tr.synthetic_trace(num_layers=2, num_tokens=24)
     trace.save(tmp_path / "t.npz")
     rc = main(["simulate", "--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--profile", "measured",

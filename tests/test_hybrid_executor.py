@@ -494,3 +494,19 @@ def test_the_kept_expert_views_follow_a_replaced_layer():
     ref = _rows_reference(x, dequantize_expert(other.expert(0), dtype=torch.float64), rows, weights, widths)
     assert rel_err(second, ref) < 1e-5 and not torch.allclose(first, second)
     experts.close()
+
+
+def test_the_worker_handoff_is_measured_and_its_arguments_checked():
+    """CpuWorker.handoff_s: an empty job's round trip, positive and far below a second; bad counts refused."""
+    from crisp_runtime.cpu_experts import CpuWorker
+
+    worker = CpuWorker(threads=1)
+    try:
+        assert 0 < worker.handoff_s(jobs=20, rounds=2) < 0.1
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match="jobs"):
+                worker.handoff_s(jobs=bad)
+            with pytest.raises(ValueError, match="rounds"):
+                worker.handoff_s(rounds=bad)
+    finally:
+        worker.close()
