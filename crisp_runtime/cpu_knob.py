@@ -5,7 +5,10 @@
 - ``on``: the serving policy's placement becomes ``hybrid`` (per step, the GPU / CPU split of
   minimal makespan, ``scheduler.split_step``); the cost model gets the CPU's bandwidth measured
   here (one expert at full width, batch 1, best of 3, on a worker thread set up as the runtime's:
-  ``RuntimeConfig.cpu_experts``) unless the configuration's cost model has one.
+  ``RuntimeConfig.cpu_experts``) unless the configuration's cost model has one, and, where its
+  ``join_s`` is 0 (the default), the worker's handoff measured here (``CpuWorker.handoff_s``: a step
+  with CPU experts waits for it once; 85-260 us on a 2-core VM), so that a step whose CPU share saves
+  less than that stays on the GPU.
 - ``auto``: ``on`` when it can pay, from the measured bandwidths: experts offloaded
   (``gpu_budget`` set), a GPU to offload from (on a CPU-only machine the experts already run on
   the CPU: nothing to split), and a CPU streaming prefix bytes at >= 1/4 of the copy rate
@@ -23,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .cpu_experts import CpuExperts, CpuExpertsConfig
+from .cpu_experts import CpuExperts, CpuExpertsConfig, CpuWorker
 from .scheduler import Placement
 
 # auto: hybrid when the CPU streams prefix bytes at least this fraction of the H2D rate (see the docstring).
@@ -46,11 +49,12 @@ class CpuDecision:
     cpu_bytes_per_s: float | None = None  # measured here (or the configuration's)
     h2d_bytes_per_s: float | None = None  # measured here on CUDA (or the configuration's)
     kernel: str | None = None
+    join_s: float | None = None  # the cost model's per-step CPU cost: the worker's handoff measured here (or set)
 
     def to_dict(self) -> dict:
         return {"mode": self.mode.value, "placement": self.placement.value, "reason": self.reason,
                 "cpu_bytes_per_s": self.cpu_bytes_per_s, "h2d_bytes_per_s": self.h2d_bytes_per_s,
-                "kernel": self.kernel}
+                "kernel": self.kernel, "join_s": self.join_s}
 
 
 def parse_cpu_mode(cpu) -> CpuMode:
@@ -88,6 +92,15 @@ def measure_cpu_bytes_per_s(layer, repeats: int = 3, config: CpuExpertsConfig | 
     finally:
         cpu.close()
     return expert.nbytes(width) / best
+
+
+def measure_handoff_s(config: CpuExpertsConfig | None = None, jobs: int = 50, rounds: int = 3) -> float:
+    """The handoff of a worker set up as the runtime's (``CpuWorker.handoff_s``; ~15-40 ms in all here)."""
+    worker = CpuWorker((CpuExpertsConfig() if config is None else config).threads)
+    try:
+        return worker.handoff_s(jobs, rounds)
+    finally:
+        worker.close()
 
 
 def _measure_h2d_bytes_per_s(layer, device: torch.device) -> float:  # GPU-only
@@ -129,8 +142,9 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers)
     serving = replace(config.serving, placement=new_placement,
                       name=config.serving.name if placement is not Placement.GPU else
                       ("hybrid" if config.serving.name == "plan" else f"{config.serving.name}+hybrid"))
-    new_cost = replace(cost, cpu_bytes_per_s=cpu_bps, h2d_bytes_per_s=h2d_bps)
+    join_s = cost.join_s if cost.join_s > 0 else measure_handoff_s(config.cpu_experts)
+    new_cost = replace(cost, cpu_bytes_per_s=cpu_bps, h2d_bytes_per_s=h2d_bps, join_s=join_s)
     reason = ("cpu='on'" if mode is CpuMode.ON else
               f"CPU {cpu_bps / 1e9:.1f} GB/s >= {AUTO_MIN_CPU_TO_H2D} x H2D {h2d_bps / 1e9:.1f} GB/s")
     return replace(config, serving=serving, cost=new_cost), CpuDecision(mode, new_placement, reason, cpu_bps,
-                                                                        h2d_bps, name)
+                                                                        h2d_bps, name, join_s)

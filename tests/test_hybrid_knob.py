@@ -76,3 +76,9 @@ def test_auto_rule_and_measurement(monkeypatch):
         new, decision = decide_cpu("auto", config=config, budget=10**6, device=FakeCuda(), layers=layers)
         assert decision.placement is expect and new.serving.placement is expect
         assert decision.mode is CpuMode.AUTO and decision.cpu_bytes_per_s == cpu_bps
+        if expect is Placement.HYBRID:  # the worker's handoff measured into the cost model (join_s was 0)
+            assert 0 < new.cost.join_s < 0.1 and decision.join_s == new.cost.join_s
+    # a join_s the configuration sets is kept, not measured over
+    config = RuntimeConfig(cost=CostModel(h2d_bytes_per_s=25e9, cpu_bytes_per_s=fast, join_s=7e-6))
+    new, decision = decide_cpu("on", config=config, budget=10**6, device=FakeCuda(), layers=layers)
+    assert new.cost.join_s == 7e-6 and decision.to_dict()["join_s"] == 7e-6
