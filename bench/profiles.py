@@ -200,7 +200,7 @@ def _rtx4090() -> HardwareProfile:
 #   reports for desktop DDR5 hosts (dual-channel DDR5-6000 peaks at 96 GB/s); the simulator sweeps 30-72;
 # - assumed (no measurement on a desktop): 20 us per copy and 50 us per CPU expert call (thread-pool wake-up
 #   and dispatch), 20 us to join the (T, H) partial output (a 16 KB copy and an add). Measured on a 2-core Zen 4
-#   VM (docs/hybrid.md, session 7): 42-45 us per call through the runtime's path, and 85-120 us per step for the
+#   VM (docs/hybrid.md, session 7): 42-45 us per call through the runtime's path, and 20-260 us per step for the
 #   worker's handoff, which these figures leave out (with them the 25% headline simulates 2.95x LRU, not 3.02x);
 # - GPU compute, router and other per-layer work: the paper's RTX 4090 figures (profile rtx4090-pcie4).
 DESKTOP_CPU_BYTES_PER_S = 50e9

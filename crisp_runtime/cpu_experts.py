@@ -214,7 +214,7 @@ class CpuWorker:
     def handoff_s(self, jobs: int = 200, rounds: int = 5) -> float:
         """Seconds from submitting an empty job to having its result back (the worker's wake-up and the
         caller's), the least mean over ``rounds`` of ``jobs`` jobs in a row: what a layer step with CPU experts
-        pays beyond their compute. 85-260 us on the 2-core VM (docs/hybrid.md, session 7)."""
+        pays beyond their compute. 20-260 us on the 2-core VM as its load varied (docs/hybrid.md, session 7)."""
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
             raise ValueError(f"jobs: expected a positive int, got {jobs!r}")
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:

@@ -5,9 +5,10 @@
 - ``on``: the serving policy's placement becomes ``hybrid`` (per step, the GPU / CPU split of
   minimal makespan, ``scheduler.split_step``); the cost model gets the CPU's bandwidth measured
   here (one expert at full width, batch 1, best of 3, on a worker thread set up as the runtime's:
-  ``RuntimeConfig.cpu_experts``) unless the configuration's cost model has one, and, where its
+  ``RuntimeConfig.cpu_experts``) with its ridge in tokens (``RIDGE_PROBE_TOKENS`` tokens against one)
+  unless the configuration's cost model has a CPU bandwidth, and, where its
   ``join_s`` is 0 (the default), the worker's handoff measured here (``CpuWorker.handoff_s``: a step
-  with CPU experts waits for it once; 85-260 us on a 2-core VM), so that a step whose CPU share saves
+  with CPU experts waits for it once; 20-260 us on a 2-core VM), so that a step whose CPU share saves
   less than that stays on the GPU.
 - ``auto``: ``on`` when it can pay, from the measured bandwidths: experts offloaded
   (``gpu_budget`` set), a GPU to offload from (on a CPU-only machine the experts already run on
@@ -31,6 +32,8 @@ from .scheduler import Placement
 
 # auto: hybrid when the CPU streams prefix bytes at least this fraction of the H2D rate (see the docstring).
 AUTO_MIN_CPU_TO_H2D = 0.25
+# the token count whose time, against one token's, gives the CPU's ridge (measure_cpu)
+RIDGE_PROBE_TOKENS = 8
 
 
 class CpuMode(enum.Enum):
@@ -50,11 +53,12 @@ class CpuDecision:
     h2d_bytes_per_s: float | None = None  # measured here on CUDA (or the configuration's)
     kernel: str | None = None
     join_s: float | None = None  # the cost model's per-step CPU cost: the worker's handoff measured here (or set)
+    cpu_ridge_tokens: float | None = None  # measured here with the bandwidth (or the configuration's)
 
     def to_dict(self) -> dict:
         return {"mode": self.mode.value, "placement": self.placement.value, "reason": self.reason,
                 "cpu_bytes_per_s": self.cpu_bytes_per_s, "h2d_bytes_per_s": self.h2d_bytes_per_s,
-                "kernel": self.kernel, "join_s": self.join_s}
+                "kernel": self.kernel, "join_s": self.join_s, "cpu_ridge_tokens": self.cpu_ridge_tokens}
 
 
 def parse_cpu_mode(cpu) -> CpuMode:
@@ -70,16 +74,25 @@ def measure_cpu_bytes_per_s(layer, repeats: int = 3, config: CpuExpertsConfig | 
     """Prefix bytes (the format's) per second of the runtime's CPU path: expert 0 of ``layer`` (host
     tensors) at full width, batch 1, best of ``repeats``, timed on a worker thread set up as the
     runtime's (``config``: its precision, int4pack copy and threads; the copy's build is not timed)."""
+    return measure_cpu(layer, repeats, config)[0]
+
+
+def measure_cpu(layer, repeats: int = 3, config: CpuExpertsConfig | None = None,
+                ridge_at: int = RIDGE_PROBE_TOKENS) -> tuple[float, float]:
+    """(bytes per second at batch 1, ridge in tokens) of the runtime's CPU path on expert 0 of ``layer`` at
+    full width (see :func:`measure_cpu_bytes_per_s`). The ridge is the cost model's ``cpu_ridge_tokens``:
+    ``ridge_at`` tokens took ``ridge_at / ridge`` times one token's time (at least 1; at most ``ridge_at``, all
+    that this probe can tell)."""
     expert = layer.expert(0)
     if expert.device.type != "cpu":
         raise ValueError("measure_cpu_bytes_per_s: the layer must be in host memory")
     cpu = CpuExperts({0: layer}, CpuExpertsConfig() if config is None else config)
     width = layer.intermediate_size
-    x = torch.randn(1, layer.hidden_size)
-    rows, weights, widths = torch.zeros(1, dtype=torch.int64), torch.ones(1), torch.full((1,), width)
 
-    def timed() -> float:
-        out = torch.zeros(1, layer.hidden_size)
+    def timed(tokens: int) -> float:
+        x = torch.randn(tokens, layer.hidden_size)
+        rows, weights, widths = torch.arange(tokens), torch.ones(tokens), torch.full((tokens,), width)
+        out = torch.zeros(tokens, layer.hidden_size)
         best = float("inf")
         for _ in range(repeats + 1):  # the first call warms up (and builds a lazy int4pack copy)
             t0 = time.perf_counter()
@@ -88,10 +101,12 @@ def measure_cpu_bytes_per_s(layer, repeats: int = 3, config: CpuExpertsConfig | 
         return best
 
     try:
-        best = cpu.submit(timed).result()
+        one = cpu.submit(timed, 1).result()
+        many = cpu.submit(timed, ridge_at).result()
     finally:
         cpu.close()
-    return expert.nbytes(width) / best
+    ridge = min(float(ridge_at), max(1.0, ridge_at * one / many))
+    return expert.nbytes(width) / one, ridge
 
 
 def measure_handoff_s(config: CpuExpertsConfig | None = None, jobs: int = 50, rounds: int = 3) -> float:
@@ -126,7 +141,10 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers)
         return config, CpuDecision(mode, placement, "no gpu_budget: every expert resident on the device")
     first = layers[min(layers)]
     cost = config.cost
-    cpu_bps = cost.cpu_bytes_per_s if cost.has_cpu else measure_cpu_bytes_per_s(first, config=config.cpu_experts)
+    if cost.has_cpu:  # the configuration's CPU figures, its ridge included
+        cpu_bps, ridge = cost.cpu_bytes_per_s, cost.cpu_ridge_tokens
+    else:
+        cpu_bps, ridge = measure_cpu(first, config=config.cpu_experts)
     h2d_bps = cost.h2d_bytes_per_s
     if device.type == "cuda":  # GPU-only
         h2d_bps = _measure_h2d_bytes_per_s(first, device)
@@ -143,8 +161,8 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers)
                       name=config.serving.name if placement is not Placement.GPU else
                       ("hybrid" if config.serving.name == "plan" else f"{config.serving.name}+hybrid"))
     join_s = cost.join_s if cost.join_s > 0 else measure_handoff_s(config.cpu_experts)
-    new_cost = replace(cost, cpu_bytes_per_s=cpu_bps, h2d_bytes_per_s=h2d_bps, join_s=join_s)
+    new_cost = replace(cost, cpu_bytes_per_s=cpu_bps, h2d_bytes_per_s=h2d_bps, join_s=join_s, cpu_ridge_tokens=ridge)
     reason = ("cpu='on'" if mode is CpuMode.ON else
               f"CPU {cpu_bps / 1e9:.1f} GB/s >= {AUTO_MIN_CPU_TO_H2D} x H2D {h2d_bps / 1e9:.1f} GB/s")
     return replace(config, serving=serving, cost=new_cost), CpuDecision(mode, new_placement, reason, cpu_bps,
-                                                                        h2d_bps, name, join_s)
+                                                                        h2d_bps, name, join_s, ridge)

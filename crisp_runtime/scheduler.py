@@ -92,7 +92,10 @@ class CostModel:
     # accumulator (one small copy). ``cpu_bytes_per_s=None``: no CPU (every expert on the GPU).
     cpu_bytes_per_s: float | None = None
     cpu_latency_s: float = 0.0
-    cpu_ridge_tokens: int = 4
+    # a number of tokens >= 1, not only whole ones: the native kernel measured t(T) / t(1) = 1.26 / 1.78 / 3.21 /
+    # 6.28 at T = 2 / 4 / 8 / 16 on a 2-core Zen 4 VM (a ridge of ~2.5; docs/cpu-kernel.md, session 7);
+    # cpu='on' / 'auto' measures it where it is left at this default
+    cpu_ridge_tokens: float = 4.0
     h2d_bytes_per_s_cpu_busy: float | None = None
     join_s: float = 0.0
 
@@ -107,10 +110,12 @@ class CostModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"CostModel: {name} must be a non-negative number of seconds, got {v!r}")
-        for name in ("ridge_tokens", "cpu_ridge_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"CostModel: {name} must be a positive integer, got {v!r}")
+        v = self.ridge_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"CostModel: ridge_tokens must be a positive integer, got {v!r}")
+        v = self.cpu_ridge_tokens
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1:
+            raise ValueError(f"CostModel: cpu_ridge_tokens must be a number of tokens >= 1, got {v!r}")
 
     @property
     def has_cpu(self) -> bool:

@@ -182,9 +182,10 @@ def test_a_bad_direct_call_raises_before_the_c_code_runs(bad):
 
 @pytest.mark.parametrize("tokens", [*range(1, 18), 63, 64])
 def test_every_token_tile_remainder_equals_the_reference(tokens):
-    """T = 1..17, 63 and 64 (the limit): one token (gate_up_1), and gate/up tiles of 8 tokens (AVX-512) or 4 (AVX2) through the
-    multi-token pass (gate_up_nt) with every remainder, each followed by down passes of 4 / 2 tokens with
-    their remainders, per-token widths included (the AVX2 and portable builds: test_narrower_builds_...)."""
+    """T = 1..17, 63 and 64 (the limit): one token (gate_up_1), and gate/up tiles of 8 tokens (AVX-512) or
+    4 (AVX2) through the multi-token pass (gate_up_nt) with every remainder, each followed by down passes of
+    4 / 2 tokens with their remainders, per-token widths included (the AVX2 and portable builds:
+    test_narrower_builds_...)."""
     shape = (256, 200, 64, False)
     packed = expert(*shape)
     x, weights, widths = inputs(tokens, shape[0], torch.float32, shape[1], per_token=True)

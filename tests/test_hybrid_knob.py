@@ -78,6 +78,18 @@ def test_auto_rule_and_measurement(monkeypatch):
         assert decision.mode is CpuMode.AUTO and decision.cpu_bytes_per_s == cpu_bps
         if expect is Placement.HYBRID:  # the worker's handoff measured into the cost model (join_s was 0)
             assert 0 < new.cost.join_s < 0.1 and decision.join_s == new.cost.join_s
+        assert new.cost.cpu_ridge_tokens == 4.0  # the configuration gave the CPU's figures: its ridge is kept
+    # no CPU figures configured: bandwidth and ridge measured together (8 tokens against 1)
+    bps, ridge = knob.measure_cpu(layers[0])
+    assert bps > 0 and 1.0 <= ridge <= knob.RIDGE_PROBE_TOKENS
+    config = RuntimeConfig(cost=CostModel(h2d_bytes_per_s=25e9))
+    new, decision = decide_cpu("on", config=config, budget=10**6, device=FakeCuda(), layers=layers)
+    assert new.cost.has_cpu and 1.0 <= new.cost.cpu_ridge_tokens <= knob.RIDGE_PROBE_TOKENS
+    assert decision.to_dict()["cpu_ridge_tokens"] == new.cost.cpu_ridge_tokens
+    with pytest.raises(ValueError, match="cpu_ridge_tokens"):
+        CostModel(cpu_ridge_tokens=0.5)
+    # a fractional ridge: 10 tokens at a ridge of 2.5 take 4 times one token's streaming time
+    assert CostModel(cpu_bytes_per_s=1e9, cpu_ridge_tokens=2.5).cpu_time(10**6, 10) == pytest.approx(4e-3)
     # a join_s the configuration sets is kept, not measured over
     config = RuntimeConfig(cost=CostModel(h2d_bytes_per_s=25e9, cpu_bytes_per_s=fast, join_s=7e-6))
     new, decision = decide_cpu("on", config=config, budget=10**6, device=FakeCuda(), layers=layers)
