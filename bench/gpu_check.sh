@@ -82,6 +82,7 @@ step() {
   local name=$1 needs=$2; shift 2
   if [ "$dry_run" = 1 ]; then echo "STEP $name $needs $*"; return 0; fi
   local left=$(( total_budget - (SECONDS - start) ))
+  [ "$left" -ge 0 ] || left=0  # past the deadline: nothing left (not a negative count)
   if [ "$left" -lt "$needs" ]; then
     echo "$name: skipped: ${left}s left of TOTAL_BUDGET_S=${total_budget}s, it needs ~${needs}s" | tee -a "$out/summary.txt"
     return 0
