@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from crisp_kernels import cpu_native
+
 from .cpu_experts import CpuExperts, CpuExpertsConfig, CpuWorker
 from .scheduler import Placement
 
@@ -83,6 +85,10 @@ def measure_cpu(layer, repeats: int = 3, config: CpuExpertsConfig | None = None,
     full width (see :func:`measure_cpu_bytes_per_s`). The ridge is the cost model's ``cpu_ridge_tokens``:
     ``ridge_at`` tokens took ``ridge_at / ridge`` times one token's time (at least 1; at most ``ridge_at``, all
     that this probe can tell)."""
+    if isinstance(ridge_at, bool) or not isinstance(ridge_at, int) or not 2 <= ridge_at <= cpu_native.MAX_TOKENS:
+        raise ValueError(f"ridge_at: expected an int in [2, {cpu_native.MAX_TOKENS}], got {ridge_at!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected a positive int, got {repeats!r}")
     expert = layer.expert(0)
     if expert.device.type != "cpu":
         raise ValueError("measure_cpu_bytes_per_s: the layer must be in host memory")

@@ -82,6 +82,11 @@ def test_auto_rule_and_measurement(monkeypatch):
     # no CPU figures configured: bandwidth and ridge measured together (8 tokens against 1)
     bps, ridge = knob.measure_cpu(layers[0])
     assert bps > 0 and 1.0 <= ridge <= knob.RIDGE_PROBE_TOKENS
+    for bad in (0, 1, 65, 2.5, True):
+        with pytest.raises(ValueError, match="ridge_at"):
+            knob.measure_cpu(layers[0], ridge_at=bad)
+    with pytest.raises(ValueError, match="repeats"):
+        knob.measure_cpu(layers[0], repeats=0)
     config = RuntimeConfig(cost=CostModel(h2d_bytes_per_s=25e9))
     new, decision = decide_cpu("on", config=config, budget=10**6, device=FakeCuda(), layers=layers)
     assert new.cost.has_cpu and 1.0 <= new.cost.cpu_ridge_tokens <= knob.RIDGE_PROBE_TOKENS
