@@ -20,7 +20,7 @@ import torch
 
 from crisp_kernels.format import QuantFormat
 from crisp_runtime import cli_args as ca
-from crisp_runtime.cpu_experts import CpuWorker
+from crisp_runtime.cpu_knob import measure_handoff_s
 
 from . import common, report
 from .common import (
@@ -196,11 +196,7 @@ def run(args) -> int:
     if args.profile_out is not None:
         handoff = 0.0
         if cpu_points:  # a step with CPU experts also waits for the worker thread's handoff (one per step)
-            worker = CpuWorker()
-            try:
-                handoff = worker.handoff_s()
-            finally:
-                worker.close()
+            handoff = measure_handoff_s(jobs=200, rounds=5)
             print(f"CPU worker handoff (an empty job submitted and its result back): {handoff * 1e6:.0f} us per step")
         profile = measured_profile(load_points, compute_points, device, model_dir, cpu_points, join_s=handoff)
         profile.save(args.profile_out)  # atomically; checked up front by crisp-bench's main
