@@ -307,22 +307,19 @@ class CpuExperts:
             expert_mlp_accumulate_unchecked_(partial, x, host, width - row_start, rows, weights, token_widths,
                                              Backend.TORCH)
             return
-        if rows.numel() == 1:  # one slot (batch-1 decode): the kernel adds into partial's row in place, which
-            # saves a gather, a zeroed buffer and a scatter-add; with the kept views (_expert) a batch-1 call of
-            # a 4096-wide expert at width 1 went from 63-96 to 42-45 us on the worker (2-core VM, session 7)
+        one = rows.numel() == 1
+        if one:  # one slot (batch-1 decode): the kernel adds into partial's row in place, which saves a gather,
+            # a zeroed buffer and a scatter-add; with the kept views (_expert) a batch-1 call of a 4096-wide
+            # expert at width 1 went from 63-96 to 42-45 us on the worker (2-core VM, session 7)
             r = int(rows[0])
-            xs = x[r:r + 1]
-            if xs.dtype not in (torch.float32, torch.bfloat16):  # fp16 from a GPU model: exact in fp32
-                xs = xs.float()
-            self.kernel(xs, source, token_widths, width, weights, partial[r:r + 1], config=self._kernel_config,
-                        row_start=row_start)
-            return
-        xs = x.index_select(0, rows)
+            xs, part = x[r:r + 1], partial[r:r + 1]
+        else:
+            xs, part = x.index_select(0, rows), torch.zeros((rows.numel(), partial.shape[1]), dtype=torch.float32)
         if xs.dtype not in (torch.float32, torch.bfloat16):  # fp16 from a GPU model: exact in fp32
             xs = xs.float()
-        part = torch.zeros((rows.numel(), partial.shape[1]), dtype=torch.float32)
         self.kernel(xs, source, token_widths, width, weights, part, config=self._kernel_config, row_start=row_start)
-        partial.index_add_(0, rows, part)
+        if not one:
+            partial.index_add_(0, rows, part)
 
     def _native_vector_bits(self) -> int | None:
         if self.impl is not CpuImpl.NATIVE_FP32:

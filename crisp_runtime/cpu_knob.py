@@ -76,16 +76,18 @@ def measure_cpu_bytes_per_s(layer, repeats: int = 3, config: CpuExpertsConfig | 
     """Prefix bytes (the format's) per second of the runtime's CPU path: expert 0 of ``layer`` (host
     tensors) at full width, batch 1, best of ``repeats``, timed on a worker thread set up as the
     runtime's (``config``: its precision, int4pack copy and threads; the copy's build is not timed)."""
-    return measure_cpu(layer, repeats, config)[0]
+    return measure_cpu(layer, repeats, config, ridge_at=None)[0]
 
 
 def measure_cpu(layer, repeats: int = 3, config: CpuExpertsConfig | None = None,
-                ridge_at: int = RIDGE_PROBE_TOKENS) -> tuple[float, float]:
+                ridge_at: int | None = RIDGE_PROBE_TOKENS) -> tuple[float, float | None]:
     """(bytes per second at batch 1, ridge in tokens) of the runtime's CPU path on expert 0 of ``layer`` at
     full width (see :func:`measure_cpu_bytes_per_s`). The ridge is the cost model's ``cpu_ridge_tokens``:
     ``ridge_at`` tokens took ``ridge_at / ridge`` times one token's time (at least 1; at most ``ridge_at``, all
-    that this probe can tell)."""
-    if isinstance(ridge_at, bool) or not isinstance(ridge_at, int) or not 2 <= ridge_at <= cpu_native.MAX_TOKENS:
+    that this probe can tell); ``ridge_at=None``: the bandwidth only (ridge None)."""
+    limit = cpu_native.MAX_TOKENS
+    if ridge_at is not None and (isinstance(ridge_at, bool) or not isinstance(ridge_at, int)
+                                 or not 2 <= ridge_at <= limit):
         raise ValueError(f"ridge_at: expected an int in [2, {cpu_native.MAX_TOKENS}], got {ridge_at!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats: expected a positive int, got {repeats!r}")
@@ -108,10 +110,10 @@ def measure_cpu(layer, repeats: int = 3, config: CpuExpertsConfig | None = None,
 
     try:
         one = cpu.submit(timed, 1).result()
-        many = cpu.submit(timed, ridge_at).result()
+        many = None if ridge_at is None else cpu.submit(timed, ridge_at).result()
     finally:
         cpu.close()
-    ridge = min(float(ridge_at), max(1.0, ridge_at * one / many))
+    ridge = None if many is None else min(float(ridge_at), max(1.0, ridge_at * one / many))
     return expert.nbytes(width) / one, ridge
 
 

@@ -94,7 +94,7 @@ class CostModel:
     cpu_latency_s: float = 0.0
     # a number of tokens >= 1, not only whole ones: the native kernel measured t(T) / t(1) = 1.26 / 1.78 / 3.21 /
     # 6.28 at T = 2 / 4 / 8 / 16 on a 2-core Zen 4 VM (a ridge of ~2.5; docs/cpu-kernel.md, session 7);
-    # cpu='on' / 'auto' measures it where it is left at this default
+    # cpu='on' / 'auto' measures it, with the bandwidth, where the configuration gives no CPU bandwidth
     cpu_ridge_tokens: float = 4.0
     h2d_bytes_per_s_cpu_busy: float | None = None
     join_s: float = 0.0
