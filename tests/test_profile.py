@@ -192,3 +192,37 @@ def test_help_documents_every_option():
     for opt in ("--model", "--data", "--samples", "--seq-len", "--out", "--device", "--group-size", "--hot-mass",
                 "--cold-mass", "--warm-width", "--search-target-bytes", "--work-dir"):
         assert opt in text
+
+
+def test_search_over_cold_widths(tiny, profiled, tmp_path):
+    """--search-cold-widths adds candidates whose Cold auxiliary keeps a prefix; every candidate stays within the
+    bytes target, the chosen record is the plan written, and without the option the search is the paper's."""
+    _, model, text = tiny
+    out = tmp_path / "cold"
+    rc = prof.main(["--model", str(model), "--data", str(text), "--out", str(out), *PROFILE_ARGS,
+                    "--search-cold-widths", "0,0.0625"])
+    assert rc == 0
+    pack = load_pack(out)
+    search = pack.info["search"]
+    inter = pack.plan.intermediate_size
+    widths = {c["cold_width"] for c in search["candidates"]}
+    assert widths == {0, round(0.0625 * inter)}  # 2 of 32 neurons
+    assert all(c["bytes_fraction"] <= 0.55 + 1e-9 for c in search["candidates"])
+    assert all(c["warm_width"] >= c["cold_width"] for c in search["candidates"])
+    chosen = search["chosen"]
+    assert chosen == min(search["candidates"], key=lambda c: c["loss"])
+    assert pack.plan.tier_widths.cold == chosen["cold_width"] and pack.plan.tier_widths.warm == chosen["warm_width"]
+    assert f"cold={chosen['cold_width']} of {inter}" in pack.plan.description
+    # the default run: Cold runs the dominant only, records without the key
+    plain = load_pack(profiled)
+    assert plain.plan.tier_widths.cold == 0 and "cold_width" not in plain.info["search"]["chosen"]
+    # only a non-zero width: the plan written keeps it (no Cold tier at cold_mass 0, so those cut-offs drop out)
+    only = tmp_path / "cold-only"
+    assert prof.main(["--model", str(model), "--data", str(text), "--out", str(only), *PROFILE_ARGS,
+                      "--search-cold-widths", "0.0625"]) == 0
+    pack = load_pack(only)
+    assert pack.plan.tier_widths.cold == 2 == pack.info["search"]["chosen"]["cold_width"]
+    assert all(c["cold_mass"] > 0 for c in pack.info["search"]["candidates"])
+    # the option needs the search
+    assert prof.main(["--model", str(model), "--data", str(text), "--out", str(tmp_path / "x"), "--quiet",
+                      "--search-cold-widths", "0,0.25"]) == 2

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(lowest loss on held-out calibration windows); overrides --hot-mass/--cold-mass/--warm-width")
     p.add_argument("--search-samples", type=ca.positive_int, default=32,
                    help="held-out calibration windows for the search")
+    p.add_argument("--search-cold-widths", type=_cold_widths, default=(0.0,), metavar="F[,F...]",
+                   help="with --search-target-bytes: widths of a Cold pair's auxiliary expert to search, fractions "
+                        "of full width in [0, 1) (default 0: the paper's rule, Cold runs the dominant only; e.g. "
+                        "0,0.0625 also tries 1/16)")
     p.add_argument("--plan-for-throughput", dest="throughput_budget", type=ca.float_in(0.0, 1.0, low_open=True),
                    default=None, metavar="BUDGET",
                    help="also choose the serving policy / prefetch with the most simulated tokens/s at this GPU budget "
@@ -111,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-work", action="store_true", help="keep the run's checkpoint after success")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
+
+
+def _cold_widths(text: str) -> tuple[float, ...]:
+    parse = ca.float_in(0.0, 1.0, high_open=True)
+    parts = text.split(",")
+    try:
+        values = tuple(parse(p.strip()) for p in parts)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a width is repeated")
+    return tuple(sorted(values))
 
 
 def config_from_args(args: argparse.Namespace) -> ProfileConfig:

@@ -53,6 +53,10 @@ class ProfileConfig:
     num_dominant: int | None = None  # None: 1, or searched with search_target_bytes (search.py)
     search_target_bytes: float | None = None
     search_samples: int = 32
+    # Widths (fractions of I) the search tries for the auxiliary of a Cold pair: (0.0,) is the paper's rule
+    # (Cold = the dominant only). On the tiny Mixtral a Cold auxiliary at 16/256 neurons took the loss of the
+    # plan's widths from 1.32% to 0.92% for 1.5 points more bytes (docs/residency-and-serving.md, session 8).
+    search_cold_widths: tuple[float, ...] = (0.0,)
     # --plan-for-throughput (throughput.py): the serving choice for tokens/s at this GPU budget (a fraction
     # of the expert bytes) on a hardware profile, within a relative accuracy loss, stored in pack.json
     throughput_budget: float | None = None

@@ -114,6 +114,11 @@ def _check_settings(cfg: ProfileConfig) -> tuple[TierCutoffs, QuantFormat]:
         raise CliError(f"--warm-width is a fraction of the full width in [0, 1], got {cfg.warm_width}")
     if cfg.search_target_bytes is not None and not 0.0 < cfg.search_target_bytes <= 1.0:
         raise CliError(f"--search-target-bytes is a fraction of full width in (0, 1], got {cfg.search_target_bytes}")
+    cold = tuple(cfg.search_cold_widths)
+    if not cold or any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0 for f in cold):
+        raise CliError(f"--search-cold-widths: fractions of full width in [0, 1), got {list(cold)}")
+    if cold != (0.0,) and cfg.search_target_bytes is None:
+        raise CliError("--search-cold-widths: only with --search-target-bytes (the widths are searched candidates)")
     if cfg.importance not in IMPORTANCE_KINDS:
         raise CliError(f"--importance must be 'weighted' or 'mean-abs', got {cfg.importance!r}")
     try:

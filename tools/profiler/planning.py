@@ -50,9 +50,10 @@ def initial_plan(inputs: ProfileInputs, stats: Stats, rule: str, log: Callable[[
     return plan, info
 
 
-def description(inputs: ProfileInputs, cutoffs: TierCutoffs, warm: int, rule: str, num_dominant: int = 1) -> str:
+def description(inputs: ProfileInputs, cutoffs: TierCutoffs, warm: int, rule: str, num_dominant: int = 1, *,
+                cold: int = 0) -> str:
     """The plan's description: how its combinations, tiers, widths and dominants were chosen."""
-    text = _description_pair(inputs, cutoffs, warm, rule)
+    text = _description_pair(inputs, cutoffs, warm, rule, cold)
     if inputs.top_k > 2:
         text += (
             f" Top-{inputs.top_k} routing: the {num_dominant} dominant expert(s) of a token (ranks below "
@@ -61,12 +62,12 @@ def description(inputs: ProfileInputs, cutoffs: TierCutoffs, warm: int, rule: st
     return text
 
 
-def _description_pair(inputs: ProfileInputs, cutoffs: TierCutoffs, warm: int, rule: str) -> str:
+def _description_pair(inputs: ProfileInputs, cutoffs: TierCutoffs, warm: int, rule: str, cold: int = 0) -> str:
     inter = inputs.inter
     common = (
         f"CRISP plan from crisp-profile: combination = leading pair by routing weight; tiers by share of "
         f"activations (hot_mass={cutoffs.hot_mass}, cold_mass={cutoffs.cold_mass}); widths of the "
-        f"non-dominant expert hot={inter}, warm={warm}, cold=0 of {inter}; "
+        f"non-dominant expert hot={inter}, warm={warm}, cold={cold} of {inter}; "
     )
     if rule == "routing-weight":
         return common + ("dominance rule 'routing-weight': the heavier expert of each token is dominant (no "

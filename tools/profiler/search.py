@@ -75,10 +75,12 @@ def choose_rule(inputs: ProfileInputs, stats: Stats, packed, rules: list[str], l
 
 
 def _candidates(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, rules: list[str], routing) -> list[tuple]:
-    """(hot, cold, warm, cutoffs, rule, plan with its dominant count) of every setting within the target:
-    the widest Warm width that fits, for each cut-off pair, dominant count and rule."""
+    """(hot, cold, warm, cold width, cutoffs, rule, plan with its dominant count) of every setting within the
+    target: the widest Warm width that fits, for each cut-off pair, Cold width, dominant count and rule."""
     cfg, inter, top_k = inputs.cfg, inputs.inter, inputs.top_k
     target = cfg.search_target_bytes
+    # neurons of a Cold auxiliary (0 = the paper's rule); at least one neuron for a width asked above 0
+    cold_widths = sorted({0 if f == 0 else max(1, round(f * inter)) for f in cfg.search_cold_widths})
     candidates = []
     dominant_counts = ([cfg.num_dominant] if cfg.num_dominant is not None
                        else [d for d in range(1, top_k) if d / top_k <= target + 1e-9])
@@ -92,15 +94,19 @@ def _candidates(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, rules: lis
                 if hot + cold > 1.0:
                     continue
                 cut = TierCutoffs(hot, cold)
-                base_plan = with_d.with_tiers(TierWidths(inter, 0, 0), layer_plans(inputs, stats, cut, rules_d[0]))
-                lo = bytes_fraction(base_plan, routing)
-                if lo > target + 1e-9:
-                    continue
-                one = bytes_fraction(base_plan.with_tiers(TierWidths(inter, inter, 0)), routing)
-                slope = (one - lo) / inter  # bytes fraction per Warm neuron (linear in the width)
-                warm = inter if slope <= 0 else min(inter, int((target - lo) / slope + 1e-9))
-                # bytes depend on the tiers only (dominant experts run full whichever they are)
-                candidates.extend((hot, cold, warm, cut, rule, with_d) for rule in rules_d)
+                tiers = layer_plans(inputs, stats, cut, rules_d[0])
+                for cold_width in cold_widths:
+                    base_plan = with_d.with_tiers(TierWidths(inter, 0, cold_width), tiers)
+                    lo = bytes_fraction(base_plan, routing)
+                    if lo > target + 1e-9:
+                        continue
+                    one = bytes_fraction(base_plan.with_tiers(TierWidths(inter, inter, cold_width)), routing)
+                    slope = (one - lo) / inter  # bytes fraction per Warm neuron (linear in the width)
+                    warm = inter if slope <= 0 else min(inter, int((target - lo) / slope + 1e-9))
+                    if cold_width and (warm < cold_width or cold == 0.0):
+                        continue  # a Cold auxiliary wider than a Warm one inverts the tiers; no Cold tier at 0
+                    # bytes depend on the tiers only (dominant experts run full whichever they are)
+                    candidates.extend((hot, cold, warm, cold_width, cut, rule, with_d) for rule in rules_d)
     return candidates
 
 
@@ -118,12 +124,14 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ru
     log(f"search: {len(candidates)} candidates within {target:.0%} of full-width bytes")
     results = []
     best = None
-    for hot, cold, warm, cut, rule, with_d in candidates:
-        cand = with_d.with_tiers(TierWidths(inter, warm, 0), layer_plans(inputs, stats, cut, rule))
+    for hot, cold, warm, cold_width, cut, rule, with_d in candidates:
+        cand = with_d.with_tiers(TierWidths(inter, warm, cold_width), layer_plans(inputs, stats, cut, rule))
         with MaskedExperts(model, inputs.layers, weights=weights, widths_fn=cand.token_widths):
             sc = score_windows(model, inputs.search_windows, cfg.batch_size)
         rec = {"hot_mass": hot, "cold_mass": cold, "warm_width": warm, "dominance": rule,
                "bytes_fraction": bytes_fraction(cand, routing), "loss": sc.loss, "accuracy": sc.accuracy}
+        if cfg.search_cold_widths != (0.0,):
+            rec["cold_width"] = cold_width
         if inputs.top_k > 2:
             rec["num_dominant"] = cand.num_dominant
         results.append(rec)
@@ -133,13 +141,15 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ru
         raise CliError(f"--search-target-bytes {target}: no tier setting reaches it (dominant experts alone "
                        f"need more); raise the target")
     rec, cand, cut, warm, rule = best
+    cold_width = cand.tier_widths.cold
     log(f"search: chose hot_mass={rec['hot_mass']} cold_mass={rec['cold_mass']} warm_width={warm} "
+        + (f"cold_width={cold_width} " if cold_width else "") +
         f"dominance={rule} num_dominant={cand.num_dominant} "
         f"(bytes {rec['bytes_fraction']:.1%}, loss {rec['loss']:.4f} vs full {full_scores.loss:.4f})")
     chosen = CrispPlan.crisp(
         inputs.num_experts, inputs.top_k, inter, cand.layers, cand.tier_widths, unseen_tier=cand.unseen_tier,
         num_dominant=cand.num_dominant,
-        description=description(inputs, cut, warm, rule, cand.num_dominant)
+        description=description(inputs, cut, warm, rule, cand.num_dominant, cold=cold_width)
         + f" Tier cut-offs and Warm width chosen by a search for "
         f"<= {target:.0%} of full-width bytes per token on held-out calibration windows (lowest loss).",
     )
