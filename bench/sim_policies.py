@@ -44,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from crisp_kernels.tail_layout import PLAIN
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.scheduler import Placement
 from crisp_runtime.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, DominantWiden, HitWidth, ServingPolicy
@@ -190,6 +191,7 @@ _SERVING_KEYS = ("hit_width", "aux_narrower", "aux_missing", "dominant_floor", "
 def read_accuracy(paths: Iterable[str | Path], traced_model: str | None) -> tuple[list[dict], list[str]]:
     """Evaluation records usable for ``traced_model`` (a file of another model is skipped), and notes.
 
+    Each row carries the file's ``tail_layout`` (the pack's precision layout; absent = ``q4``).
     Reads ``crisp-eval --json`` (records: policy = full / crisp / uniform / skip_aux / skip_aux_all,
     relative_accuracy_loss_vs_full; exact serving) and ``crisp-eval --mode decode --json`` (format
     crisp-eval-serving: plan, serving {...}, prefetch, budget_fraction, accuracy_loss).
@@ -207,11 +209,20 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None) -> tupl
         if traced_model is not None and model is not None and Path(str(model)).name != Path(traced_model).name:
             notes.append(f"accuracy: {path} is of {model}, the trace of {traced_model}: not used")
             continue
+        layout = doc.get("tail_layout") or PLAIN.name  # evaluations written before layouts were of 4-bit packs
+        if not isinstance(layout, str):
+            raise ValueError(f"--accuracy {path}: tail_layout must be a layout name, got {layout!r}")
         used = 0
         for r in records:
+            if layout != PLAIN.name and isinstance(r, dict):
+                # crisp-eval on a tail emulation: "full" is the 4-bit reference, "full_layout" the layout's full width
+                if r.get("policy") == "full":
+                    continue
+                if r.get("policy") == "full_layout":
+                    r = {**r, "policy": "full"}
             row = _evaluated(r)
             if row is not None:
-                rows.append({**row, "source": str(path)})
+                rows.append({**row, "source": str(path), "tail_layout": layout})
                 used += 1
         notes.append(f"accuracy: {used} evaluated configurations from {path}")
     return rows, notes
@@ -259,6 +270,7 @@ def _loss(r) -> float | None:
 def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None, str | None]:
     """The evaluated loss of a simulated record's exact configuration, and its source; else (None, None).
 
+    Only an evaluation of the record's tail layout (``tail_layout``, absent = ``q4``) applies.
     Exact serving (outputs independent of the cache): any budget, eviction and prefetch.
     Residency-aware serving: the same serving parameters, budget fraction, eviction policy (an
     evaluation that names none ran the runtime's default, LRU) and prefetch setting (none, or the same
@@ -268,8 +280,9 @@ def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None,
     # Exact: every slot at the plan's width (the "plan" policy, and the CPU placements, which change where an
     # expert runs but not its width).
     exact = record["serving"] == "plan" or ServingPolicy.from_dict(sp).follows_plan
+    layout = record.get("tail_layout", PLAIN.name)
     for ev in evaluated:
-        if ev["family"] != record["policy"] or ev["exact"] != exact:
+        if ev["family"] != record["policy"] or ev["exact"] != exact or ev.get("tail_layout", PLAIN.name) != layout:
             continue
         if not exact:
             if sp.get("placement", "gpu") != "gpu":  # evaluated on the GPU's residency, not a CPU placement's

@@ -637,9 +637,11 @@ def simulate_policies(
     cache_scope: str = "global",
     predicted: np.ndarray | None = None,
     progress=None,
+    budget_bytes: int | None = None,
 ) -> list[dict]:
-    """One record per (policy, order) at ``budget_fraction`` of the target's expert bytes."""
-    budget = int(budget_fraction * shape.total_expert_nbytes)
+    """One record per (policy, order) at ``budget_fraction`` of the target's expert bytes (``budget_bytes``: the
+    budget in bytes when the fraction is of another shape's bytes: a tail layout's, ``bench.tail_sim``)."""
+    budget = int(budget_fraction * shape.total_expert_nbytes) if budget_bytes is None else int(budget_bytes)
     records = []
     for p in policies:
         run_orders = ["widest_first"] if p.prefetch or p.serving.placement.uses_cpu else list(orders)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from crisp_tools.text import read_texts, sample_sequences
 
+from crisp_kernels.tail_layout import PLAIN, TailLayout, parse_tail_layout
 from crisp_runtime import cli_args as ca
 from crisp_runtime.moe_layers import max_positions
 from crisp_runtime.plan import CrispPlan
@@ -35,6 +36,7 @@ from .sim_policies import (
     with_prefetch_widths,
 )
 from .simulate import EVICTIONS as SIM_EVICTIONS
+from .tail_sim import TailMapping
 
 SERVING_NAMES = tuple(SERVING_POLICIES)
 PREFETCH_WIDTHS = tuple(w.value for w in PrefetchWidth)
@@ -140,14 +142,28 @@ def add_parser(subparsers) -> None:
     p.add_argument("--from-json", metavar="SIM.json", type=ca.nonempty_path, action="append", default=None,
                    help="re-report the records of earlier `simulate --json` runs of the same trace (repeatable: "
                    "their records are merged) with accuracy attached anew from --accuracy, without simulating")
+    p.add_argument("--tail-layout", type=_tail_layout, default=PLAIN, metavar="LAYOUT",
+                   help="precision layout of the simulated pack's rows (crisp_kernels.tail_layout): q4 (default, "
+                   "every row 4-bit), m432, m42, q3, or BITSgGROUP@START,... (e.g. 3g64@0.25,2g128@0.5: rows from "
+                   "25%% of I at 3 bits, from 50%% at 2 bits). Every configuration runs on the layout's bytes; the "
+                   "full-width LRU baseline stays 4-bit; accuracy is attached only from evaluations of the same "
+                   "layout (crisp-eval on a crisp_tools.tail_emulation pack)")
     p.add_argument("--warmup", type=ca.nonnegative_int, default=None,
                    help="tokens that fill the cache first, not counted (default: min(32, a quarter of the trace))")
     _outputs(p)
 
 
+def _tail_layout(value: str) -> TailLayout:
+    try:
+        return parse_tail_layout(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def run(args) -> int:
     t0 = time.perf_counter()
     profile, shape, trace, plans, notes = _simulation_inputs(args)
+    layout = args.tail_layout
     print(f"simulate: profile {profile.name} ({profile.description or profile.source})")
     budgets = list(SWEEP) if args.budget_sweep else [args.budget]
     if args.warmup is None:
@@ -165,7 +181,12 @@ def run(args) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     notes += acc_notes
-    _adopt_evaluated_knobs(plans, evaluated, args, notes)  # before the configurations are built from the plans
+    # an evaluation applies to records of its own tail layout only (accuracy_for matches them per record)
+    of_layout = [r for r in evaluated if r["tail_layout"] == layout.name]
+    if len(of_layout) < len(evaluated):
+        notes.append(f"accuracy: {len(evaluated) - len(of_layout)} evaluated configurations of other tail layouts "
+                     f"than {layout.name}: attached to records of their own layout only")
+    _adopt_evaluated_knobs(plans, of_layout, args, notes)  # before the configurations are built from the plans
     prefetch = [False, True] if args.prefetch == "trace" else [False]
     try:
         configs = configurations(plans, args.matrix, serving=args.serving, evictions=args.eviction,
@@ -178,6 +199,14 @@ def run(args) -> int:
             raise CliError("--prefetch-width: the frontier matrix prefetches at the plan's widths only (plan)")
         configs = with_prefetch_widths(configs, args.prefetch_width)
     meta = {c.label: m for c, m in frontier(plans, prefetch[-1])} if args.matrix == "frontier" else {}
+    mapping = None
+    if not layout.is_plain:
+        mapping = TailMapping(layout, trace, shape)
+        try:
+            mapped = [mapping.mapped_policy(c) for c in configs]
+        except ValueError as exc:
+            raise CliError(f"--tail-layout {layout.name}: {exc}") from None
+        notes.append(mapping.note())
     for n in notes:
         print(f"  {n}")
     if args.from_json:
@@ -189,18 +218,35 @@ def run(args) -> int:
         for b in budgets:
             prog = report.Progress(f"simulating budget {b:.0%}")
 
-            def step(config, done, n, prog=prog):
-                prog(configs.index(config) * n + done, len(configs) * n)
+            def step(config, done, n, prog=prog, run=configs if mapping is None else mapped):
+                prog(run.index(config) * n + done, len(run) * n)
 
-            records += sim.simulate_policies(trace, configs, profile, shape, b, orders=args.orders,
-                                             warmup=args.warmup, cache_scope=args.cache_scope, predicted=predicted,
-                                             progress=step)
+            if mapping is None:
+                records += sim.simulate_policies(trace, configs, profile, shape, b, orders=args.orders,
+                                                 warmup=args.warmup, cache_scope=args.cache_scope,
+                                                 predicted=predicted, progress=step)
+                continue
+            # the baseline (mixtral-offloading's 4-bit full-width LRU) unmapped, then every configuration on the
+            # layout's bytes at the same GPU budget in bytes
+            base = [c for c in configs if c.label == BASELINE][:1]
+            records += sim.simulate_policies(trace, base, profile, shape, b, orders=args.orders, warmup=args.warmup,
+                                             cache_scope=args.cache_scope, predicted=predicted)
+            layout_records = sim.simulate_policies(
+                mapping.mapped_trace(), mapped, profile, mapping.mapped_shape(), b, orders=args.orders,
+                warmup=args.warmup, cache_scope=args.cache_scope, predicted=predicted, progress=step,
+                budget_bytes=int(b * shape.total_expert_nbytes))
+            for r in layout_records:
+                r["tail_layout"] = layout.name
+            records += layout_records
         by_label = {c.label: c for c in configs}
         for r in records:
             r["profile"] = profile.name
             r["target"] = shape.name
             r.update(knobs(by_label[r["label"]]))
             r.update(meta.get(r["label"], {}))
+            r.setdefault("tail_layout", PLAIN.name)
+            if r["tail_layout"] != PLAIN.name:
+                r["label"] = f"{r['label']}@{r['tail_layout']}"
     for r in records:
         r["accuracy_loss"], r["accuracy_source"] = accuracy_for(r, evaluated)
     _print_simulation(records, budgets, args, shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from crisp_bench import cli as bench_cli
-from crisp_tools import evaluate, evidence, make_corpus, train_tiny_moe
+from crisp_tools import evaluate, evidence, make_corpus, tail_emulation, train_tiny_moe
 from crisp_tools import profiler as prof
 
 POS_INT = ["0", "-1", "-3", "1.5", "abc", "", "nan", "1e3", "0x10"]
@@ -26,6 +26,8 @@ DEVICES = ["foo", "meta", "cuda:x", "gpu", "", "CPU"] + ([] if torch.cuda.is_ava
 BENCH_FRACTION = ["0", "-0.1", "1.5", "nan", "abc", "", "200%"]
 FRACTION_LIST = ["0", "1.5", "abc", "", "0.5,nan", "0.5,-1", ","]
 INT_LIST = ["0", "-1", "abc", "", "1,x", "1,0", ","]
+TAIL_LAYOUTS_BAD = ["", "m999", "5g64@0.1", "2g32@0.5", "2g64@1.0", "2g64@0.5,3g64@0.25", "2g64@", "2g128@-0.1",
+                    "3g64@0.25,"]
 
 
 def _cases(tool, options: dict[str, list[str]]):
@@ -50,7 +52,7 @@ EVAL = _cases("eval", {
     "--samples": POS_INT, "--seq-len": SEQ_LEN, "--batch-size": POS_INT, "--device": DEVICES,
     "--dtype": ["float64", ""], "--threads": THREADS, "--engine": ["fast", ""], "--json": ["", "DIR", "MISSING"],
     "--mode": ["serve", ""], "--budgets": HALF_OPEN_UNIT, "--prefetch-window": ["", "gtx480", ".json", "missing.json"],
-    "--target": ["gpt4", ""],
+    "--target": ["gpt4", ""], "--reference-crisp": [""],
     "--model": [""], "--crisp": [""], "--data": [""],
 })
 EVIDENCE = _cases("evidence", {
@@ -84,8 +86,12 @@ BENCH = (
         "--eviction": ["fifo", ""], "--warmup": NONNEG_INT, "--record-trace": ["", "DIR", "MISSING"],
         "--trace": [""], "--compare": [""], "--profile-file": [""], "--profile": ["", "gtx480"], "--plan": [""],
         "--matrix": ["bogus", ""], "--serving": ["magic", "", "plan,x"], "--prefetch": ["always", ""],
-        "--prefetch-width": ["full", "", "plan,x"], "--accuracy": [""], "--from-json": [""]})
+        "--prefetch-width": ["full", "", "plan,x"], "--accuracy": [""], "--from-json": [""],
+        "--tail-layout": TAIL_LAYOUTS_BAD})
 )
+TAIL_EMULATION = _cases("tail-emulation", {
+    "--model": [""], "--crisp": [""], "--out": [""], "--layout": TAIL_LAYOUTS_BAD,
+    "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"]})
 CORPUS = _cases("corpus", {"--cap-bytes": POS_INT})
 TRAIN = _cases("train", {
     "--steps": POS_INT, "--seed": SEED, "--batch-size": POS_INT, "--seq-len": SEQ_LEN,
@@ -97,7 +103,7 @@ TRAIN = _cases("train", {
     "--family": ["gpt2", "", "Mixtral"], "--moe-intermediate-size": POS_INT, "--shared-experts": POS_INT,
     "--dense-layers": POS_INT,
 })
-ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN
+ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION
 # The size of the campaign when it was written; shrinking a table must be a decision, not an accident.
 # 660: the 22 cases of `python -m crisp_bench.kernels`'s own --shapes/--widths/--tokens/--json went with
 # that second command line (its other options moved to `crisp-bench kernels`, their cases with them).
@@ -122,6 +128,9 @@ def _prog_argv(tool: str, tmp_path):
         return make_corpus.main, ["--out", str(tmp_path / "corpus")]
     if tool == "train":
         return train_tiny_moe.parse_args, ["--no-save"]
+    if tool == "tail-emulation":
+        return tail_emulation.main, ["--model", model, "--crisp", pack, "--layout", "m432", "--out",
+                                     str(tmp_path / "emulated"), "--tier-widths", "256,40,16", "--quiet"]
     raise AssertionError(tool)
 
 
@@ -191,7 +200,7 @@ def test_unknown_choice_lists_the_choices(capsys):
 def test_case_count():
     counts = {name: len(t) for name, t in (("crisp-profile", PROFILE), ("crisp-eval", EVAL), ("evidence", EVIDENCE),
                                             ("crisp-bench", BENCH), ("make_corpus", CORPUS),
-                                            ("train_tiny_moe", TRAIN))}
+                                            ("train_tiny_moe", TRAIN), ("tail_emulation", TAIL_EMULATION))}
     print(f"\nCLI fuzz: {len(ALL)} cases over {len({(t, o) for t, o, _ in ALL})} options: {counts}")
     assert len(ALL) >= RECORDED_CASES
 
@@ -210,7 +219,7 @@ def test_every_option_of_the_main_tools_is_in_the_tables():
 
     covered = {(t, o) for t, o, _ in ALL}
     parsers = {"profile": prof.build_parser(), "eval": evaluate.build_parser(), "evidence": evidence.build_parser(),
-               "bench": bench_cli.build_parser()}
+               "bench": bench_cli.build_parser(), "tail-emulation": tail_emulation.build_parser()}
     sub = next(a for a in parsers["bench"]._actions if isinstance(a, argparse._SubParsersAction))
     parsers.update({f"bench {name}": p for name, p in sub.choices.items()})
     missing = sorted((tool, opt) for tool, p in parsers.items() for opt in _options(p) if (tool, opt) not in covered)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from crisp_kernels.tail_layout import PLAIN
 from crisp_runtime import cli_args as ca
 from crisp_runtime.baselines import equal_bytes_plans
 from crisp_runtime.outputs import OutputPathError, check_outputs
@@ -53,11 +54,12 @@ from .calibration import (
     stored_weights,
     threads,
 )
+from .tail_emulation import INFO_EMULATION, emulation_of
 
 
 class Evaluator:
     def __init__(self, model_dir, pack_dir, data, *, samples=None, seq_len=256, batch_size=16, device="cpu",
-                 engine="runtime", quiet=False, dtype="auto"):
+                 engine="runtime", quiet=False, dtype="auto", reference_dir=None):
         self.t0 = time.time()
         self.quiet = quiet
         if engine not in ("runtime", "reference"):
@@ -80,6 +82,8 @@ class Evaluator:
             raise CliError(f"--crisp {pack_dir}: the pack was made from other weights than --model {model_dir}")
         if self.plan is None or self.plan.policy is not PolicyKind.CRISP:
             raise CliError(f"--crisp {pack_dir}: the pack has no CRISP plan (plan.json); run crisp-profile")
+        self.tail_layout, self.reference = self._reference(pack_dir, reference_dir, check_layers_fit_model,
+                                                           PackMismatchError)
         self.windows = contiguous_windows(texts, samples, seq_len)
         check_vocab(self.model, self.windows)
         first = next(iter(self.layers.values()))
@@ -91,6 +95,33 @@ class Evaluator:
 
     def log(self, msg):
         log(f"[crisp-eval {time.time() - self.t0:6.1f}s] {msg}", quiet=self.quiet)
+
+    def _reference(self, pack_dir, reference_dir, fits, mismatch):
+        """(the pack's tail layout name, reference (layers, info) or None). A tail-emulated pack
+        (crisp_tools.tail_emulation) is measured against the 4-bit pack it came from, never against its
+        own full width: without ``--reference-crisp`` that would be a silently wrong reference."""
+        try:
+            layout = emulation_of(self.info)
+        except (TypeError, ValueError) as exc:
+            raise CliError(f"--crisp {pack_dir}: {exc}") from None
+        if reference_dir is None:
+            if layout is not None:
+                raise CliError(f"--crisp {pack_dir}: emulates tail layout {layout.name}; its accuracy is relative to "
+                               f"the 4-bit pack it came from: pass --reference-crisp (e.g. "
+                               f"{self.info.get(INFO_EMULATION, {}).get('source_pack', 'the source pack')})")
+            return PLAIN.name, None
+        ref_layers, _, ref_info = load_pack_dir(reference_dir)
+        if emulation_of(ref_info) is not None:
+            raise CliError(f"--reference-crisp {reference_dir}: a tail emulation itself; give a 4-bit pack")
+        try:
+            fits(ref_layers, self.model, info=ref_info)
+        except mismatch as exc:
+            raise CliError(f"--reference-crisp {reference_dir}: {exc}") from exc
+        for lid, lay in self.layers.items():
+            if not torch.equal(ref_layers[lid].neuron_order, lay.neuron_order):
+                raise CliError(f"--reference-crisp {reference_dir}: layer {lid}'s neuron order differs from --crisp "
+                               f"{pack_dir}'s (another profile of the model)")
+        return (PLAIN.name if layout is None else layout.name), (ref_layers, ref_info)
 
     def run_decode(self, budgets, window=None) -> tuple[list[dict], dict]:
         """Runtime in the loop (``crisp_tools.serving_eval``): every default case at every budget fraction;
@@ -131,13 +162,22 @@ class Evaluator:
         records.append(self._record("dense", "dense (unquantized)", dense_bpt, dense, n_tok))
         self.log(f"dense: ppl {dense.perplexity:.4f} acc {dense.accuracy:.4f}")
 
-        runner = self._runtime_runner() if self.engine == "runtime" else self._reference_runner()
-        with runner as run:
+        make = self._runtime_runner if self.engine == "runtime" else self._reference_runner
+        layout_full = None
+        if self.reference is not None:  # the 4-bit reference's full width; then the layout's own
+            with make(*self.reference) as run:
+                ref_full = run(self._plan("full"))
+        with make() as run:
             from crisp_runtime.moe_layers import record_routing
 
             with record_routing(self.model, self.refs) as trace:
                 full = run(self._plan("full"))
-            records.append(self._record("full", "4-bit full width", full[1], full[0], n_tok))
+            if self.reference is not None:
+                full, layout_full = ref_full, full
+                label = "4-bit full width (--reference-crisp)"
+            else:
+                label = "4-bit full width"
+            records.append(self._record("full", label, full[1], full[0], n_tok))
             crisp = run(self.plan)
             records.append(self._record("crisp", "CRISP (pack plan)", crisp[1], crisp[0], n_tok))
             # uniform and skip-aux matched to CRISP's measured bytes per token on the full-width run's routing
@@ -153,6 +193,9 @@ class Evaluator:
             records.append(self._record("skip_aux", label, sk[1], sk[0], n_tok, skip_threshold=threshold))
             ska = run(self._plan("skip_aux"))
             records.append(self._record("skip_aux_all", "skip auxiliary always", ska[1], ska[0], n_tok))
+            if layout_full is not None:
+                records.append(self._record("full_layout", f"{self.tail_layout} full width (4-bit bytes counted)",
+                                            layout_full[1], layout_full[0], n_tok))
         full_acc = records[1]["accuracy"]
         for r in records:
             r["relative_accuracy_loss_vs_full"] = (full_acc - r["accuracy"]) / full_acc if full_acc else None
@@ -169,15 +212,18 @@ class Evaluator:
         return rec
 
     # -- engines: a context manager yielding run(plan) -> (TokenScores, bytes_per_token)
-    def _runtime_runner(self):
+    def _runtime_runner(self, layers=None, info=None):
         import contextlib
 
         from crisp_runtime.hf import apply
         from crisp_runtime.pack import CrispPack
 
+        layers = self.layers if layers is None else layers
+        info = self.info if info is None else info
+
         @contextlib.contextmanager
         def runner():
-            handle = apply(self.model, CrispPack(self.layers, self.plan, self.info), plan=self._plan("full"))
+            handle = apply(self.model, CrispPack(layers, self.plan, info), plan=self._plan("full"))
             try:
                 def run(plan):
                     handle.set_plan(plan)
@@ -191,10 +237,10 @@ class Evaluator:
 
         return runner()
 
-    def _reference_runner(self):
+    def _reference_runner(self, layers=None, info=None):
         import contextlib
 
-        weights = {lid: stored_weights(layer) for lid, layer in self.layers.items()}
+        weights = {lid: stored_weights(layer) for lid, layer in (self.layers if layers is None else layers).items()}
 
         @contextlib.contextmanager
         def runner():
@@ -278,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(as crisp-bench simulate --target maps a trace; native: the pack's own bytes)")
     p.add_argument("--engine", default="runtime", choices=("runtime", "reference"),
                    help="runtime: crisp_runtime.apply with the packed 4-bit experts; reference: dequantize + mask")
+    p.add_argument("--reference-crisp", default=None, metavar="PACK", type=ca.nonempty_path,
+                   help="the 4-bit pack whose full width is the reference of every relative loss (required for a "
+                        "tail-emulated --crisp from crisp_tools.tail_emulation: its source pack); batch mode only")
     p.add_argument("--json", default=None, metavar="PATH", type=ca.nonempty_path,
                    help="also write the records as JSON (atomically; never onto an input or into the pack or model "
                         "folder)")
@@ -324,11 +373,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         profile = _load_window_profile(args)
-        check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data})
+        check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data,
+                                              "--reference-crisp": args.reference_crisp})
+        if args.reference_crisp is not None and args.mode == "decode":
+            raise CliError("--reference-crisp: batch mode only (the runtime's cache in --mode decode counts 4-bit "
+                           "bytes, not a tail layout's)")
         with threads(args.threads):
             ev = Evaluator(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
                            batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet,
-                           dtype=args.dtype)
+                           dtype=args.dtype, reference_dir=args.reference_crisp)
             if args.mode == "decode":
                 return _decode_main(ev, args, None if profile is None else ev.prefetch_window(profile, args.target))
             records = ev.run()
@@ -349,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         dump_json(args.json, {"model": args.model, "crisp": args.crisp, "data": args.data,
+                              "tail_layout": ev.tail_layout, "reference_crisp": args.reference_crisp,
                               "windows": list(ev.windows.shape), "engine": args.engine,
                               "full_width_bytes_per_token": ev.full_bpt, "records": records, "verdict": v,
                               "plan_description": ev.plan.description,
