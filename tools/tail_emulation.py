@@ -16,8 +16,9 @@ are still 4-bit's (the layout's speed is ``crisp-bench simulate --tail-layout``)
 are the source pack's, bit for bit.
 
 The result is a pack folder (written atomically, never over an existing path) whose pack.json records
-``tail_layout`` and ``tail_emulation`` (source pack, source digest): ``crisp-eval`` then takes the
-source pack's full width as the reference of every loss (``--reference-crisp``) and writes the layout
+``tail_layout`` and ``tail_emulation`` (the source pack; its experts file record when it has one):
+``crisp-eval`` takes the source pack's full width as the reference of every loss (``--reference-crisp``)
+and writes the layout
 into its JSON, so that ``crisp-bench simulate --tail-layout`` attaches that accuracy to that layout only.
 ``--tier-widths`` stores the pack's plan with other tier widths (neurons of the non-dominant expert in
 Hot / Warm / Cold pairs), e.g. to evaluate a Cold auxiliary kept at a few neurons.
@@ -123,8 +124,8 @@ def emulation_of(info: dict) -> TailLayout | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ca.Parser(prog="python -m crisp_tools.tail_emulation", description=__doc__.split("\n\n")[0],
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ca.Parser(prog="python -m crisp_tools.tail_emulation", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=ca.nonempty_path, help="the transformers checkpoint of the pack")
     p.add_argument("--crisp", required=True, type=ca.nonempty_path, help="the 4-bit CRISP pack folder to emulate from")
     p.add_argument("--layout", required=True, type=_layout,
