@@ -325,3 +325,29 @@ def test_eval_of_an_emulation_needs_its_4bit_reference(emulated, tmp_path, capsy
     assert by["full_layout"]["perplexity"] != pytest.approx(ref["full"]["perplexity"], rel=1e-6)
     assert by["full_layout"]["bytes_per_token"] == by["full"]["bytes_per_token"]  # 4-bit bytes counted
     assert "m432" in by["full_layout"]["label"] and np.isfinite(by["full_layout"]["perplexity"])
+
+
+def test_emulation_of_a_corrupt_pack_is_refused_and_writes_nothing(tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "pack"
+    shutil.copytree(TINY_PACK, src)
+    data = bytearray((src / "experts.safetensors").read_bytes())
+    data[-100] ^= 0xFF  # one byte of the last tensor
+    (src / "experts.safetensors").write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert te.main(["--model", str(TINY), "--crisp", str(src), "--layout", "m432", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--crisp" in err and len([line for line in err.splitlines() if line.strip()]) == 1
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["pack"]
+
+
+def test_an_interrupted_emulation_leaves_nothing(tmp_path, monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(te, "emulate_layer", interrupt)
+    out = tmp_path / "out"
+    rc = te.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "m432", "--out", str(out), "--quiet"])
+    assert rc == 130 and "interrupted" in capsys.readouterr().err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
