@@ -188,9 +188,13 @@ def knobs(policy: SimPolicy) -> dict:
 _SERVING_KEYS = ("hit_width", "aux_narrower", "aux_missing", "dominant_floor", "dominant_widen")
 
 
-def read_accuracy(paths: Iterable[str | Path], traced_model: str | None) -> tuple[list[dict], list[str]]:
+def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_plan: CrispPlan | None = None
+                  ) -> tuple[list[dict], list[str]]:
     """Evaluation records usable for ``traced_model`` (a file of another model is skipped), and notes.
 
+    A file that records the widths digest of the CRISP plan it evaluated (``plan_widths_sha256``) is used
+    only when that is ``crisp_plan``'s: its CRISP rows are that plan's, and its uniform / skip-aux rows are
+    matched to that plan's bytes.
     Each row carries the file's ``tail_layout`` (the pack's precision layout; absent = ``q4``).
     Reads ``crisp-eval --json`` (records: policy = full / crisp / uniform / skip_aux / skip_aux_all,
     relative_accuracy_loss_vs_full; exact serving) and ``crisp-eval --mode decode --json`` (format
@@ -212,6 +216,13 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None) -> tupl
         layout = doc.get("tail_layout") or PLAIN.name  # evaluations written before layouts were of 4-bit packs
         if not isinstance(layout, str):
             raise ValueError(f"--accuracy {path}: tail_layout must be a layout name, got {layout!r}")
+        digest = doc.get("plan_widths_sha256")  # absent: written before it was recorded (trusted)
+        if digest is not None and not isinstance(digest, str):
+            raise ValueError(f"--accuracy {path}: plan_widths_sha256 must be a string, got {digest!r}")
+        if crisp_plan is not None and digest is not None and digest != crisp_plan.widths_digest():
+            notes.append(f"accuracy: {path} was evaluated with another CRISP plan than the one simulated "
+                         f"(plan_widths_sha256 {digest[:12]}...): not used")
+            continue
         used = 0
         for r in records:
             if layout != PLAIN.name and isinstance(r, dict):

@@ -177,7 +177,7 @@ def run(args) -> int:
     accuracy_files = args.accuracy if args.accuracy is not None else [
         str(REPO_ROOT / f) for f in DEFAULT_ACCURACY if (REPO_ROOT / f).is_file()]
     try:
-        evaluated, acc_notes = read_accuracy(accuracy_files, trace.meta.get("model"))
+        evaluated, acc_notes = read_accuracy(accuracy_files, trace.meta.get("model"), plans.get("crisp"))
     except ValueError as exc:
         raise CliError(str(exc)) from None
     notes += acc_notes

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -520,6 +521,13 @@ class CrispPlan:
                 for layer_id, lp in sorted(self.layers.items())
             }
         return out
+
+    def widths_digest(self) -> str:
+        """sha256 of everything in the plan that decides a width (its JSON without the description): two
+        plans with one digest give every routed slot the same width. Evaluations record it so that an
+        accuracy is attached only to the plan it was measured with."""
+        data = {k: v for k, v in self.to_dict().items() if k != "description"}
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CrispPlan:

@@ -315,6 +315,9 @@ def test_eval_of_an_emulation_needs_its_4bit_reference(emulated, tmp_path, capsy
     assert evaluate.main([*base, "--reference-crisp", str(TINY_PACK), "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert doc["tail_layout"] == "m432" and doc["reference_crisp"] == str(TINY_PACK)
+    from crisp_runtime.pack import load_pack
+
+    assert doc["plan_widths_sha256"] == load_pack(emulated).plan.widths_digest()
     by = {r["policy"]: r for r in doc["records"]}
     assert by["full"]["relative_accuracy_loss_vs_full"] == 0.0
     plain = tmp_path / "q4.json"
@@ -351,3 +354,20 @@ def test_an_interrupted_emulation_leaves_nothing(tmp_path, monkeypatch, capsys):
     rc = te.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "m432", "--out", str(out), "--quiet"])
     assert rc == 130 and "interrupted" in capsys.readouterr().err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_evaluation_of_another_plan_is_not_attached(tmp_path):
+    plan = CrispPlan.load(TINY_PACK / "plan.json")
+    assert plan.widths_digest() == replace(plan, description="other words").widths_digest()
+    other = plan.with_tiers(TierWidths(256, 40, 16))
+    assert other.widths_digest() != plan.widths_digest()
+    path = _write_eval(tmp_path / "e.json", None, {"full": 0.0, "crisp": 0.0092})
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "plan_widths_sha256": other.widths_digest()}))
+    rows, notes = sim_policies.read_accuracy([path], "models/tiny-mixtral", plan)
+    assert rows == [] and any("another CRISP plan" in n for n in notes)
+    rows, _ = sim_policies.read_accuracy([path], "models/tiny-mixtral", other)
+    assert [r["accuracy_loss"] for r in rows] == [0.0, 0.0092]
+    rows, _ = sim_policies.read_accuracy([_write_eval(tmp_path / "old.json", None, {"crisp": 0.013})],
+                                         "models/tiny-mixtral", other)
+    assert len(rows) == 1  # written before the digest was recorded: trusted, as before

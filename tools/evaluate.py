@@ -406,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                               "windows": list(ev.windows.shape), "engine": args.engine,
                               "full_width_bytes_per_token": ev.full_bpt, "records": records, "verdict": v,
                               "plan_description": ev.plan.description,
+                              "plan_widths_sha256": ev.plan.widths_digest(),
                               "elapsed_s": round(time.time() - ev.t0, 1)})
     return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
 
@@ -415,6 +416,7 @@ def _decode_main(ev: Evaluator, args, window=None) -> int:
     print(serving_eval.format_table(records))
     if args.json:
         serving_eval.write_serving_json(args.json, records, {"model": args.model, "crisp": args.crisp,
+                                                             "plan_widths_sha256": ev.plan.widths_digest(),
                                                              "data": args.data, **meta})
     return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
 
