@@ -78,7 +78,8 @@ class TailMapping:
         return replace(policy, plan=self.mapped_plan(policy.plan), serving=serving)
 
     def note(self) -> str:
-        frac = self.full / (self.trace.intermediate_size * self.scale)
+        shape = self.shape
+        frac = self.layout.full_fraction(shape.intermediate_size, shape.hidden_size, shape.neuron_nbytes)
         return (f"tail layout {self.layout.name} ({self.layout.spec()}): a full expert is {frac:.1%} of the 4-bit "
                 f"bytes ({self.full:,} 4-bit-neuron rows of {self.shape.neuron_nbytes:,} B); widths mapped to those "
                 "rows (exact to one neuron's bytes); the budget is a fraction of the 4-bit expert bytes")

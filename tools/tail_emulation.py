@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from crisp_kernels.format import PackedLayer, pack_nibbles, unpack_nibbles
-from crisp_kernels.tail_layout import TailLayout, parse_tail_layout
+from crisp_kernels.tail_layout import TailLayout, TailSegment, parse_tail_layout
 from crisp_runtime import cli_args as ca
 from crisp_runtime.outputs import OutputPathError, check_outputs
 from crisp_runtime.plan import TierWidths
@@ -118,8 +118,6 @@ def emulation_of(info: dict) -> TailLayout | None:
         return None
     if not isinstance(spec, dict) or not isinstance(spec.get("segments"), list):
         raise ValueError(f"pack.json {INFO_LAYOUT}: expected {{name, segments}}, got {spec!r}")
-    from crisp_kernels.tail_layout import TailSegment
-
     return TailLayout(spec.get("name"), tuple(TailSegment(*s) for s in spec["segments"]))
 
 
