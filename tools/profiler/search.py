@@ -96,6 +96,8 @@ def _candidates(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, rules: lis
                 cut = TierCutoffs(hot, cold)
                 tiers = layer_plans(inputs, stats, cut, rules_d[0])
                 for cold_width in cold_widths:
+                    if cold_width and cold == 0.0:
+                        continue  # no Cold tier: every Cold width is the same plan as 0
                     base_plan = with_d.with_tiers(TierWidths(inter, 0, cold_width), tiers)
                     lo = bytes_fraction(base_plan, routing)
                     if lo > target + 1e-9:
@@ -103,8 +105,8 @@ def _candidates(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, rules: lis
                     one = bytes_fraction(base_plan.with_tiers(TierWidths(inter, inter, cold_width)), routing)
                     slope = (one - lo) / inter  # bytes fraction per Warm neuron (linear in the width)
                     warm = inter if slope <= 0 else min(inter, int((target - lo) / slope + 1e-9))
-                    if cold_width and (warm < cold_width or cold == 0.0):
-                        continue  # a Cold auxiliary wider than a Warm one inverts the tiers; no Cold tier at 0
+                    if cold_width and warm < cold_width:
+                        continue  # a Cold auxiliary wider than a Warm one inverts the tiers
                     # bytes depend on the tiers only (dominant experts run full whichever they are)
                     candidates.extend((hot, cold, warm, cold_width, cut, rule, with_d) for rule in rules_d)
     return candidates
