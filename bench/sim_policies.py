@@ -226,8 +226,9 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
         used = 0
         for r in records:
             if layout != PLAIN.name and isinstance(r, dict):
-                # crisp-eval on a tail emulation: "full" is the 4-bit reference, "full_layout" the layout's full width
-                if r.get("policy") == "full":
+                # crisp-eval on a tail layout: "full" is the 4-bit reference, "full_layout" the layout's full width
+                # (batch records; "full-exact" / "full_layout-exact" in --mode decode, whose family is "plan")
+                if r.get("policy") in ("full", "full-exact"):
                     continue
                 if r.get("policy") == "full_layout":
                     r = {**r, "policy": "full"}

@@ -3,9 +3,11 @@
 The simulator, the residency ledger, the scheduler and the copy window count an expert prefix's
 bytes as ``width x bytes per neuron``. A tail layout's prefix bytes are piecewise linear in the
 width, and monotone, so the simulation is mapped instead of rewritten: every width k (traced
-neurons) becomes ``bytes(k) / bytes of one 4-bit target neuron`` rows, rounded to one target
+neurons) becomes ``bytes(k) / bytes of one 4-bit target neuron`` rows, rounded up to one target
 neuron (1/14,336 of a Mixtral expert), and the target shape's I becomes the full expert's rows in
-that unit. Prefixes stay prefixes (a resident width-k expert serves every k' <= k), so hits, misses,
+that unit. For a layout a pack stores (``2gG@F``, G twice the pack's group: ``crisp_tools.tail_pack``)
+these are the pack's own storage rows, ``crisp_kernels.format.rows_for_neurons``, exactly (a test
+checks). Prefixes stay prefixes (a resident width-k expert serves every k' <= k), so hits, misses,
 widenings, evictions, prefetches and bytes are what a runtime counting the layout's bytes would
 see, through the runtime's own code. Dominant floors are fractions of the neurons and are mapped
 the same way. The budget stays a fraction of the 4-bit model's expert bytes (equal GPU memory).
@@ -39,7 +41,7 @@ class TailMapping:
         shape = self.shape
         nbytes = self.layout.prefix_nbytes(int(width) * self.scale, shape.intermediate_size, shape.hidden_size,
                                            shape.neuron_nbytes)
-        return round(nbytes / shape.neuron_nbytes)
+        return -(-nbytes // shape.neuron_nbytes)  # rounded up: a layout a pack stores holds whole rows
 
     def mapped_trace(self) -> Trace:
         t = self.trace

@@ -32,7 +32,7 @@ from .checks import (
     check_token_vector,
     check_width,
 )
-from .format import PackedExpert, apply_activation, dequantize_expert
+from .format import TAIL_NEURONS_PER_ROW, PackedExpert, apply_activation, dequantize_expert
 
 
 class Backend(enum.Enum):
@@ -193,6 +193,11 @@ def effective_token_widths(width: int, token_widths: torch.Tensor | None, num_to
     return token_widths.to(torch.int64).clamp(0, width)
 
 
+def tail_token_neurons(widths: torch.Tensor, tail_start: int) -> torch.Tensor:
+    """Per-token widths in storage rows -> neurons (``format.neurons_in_rows`` elementwise): (T,) int64."""
+    return torch.where(widths > tail_start, tail_start + TAIL_NEURONS_PER_ROW * (widths - tail_start), widths)
+
+
 def expert_mlp_ref(
     x: torch.Tensor,
     packed: PackedExpert,
@@ -203,13 +208,16 @@ def expert_mlp_ref(
 ) -> torch.Tensor:
     """``down(act(gate(x), up(x)))`` over the first ``width`` neurons; (T, H) in ``compute_dtype``.
 
+    With a 2-bit tail (``packed.tail_start``) ``width`` and ``token_widths`` count storage rows, and a row
+    holds ``format.neurons_in_rows`` neurons (two per tail row).
+
     act is ``packed.activation`` (silu(gate) * up by default). Neurons j >= token_widths[t]
     contribute nothing to token t. With biases (gpt-oss): gate/up biases per neuron, and the
     down bias added in full to every token whose width min(width, token_widths[t]) is >= 1 (a
     token at width 0 gets nothing, as an expert run at width 0 is skipped).
     """
     width = check_width(width, packed)
-    gate, up, down = dequantize_expert(packed, width, dtype=compute_dtype)  # (k, H), (k, H), (H, k)
+    gate, up, down = dequantize_expert(packed, width, dtype=compute_dtype)  # (n, H), (n, H), (H, n): n neurons
     xc = x.to(compute_dtype)
     pre_gate, pre_up = F.linear(xc, gate), F.linear(xc, up)  # (T, k)
     if packed.bias is not None:
@@ -219,7 +227,8 @@ def expert_mlp_ref(
     widths = None
     if token_widths is not None:
         widths = effective_token_widths(width, token_widths, x.shape[0], x.device)
-        keep = torch.arange(width, device=x.device).unsqueeze(0) < widths.unsqueeze(1)  # (T, k)
+        neurons = tail_token_neurons(widths, packed.tail_start) if packed.tail_start is not None else widths
+        keep = torch.arange(gate.shape[0], device=x.device).unsqueeze(0) < neurons.unsqueeze(1)  # (T, n)
         hidden = hidden * keep
     out = F.linear(hidden, down)  # (T, H)
     if packed.down_bias is not None and width:

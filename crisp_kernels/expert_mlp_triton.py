@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import interpreter_enabled, tl, triton
-from .format import SYMMETRIC_ZERO, ActivationKind, PackedExpert
+from .format import SYMMETRIC_ZERO, ActivationKind, PackedExpert, tail_group_size
 
 # ----------------------------------------------------------------------------- constants
 
@@ -496,6 +496,10 @@ def expert_mlp_triton(
     num_tokens, hidden = x.shape
     if num_tokens == 0 or width == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if packed.has_tail and width > packed.tail_start:  # 4-bit head + 2-bit tail, both added into fp32
+        out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+        _head_and_tail(out, x, packed, width, None, None, token_widths, plan)
+        return out.to(x.dtype)
     plan = plan or select_plan(num_tokens, hidden, width, x.device)
     if plan.split > 1:  # several programs add into each output element: fp32 atomics
         out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
@@ -533,9 +537,28 @@ def expert_mlp_accumulate_triton_(
     num_tokens = rows.shape[0]
     if num_tokens == 0 or width == 0:
         return out
+    if packed.has_tail and width > packed.tail_start:
+        _head_and_tail(out, x, packed, width, rows, weights, token_widths, plan)
+        return out
     plan = plan or select_plan(num_tokens, x.shape[1], width, x.device)
     _launch(
         x, packed, width, num_tokens, out,
         rows=rows, weights=weights, token_widths=token_widths, atomic=True, plan=plan,
     )  # fmt: skip
     return out
+
+
+def _head_and_tail(out, x, packed: PackedExpert, width: int, rows, weights, token_widths, plan) -> None:
+    """A call reaching a 2-bit tail (``width > packed.tail_start``): the 4-bit rows with the kernels above
+    (the same token widths: j < min(tail_start, tw)), then the tail's neurons with the 2-bit kernels
+    (``expert_mlp_tail_triton``), both added into the fp32 ``out``."""
+    from .expert_mlp_tail_triton import tail_mlp_accumulate_triton_
+
+    num_tokens = x.shape[0] if rows is None else rows.shape[0]
+    head = packed.tail_start
+    if head:
+        _launch(x, packed, head, num_tokens, out, rows=rows, weights=weights, token_widths=token_widths,
+                atomic=True, plan=plan or select_plan(num_tokens, x.shape[1], head, x.device))
+    q2, s2, z2 = packed.tail_tensors(width)  # (2 (width - head), 3, H/4) ...: neuron-major views
+    tail_tw = None if token_widths is None else (token_widths.to(torch.int64) - head).clamp_min(0) * 2
+    tail_mlp_accumulate_triton_(out, x, q2, s2, z2, tail_group_size(packed.fmt), q2.shape[0], rows, weights, tail_tw)

@@ -58,7 +58,8 @@ class CrispExperts(nn.Module):
 
     layer: the packed experts (its tensors become buffers, so ``.to(device)`` moves them; a
         dtype cast such as ``.to(torch.bfloat16)`` leaves the packed format untouched).
-    widths: (E,) neurons used per expert (list or int tensor); None = all.
+    widths: (E,) neurons used per expert (list or int tensor); None = all. With a 2-bit tail
+        (``layer.tail_start``) widths count storage rows (``crisp_kernels.format``: two neurons per tail row).
     token_width_fn: optional ``fn(top_k_index, top_k_weights) -> (T, k)`` int widths per routed
         slot (e.g. a CRISP plan narrowing the auxiliary expert of a combination); a slot uses
         ``min(widths[e], width)`` neurons. ``forward(..., token_widths=)`` overrides it per call.
@@ -87,6 +88,7 @@ class CrispExperts(nn.Module):
         self.register_buffer("bias", layer.bias)  # (E, I, 2) float32 or None (gpt-oss only)
         self.register_buffer("down_bias", layer.down_bias)  # (E, H) float32 or None
         self.activation = layer.activation
+        self.tail_start = layer.tail_start  # storage row where 2-bit neuron pairs begin, or None
         self.widths = widths
         self.token_width_fn = token_width_fn
         self.backend = backend
@@ -136,7 +138,7 @@ class CrispExperts(nn.Module):
     def layer(self) -> PackedLayer:
         """The packed experts (views of the buffers), e.g. to save them."""
         return PackedLayer(self.fmt, self.qweight, self.scales, self.zeros, self.neuron_order, self.bias,
-                           self.down_bias, self.activation)
+                           self.down_bias, self.activation, self.tail_start)
 
     def expert(self, index: int) -> PackedExpert:
         """Zero-copy view of expert ``index`` at full width."""
@@ -144,7 +146,7 @@ class CrispExperts(nn.Module):
             return None if t is None else t[index]
 
         return PackedExpert(self.fmt, self.qweight[index], self.scales[index], row(self.zeros), row(self.bias),
-                            row(self.down_bias), self.activation)
+                            row(self.down_bias), self.activation, self.tail_start)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype) / .half() cast floating-point buffers; the fp16 scales are part of the
@@ -163,6 +165,8 @@ class CrispExperts(nn.Module):
 
     def extra_repr(self) -> str:
         fmt = f"g{self.fmt.group_size} {'sym' if self.fmt.symmetric else 'asym'}"
+        if self.tail_start is not None:
+            fmt += f", 2-bit tail from row {self.tail_start}"
         return (
             f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
             f"format=4-bit {fmt}, widths={list(self.widths)}"

@@ -27,6 +27,19 @@ The activation between the two stages is a property of the model, :class:`Activa
 (``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
 ``(up + 1) * gate * sigmoid(alpha * gate)``, alpha 1.702 and limit 7.0 in its config).
 
+**2-bit tail rows** (``tail_start``, optional): CRISP's order says which neurons matter least, so
+a pack may store its rows from ``tail_start`` on at 2 bits, groups of ``2 g``, asymmetric. Each such
+*storage row* holds two neurons in exactly the bytes of one 4-bit row: row r >= tail_start of
+qweight (3, H/2), scales (3, H/g) and zeros (3, H/g), read flat, is neurons 2(r - tail_start) and
+2(r - tail_start) + 1 of the tail, each (3, H/4) codes, (3, H/2g) scales, (3, H/2g) zeros. So the
+tail is a neuron-major 2-bit tensor (``PackedExpert.tail_tensors``) and every row of the pack
+costs the same ``neuron_nbytes``: budgets, ledgers and copies count storage rows unchanged. A
+width is then a number of storage rows: ``r`` rows hold ``neurons_in_rows(r, tail_start)`` neurons
+(a last odd tail neuron is padded with zero weights, which add exactly 0). Byte b of a 2-bit
+H-vector holds elements 4b + i in bits [2i, 2i + 2). Measured on the tiny trained Mixtral
+(docs/residency-and-serving.md, session 8): 25% of the neurons 4-bit and the rest 2-bit g128 is
+62.5% of the 4-bit bytes; tails are for asymmetric packs without biases (gpt-oss is refused).
+
 Zero points are kept as one byte per group rather than packed to 4 bits: at H=4096, g=64
 they are 192 of 6,720 bytes per neuron (2.9%); packing would save 1.4% of the bytes and
 cost an extra unpack in every kernel.
@@ -49,6 +62,12 @@ SCALE_DTYPE = torch.float16
 # cast to fp16: 2**-24 is fp16's smallest subnormal (a floor of 1e-8 rounded to a 0 scale).
 _MIN_SCALE = 2.0**-24
 _BIAS_ROW_NBYTES = 2 * BIAS_DTYPE.itemsize  # a neuron's gate and up bias
+TAIL_BITS = 2
+TAIL_QMAX = (1 << TAIL_BITS) - 1  # 3
+TAIL_NEURONS_PER_ROW = BITS // TAIL_BITS  # 2: one storage row holds two tail neurons
+# Clip ratios tried per 2-bit group (least squared error wins): at 2 bits min-max wastes most of its
+# four levels on outliers; on the tiny Mixtral the search cut the tail's SQNR loss (session 8, emulation).
+TAIL_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 
 
 class Proj(enum.IntEnum):
@@ -219,6 +238,93 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+def pack_crumbs(q: torch.Tensor) -> torch.Tensor:
+    """(..., H) uint8 in [0, 3] -> (..., H/4) uint8, element 4b + i in bits [2i, 2i + 2) of byte b."""
+    if q.shape[-1] % 4:
+        raise ValueError(f"pack_crumbs: last dimension must be a multiple of 4, got {q.shape[-1]}")
+    return q[..., 0::4] | (q[..., 1::4] << 2) | (q[..., 2::4] << 4) | (q[..., 3::4] << 6)
+
+
+def unpack_crumbs(packed: torch.Tensor) -> torch.Tensor:
+    """(..., H/4) uint8 -> (..., H) uint8, inverse of :func:`pack_crumbs`."""
+    parts = [(packed >> shift) & TAIL_QMAX for shift in (0, 2, 4, 6)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 4)
+
+
+def tail_group_size(fmt: QuantFormat) -> int:
+    """The 2-bit tail's group size: twice the head's, so that two tail neurons fill one row's scales."""
+    return TAIL_NEURONS_PER_ROW * fmt.group_size
+
+
+def neurons_in_rows(rows: int, tail_start: int | None) -> int:
+    """Neurons the first ``rows`` storage rows hold (``tail_start`` None: one per row)."""
+    if tail_start is None or rows <= tail_start:
+        return rows
+    return tail_start + TAIL_NEURONS_PER_ROW * (rows - tail_start)
+
+
+def rows_for_neurons(neurons: int, tail_start: int | None) -> int:
+    """Storage rows that hold the first ``neurons`` neurons (the least r with neurons_in_rows(r) >= neurons)."""
+    if tail_start is None or neurons <= tail_start:
+        return neurons
+    return tail_start + -(-(neurons - tail_start) // TAIL_NEURONS_PER_ROW)
+
+
+def quantize_tail_rows(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``w`` (..., H) to 2 bits, asymmetric, groups of ``group_size`` along the last axis: per group
+    the clip ratio of ``TAIL_CLIP_RATIOS`` with the least squared error. Returns (q (..., H) uint8 in [0, 3],
+    scales (..., H/g) fp16, zeros (..., H/g) uint8 in [0, 3]); the stored fp16 scale is the one rounded with,
+    so a weight on the grid round-trips exactly."""
+    hidden = w.shape[-1]
+    if group_size <= 0 or hidden % group_size or group_size % 4:
+        raise ValueError(f"quantize_tail_rows: group_size={group_size} must be a positive multiple of 4 dividing "
+                         f"H={hidden}")
+    groups = w.float().reshape(*w.shape[:-1], hidden // group_size, group_size)
+    lo_all = groups.amin(-1, keepdim=True).clamp(max=0)  # the grid contains 0, as the 4-bit format's
+    hi_all = groups.amax(-1, keepdim=True).clamp(min=0)
+    best = None
+    for ratio in TAIL_CLIP_RATIOS:
+        scale = ((hi_all - lo_all) * ratio / TAIL_QMAX).clamp_min(_MIN_SCALE).to(SCALE_DTYPE)
+        zero = torch.round(-lo_all * ratio / scale.float()).clamp(0, TAIL_QMAX)
+        q = torch.round(groups / scale.float() + zero).clamp(0, TAIL_QMAX)
+        err = ((q - zero) * scale.float() - groups).square().sum(-1, keepdim=True)
+        if best is None:
+            best = [err, q, zero, scale]
+            continue
+        better = err < best[0]
+        best = [torch.where(better, new, old) for new, old in zip((err, q, zero, scale), best, strict=True)]
+    _, q, zero, scale = best
+    return (q.to(torch.uint8).reshape(w.shape), scale.squeeze(-1).contiguous(),
+            zero.squeeze(-1).to(torch.uint8).contiguous())
+
+
+def _tail_view(t: torch.Tensor, tail_start: int) -> torch.Tensor:
+    """Storage rows [tail_start, W) of one expert's (W, 3, n) tensor as (2 (W - tail_start), 3, n / 2)."""
+    rows = t[tail_start:]
+    return rows.reshape(rows.shape[0] * TAIL_NEURONS_PER_ROW, NUM_PROJ, rows.shape[-1] // TAIL_NEURONS_PER_ROW)
+
+
+def tail_rows_from_neurons(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """2-bit tail neurons (..., N, 3, H) codes, (..., N, 3, H/gt) scales and zeros -> storage rows
+    (..., ceil(N/2), 3, H/2) uint8, (..., ceil(N/2), 3, H/g) fp16 and uint8: the layout of the module docstring.
+    An odd last neuron is padded with a zero-weight neuron (codes = zero point 0, the smallest scale)."""
+    n = q.shape[-3]
+    if n % TAIL_NEURONS_PER_ROW:
+        pad = [0, 0, 0, 0, 0, 1]  # one more neuron along the N axis
+        q = torch.nn.functional.pad(q, pad)
+        zeros = torch.nn.functional.pad(zeros, pad)
+        scales = torch.cat((scales, torch.full_like(scales[..., :1, :, :], _MIN_SCALE)), dim=-3)
+    lead = q.shape[:-3]
+    rows = q.shape[-3] // TAIL_NEURONS_PER_ROW
+
+    def to_rows(t):  # (..., 2 r, 3, n) -> (..., r, 3, 2 n): two neurons' bytes, one after the other
+        return t.reshape(*lead, rows, TAIL_NEURONS_PER_ROW * NUM_PROJ * t.shape[-1]).reshape(
+            *lead, rows, NUM_PROJ, TAIL_NEURONS_PER_ROW * t.shape[-1])
+
+    return to_rows(pack_crumbs(q)).contiguous(), to_rows(scales).contiguous(), to_rows(zeros).contiguous()
+
+
 # ----------------------------------------------------------------------------- containers
 
 
@@ -243,10 +349,33 @@ class PackedExpert:
     bias: torch.Tensor | None = None  # (W, 2) float32: [gate bias, up bias] of neuron j in row j
     down_bias: torch.Tensor | None = None  # (H,) float32, the expert's (not a neuron's)
     activation: Activation = SILU_GLU
+    tail_start: int | None = None  # storage row where 2-bit neuron pairs begin (module docstring); None: none
 
     def __post_init__(self) -> None:
         _check_packed_tensors(self.fmt, self.qweight, self.scales, self.zeros, leading=1, what="PackedExpert")
         _check_biases(self.qweight, self.bias, self.down_bias, self.activation, leading=1, what="PackedExpert")
+        _check_tail(self.fmt, self.qweight, self.bias, self.tail_start, "PackedExpert")
+
+    @property
+    def has_tail(self) -> bool:
+        """Whether any stored row holds 2-bit tail neurons."""
+        return self.tail_start is not None and self.qweight.shape[0] > self.tail_start
+
+    def neurons(self, width: int | None = None) -> int:
+        """Neurons held by the first ``width`` storage rows (all rows: None)."""
+        return neurons_in_rows(_check_prefix_width(width, self.width), self.tail_start)
+
+    def head_width(self, width: int | None = None) -> int:
+        """4-bit rows among the first ``width``."""
+        width = _check_prefix_width(width, self.width)
+        return width if self.tail_start is None else min(width, self.tail_start)
+
+    def tail_tensors(self, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The 2-bit neurons of the first ``width`` rows, neuron-major (views when the rows are contiguous):
+        codes (N, 3, H/4) uint8, scales (N, 3, H/2g) fp16, zeros (N, 3, H/2g) uint8, N = 2 x tail rows."""
+        width = _check_prefix_width(width, self.width)
+        start = self.head_width(width)
+        return tuple(_tail_view(t[:width], start) for t in (self.qweight, self.scales, self.zeros))
 
     @property
     def width(self) -> int:
@@ -308,16 +437,27 @@ class PackedLayer:
     bias: torch.Tensor | None = None  # (E, I, 2) float32, stored neuron order like qweight
     down_bias: torch.Tensor | None = None  # (E, H) float32
     activation: Activation = SILU_GLU
+    tail_start: int | None = None  # storage row where 2-bit neuron pairs begin (module docstring); None: none
 
     def __post_init__(self) -> None:
         _check_packed_tensors(self.fmt, self.qweight, self.scales, self.zeros, leading=2, what="PackedLayer")
         _check_biases(self.qweight, self.bias, self.down_bias, self.activation, leading=2, what="PackedLayer")
-        expected = tuple(self.qweight.shape[:2])
-        if self.neuron_order.dtype != torch.int64 or tuple(self.neuron_order.shape) != expected:
-            raise ValueError(
-                f"PackedLayer.neuron_order: expected int64 of shape {expected}, "
-                f"got {self.neuron_order.dtype} {tuple(self.neuron_order.shape)}"
-            )
+        _check_tail(self.fmt, self.qweight, self.bias, self.tail_start, "PackedLayer")
+        rows = self.qweight.shape[1]
+        if self.tail_start is not None and self.tail_start > rows:
+            raise ValueError(f"PackedLayer.tail_start={self.tail_start} is past the {rows} stored rows")
+        order = self.neuron_order
+        if order.dtype != torch.int64 or order.dim() != 2 or order.shape[0] != self.qweight.shape[0] or (
+                rows_for_neurons(order.shape[1], self.tail_start) != rows):
+            want = (f"({self.qweight.shape[0]}, I) with I neurons in {rows} rows (tail from row {self.tail_start})"
+                    if self.tail_start is not None else str(tuple(self.qweight.shape[:2])))
+            raise ValueError(f"PackedLayer.neuron_order: expected int64 of shape {want}, "
+                             f"got {order.dtype} {tuple(order.shape)}")
+
+    @property
+    def num_neurons(self) -> int:
+        """Neurons per expert (I of the model); equal to ``intermediate_size`` without a 2-bit tail."""
+        return self.neuron_order.shape[1]
 
     @property
     def num_experts(self) -> int:
@@ -325,6 +465,7 @@ class PackedLayer:
 
     @property
     def intermediate_size(self) -> int:
+        """Stored rows per expert: the full width every width here counts in (I, or fewer with a 2-bit tail)."""
         return self.qweight.shape[1]
 
     @property
@@ -357,7 +498,7 @@ class PackedLayer:
         zeros = None if self.zeros is None else rows[2]
         bias = None if self.bias is None else rows[-1]
         down_bias = None if self.down_bias is None else self.down_bias[index].to(qweight.device)
-        return PackedExpert(self.fmt, qweight, scales, zeros, bias, down_bias, self.activation)
+        return PackedExpert(self.fmt, qweight, scales, zeros, bias, down_bias, self.activation, self.tail_start)
 
     def nbytes(self) -> int:
         """Bytes of all experts at full width (excluding ``neuron_order`` and the down biases)."""
@@ -385,6 +526,22 @@ class PackedLayer:
 
         return replace(self, qweight=pin(self.qweight), scales=pin(self.scales), zeros=pin(self.zeros),
                        bias=pin(self.bias), down_bias=pin(self.down_bias))
+
+
+def _check_tail(fmt: QuantFormat, qweight: torch.Tensor, bias, tail_start, what: str) -> None:
+    if tail_start is None:
+        return
+    if isinstance(tail_start, bool) or not isinstance(tail_start, int) or tail_start < 0:
+        raise ValueError(f"{what}.tail_start: expected a non-negative int (a storage row) or None, got {tail_start!r}")
+    if fmt.symmetric:
+        raise ValueError(f"{what}.tail_start: 2-bit tail rows need an asymmetric format (zero points), got "
+                         f"symmetric")
+    if bias is not None:
+        raise ValueError(f"{what}.tail_start: 2-bit tail rows are not supported with biases (gpt-oss)")
+    hidden = qweight.shape[-1] * 2
+    if hidden % tail_group_size(fmt):
+        raise ValueError(f"{what}.tail_start: the 2-bit tail's groups of {tail_group_size(fmt)} must divide "
+                         f"H={hidden}")
 
 
 def _check_biases(qweight, bias, down_bias, activation, *, leading: int, what: str) -> None:
@@ -419,6 +576,10 @@ def check_layer_values(layer: PackedLayer, what: str = "layer") -> None:
         bad = int(((bits < 1) | (bits >= 0x7C00)).sum())
         raise ValueError(f"{what}.scales: {bad} value(s) are NaN, infinite or <= 0 (a scale must be a positive, "
                          f"finite fp16)")
+    if layer.tail_start is not None and layer.zeros[:, layer.tail_start:].numel() and (
+            int(layer.zeros[:, layer.tail_start:].max()) > TAIL_QMAX):
+        raise ValueError(f"{what}.zeros: a 2-bit tail zero point is {int(layer.zeros[:, layer.tail_start:].max())}, "
+                         f"above {TAIL_QMAX} (rows from tail_start={layer.tail_start} hold 2-bit groups)")
     if layer.zeros is not None and layer.zeros.numel() and int(layer.zeros.max()) > QMAX:
         raise ValueError(f"{what}.zeros: zero point {int(layer.zeros.max())} is above {QMAX} (4-bit zero points lie "
                          f"in [0, {QMAX}])")
@@ -589,6 +750,31 @@ def gpt_oss_to_v5(
     return gate_up, bias, down_proj.transpose(1, 2), down_bias
 
 
+def with_tail(layer: PackedLayer, stored_rows: torch.Tensor, tail_start: int) -> PackedLayer:
+    """``layer`` with neurons from ``tail_start`` on stored at 2 bits (module docstring), quantized from
+    ``stored_rows`` (E, I, 3, H) float, the ORIGINAL weights' (gate row, up row, down column) in the layer's
+    stored neuron order; the 4-bit rows before ``tail_start`` are the layer's, bit for bit."""
+    if not isinstance(layer, PackedLayer):
+        raise TypeError(f"layer: expected a PackedLayer, got {type(layer).__name__}")
+    if layer.tail_start is not None:
+        raise ValueError(f"layer: already has a 2-bit tail from row {layer.tail_start}")
+    inter = layer.num_neurons
+    if isinstance(tail_start, bool) or not isinstance(tail_start, int) or not 0 <= tail_start < inter:
+        raise ValueError(f"tail_start: expected an int in [0, {inter}) (the first 2-bit neuron), got {tail_start!r}")
+    want = (layer.num_experts, inter, NUM_PROJ, layer.hidden_size)
+    if not isinstance(stored_rows, torch.Tensor) or tuple(stored_rows.shape) != want:
+        got = tuple(stored_rows.shape) if isinstance(stored_rows, torch.Tensor) else type(stored_rows).__name__
+        raise ValueError(f"stored_rows: expected (E, I, 3, H) = {want}, got {got}")
+    _check_finite(stored_rows, "stored_rows")
+    _check_tail(layer.fmt, layer.qweight, layer.bias, tail_start, "with_tail")
+    tail = stored_rows[:, tail_start:].to(layer.qweight.device)
+    q, scales, zeros = quantize_tail_rows(tail, tail_group_size(layer.fmt))
+    q_rows, s_rows, z_rows = tail_rows_from_neurons(q, scales, zeros)
+    cat = lambda head, tail: torch.cat((head[:, :tail_start], tail), dim=1).contiguous()  # noqa: E731
+    return replace(layer, qweight=cat(layer.qweight, q_rows), scales=cat(layer.scales, s_rows),
+                   zeros=cat(layer.zeros, z_rows), tail_start=tail_start)
+
+
 def check_permutations(order: torch.Tensor, num_experts: int, inter: int) -> torch.Tensor:
     """Validate an (E, I) tensor of per-expert permutations of range(I); returns it as int64."""
     if tuple(order.shape) != (num_experts, inter) or order.is_floating_point():
@@ -616,8 +802,32 @@ def dequantize_expert(
     tests use float64).
     """
     p = packed.prefix(width)
-    rows = dequantize_rows(unpack_nibbles(p.qweight), p.scales, p.zeros, p.fmt.group_size, dtype)
+    head = p.head_width()
+    rows = dequantize_rows(unpack_nibbles(p.qweight[:head]), p.scales[:head],
+                           None if p.zeros is None else p.zeros[:head], p.fmt.group_size, dtype)
+    if p.has_tail:  # the 2-bit neurons after the head, in order: (2 x tail rows, 3, H)
+        q2, s2, z2 = p.tail_tensors()
+        rows = torch.cat((rows, dequantize_rows(unpack_crumbs(q2), s2, z2, tail_group_size(p.fmt), dtype)))
     return rows[:, Proj.GATE], rows[:, Proj.UP], rows[:, Proj.DOWN].t()
+
+
+def layer_neuron_rows(layer: PackedLayer, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Every neuron's dequantized (gate row, up row, down column) in STORED order: (E, I, 3, H) in ``dtype``
+    (a 2-bit tail's neurons after the head, its padding neuron dropped)."""
+    head = layer.intermediate_size if layer.tail_start is None else layer.tail_start
+    zeros = None if layer.zeros is None else layer.zeros[:, :head]
+    rows = dequantize_rows(unpack_nibbles(layer.qweight[:, :head]), layer.scales[:, :head], zeros,
+                           layer.fmt.group_size, dtype)
+    if head == layer.intermediate_size:
+        return rows
+    num_experts = layer.num_experts
+
+    def tail(t):  # (E, R_t, 3, n) storage rows -> (E, 2 R_t, 3, n / 2) neurons
+        return t[:, head:].reshape(num_experts, -1, NUM_PROJ, t.shape[-1] // TAIL_NEURONS_PER_ROW)
+
+    q2, s2, z2 = tail(layer.qweight), tail(layer.scales), tail(layer.zeros)
+    tail_rows = dequantize_rows(unpack_crumbs(q2), s2, z2, tail_group_size(layer.fmt), dtype)
+    return torch.cat((rows, tail_rows), dim=1)[:, :layer.num_neurons]
 
 
 def dequantize_layer(layer: PackedLayer, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -625,7 +835,7 @@ def dequantize_layer(layer: PackedLayer, dtype: torch.dtype = torch.float32) -> 
 
     Returns (gate_up_proj (E, 2I, H), down_proj (E, H, I)).
     """
-    rows = dequantize_rows(unpack_nibbles(layer.qweight), layer.scales, layer.zeros, layer.fmt.group_size, dtype)
+    rows = layer_neuron_rows(layer, dtype)
     inverse = torch.argsort(layer.neuron_order.to(rows.device), dim=1)  # (E, I)
     idx = inverse.unsqueeze(-1).unsqueeze(-1).expand_as(rows)
     rows = rows.gather(1, idx)  # (E, I, 3, H) in original order

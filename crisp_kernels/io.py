@@ -6,6 +6,12 @@ One file holds any number of MoE layers of one model:
     layers.{L}.scales        (E, I, 3, H/g) fp16
     layers.{L}.zeros         (E, I, 3, H/g) uint8     (asymmetric format only)
     layers.{L}.neuron_order  (E, I) int64             original index of stored neuron j
+
+With a 2-bit tail (``crisp_kernels.format``: storage rows from ``tail_start`` hold two neurons each)
+the tensors have R < I storage rows, ``neuron_order`` keeps (E, I), and the metadata adds
+``tail_start`` and ``num_neurons`` (I) with ``format_version`` 2: a reader that predates tails refuses
+the file by its version rather than read 2-bit rows as 4-bit ones. Packs without a tail stay version 1,
+byte for byte.
     layers.{L}.bias          (E, I, 2) float32        gate / up bias of stored neuron j (gpt-oss only)
     layers.{L}.down_bias     (E, H) float32           per expert (gpt-oss only)
 
@@ -44,10 +50,20 @@ from pathlib import Path
 
 import torch
 
-from .format import SILU_GLU, Activation, PackedLayer, QuantFormat, check_layer_values, check_permutations
+from .format import (
+    SILU_GLU,
+    Activation,
+    PackedLayer,
+    QuantFormat,
+    check_layer_values,
+    check_permutations,
+    rows_for_neurons,
+)
 
 FORMAT_NAME = "crisp-packed-experts"
 FORMAT_VERSION = 1
+FORMAT_VERSION_TAIL = 2  # a pack with 2-bit tail rows (module docstring)
+TAIL_START_KEY, NUM_NEURONS_KEY = "tail_start", "num_neurons"
 DIGESTS_KEY = "tensor_sha256"
 HAS_BIAS_KEY = "has_bias"
 ACTIVATION_KEY = "activation"
@@ -117,11 +133,11 @@ def check_uniform_layers(layers: Mapping[int, PackedLayer]) -> PackedLayer:
         if not isinstance(layer, PackedLayer):
             raise TypeError(f"layers[{idx}]: expected PackedLayer, got {type(layer).__name__}")
         shape = (layer.num_experts, layer.intermediate_size, layer.hidden_size, layer.fmt, layer.activation,
-                 layer.bias is None)
+                 layer.bias is None, layer.tail_start, layer.num_neurons)
         if shape != (first.num_experts, first.intermediate_size, first.hidden_size, first.fmt, first.activation,
-                     first.bias is None):
-            raise ValueError(f"layers[{idx}]: all layers of one file must share E, I, H, the format, the activation "
-                             f"and whether they have biases")
+                     first.bias is None, first.tail_start, first.num_neurons):
+            raise ValueError(f"layers[{idx}]: all layers of one file must share E, I, H, the format, the activation, "
+                             f"whether they have biases and the 2-bit tail's start")
     return first
 
 
@@ -272,7 +288,7 @@ def save_packed(
             tensors[f"layers.{int(idx)}.{name}"] = t.detach().cpu().contiguous()
     metadata = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(FORMAT_VERSION if first.tail_start is None else FORMAT_VERSION_TAIL),
         "bits": str(first.fmt.bits),
         "group_size": str(first.fmt.group_size),
         "symmetric": json.dumps(first.fmt.symmetric),
@@ -282,6 +298,9 @@ def save_packed(
         "layers": json.dumps(sorted(int(i) for i in layers)),
         DIGESTS_KEY: json.dumps({name: tensor_sha256(t) for name, t in sorted(tensors.items())}, sort_keys=True),
     }
+    if first.tail_start is not None:
+        metadata[TAIL_START_KEY] = str(first.tail_start)
+        metadata[NUM_NEURONS_KEY] = str(first.num_neurons)
     if first.bias is not None:
         metadata[HAS_BIAS_KEY] = "true"
     if first.activation != SILU_GLU:
@@ -305,11 +324,16 @@ def header_sha256(path: str | os.PathLike) -> str:
 def _check_metadata(path: Path, metadata: Mapping[str, str]) -> None:
     if metadata.get("format") != FORMAT_NAME:
         raise PackFormatError(f"{path}: format is {metadata.get('format')!r}, expected {FORMAT_NAME!r}")
-    if metadata.get("format_version") != str(FORMAT_VERSION):
+    if metadata.get("format_version") not in (str(FORMAT_VERSION), str(FORMAT_VERSION_TAIL)):
         raise PackFormatError(
             f"{path}: format version {metadata.get('format_version')!r} is not supported (metadata field "
-            f"format_version; this CRISP reads version {FORMAT_VERSION})"
+            f"format_version; this CRISP reads versions {FORMAT_VERSION} and {FORMAT_VERSION_TAIL})"
         )
+    has_tail = TAIL_START_KEY in metadata or NUM_NEURONS_KEY in metadata
+    if has_tail != (metadata["format_version"] == str(FORMAT_VERSION_TAIL)):
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid (format_version "
+                              f"{metadata['format_version']} with{'' if has_tail else 'out'} {TAIL_START_KEY!r}: "
+                              f"version {FORMAT_VERSION_TAIL} and the 2-bit tail fields come together)")
 
 
 def read_packed_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -365,6 +389,22 @@ def _parse_metadata(path: Path, metadata: Mapping[str, str]):
     return fmt, hidden, inter, num_experts, layer_ids
 
 
+def _parse_tail(path: Path, metadata: Mapping[str, str], rows: int) -> tuple[int | None, int]:
+    """(tail_start or None, neurons per expert) from the optional 2-bit tail fields."""
+    if TAIL_START_KEY not in metadata and NUM_NEURONS_KEY not in metadata:
+        return None, rows
+    if TAIL_START_KEY not in metadata or NUM_NEURONS_KEY not in metadata:
+        present, absent = ((TAIL_START_KEY, NUM_NEURONS_KEY) if TAIL_START_KEY in metadata
+                           else (NUM_NEURONS_KEY, TAIL_START_KEY))
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid ({present} without {absent})")
+    start = _strict_int(metadata[TAIL_START_KEY], TAIL_START_KEY, path, minimum=0)
+    neurons = _strict_int(metadata[NUM_NEURONS_KEY], NUM_NEURONS_KEY, path)
+    if start >= rows or rows_for_neurons(neurons, start) != rows:
+        raise PackFormatError(f"{path}: metadata is incomplete or invalid ({NUM_NEURONS_KEY}={neurons} neurons "
+                              f"with {TAIL_START_KEY}={start} do not fill intermediate_size={rows} storage rows)")
+    return start, neurons
+
+
 def _parse_model_math(path: Path, metadata: Mapping[str, str]) -> tuple[bool, Activation]:
     """(has biases, activation) from the optional metadata fields (absent: no biases, SiLU GLU)."""
     has_bias = metadata.get(HAS_BIAS_KEY)
@@ -409,11 +449,12 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     all_tensors = dict(tensors)  # the loop below pops from ``tensors``
     _check_metadata(path, metadata)
     fmt, hidden, inter, num_experts, layer_ids = _parse_metadata(path, metadata)
+    tail_start, neurons = _parse_tail(path, metadata, inter)
     groups = hidden // fmt.group_size
     expected = {
         "qweight": ((num_experts, inter, 3, hidden // 2), torch.uint8),
         "scales": ((num_experts, inter, 3, groups), torch.float16),
-        "neuron_order": ((num_experts, inter), torch.int64),
+        "neuron_order": ((num_experts, neurons), torch.int64),
     }
     if not fmt.symmetric:
         expected["zeros"] = ((num_experts, inter, 3, groups), torch.uint8)
@@ -435,11 +476,14 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                 )
             found[name] = t
         try:
-            check_permutations(found["neuron_order"], num_experts, inter)
+            check_permutations(found["neuron_order"], num_experts, neurons)
         except ValueError as exc:
             raise PackFormatError(f"{path}: layers.{idx}.{exc}") from exc
-        layer = PackedLayer(fmt, found["qweight"], found["scales"], found.get("zeros"), found["neuron_order"],
-                            found.get("bias"), found.get("down_bias"), activation)
+        try:
+            layer = PackedLayer(fmt, found["qweight"], found["scales"], found.get("zeros"), found["neuron_order"],
+                                found.get("bias"), found.get("down_bias"), activation, tail_start)
+        except ValueError as exc:  # e.g. a tail in a symmetric or biased pack
+            raise PackFormatError(f"{path}: layers.{idx}: {exc}") from None
         try:
             check_layer_values(layer, f"layers.{idx}")
         except ValueError as exc:

@@ -212,13 +212,22 @@ def _layers_summary(layers: Mapping[int, PackedLayer]) -> dict:
         first = check_uniform_layers(layers)
     except ValueError as exc:
         raise PackMismatchError(str(exc)) from exc
-    return {
+    summary = {
         "hidden_size": first.hidden_size,
         "intermediate_size": first.intermediate_size,
         "num_experts": first.num_experts,
         "layer_ids": sorted(int(i) for i in layers),
         "quant": {"bits": first.fmt.bits, "group_size": first.fmt.group_size, "symmetric": first.fmt.symmetric},
     }
+    if first.tail_start is not None:  # 2-bit tail rows: intermediate_size counts storage rows, plans count neurons
+        summary.update(tail_start=first.tail_start, num_neurons=first.num_neurons)
+    return summary
+
+
+def _plan_neurons(summary: Mapping) -> int:
+    """The intermediate size a pack's plan is written in: the model's neurons (a 2-bit tail's pack stores
+    fewer rows; the runtime converts the plan, ``CrispPlan.in_storage_rows``)."""
+    return summary.get("num_neurons", summary["intermediate_size"])
 
 
 def _sha256_file(path: Path) -> str:
@@ -348,9 +357,9 @@ def save_pack(
     directory = given = Path(directory)
     summary = _layers_summary(layers)
     info = dict(info or {})
-    for key in ("hidden_size", "intermediate_size", "num_experts", "layer_ids"):
-        if key in info and info[key] != summary[key]:
-            raise PackMismatchError(f"info[{key!r}] = {info[key]!r} disagrees with the layers ({summary[key]!r})")
+    for key in ("hidden_size", "intermediate_size", "num_experts", "layer_ids", "tail_start", "num_neurons"):
+        if key in info and info[key] != summary.get(key):
+            raise PackMismatchError(f"info[{key!r}] = {info[key]!r} disagrees with the layers ({summary.get(key)!r})")
     for key in ("format", "version", "quant", FILES_KEY):
         if key in info:
             raise ValueError(f"info: key {key!r} is reserved")
@@ -360,7 +369,7 @@ def save_pack(
         if info.get("top_k") is not None and info["top_k"] != plan.top_k:
             raise PlanError(f"plan top_k {plan.top_k} != info top_k {info['top_k']}")
         plan.check_compatible(num_experts=summary["num_experts"], top_k=plan.top_k,
-                              intermediate_size=summary["intermediate_size"], layer_ids=summary["layer_ids"])
+                              intermediate_size=_plan_neurons(summary), layer_ids=summary["layer_ids"])
         info.setdefault("top_k", plan.top_k)
     try:
         json.dumps(info, sort_keys=True)
@@ -405,10 +414,11 @@ def save_pack(
 
 def _check_info_fields(info_path: Path, info: Mapping, summary: Mapping) -> None:
     """pack.json's description against the experts file, type-strict (``true`` is not 1)."""
-    for key in ("hidden_size", "intermediate_size", "num_experts", "layer_ids", "quant"):
-        if json.dumps(info.get(key), sort_keys=True) != json.dumps(summary[key], sort_keys=True):
+    for key in ("hidden_size", "intermediate_size", "num_experts", "layer_ids", "quant", "tail_start",
+                "num_neurons"):
+        if json.dumps(info.get(key), sort_keys=True) != json.dumps(summary.get(key), sort_keys=True):
             raise PackFormatError(f"{info_path}: field {key} is {info.get(key)!r} but {EXPERTS_FILE} holds "
-                                  f"{summary[key]!r}")
+                                  f"{summary.get(key)!r}")
     for key, kinds in (("top_k", (int,)), ("num_hidden_layers", (int,)), ("model_type", (str,))):
         value = info.get(key)
         if value is not None and (type(value) not in kinds or (kinds == (int,) and value < 1)):
@@ -485,7 +495,7 @@ def load_pack(directory: str | os.PathLike, *, device: str = "cpu", check: PackC
         top_k = info.get("top_k") or plan.top_k
         try:
             plan.check_compatible(num_experts=summary["num_experts"], top_k=top_k,
-                                  intermediate_size=summary["intermediate_size"], layer_ids=summary["layer_ids"])
+                                  intermediate_size=_plan_neurons(summary), layer_ids=summary["layer_ids"])
         except PlanError as exc:
             raise PlanError(f"{plan_path}: {exc}") from exc
     return CrispPack(layers=packed.layers, plan=plan, info=info, digests=packed.digests)
@@ -530,7 +540,7 @@ def check_layers_fit_model(layers: Mapping[int, PackedLayer], model, *, info: Ma
         if layer is None:
             continue
         want = (ref.num_experts, ref.intermediate_size, ref.hidden_size)
-        got = (layer.num_experts, layer.intermediate_size, layer.hidden_size)
+        got = (layer.num_experts, layer.num_neurons, layer.hidden_size)  # neurons: a 2-bit tail stores fewer rows
         if want != got:
             problems.append(f"layer {ref.layer_id}: (experts, intermediate, hidden) = {got} in the pack, "
                             f"{want} in the model")

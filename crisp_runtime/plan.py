@@ -31,6 +31,7 @@ Planning is plain torch on small CPU tensors: ``token_widths`` looks combination
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from crisp_kernels.format import rows_for_neurons
 
 PLAN_FORMAT = "crisp-plan"
 PLAN_VERSION = 1
@@ -207,6 +210,23 @@ class CrispPlan:
             unseen_tier=self.unseen_tier if unseen_tier is None else unseen_tier,
             num_dominant=self.num_dominant, description=self.description,
         )
+
+    def in_storage_rows(self, tail_start: int | None) -> CrispPlan:
+        """This plan (widths in neurons) for a pack whose rows from ``tail_start`` hold two 2-bit neurons each
+        (``crisp_kernels.format``): every width k becomes the rows holding the first k neurons
+        (``rows_for_neurons``: an odd tail width also computes the neuron sharing its row), the full width the
+        pack's rows. ``tail_start`` None: the plan itself."""
+        if tail_start is None:
+            return self
+        rows = functools.partial(rows_for_neurons, tail_start=tail_start)
+        if not 0 <= tail_start < self.intermediate_size:
+            raise PlanError(f"plan: tail_start={tail_start} must lie in [0, {self.intermediate_size})")
+        tiers = None if self.tier_widths is None else TierWidths(
+            rows(self.tier_widths.hot), rows(self.tier_widths.warm), rows(self.tier_widths.cold))
+        return dataclasses.replace(
+            self, intermediate_size=rows(self.intermediate_size), tier_widths=tiers,
+            uniform_width=None if self.uniform_width is None else rows(self.uniform_width),
+            description=f"{self.description} [storage rows: 2-bit tail from row {tail_start}]".strip())
 
     # ------------------------------------------------------------------ validation
 

@@ -132,6 +132,16 @@ def min_budget_bytes(layers: Mapping[int, PackedLayer], top_k: int) -> int:
     return top_k * max(layer.intermediate_size * layer.neuron_nbytes for layer in layers.values())
 
 
+def plan_for_layers(plan: CrispPlan, layers: Mapping[int, PackedLayer]) -> CrispPlan:
+    """``plan`` in the layers' unit of width. A pack with a 2-bit tail counts widths in storage rows; a plan
+    written in neurons for it (``intermediate_size`` = the model's I, as a profiler writes it) is converted
+    (``CrispPlan.in_storage_rows``). Any other plan is returned as given (``check_compatible`` then judges it)."""
+    first = next(iter(layers.values()))
+    if first.tail_start is not None and plan.intermediate_size == first.num_neurons != first.intermediate_size:
+        return plan.in_storage_rows(first.tail_start)
+    return plan
+
+
 class CrispRuntime:
     """Packed experts, a plan, the device cache and the statistics of one applied model."""
 
@@ -147,6 +157,7 @@ class CrispRuntime:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # GPU-only: "cuda" == the tensors' "cuda:N"
             self.device = torch.device("cuda", torch.cuda.current_device())
+        plan = plan_for_layers(plan, layers)
         self.config = config
         self.serving = config.serving
         self.plan = plan
@@ -187,6 +198,9 @@ class CrispRuntime:
         self._copy_stream = None  # GPU-only, created on first use
         self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu_knob.CpuDecision), for stats()
         if self.serving.placement.uses_cpu:
+            if first.tail_start is not None:
+                raise ValueError(f"serving placement {self.serving.placement.value!r} computes experts on the CPU, "
+                                 "whose kernels read 4-bit rows only; this pack has 2-bit tail rows (GPU placement)")
             if self.store is None:
                 raise ValueError(f"serving placement {self.serving.placement.value!r} computes experts on the CPU "
                                  "from host memory: it needs a gpu_budget (experts offloaded to host memory)")
@@ -240,6 +254,7 @@ class CrispRuntime:
         return out
 
     def set_plan(self, plan: CrispPlan) -> None:
+        plan = plan_for_layers(plan, self.layers)
         first = self.layers[self.layer_ids[0]]
         plan.check_compatible(num_experts=first.num_experts, top_k=self.plan.top_k,
                               intermediate_size=first.intermediate_size, layer_ids=self.layer_ids)

@@ -4,6 +4,7 @@ evaluation / accuracy plumbing that keeps a layout's figures apart from the 4-bi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -103,18 +104,31 @@ def _crisp_plan(trace, warm=40, cold=16):
 def test_mapping_counts_the_layouts_bytes():
     trace = synthetic_trace(num_tokens=8)
     mapping = TailMapping(M432, trace, MIXTRAL_8X7B)
-    assert mapping.full == round(14336 * 4656 / 6720)  # 9,933 rows of 6,720 B
+    assert mapping.full == math.ceil(14336 * 4656 / 6720)  # 9,933 rows of 6,720 B
     for k in (0, 1, 63, 64, 65, 128, 200, 256):
         exact = M432.prefix_nbytes(k * 56, 14336, 4096, H4096_4BIT)
-        assert abs(mapping.rows(k) * H4096_4BIT - exact) <= H4096_4BIT / 2
+        assert 0 <= mapping.rows(k) * H4096_4BIT - exact < H4096_4BIT  # rounded up, to less than one row
     plan = mapping.mapped_plan(_crisp_plan(trace))
     assert plan.intermediate_size == mapping.full
     assert plan.tier_widths == TierWidths(mapping.full, 40 * 56, 16 * 56)  # the head is 4-bit: one row per neuron
     uni = mapping.mapped_plan(CrispPlan.uniform(8, 2, 256, trace.layer_ids, 128))
-    assert uni.uniform_width == mapping.rows(128) == round(3584 + 3584 * 5184 / 6720)  # 4-bit + 3-bit rows
+    assert uni.uniform_width == mapping.rows(128) == math.ceil(3584 + 3584 * 5184 / 6720)  # 4-bit + 3-bit rows
     assert mapping.mapped_floor(1.0) == 1.0
     assert mapping.mapped_floor(0.75) == pytest.approx(mapping.rows(192) / mapping.full)
     assert mapping.mapped_shape().intermediate_size == mapping.full
+
+
+@pytest.mark.parametrize("spec,start", [("2g128@0.25", 3584), ("2g128@0.5", 7168), ("2g128@0", 0)])
+def test_a_storable_layout_maps_to_the_packs_own_storage_rows(spec, start):
+    """``crisp_tools.tail_pack`` stores 2g128 tails of a g64 pack as two neurons per row: the simulator's rows
+    are those rows (crisp_kernels.format.rows_for_neurons), width by width."""
+    from crisp_kernels.format import rows_for_neurons
+
+    trace = synthetic_trace(num_tokens=8)
+    mapping = TailMapping(parse_tail_layout(spec), trace, MIXTRAL_8X7B)
+    assert mapping.full == rows_for_neurons(14336, start)
+    for k in range(257):
+        assert mapping.rows(k) == rows_for_neurons(k * 56, start), k
 
 
 def test_the_plain_mapping_simulates_what_the_unmapped_run_does():
@@ -308,7 +322,7 @@ def test_eval_of_an_emulation_needs_its_4bit_reference(emulated, tmp_path, capsy
     assert evaluate.main(base) == 2
     assert "--reference-crisp" in capsys.readouterr().err
     assert evaluate.main([*base, "--reference-crisp", str(TINY_PACK), "--mode", "decode"]) == 2
-    assert "batch mode only" in capsys.readouterr().err
+    assert "only for a 2-bit tail pack" in capsys.readouterr().err
     assert evaluate.main([*base, "--reference-crisp", str(emulated)]) == 2
     assert "a tail emulation itself" in capsys.readouterr().err
     path = tmp_path / "m432.json"

@@ -451,13 +451,13 @@ def stored_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
     from crisp_kernels.format import PackedLayer, dequantize_layer
     from crisp_runtime.checkpoint import release_freed_memory
 
-    num_experts, inter, hidden = layer.num_experts, layer.intermediate_size, layer.hidden_size
+    num_experts, inter, hidden = layer.num_experts, layer.num_neurons, layer.hidden_size  # neurons, not tail rows
     gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=torch.float32, device=layer.qweight.device)
     down = torch.empty(num_experts, hidden, inter, dtype=torch.float32, device=layer.qweight.device)
     order = torch.arange(inter, device=layer.qweight.device).unsqueeze(0)
     for e in range(num_experts):
         one = PackedLayer(layer.fmt, layer.qweight[e:e + 1], layer.scales[e:e + 1],
-                          None if layer.zeros is None else layer.zeros[e:e + 1], order)
+                          None if layer.zeros is None else layer.zeros[e:e + 1], order, tail_start=layer.tail_start)
         gate_up[e:e + 1], down[e:e + 1] = dequantize_layer(one)
         del one
         release_freed_memory()

@@ -34,6 +34,7 @@ from crisp_runtime import cli_args as ca
 from crisp_runtime.baselines import equal_bytes_plans
 from crisp_runtime.outputs import OutputPathError, check_outputs
 from crisp_runtime.plan import CrispPlan, PolicyKind
+from crisp_runtime.runtime import plan_for_layers
 
 from . import serving_eval
 from .calibration import (
@@ -87,11 +88,22 @@ class Evaluator:
         self.windows = contiguous_windows(texts, samples, seq_len)
         check_vocab(self.model, self.windows)
         first = next(iter(self.layers.values()))
+        # A real 2-bit tail pack (crisp_tools.tail_pack) counts widths in storage rows: its plan is converted
+        # once here, so every plan built below (full, matched baselines) is in rows too; records keep the
+        # pack plan's digest (neurons), the plan the simulator's CRISP records are of.
+        self.plan_digest = self.plan.widths_digest()
+        self.real_tail = first.tail_start is not None
+        if self.real_tail and engine == "reference":
+            raise CliError(f"--crisp {pack_dir}: a 2-bit tail pack runs with --engine runtime (the reference engine "
+                           f"masks 4-bit neurons)")
+        self.pack_plan, self.plan = self.plan, plan_for_layers(self.plan, self.layers)
         self.inter = first.intermediate_size
         self.neuron_bytes = first.fmt.neuron_nbytes(first.hidden_size)
         self.layer_ids = sorted(self.layers)
         self.top_k = self.plan.top_k
-        self.full_bpt = self.top_k * len(self.layer_ids) * self.inter * self.neuron_bytes
+        # bytes per token of the 4-bit full width: the reference pack's when there is one (a tail layout's share)
+        full_layer = first if self.reference is None else next(iter(self.reference[0].values()))
+        self.full_bpt = self.top_k * len(self.layer_ids) * full_layer.intermediate_size * self.neuron_bytes
 
     def log(self, msg):
         log(f"[crisp-eval {time.time() - self.t0:6.1f}s] {msg}", quiet=self.quiet)
@@ -131,8 +143,9 @@ class Evaluator:
         self.log(f"decode: {self.windows.shape[0]} windows x {self.windows.shape[1]} tokens, budgets {budgets}"
                  + ("" if window is None else f", prefetch window {window.name}"))
         pack = CrispPack(self.layers, self.plan, self.info)
+        reference = None if self.reference is None else CrispPack(self.reference[0], None, self.reference[1])
         return serving_eval.serving_sweep(self.model, pack, self.windows, budgets, serving_eval.default_cases(),
-                                          log=self.log, window=window)
+                                          log=self.log, window=window, reference=reference)
 
     def prefetch_window(self, profile, target: str):
         """The window of ``profile`` timing ``target``'s expert rows (``native``: this pack's own bytes per row)."""
@@ -146,8 +159,9 @@ class Evaluator:
         except ValueError as exc:
             raise CliError(f"--target {target}: {exc}") from None
 
-    def _plan(self, kind, **kw) -> CrispPlan:
-        args = (self.plan.num_experts, self.top_k, self.inter, self.layer_ids)
+    def _plan(self, kind, inter=None, **kw) -> CrispPlan:
+        """A baseline plan over ``inter`` rows (default: this pack's; a reference pack's neurons)."""
+        args = (self.plan.num_experts, self.top_k, self.inter if inter is None else inter, self.layer_ids)
         if kind == "full":
             return CrispPlan.full(*args)
         return CrispPlan.skip_aux(*args, threshold=kw.get("threshold"), num_dominant=self.plan.num_dominant)
@@ -166,7 +180,7 @@ class Evaluator:
         layout_full = None
         if self.reference is not None:  # the 4-bit reference's full width; then the layout's own
             with make(*self.reference) as run:
-                ref_full = run(self._plan("full"))
+                ref_full = run(self._plan("full", next(iter(self.reference[0].values())).intermediate_size))
         with make() as run:
             from crisp_runtime.moe_layers import record_routing
 
@@ -194,7 +208,8 @@ class Evaluator:
             ska = run(self._plan("skip_aux"))
             records.append(self._record("skip_aux_all", "skip auxiliary always", ska[1], ska[0], n_tok))
             if layout_full is not None:
-                records.append(self._record("full_layout", f"{self.tail_layout} full width (4-bit bytes counted)",
+                counted = "its own bytes" if self.real_tail else "4-bit bytes counted"
+                records.append(self._record("full_layout", f"{self.tail_layout} full width ({counted})",
                                             layout_full[1], layout_full[0], n_tok))
         full_acc = records[1]["accuracy"]
         for r in records:
@@ -223,7 +238,9 @@ class Evaluator:
 
         @contextlib.contextmanager
         def runner():
-            handle = apply(self.model, CrispPack(layers, self.plan, info), plan=self._plan("full"))
+            own = layers is self.layers
+            handle = apply(self.model, CrispPack(layers, self.plan if own else self.pack_plan, info),
+                           plan=self._plan("full", None if own else next(iter(layers.values())).intermediate_size))
             try:
                 def run(plan):
                     handle.set_plan(plan)
@@ -375,13 +392,14 @@ def main(argv: list[str] | None = None) -> int:
         profile = _load_window_profile(args)
         check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data,
                                               "--reference-crisp": args.reference_crisp})
-        if args.reference_crisp is not None and args.mode == "decode":
-            raise CliError("--reference-crisp: batch mode only (the runtime's cache in --mode decode counts 4-bit "
-                           "bytes, not a tail layout's)")
         with threads(args.threads):
             ev = Evaluator(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
                            batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet,
                            dtype=args.dtype, reference_dir=args.reference_crisp)
+            if args.reference_crisp is not None and args.mode == "decode" and not ev.real_tail:
+                raise CliError("--reference-crisp with --mode decode: only for a 2-bit tail pack "
+                               "(crisp_tools.tail_pack); the runtime's cache on a tail emulation counts 4-bit bytes, "
+                               "not the layout's")
             if args.mode == "decode":
                 return _decode_main(ev, args, None if profile is None else ev.prefetch_window(profile, args.target))
             records = ev.run()
@@ -406,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                               "windows": list(ev.windows.shape), "engine": args.engine,
                               "full_width_bytes_per_token": ev.full_bpt, "records": records, "verdict": v,
                               "plan_description": ev.plan.description,
-                              "plan_widths_sha256": ev.plan.widths_digest(),
+                              "plan_widths_sha256": ev.plan_digest,
                               "elapsed_s": round(time.time() - ev.t0, 1)})
     return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
 
@@ -416,7 +434,9 @@ def _decode_main(ev: Evaluator, args, window=None) -> int:
     print(serving_eval.format_table(records))
     if args.json:
         serving_eval.write_serving_json(args.json, records, {"model": args.model, "crisp": args.crisp,
-                                                             "plan_widths_sha256": ev.plan.widths_digest(),
+                                                             "plan_widths_sha256": ev.plan_digest,
+                                                             "tail_layout": ev.tail_layout,
+                                                             "reference_crisp": args.reference_crisp,
                                                              "data": args.data, **meta})
     return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
 

@@ -30,7 +30,7 @@ from crisp_runtime.hf import apply
 from crisp_runtime.moe_layers import record_routing
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import PrefetchPolicy
-from crisp_runtime.runtime import RuntimeConfig
+from crisp_runtime.runtime import RuntimeConfig, plan_for_layers
 from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy, make_serving
 
 from .calibration import TokenScores, dump_json
@@ -235,7 +235,7 @@ def with_window(cases: Sequence[ServingCase], window: PrefetchWindow | None) -> 
 
 def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], cases: Sequence[ServingCase], *,
                   log: Callable[[str], None] = lambda msg: None,
-                  window: PrefetchWindow | None = None) -> tuple[list[dict], dict]:
+                  window: PrefetchWindow | None = None, reference=None) -> tuple[list[dict], dict]:
     """Every case at every budget fraction: (records, meta) for :func:`write_serving_json`.
 
     window: a prefetch window put on every case that prefetches (:func:`with_window`; the case's name gains
@@ -247,6 +247,11 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
     middle budget. CRISP exact is decoded at every budget (its figures must agree: a check of
     that independence). Uniform and skip-aux are matched to the bytes per token CRISP exact routed
     (``crisp_runtime.baselines``) on the routing of the full-width decode.
+
+    reference: the 4-bit pack a 2-bit tail pack (``crisp_tools.tail_pack``) came from, or None. With one, the
+    full-width reference of every ``accuracy_loss`` is the reference pack's full width (decoded once, at the
+    middle budget), the budget fractions are fractions of ITS expert bytes (equal GPU memory: the tail pack
+    fits more rows in the same bytes), and the tail pack's own full width is a record ``full_layout-exact``.
     """
     if not budgets:
         raise ValueError("budgets: expected at least one fraction")
@@ -254,8 +259,8 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
     for b in budgets:
         if not 0.0 < b <= 1.0:
             raise ValueError(f"budgets: fractions of the expert bytes must lie in (0, 1], got {b}")
-    plan = pack.plan
-    total = total_expert_bytes(pack.layers)
+    plan = plan_for_layers(pack.plan, pack.layers)  # a 2-bit tail pack's widths count storage rows
+    total = total_expert_bytes(pack.layers if reference is None else reference.layers)
     nb = next(iter(pack.layers.values())).fmt.neuron_nbytes(next(iter(pack.layers.values())).hidden_size)
     mid = sorted(budgets)[len(budgets) // 2]
 
@@ -263,12 +268,22 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
         return int(fraction * total)
 
     t0 = time.time()
+    full_case = ServingCase("full-exact", "full")
+    if reference is not None:
+        ref_first = next(iter(reference.layers.values()))
+        ref_plan = CrispPlan.full(plan.num_experts, plan.top_k, ref_first.intermediate_size, plan.layer_ids)
+        (full, full_stats), secs = _timed(run_case, model, reference, ref_plan, windows, budget_bytes(mid), full_case)
+        log(f"full width (reference pack): acc {full.accuracy:.4f} ppl {full.perplexity:.4f} ({secs:.0f} s)")
+        records = [record(full_case, mid, budget_bytes(mid), full, full_stats, full, ref_plan, secs)]
+        full_case = ServingCase("full_layout-exact", "full")
     with record_routing(model) as routing:
-        (full, full_stats), secs = _timed(run_case, model, pack, full_plan(plan), windows, budget_bytes(mid),
-                                          ServingCase("full-exact", "full"))
-    log(f"full width: acc {full.accuracy:.4f} ppl {full.perplexity:.4f} ({secs:.0f} s)")
-    records = [record(ServingCase("full-exact", "full"), mid, budget_bytes(mid), full, full_stats, full,
-                      full_plan(plan), secs)]
+        (own_full, own_stats), secs = _timed(run_case, model, pack, full_plan(plan), windows, budget_bytes(mid),
+                                             full_case)
+    if reference is None:
+        full = own_full
+    log(f"{full_case.name}: acc {own_full.accuracy:.4f} ppl {own_full.perplexity:.4f} ({secs:.0f} s)")
+    own = record(full_case, mid, budget_bytes(mid), own_full, own_stats, full, full_plan(plan), secs)
+    records = [own] if reference is None else [*records, own]
     route = {layer_id: routing.layer(layer_id) for layer_id in plan.layer_ids}
     matched = None
     for fraction in budgets:

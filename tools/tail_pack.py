@@ -1,0 +1,142 @@
+"""Store a CRISP pack's less important neurons at 2 bits: a real 2-bit tail pack from a 4-bit pack.
+
+    python -m crisp_tools.tail_pack --model models/tiny-mixtral --crisp models/tiny-mixtral-crisp \\
+        --layout 2g128@0.25 --out /tmp/tiny-mixtral-2g128 [--tier-widths 256,64,32]
+    crisp-eval --model models/tiny-mixtral --crisp /tmp/tiny-mixtral-2g128 \\
+        --reference-crisp models/tiny-mixtral-crisp --data data/stdlib-heldout.txt --mode decode --json t.json
+
+CRISP's neuron order says which neurons matter least. This tool keeps each expert's first neurons in
+the pack's 4-bit rows, bit for bit, and quantizes the rest from the model's ORIGINAL weights (stored
+order from the pack) to 2 bits with groups twice the pack's (``crisp_kernels.format.quantize_tail_rows``:
+asymmetric, an fp16 scale and a zero point per group, a clip ratio per group by least squared error).
+Two 2-bit neurons fill the bytes of one 4-bit row (``crisp_kernels.format``, "2-bit tail rows"), so the
+runtime's budget, cache, copies and scheduler count storage rows as before and a tail row costs half a
+neuron's 4-bit bytes. The layouts stored: ``2gG@F`` with G = 2 x the pack's group (2g128 for a g64 pack)
+and F the fraction of neurons kept 4-bit; other layouts of ``crisp_kernels.tail_layout`` (3-bit rows,
+several segments) are simulated and emulated only (``crisp_tools.tail_emulation``).
+
+The result is a pack folder (written atomically, never over an existing path) whose pack.json records
+``tail_layout`` and ``tail_pack`` (the source pack and its experts file record). Its plan is the source
+pack's (in neurons: the runtime converts it to storage rows), or the source's with ``--tier-widths``.
+``crisp-eval`` measures it against the source pack's full width (``--reference-crisp``), in batch or
+decode mode (the runtime's cache then counts the tail pack's real bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from crisp_kernels.format import tail_group_size, with_tail
+from crisp_kernels.tail_layout import TailLayout
+from crisp_runtime import cli_args as ca
+from crisp_runtime.outputs import OutputPathError, check_outputs
+
+from .calibration import CliError, load_model, load_pack_dir, log
+from .tail_emulation import INFO_EMULATION, INFO_LAYOUT, _layout, _tier_widths, emulation_of, stored_order_rows
+
+INFO_TAIL_PACK = "tail_pack"
+
+
+def storable_tail_start(layout: TailLayout, group_size: int, intermediate_size: int) -> int:
+    """The first 2-bit neuron of a layout a pack can store (one 2-bit segment, groups of 2 x ``group_size``);
+    ValueError naming what is not storable."""
+    want = f"2g{2 * group_size}@F (F: the fraction of neurons kept 4-bit, in [0, 1))"
+    if layout.is_plain:
+        raise ValueError(f"layout {layout.name} is the 4-bit pack itself; a tail pack stores {want}")
+    if len(layout.segments) != 1 or layout.segments[0].bits != 2 or layout.segments[0].group_size != 2 * group_size:
+        raise ValueError(f"layout {layout.name} ({layout.spec()}) is simulated and emulated only: a pack with groups "
+                         f"of {group_size} stores {want}")
+    start = layout.row_ranges(intermediate_size)[-1][0]
+    if start >= intermediate_size:
+        raise ValueError(f"layout {layout.name}: no neuron of I={intermediate_size} is left for the 2-bit tail")
+    return start
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ca.Parser(prog="python -m crisp_tools.tail_pack", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, type=ca.nonempty_path, help="the transformers checkpoint of the pack")
+    p.add_argument("--crisp", required=True, type=ca.nonempty_path, help="the 4-bit CRISP pack folder to start from")
+    p.add_argument("--layout", required=True, type=_layout,
+                   help="2gG@F: neurons from fraction F of I stored at 2 bits, groups of G = 2 x the pack's group "
+                   "(e.g. 2g128@0.25 for a g64 pack)")
+    p.add_argument("--out", required=True, type=ca.nonempty_path, help="new pack folder (must not exist)")
+    p.add_argument("--tier-widths", default=None, type=_tier_widths, metavar="HOT,WARM,COLD",
+                   help="store the plan with these tier widths (neurons of a pair's non-dominant expert); "
+                   "default: the pack's")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t0 = time.time()
+    try:
+        out = Path(args.out)
+        if out.exists() or out.is_symlink():
+            raise CliError(f"--out {out}: already exists; give a new folder (nothing is overwritten)")
+        check_outputs({"--out": out}, {"--model": args.model, "--crisp": args.crisp})
+        layers, plan, info = load_pack_dir(args.crisp)
+        first = next(iter(layers.values()))
+        if emulation_of(info) is not None or first.tail_start is not None:
+            raise CliError(f"--crisp {args.crisp}: already a tail layout; start from the 4-bit pack")
+        if plan is None:
+            raise CliError(f"--crisp {args.crisp}: the pack has no plan (plan.json); run crisp-profile")
+        try:
+            start = storable_tail_start(args.layout, first.fmt.group_size, first.intermediate_size)
+            if first.zeros is None or first.bias is not None:
+                raise ValueError("2-bit tails need an asymmetric pack without biases (this one is "
+                                 f"{'symmetric' if first.zeros is None else 'a model with biases'})")
+            if first.hidden_size % tail_group_size(first.fmt):
+                raise ValueError(f"the tail's groups of {tail_group_size(first.fmt)} must divide "
+                                 f"H={first.hidden_size}")
+        except ValueError as exc:
+            raise CliError(f"--layout {args.layout.name}: {exc}") from None
+        if args.tier_widths is not None:
+            try:
+                plan = plan.with_tiers(args.tier_widths)
+                plan.validate()
+            except ValueError as exc:
+                raise CliError(f"--tier-widths: {exc}") from None
+        model, refs = load_model(args.model)
+        from crisp_runtime.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint, save_pack
+
+        try:
+            check_layers_fit_model(layers, model, info=info)
+            check_weights_fingerprint(info, model)
+        except PackMismatchError as exc:
+            raise CliError(f"--crisp {args.crisp}: {exc}") from None
+        new = {}
+        for n, ref in enumerate(refs, 1):
+            layer = layers[ref.layer_id]
+            rows = stored_order_rows(ref.module.gate_up_proj.detach(), ref.module.down_proj.detach(),
+                                     layer.neuron_order)
+            new[ref.layer_id] = with_tail(layer, rows, start)
+            log(f"[tail-pack {time.time() - t0:5.1f}s] layer {ref.layer_id}: {n}/{len(refs)}", quiet=args.quiet)
+        digest = info.get("files", {}).get("experts.safetensors") if isinstance(info.get("files"), dict) else None
+        # the layers' summary (rows, not neurons, for intermediate_size) is written by save_pack itself
+        info = {k: v for k, v in info.items() if k not in ("format", "version", "quant", "files", INFO_EMULATION,
+                                                           "intermediate_size", "tail_start", "num_neurons")}
+        info[INFO_LAYOUT] = args.layout.to_dict()
+        info[INFO_TAIL_PACK] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
+                                "tail_start_neuron": start,
+                                "tier_widths": None if args.tier_widths is None else vars(args.tier_widths),
+                                "note": "neurons from tail_start_neuron stored at 2 bits (crisp_tools.tail_pack)"}
+        save_pack(out, new, plan=plan, info=info)
+    except (CliError, OutputPathError) as exc:
+        print(f"tail-pack: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return ca.interrupted("tail-pack", resumable=False)
+    total = sum(layer.nbytes() for layer in new.values())
+    was = sum(layer.nbytes() for layer in layers.values())
+    log(f"[tail-pack {time.time() - t0:5.1f}s] wrote {out} ({args.layout.name}: {total:,} expert bytes, "
+        f"{total / was:.1%} of the 4-bit pack's)", quiet=args.quiet)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
