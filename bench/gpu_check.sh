@@ -103,7 +103,8 @@ step e2e-hybrid 150 "${cb[@]}" e2e --tokens 32 --policies full,crisp \
   --placements gpu,hybrid,hybrid_split,static_hybrid,cpu_only --json "$out/e2e-hybrid.json"
 step pytest-gpu 120 "$py" -m pytest -q -m gpu "${pytest_opts[@]}" --junitxml="$out/pytest-gpu.xml" tests
 step kernel-tests 240 "$py" -m pytest -q "${pytest_opts[@]}" --durations=15 --junitxml="$out/pytest-kernels-cuda.xml" \
-  tests/test_expert_mlp.py tests/test_ops.py tests/test_experts_module.py tests/test_format.py tests/test_io.py
+  tests/test_expert_mlp.py tests/test_ops.py tests/test_experts_module.py tests/test_format.py tests/test_io.py \
+  tests/test_tail_kernels.py tests/test_tail_rows.py
 step transfer 60 "${cb[@]}" transfer --shapes tiny,mixtral --profile-out "$out/measured-profile.json" \
   --json "$out/transfer.json"
 step e2e 120 "${cb[@]}" e2e --tokens 128 --record-trace "$out/e2e-trace.npz" --json "$out/e2e.json" \

@@ -368,3 +368,35 @@ def test_crisp_experts_module_with_a_tail():
     full = torch.full((5, TOP_K), TAIL_LAYERS[0].intermediate_size)
     ref = reference(0, x, index, weights, full)
     assert (module(x, index, weights).double() - ref).norm() <= 1e-5 * ref.norm()
+
+
+# ---------------------------------------------------------------------------- the Triton path: head + tail
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 20])
+@pytest.mark.parametrize("width", [0, 3, 4, 5, 7, 10])  # TS = 4: head only, the boundary, one tail row, full
+def test_triton_head_plus_tail_equals_the_reference(device, kernel_backend, num_tokens, width):
+    """The public entries on a tail expert: the 4-bit kernels for rows [0, tail_start), the 2-bit ones after,
+    against the torch reference (itself checked against the independent decode above)."""
+    from crisp_kernels import expert_mlp_accumulate_
+
+    g = torch.Generator().manual_seed(width * 7 + num_tokens)
+    expert = TAIL_LAYERS[1].expert(2).to(device)
+    x = torch.randn(num_tokens, 128, generator=g).to(device)
+    tw = torch.randint(-1, 12, (num_tokens,), generator=g).to(device)
+    ref = expert_mlp(x.cpu(), TAIL_LAYERS[1].expert(2), width, token_widths=tw.cpu(), backend=Backend.TORCH)
+    out = expert_mlp(x, expert, width, token_widths=tw, backend=kernel_backend).cpu()
+    scale = ref.norm().clamp_min(1e-6)
+    assert (out - ref).norm() <= 1e-5 * scale  # fp32 accumulation order over H and the neurons
+    rows = torch.arange(num_tokens, device=device).flip(0)
+    weights = torch.rand(num_tokens, generator=g).to(device)
+    acc = torch.zeros(num_tokens + 2, 128, device=device)
+    expert_mlp_accumulate_(acc, torch.cat((x, torch.zeros(2, 128, device=device))), expert, width,
+                           rows=rows, weights=weights, token_widths=tw, backend=kernel_backend)
+    # slot t reads x[rows[t]] at token_widths[t]: out[rows[t]] += weights[t] * expert(x[rows[t]])
+    slots = expert_mlp(x.cpu()[rows.cpu()], TAIL_LAYERS[1].expert(2), width, token_widths=tw.cpu(),
+                       backend=Backend.TORCH)
+    want = torch.zeros(num_tokens + 2, 128)
+    want[rows.cpu()] += weights.cpu()[:, None] * slots
+    assert (acc.cpu() - want).norm() <= 1e-5 * want.norm().clamp_min(1e-6)
+    assert not acc[num_tokens:].any()

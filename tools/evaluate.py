@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from crisp_kernels.format import neurons_in_rows
 from crisp_kernels.tail_layout import PLAIN
 from crisp_runtime import cli_args as ca
 from crisp_runtime.baselines import equal_bytes_plans
@@ -159,6 +160,11 @@ class Evaluator:
         except ValueError as exc:
             raise CliError(f"--target {target}: {exc}") from None
 
+    def neurons(self, width: int) -> int:
+        """Neurons of a width of this pack (storage rows of a 2-bit tail pack; ``format.neurons_in_rows``)."""
+        first = next(iter(self.layers.values()))
+        return min(neurons_in_rows(width, first.tail_start), first.num_neurons)
+
     def _plan(self, kind, inter=None, **kw) -> CrispPlan:
         """A baseline plan over ``inter`` rows (default: this pack's; a reference pack's neurons)."""
         args = (self.plan.num_experts, self.top_k, self.inter if inter is None else inter, self.layer_ids)
@@ -199,8 +205,11 @@ class Evaluator:
             plans = equal_bytes_plans(self.plan, routing, target=crisp[1] / self.neuron_bytes)
             width = plans["uniform"].uniform_width
             uni = run(plans["uniform"])
-            records.append(self._record("uniform", f"uniform width {width}/{self.inter}", uni[1], uni[0], n_tok,
-                                        uniform_width=width))
+            # uniform_width in neurons (what plans and the simulator mean); a tail pack's runs count storage rows
+            neurons = self.neurons(width)
+            label = f"uniform width {neurons}/{self.pack_plan.intermediate_size}" + (
+                f" ({width}/{self.inter} storage rows)" if self.real_tail else "")
+            records.append(self._record("uniform", label, uni[1], uni[0], n_tok, uniform_width=neurons))
             threshold = plans["skip_aux"].skip_threshold
             label = "skip auxiliary always" if threshold is None else f"skip auxiliary if weight < {threshold:.3f}"
             sk = run(plans["skip_aux"])

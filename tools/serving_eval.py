@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from crisp_kernels.format import neurons_in_rows
 from crisp_runtime.baselines import equal_bytes_plans, full_plan
 from crisp_runtime.copy_window import PrefetchWindow
 from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
@@ -148,8 +149,10 @@ def run_case(model, pack, plan: CrispPlan, windows: torch.Tensor, budget_bytes: 
 
 
 def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int | None, scores: TokenScores,
-           stats: dict, full: TokenScores, plan: CrispPlan, seconds: float) -> dict:
-    """One JSON record (see :func:`write_serving_json`)."""
+           stats: dict, full: TokenScores, plan: CrispPlan, seconds: float,
+           neurons: Callable[[int], int] = lambda width: width) -> dict:
+    """One JSON record (see :func:`write_serving_json`); ``neurons`` maps a width of ``plan`` to neurons (a 2-bit
+    tail pack's plans count storage rows: ``plan_detail.uniform_width`` is recorded in neurons)."""
     tokens = max(1, stats.get("tokens", 0))
     served = {k: stats[k] for k in ("fallbacks", "serving_skips", "served_wider", "served_dominant_slots",
                                     "served_dominant_neurons", "served_aux_slots", "served_aux_neurons")
@@ -164,7 +167,8 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
     return {
         "policy": case.name,
         "plan": case.plan,
-        "plan_detail": {"uniform_width": plan.uniform_width, "skip_threshold": plan.skip_threshold,
+        "plan_detail": {"uniform_width": None if plan.uniform_width is None else neurons(plan.uniform_width),
+                        "skip_threshold": plan.skip_threshold,
                         "num_dominant": plan.num_dominant},
         "budget_fraction": budget_fraction,
         "budget_bytes": budget_bytes,
@@ -198,7 +202,7 @@ def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
          "records": [ one per (policy, budget):
            {"policy": str            case name, e.g. "crisp-exact", "crisp-resident-floor0.75+prefetch",
             "plan": str              crisp | uniform | skip_aux | full (uniform/skip_aux matched to CRISP's bytes),
-            "plan_detail": {uniform_width, skip_threshold, num_dominant},
+            "plan_detail": {uniform_width (neurons), skip_threshold, num_dominant},
             "budget_fraction": float  GPU expert-cache budget / all expert bytes of the pack,
             "budget_bytes": int,
             "serving": {name, hit_width, aux_narrower, aux_missing, dominant_floor, exact: bool}
@@ -267,6 +271,11 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
     def budget_bytes(fraction):
         return int(fraction * total)
 
+    first = next(iter(pack.layers.values()))
+
+    def to_neurons(width: int) -> int:
+        return min(neurons_in_rows(width, first.tail_start), first.num_neurons)
+
     t0 = time.time()
     full_case = ServingCase("full-exact", "full")
     if reference is not None:
@@ -302,7 +311,7 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
                                      "bytes)")
                 case_plan = matched[case.plan]
             (scores, stats), secs = _timed(run_case, model, pack, case_plan, windows, budget_bytes(fraction), case)
-            rec = record(case, fraction, budget_bytes(fraction), scores, stats, full, case_plan, secs)
+            rec = record(case, fraction, budget_bytes(fraction), scores, stats, full, case_plan, secs, to_neurons)
             records.append(rec)
             rel = "n/a" if rec["accuracy_loss"] is None else f"{rec['accuracy_loss']:.2%}"
             log(f"{case.name} @ {fraction:.0%}: acc {scores.accuracy:.4f} ppl {scores.perplexity:.4f} "
