@@ -28,6 +28,14 @@ from .simulate import SimPolicy, neuron_scale
 from .traces import Trace
 
 
+def mapped_target(layout: TailLayout, shape: ModelShape) -> ModelShape:
+    """``shape`` with I replaced by a full expert's rows under ``layout`` (rows of one 4-bit neuron's bytes): the
+    target a trace (or a tail pack's storage rows) is mapped onto."""
+    nbytes = layout.prefix_nbytes(shape.intermediate_size, shape.intermediate_size, shape.hidden_size,
+                                  shape.neuron_nbytes)
+    return replace(shape, name=f"{shape.name}+{layout.name}", intermediate_size=-(-nbytes // shape.neuron_nbytes))
+
+
 class TailMapping:
     """Widths of ``trace`` (traced neurons) in byte rows of ``shape``'s 4-bit neurons under ``layout``."""
 
@@ -49,7 +57,7 @@ class TailMapping:
                      list(t.seq_starts), t.predicted)
 
     def mapped_shape(self) -> ModelShape:
-        return replace(self.shape, name=f"{self.shape.name}+{self.layout.name}", intermediate_size=self.full)
+        return mapped_target(self.layout, self.shape)
 
     def mapped_plan(self, plan: CrispPlan) -> CrispPlan:
         if plan.intermediate_size != self.trace.intermediate_size:

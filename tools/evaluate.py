@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from crisp_kernels.format import neurons_in_rows
+from crisp_kernels.format import neurons_in_rows, rows_for_neurons
 from crisp_kernels.tail_layout import PLAIN
 from crisp_runtime import cli_args as ca
 from crisp_runtime.baselines import equal_bytes_plans
@@ -155,8 +155,13 @@ class Evaluator:
 
         if target == "native":
             return profile.prefetch_window(self.neuron_bytes, f"{profile.name}/native")
+        shape = TARGETS[target]
+        if self.real_tail:  # the target's experts in the layout's rows, as the simulator maps them (exactly)
+            from crisp_bench.tail_sim import mapped_target
+
+            shape = mapped_target(emulation_of(self.info), shape)
         try:
-            return target_window(profile, TARGETS[target], self.inter)
+            return target_window(profile, shape, self.inter)
         except ValueError as exc:
             raise CliError(f"--target {target}: {exc}") from None
 
@@ -172,7 +177,9 @@ class Evaluator:
             return CrispPlan.full(*args)
         return CrispPlan.skip_aux(*args, threshold=kw.get("threshold"), num_dominant=self.plan.num_dominant)
 
-    def run(self) -> list[dict]:
+    def run(self, frontier: bool = False) -> list[dict]:
+        """The equal-bytes table; ``frontier`` adds uniform at every width and skip-aux at every threshold the
+        simulator's frontier sweeps (``crisp_bench.sim_policies``), so its points carry a measured loss."""
         records = []
         n_tok = self.windows.numel()
         self.log(f"{self.windows.shape[0]} windows x {self.windows.shape[1]} tokens, engine={self.engine}")
@@ -216,6 +223,8 @@ class Evaluator:
             records.append(self._record("skip_aux", label, sk[1], sk[0], n_tok, skip_threshold=threshold))
             ska = run(self._plan("skip_aux"))
             records.append(self._record("skip_aux_all", "skip auxiliary always", ska[1], ska[0], n_tok))
+            if frontier:
+                records += self._frontier(run, n_tok, matched_width=neurons, matched_threshold=threshold)
             if layout_full is not None:
                 counted = "its own bytes" if self.real_tail else "4-bit bytes counted"
                 records.append(self._record("full_layout", f"{self.tail_layout} full width ({counted})",
@@ -225,6 +234,25 @@ class Evaluator:
             r["relative_accuracy_loss_vs_full"] = (full_acc - r["accuracy"]) / full_acc if full_acc else None
             r["bytes_fraction_of_full"] = r["bytes_per_token"] / self.full_bpt
         return records
+
+    def _frontier(self, run, n_tok, *, matched_width: int, matched_threshold) -> list[dict]:
+        """Uniform and skip-aux at the simulator's frontier knobs (exact serving: batch = runtime in the loop)."""
+        from crisp_bench.sim_policies import SKIP_THRESHOLDS, UNIFORM_FRACTIONS
+
+        first = next(iter(self.layers.values()))
+        neurons = self.pack_plan.intermediate_size
+        out = []
+        for width in sorted({max(1, round(f * neurons)) for f in UNIFORM_FRACTIONS} - {matched_width}):
+            rows = rows_for_neurons(width, first.tail_start)
+            plan = CrispPlan.uniform(self.plan.num_experts, self.top_k, self.inter, self.layer_ids, rows)
+            got = run(plan)
+            out.append(self._record("uniform", f"uniform width {self.neurons(rows)}/{neurons} (frontier)", got[1],
+                                    got[0], n_tok, uniform_width=self.neurons(rows)))
+        for th in sorted(set(SKIP_THRESHOLDS) - {matched_threshold}):
+            got = run(self._plan("skip_aux", threshold=th))
+            out.append(self._record("skip_aux", f"skip auxiliary if weight < {th:g} (frontier)", got[1], got[0],
+                                    n_tok, skip_threshold=th))
+        return out
 
     def _record(self, policy, label, bpt, scores, n_tok, **extra):
         rec = {"policy": policy, "label": label, "bytes_per_token": float(bpt), "perplexity": scores.perplexity,
@@ -296,7 +324,9 @@ def format_table(records: list[dict]) -> str:
 
 
 def verdict(records: list[dict], max_bytes=0.55, max_loss=0.036) -> dict:
-    by = {r["policy"]: r for r in records}
+    by = {}
+    for r in records:  # the first record of a policy: the equal-bytes one (--frontier adds others after it)
+        by.setdefault(r["policy"], r)
     c = by["crisp"]
     loss = c["relative_accuracy_loss_vs_full"]
     return {
@@ -353,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-crisp", default=None, metavar="PACK", type=ca.nonempty_path,
                    help="the 4-bit pack whose full width is the reference of every relative loss (required for a "
                         "tail-emulated --crisp from crisp_tools.tail_emulation: its source pack); batch mode only")
+    p.add_argument("--frontier", action="store_true",
+                   help="batch mode: also uniform at every width and skip-aux at every threshold that crisp-bench "
+                        "simulate --matrix frontier sweeps, so that its frontier points carry a measured loss")
     p.add_argument("--json", default=None, metavar="PATH", type=ca.nonempty_path,
                    help="also write the records as JSON (atomically; never onto an input or into the pack or model "
                         "folder)")
@@ -401,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         profile = _load_window_profile(args)
         check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data,
                                               "--reference-crisp": args.reference_crisp})
+        if args.frontier and args.mode == "decode":
+            raise CliError("--frontier: batch mode only (its families are served at their plans' widths, whose outputs "
+                           "do not depend on the cache)")
         with threads(args.threads):
             ev = Evaluator(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
                            batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet,
@@ -411,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                                "not the layout's")
             if args.mode == "decode":
                 return _decode_main(ev, args, None if profile is None else ev.prefetch_window(profile, args.target))
-            records = ev.run()
+            records = ev.run(frontier=args.frontier)
     except (CliError, OutputPathError) as exc:
         print(f"crisp-eval: error: {exc}", file=sys.stderr)
         return 2

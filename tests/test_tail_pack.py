@@ -1,0 +1,145 @@
+"""crisp_tools.tail_pack end to end on the tiny trained Mixtral: a real 2-bit tail pack, what crisp-eval measures
+on it (batch, --frontier, --mode decode against the 4-bit reference) and how the simulator reads that."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from crisp_tools import evaluate
+from crisp_tools import tail_pack as tp
+
+from crisp_kernels.format import layer_neuron_rows, rows_for_neurons
+from crisp_runtime.pack import load_pack
+from crisp_runtime.plan import TierWidths
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY, TINY_PACK = ROOT / "models" / "tiny-mixtral", ROOT / "models" / "tiny-mixtral-crisp"
+HELDOUT = str(ROOT / "data" / "stdlib-heldout.txt")
+
+
+@pytest.fixture(scope="module")
+def tail(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tailpack") / "t"
+    assert tp.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "2g128@0.25", "--out", str(out),
+                    "--tier-widths", "256,64,32", "--quiet"]) == 0
+    return out
+
+
+def test_the_tail_pack_keeps_the_head_and_stores_the_tail_at_2_bits(tail):
+    src, pack = load_pack(TINY_PACK), load_pack(tail)
+    assert pack.info["tail_layout"]["segments"] == [[0.25, 2, 128]]
+    assert pack.info["tail_pack"]["source_pack"] == str(TINY_PACK) and pack.info["tail_pack"]["tail_start_neuron"] == 64
+    assert pack.plan.tier_widths == TierWidths(256, 64, 32) and pack.plan.intermediate_size == 256  # neurons
+    for lid, layer in pack.layers.items():
+        ref = src.layers[lid]
+        assert layer.tail_start == 64 and layer.intermediate_size == rows_for_neurons(256, 64) == 160
+        assert torch.equal(layer.qweight[:, :64], ref.qweight[:, :64])
+        assert torch.equal(layer.neuron_order, ref.neuron_order)
+        assert layer.nbytes() / ref.nbytes() == 0.625
+        # the tail is close to the 4-bit values: a 2-bit grid of the same weights, not noise
+        a, b = layer_neuron_rows(layer)[:, 64:], layer_neuron_rows(ref)[:, 64:]
+        assert 0 < float((a - b).square().mean() / b.square().mean()) < 0.25
+
+
+def test_layouts_a_pack_cannot_store_are_refused(tail, tmp_path, capsys):
+    base = ["--model", str(TINY), "--crisp", str(TINY_PACK), "--quiet"]
+    for layout, message in (("m432", "simulated and emulated only"), ("2g64@0.25", "simulated and emulated only"),
+                            ("q4", "the 4-bit pack itself")):
+        assert tp.main([*base, "--layout", layout, "--out", str(tmp_path / layout)]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / layout).exists()
+    before = sorted(p.name for p in tail.iterdir())
+    assert tp.main([*base, "--layout", "2g128@0.5", "--out", str(tail)]) == 2
+    assert "already exists" in capsys.readouterr().err and sorted(p.name for p in tail.iterdir()) == before
+    assert tp.main(["--model", str(TINY), "--crisp", str(tail), "--layout", "2g128@0.5", "--out",
+                    str(tmp_path / "twice"), "--quiet"]) == 2
+    assert "already a tail layout" in capsys.readouterr().err
+    assert tp.main([*base, "--layout", "2g128@0.5", "--out", str(tmp_path / "w"), "--tier-widths", "256,300,0"]) == 2
+    assert "--tier-widths" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_tail_pack_leaves_nothing(tmp_path, monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tp, "with_tail", interrupt)
+    out = tmp_path / "out"
+    assert tp.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "2g128@0.25", "--out", str(out),
+                    "--quiet"]) == 130
+    assert "interrupted" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+def test_eval_of_a_tail_pack_batch_and_frontier(tail, tmp_path, capsys):
+    base = ["--model", str(TINY), "--crisp", str(tail), "--data", HELDOUT, "--samples", "2", "--seq-len", "24",
+            "--quiet", "--threads", "1"]
+    assert evaluate.main([*base, "--engine", "reference", "--reference-crisp", str(TINY_PACK)]) == 2
+    assert "--engine runtime" in capsys.readouterr().err
+    assert evaluate.main([*base, "--frontier", "--mode", "decode", "--reference-crisp", str(TINY_PACK)]) == 2
+    assert "--frontier: batch mode only" in capsys.readouterr().err
+    path = tmp_path / "t.json"
+    assert evaluate.main([*base, "--reference-crisp", str(TINY_PACK), "--frontier", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["tail_layout"] == "2g128at0.25"
+    assert doc["plan_widths_sha256"] == load_pack(tail).plan.widths_digest()  # the plan in neurons
+    recs = doc["records"]
+    by = {}
+    for r in recs:
+        by.setdefault(r["policy"], r)
+    full_4bit = by["full"]["bytes_per_token"]
+    assert by["full_layout"]["bytes_per_token"] == 0.625 * full_4bit  # its own bytes
+    assert "its own bytes" in by["full_layout"]["label"]
+    uniforms = [r for r in recs if r["policy"] == "uniform"]
+    skips = [r for r in recs if r["policy"] == "skip_aux"]
+    # --frontier: the simulator's knob values (96, 128, 160, 192 neurons; thresholds 0.2, 0.3, 0.4) beside the
+    # matched ones; widths in neurons, each even (whole storage rows), bytes = the layout's
+    assert {96, 128, 160, 192} <= {r["uniform_width"] for r in uniforms}
+    assert {0.2, 0.3, 0.4} <= {r["skip_threshold"] for r in skips}
+    for r in uniforms:
+        rows = rows_for_neurons(r["uniform_width"], 64)
+        assert r["bytes_per_token"] == pytest.approx(full_4bit * rows / 256)
+    assert by["uniform"] is uniforms[0] and "storage rows" in uniforms[0]["label"]  # the matched one first
+
+
+def test_decode_of_a_tail_pack_against_its_4bit_reference(tail, tmp_path):
+    base = ["--model", str(TINY), "--crisp", str(tail), "--data", HELDOUT, "--samples", "1", "--seq-len", "12",
+            "--quiet", "--threads", "1", "--mode", "decode", "--budgets", "0.25"]
+    path = tmp_path / "d.json"
+    assert evaluate.main([*base, "--reference-crisp", str(TINY_PACK), "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["tail_layout"] == "2g128at0.25" and doc["reference_crisp"] == str(TINY_PACK)
+    src = load_pack(TINY_PACK)
+    total_4bit = sum(layer.nbytes() for layer in src.layers.values())
+    assert doc["total_expert_bytes"] == total_4bit  # budgets are fractions of the 4-bit bytes (equal memory)
+    recs = {r["policy"]: r for r in doc["records"]}
+    assert recs["full-exact"]["accuracy_loss"] == 0.0 and recs["full-exact"]["budget_bytes"] == int(0.25 * total_4bit)
+    assert "full_layout-exact" in recs and recs["crisp-exact"]["budget_fraction"] == 0.25
+    # the reference is the 4-bit pack: decoding the 4-bit pack itself gives the same full width
+    plain = tmp_path / "p.json"
+    assert evaluate.main([*base[:3], str(TINY_PACK), *base[4:], "--json", str(plain)]) == 0
+    ref = {r["policy"]: r for r in json.loads(plain.read_text())["records"]}
+    assert recs["full-exact"]["perplexity"] == pytest.approx(ref["full-exact"]["perplexity"], rel=1e-9)
+    # the simulator reads the layout's own full width as "full", never the 4-bit reference
+    from crisp_bench.sim_policies import read_accuracy
+
+    rows, _ = read_accuracy([path], "tiny-mixtral")
+    fulls = [r for r in rows if r["family"] == "full"]
+    assert len(fulls) == 1 and fulls[0]["tail_layout"] == "2g128at0.25"
+    assert fulls[0]["accuracy_loss"] == pytest.approx(recs["full_layout-exact"]["accuracy_loss"])
+
+
+def test_the_window_of_a_tail_pack_counts_its_rows():
+    from crisp_bench.profiles import get_profile
+    from crisp_bench.shapes import TARGETS
+    from crisp_bench.simulate import target_window
+    from crisp_bench.tail_sim import mapped_target
+
+    from crisp_kernels.tail_layout import parse_tail_layout
+
+    shape = mapped_target(parse_tail_layout("2g128@0.25"), TARGETS["mixtral-8x7b"])
+    assert shape.intermediate_size == rows_for_neurons(14336, 3584) == 8960
+    window = target_window(get_profile("rtx4090-pcie4"), shape, 160)
+    assert window.row_nbytes == 56 * TARGETS["mixtral-8x7b"].neuron_nbytes  # 8,960 / 160 target rows per row
