@@ -126,18 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=ca.nonempty_path, help="the transformers checkpoint of the pack")
     p.add_argument("--crisp", required=True, type=ca.nonempty_path, help="the 4-bit CRISP pack folder to emulate from")
-    p.add_argument("--layout", required=True, type=_layout,
+    p.add_argument("--layout", required=True, type=layout_arg,
                    help="m432, m42, q3 or BITSgGROUP@START,... (crisp_kernels.tail_layout); q4 (only with "
                    "--tier-widths): the 4-bit rows unchanged, only the plan's tier widths replaced")
     p.add_argument("--out", required=True, type=ca.nonempty_path, help="new pack folder (must not exist)")
-    p.add_argument("--tier-widths", default=None, type=_tier_widths, metavar="HOT,WARM,COLD",
+    p.add_argument("--tier-widths", default=None, type=tier_widths_arg, metavar="HOT,WARM,COLD",
                    help="store the plan with these tier widths (neurons of a pair's non-dominant expert); "
                    "default: the pack's")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
 
-def _layout(text: str) -> TailLayout:
+def layout_arg(text: str) -> TailLayout:
     try:
         layout = parse_tail_layout(text)
     except ValueError as exc:
@@ -145,7 +145,7 @@ def _layout(text: str) -> TailLayout:
     return layout
 
 
-def _tier_widths(text: str) -> TierWidths:
+def tier_widths_arg(text: str) -> TierWidths:
     parts = text.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
         raise argparse.ArgumentTypeError(f"expected three non-negative integers HOT,WARM,COLD, got {text!r}")

@@ -35,7 +35,7 @@ from crisp_runtime import cli_args as ca
 from crisp_runtime.outputs import OutputPathError, check_outputs
 
 from .calibration import CliError, load_model, load_pack_dir, log
-from .tail_emulation import INFO_EMULATION, INFO_LAYOUT, _layout, _tier_widths, emulation_of, stored_order_rows
+from .tail_emulation import INFO_EMULATION, INFO_LAYOUT, emulation_of, layout_arg, stored_order_rows, tier_widths_arg
 
 INFO_TAIL_PACK = "tail_pack"
 
@@ -60,11 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=ca.nonempty_path, help="the transformers checkpoint of the pack")
     p.add_argument("--crisp", required=True, type=ca.nonempty_path, help="the 4-bit CRISP pack folder to start from")
-    p.add_argument("--layout", required=True, type=_layout,
+    p.add_argument("--layout", required=True, type=layout_arg,
                    help="2gG@F: neurons from fraction F of I stored at 2 bits, groups of G = 2 x the pack's group "
                    "(e.g. 2g128@0.25 for a g64 pack)")
     p.add_argument("--out", required=True, type=ca.nonempty_path, help="new pack folder (must not exist)")
-    p.add_argument("--tier-widths", default=None, type=_tier_widths, metavar="HOT,WARM,COLD",
+    p.add_argument("--tier-widths", default=None, type=tier_widths_arg, metavar="HOT,WARM,COLD",
                    help="store the plan with these tier widths (neurons of a pair's non-dominant expert); "
                    "default: the pack's")
     p.add_argument("--quiet", action="store_true", help="no progress output")
