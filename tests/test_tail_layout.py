@@ -307,7 +307,7 @@ def test_emulation_writes_a_loadable_pack_that_names_its_layout(emulated, capsys
     assert "nothing to emulate" in capsys.readouterr().err
     assert te.main(["--model", str(TINY), "--crisp", str(emulated), "--layout", "m42", "--out",
                     str(emulated.parent / "twice"), "--quiet"]) == 2
-    assert "already a tail emulation" in capsys.readouterr().err
+    assert "already a tail layout" in capsys.readouterr().err
     assert te.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "m42", "--out",
                     str(emulated.parent / "wide"), "--tier-widths", "256,300,0", "--quiet"]) == 2
     assert "--tier-widths" in capsys.readouterr().err

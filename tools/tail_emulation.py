@@ -152,36 +152,63 @@ def tier_widths_arg(text: str) -> TierWidths:
     return TierWidths(*(int(p) for p in parts))
 
 
+def new_out(args) -> Path:
+    """``--out``, refused when it exists or would overwrite an input (before any work)."""
+    out = Path(args.out)
+    if out.exists() or out.is_symlink():
+        raise CliError(f"--out {out}: already exists; give a new folder (nothing is overwritten)")
+    check_outputs({"--out": out}, {"--model": args.model, "--crisp": args.crisp})
+    return out
+
+
+def source_pack(args):
+    """(layers, plan with ``--tier-widths`` applied, info) of ``--crisp``: a 4-bit pack with a plan."""
+    layers, plan, info = load_pack_dir(args.crisp)
+    if emulation_of(info) is not None or next(iter(layers.values())).tail_start is not None:
+        raise CliError(f"--crisp {args.crisp}: already a tail layout (emulated or stored); start from the 4-bit pack")
+    if plan is None:
+        raise CliError(f"--crisp {args.crisp}: the pack has no plan (plan.json); run crisp-profile")
+    if args.tier_widths is not None:
+        try:
+            plan = plan.with_tiers(args.tier_widths)
+            plan.validate()
+        except ValueError as exc:
+            raise CliError(f"--tier-widths: {exc}") from None
+    return layers, plan, info
+
+
+def source_model(args, layers, info):
+    """(model, MoE layer refs) of ``--model``, refused unless the pack was made from these weights."""
+    model, refs = load_model(args.model)
+    from crisp_runtime.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint
+
+    try:
+        check_layers_fit_model(layers, model, info=info)
+        check_weights_fingerprint(info, model)
+    except PackMismatchError as exc:
+        raise CliError(f"--crisp {args.crisp}: {exc}") from None
+    return model, refs
+
+
+def derived_info(info: dict, drop=()) -> tuple[dict, object]:
+    """(the source pack's info without what save_pack writes itself, its experts file record)."""
+    files = info.get("files")
+    digest = files.get("experts.safetensors") if isinstance(files, dict) else None
+    return {k: v for k, v in info.items() if k not in ("format", "version", "quant", "files", *drop)}, digest
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.time()
     try:
-        out = Path(args.out)
-        if out.exists() or out.is_symlink():
-            raise CliError(f"--out {out}: already exists; give a new folder (nothing is overwritten)")
-        check_outputs({"--out": out}, {"--model": args.model, "--crisp": args.crisp})
+        out = new_out(args)
         if args.layout.is_plain and args.tier_widths is None:
             raise CliError("--layout q4 is the pack itself: nothing to emulate (give --tier-widths to store another "
                            "plan)")
-        layers, plan, info = load_pack_dir(args.crisp)
-        if emulation_of(info) is not None:
-            raise CliError(f"--crisp {args.crisp}: already a tail emulation; emulate from the 4-bit pack")
-        if plan is None:
-            raise CliError(f"--crisp {args.crisp}: the pack has no plan (plan.json); run crisp-profile")
-        if args.tier_widths is not None:
-            try:
-                plan = plan.with_tiers(args.tier_widths)
-                plan.validate()
-            except ValueError as exc:
-                raise CliError(f"--tier-widths: {exc}") from None
-        model, refs = load_model(args.model)
-        from crisp_runtime.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint, save_pack
+        layers, plan, info = source_pack(args)
+        _, refs = source_model(args, layers, info)
+        from crisp_runtime.pack import save_pack
 
-        try:
-            check_layers_fit_model(layers, model, info=info)
-            check_weights_fingerprint(info, model)
-        except PackMismatchError as exc:
-            raise CliError(f"--crisp {args.crisp}: {exc}") from None
         new = {}
         for n, ref in enumerate(refs, 1):
             try:
@@ -190,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 raise CliError(f"--crisp {args.crisp}: {exc}") from None
             log(f"[tail-emulation {time.time() - t0:5.1f}s] layer {ref.layer_id}: {n}/{len(refs)}", quiet=args.quiet)
-        digest = info.get("files", {}).get("experts.safetensors") if isinstance(info.get("files"), dict) else None
-        info = {k: v for k, v in info.items() if k not in ("format", "version", "quant", "files")}
+        info, digest = derived_info(info)
         if not args.layout.is_plain:
             info[INFO_LAYOUT] = args.layout.to_dict()
         info[INFO_EMULATION] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,

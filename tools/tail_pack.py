@@ -27,15 +27,24 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from crisp_kernels.format import tail_group_size, with_tail
 from crisp_kernels.tail_layout import TailLayout
 from crisp_runtime import cli_args as ca
-from crisp_runtime.outputs import OutputPathError, check_outputs
+from crisp_runtime.outputs import OutputPathError
 
-from .calibration import CliError, load_model, load_pack_dir, log
-from .tail_emulation import INFO_EMULATION, INFO_LAYOUT, emulation_of, layout_arg, stored_order_rows, tier_widths_arg
+from .calibration import CliError, log
+from .tail_emulation import (
+    INFO_EMULATION,
+    INFO_LAYOUT,
+    derived_info,
+    layout_arg,
+    new_out,
+    source_model,
+    source_pack,
+    stored_order_rows,
+    tier_widths_arg,
+)
 
 INFO_TAIL_PACK = "tail_pack"
 
@@ -75,16 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.time()
     try:
-        out = Path(args.out)
-        if out.exists() or out.is_symlink():
-            raise CliError(f"--out {out}: already exists; give a new folder (nothing is overwritten)")
-        check_outputs({"--out": out}, {"--model": args.model, "--crisp": args.crisp})
-        layers, plan, info = load_pack_dir(args.crisp)
+        out = new_out(args)
+        layers, plan, info = source_pack(args)
         first = next(iter(layers.values()))
-        if emulation_of(info) is not None or first.tail_start is not None:
-            raise CliError(f"--crisp {args.crisp}: already a tail layout; start from the 4-bit pack")
-        if plan is None:
-            raise CliError(f"--crisp {args.crisp}: the pack has no plan (plan.json); run crisp-profile")
         try:
             start = storable_tail_start(args.layout, first.fmt.group_size, first.intermediate_size)
             if first.zeros is None or first.bias is not None:
@@ -95,20 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                                  f"H={first.hidden_size}")
         except ValueError as exc:
             raise CliError(f"--layout {args.layout.name}: {exc}") from None
-        if args.tier_widths is not None:
-            try:
-                plan = plan.with_tiers(args.tier_widths)
-                plan.validate()
-            except ValueError as exc:
-                raise CliError(f"--tier-widths: {exc}") from None
-        model, refs = load_model(args.model)
-        from crisp_runtime.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint, save_pack
+        _, refs = source_model(args, layers, info)
+        from crisp_runtime.pack import save_pack
 
-        try:
-            check_layers_fit_model(layers, model, info=info)
-            check_weights_fingerprint(info, model)
-        except PackMismatchError as exc:
-            raise CliError(f"--crisp {args.crisp}: {exc}") from None
         new = {}
         for n, ref in enumerate(refs, 1):
             layer = layers[ref.layer_id]
@@ -116,10 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                                      layer.neuron_order)
             new[ref.layer_id] = with_tail(layer, rows, start)
             log(f"[tail-pack {time.time() - t0:5.1f}s] layer {ref.layer_id}: {n}/{len(refs)}", quiet=args.quiet)
-        digest = info.get("files", {}).get("experts.safetensors") if isinstance(info.get("files"), dict) else None
         # the layers' summary (rows, not neurons, for intermediate_size) is written by save_pack itself
-        info = {k: v for k, v in info.items() if k not in ("format", "version", "quant", "files", INFO_EMULATION,
-                                                           "intermediate_size", "tail_start", "num_neurons")}
+        info, digest = derived_info(info, drop=(INFO_EMULATION, "intermediate_size", "tail_start", "num_neurons"))
         info[INFO_LAYOUT] = args.layout.to_dict()
         info[INFO_TAIL_PACK] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
                                 "tail_start_neuron": start,
