@@ -122,13 +122,18 @@ def emulation_of(info: dict) -> TailLayout | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ca.Parser(prog="python -m crisp_tools.tail_emulation", description=__doc__,
-                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    return tail_tool_parser("python -m crisp_tools.tail_emulation", __doc__, "emulate from",
+                            "m432, m42, q3 or BITSgGROUP@START,... (crisp_kernels.tail_layout); q4 (only with "
+                            "--tier-widths): the 4-bit rows unchanged, only the plan's tier widths replaced")
+
+
+def tail_tool_parser(prog: str, doc: str, source_verb: str, layout_help: str) -> argparse.ArgumentParser:
+    """The options of the tools that derive a tail-layout pack from a 4-bit pack (this one and tail_pack)."""
+    p = ca.Parser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=ca.nonempty_path, help="the transformers checkpoint of the pack")
-    p.add_argument("--crisp", required=True, type=ca.nonempty_path, help="the 4-bit CRISP pack folder to emulate from")
-    p.add_argument("--layout", required=True, type=layout_arg,
-                   help="m432, m42, q3 or BITSgGROUP@START,... (crisp_kernels.tail_layout); q4 (only with "
-                   "--tier-widths): the 4-bit rows unchanged, only the plan's tier widths replaced")
+    p.add_argument("--crisp", required=True, type=ca.nonempty_path,
+                   help=f"the 4-bit CRISP pack folder to {source_verb}")
+    p.add_argument("--layout", required=True, type=layout_arg, help=layout_help)
     p.add_argument("--out", required=True, type=ca.nonempty_path, help="new pack folder (must not exist)")
     p.add_argument("--tier-widths", default=None, type=tier_widths_arg, metavar="HOT,WARM,COLD",
                    help="store the plan with these tier widths (neurons of a pair's non-dominant expert); "

@@ -38,12 +38,11 @@ from .tail_emulation import (
     INFO_EMULATION,
     INFO_LAYOUT,
     derived_info,
-    layout_arg,
     new_out,
     source_model,
     source_pack,
     stored_order_rows,
-    tier_widths_arg,
+    tail_tool_parser,
 )
 
 INFO_TAIL_PACK = "tail_pack"
@@ -65,19 +64,9 @@ def storable_tail_start(layout: TailLayout, group_size: int, intermediate_size: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ca.Parser(prog="python -m crisp_tools.tail_pack", description=__doc__,
-                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, type=ca.nonempty_path, help="the transformers checkpoint of the pack")
-    p.add_argument("--crisp", required=True, type=ca.nonempty_path, help="the 4-bit CRISP pack folder to start from")
-    p.add_argument("--layout", required=True, type=layout_arg,
-                   help="2gG@F: neurons from fraction F of I stored at 2 bits, groups of G = 2 x the pack's group "
-                   "(e.g. 2g128@0.25 for a g64 pack)")
-    p.add_argument("--out", required=True, type=ca.nonempty_path, help="new pack folder (must not exist)")
-    p.add_argument("--tier-widths", default=None, type=tier_widths_arg, metavar="HOT,WARM,COLD",
-                   help="store the plan with these tier widths (neurons of a pair's non-dominant expert); "
-                   "default: the pack's")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    return p
+    return tail_tool_parser("python -m crisp_tools.tail_pack", __doc__, "start from",
+                            "2gG@F: neurons from fraction F of I stored at 2 bits, groups of G = 2 x the pack's "
+                            "group (e.g. 2g128@0.25 for a g64 pack)")
 
 
 def main(argv: list[str] | None = None) -> int:
