@@ -11,7 +11,7 @@ from pathlib import Path
 
 from crisp_tools.text import read_texts, sample_sequences
 
-from crisp_kernels.tail_layout import PLAIN, TailLayout, parse_tail_layout
+from crisp_kernels.tail_layout import PLAIN, TailLayout, TailSegment, parse_tail_layout
 from crisp_runtime import cli_args as ca
 from crisp_runtime.moe_layers import max_positions
 from crisp_runtime.plan import CrispPlan
@@ -160,8 +160,36 @@ def _tail_layout(value: str) -> TailLayout:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _check_pack_layout(args) -> None:
+    """A --plan pack folder that stores a 2-bit tail (crisp_tools.tail_pack) is simulated with its own layout:
+    its widths mean rows of that layout, and its accuracy is that layout's (simulating it as 4-bit rows would
+    put a tail pack's loss on 4-bit bytes without a word)."""
+    option, folder = ("--plan", args.plan) if args.plan is not None else ("--pack", getattr(args, "pack", None))
+    if folder is None or not Path(folder).is_dir() or not (Path(folder) / "pack.json").is_file():
+        return
+    from crisp_runtime.cli_args import read_json
+
+    try:
+        info = read_json(Path(folder) / "pack.json", option)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if not isinstance(info, dict) or info.get("tail_start") is None:
+        return
+    spec = info.get("tail_layout") or {}
+    stored = tuple(tuple(seg) for seg in spec.get("segments", ())) if isinstance(spec, dict) else ()
+    given = tuple((seg.start, seg.bits, seg.group_size) for seg in args.tail_layout.segments)
+    if stored != given:
+        try:
+            want = f"--tail-layout {TailLayout('stored', tuple(TailSegment(*seg) for seg in stored)).spec()}"
+        except (TypeError, ValueError):
+            want = f"its layout ({spec!r} in pack.json)"
+        raise CliError(f"{option} {folder}: a 2-bit tail pack; simulate it with {want} (got --tail-layout "
+                       f"{args.tail_layout.spec()})")
+
+
 def run(args) -> int:
     t0 = time.perf_counter()
+    _check_pack_layout(args)
     profile, shape, trace, plans, notes = _simulation_inputs(args)
     layout = args.tail_layout
     print(f"simulate: profile {profile.name} ({profile.description or profile.source})")

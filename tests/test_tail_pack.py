@@ -143,3 +143,14 @@ def test_the_window_of_a_tail_pack_counts_its_rows():
     assert shape.intermediate_size == rows_for_neurons(14336, 3584) == 8960
     window = target_window(get_profile("rtx4090-pcie4"), shape, 160)
     assert window.row_nbytes == 56 * TARGETS["mixtral-8x7b"].neuron_nbytes  # 8,960 / 160 target rows per row
+
+
+def test_the_simulator_refuses_a_tail_pack_at_another_layout(tail, capsys):
+    from crisp_bench import cli as bench_cli
+
+    base = ["simulate", "--trace", str(ROOT / "docs" / "bench-trace-heldout-predicted.npz"), "--plan", str(tail),
+            "--policies", "full,crisp", "--tokens", "40", "--warmup", "4"]
+    for layout in ([], ["--tail-layout", "2g128@0.5"], ["--tail-layout", "m432"]):
+        assert bench_cli.main([*base, *layout]) == 2
+        assert "simulate it with --tail-layout 2g128@0.25" in capsys.readouterr().err
+    assert bench_cli.main([*base, "--tail-layout", "2g128@0.25"]) == 0
