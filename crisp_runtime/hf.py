@@ -63,7 +63,7 @@ from .pack import (
 from .plan import CrispPlan, PlanError
 from .prefetch import NextLayerPredictor, Prefetcher
 from .resident_path import ResidentStep
-from .runtime import CrispRuntime, RuntimeConfig, min_budget_bytes
+from .runtime import CrispRuntime, RuntimeConfig, min_budget_bytes, plan_for_layers
 from .serving import make_serving
 
 IMPLEMENTATION_NAME = "crisp"
@@ -227,6 +227,7 @@ def plan_and_budget_checked(plan: CrispPlan | None, layers, first: PackedLayer, 
     layer_ids = sorted(layers)
     if plan is None:
         plan = CrispPlan.full(first.num_experts, top_k, first.intermediate_size, layer_ids)
+    plan = plan_for_layers(plan, layers)  # a 2-bit tail pack's plan in neurons -> its storage rows
     try:
         plan.check_compatible(num_experts=first.num_experts, top_k=top_k, intermediate_size=first.intermediate_size,
                               layer_ids=layer_ids)

@@ -154,3 +154,21 @@ def test_the_simulator_refuses_a_tail_pack_at_another_layout(tail, capsys):
         assert bench_cli.main([*base, *layout]) == 2
         assert "simulate it with --tail-layout 2g128@0.25" in capsys.readouterr().err
     assert bench_cli.main([*base, "--tail-layout", "2g128@0.25"]) == 0
+
+
+def test_load_model_serves_a_tail_pack_with_its_plan_in_neurons(tail):
+    from crisp_runtime.hf import load_model
+
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7, 8, 250]])
+    logits = []
+    for budget in (None, 200_000):  # all resident, and offloaded: the plan's widths either way (exact serving)
+        model, handle = load_model(TINY, tail, gpu_budget=budget)
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+        assert handle.runtime.plan.intermediate_size == 160  # the pack's plan (256 neurons) in storage rows
+        if budget is not None:
+            stats = handle.stats()
+            assert stats["bytes_h2d"] > 0 and stats["bytes_h2d"] % load_pack(tail).layers[0].neuron_nbytes == 0
+        handle.runtime.close()  # load_model keeps no original experts to restore
+    assert torch.isfinite(logits[0]).all()
+    assert torch.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-5)
