@@ -26,7 +26,7 @@
 #  8. e2e            end-to-end decode of the committed tiny Mixtral under every policy (routing
 #                    recorded), then 9. simulate-measured: the measured profile against that run
 # 10. layer          layer steps of the real runtime vs the flow-shop bound, per order
-# 11. kernels        the kernel benchmark (Mixtral-8x7B, DeepSeek-MoE-16B, Qwen3-30B-A3B shapes)
+# 11. kernels        the kernel benchmark (Mixtral-8x7B, DeepSeek-MoE-16B, Qwen3-30B-A3B shapes), 2-bit tails beside
 # 12. cpu-kernel     the CPU expert kernels (native C against torch's int4pack op, same rounds) on the
 #                    lent machine's many cores: the per-core figures so far come from a 2-core VM
 # 13. planner        the planner's CPU overhead per step (a CPU figure: last)
@@ -113,7 +113,7 @@ step simulate-measured 30 "${cb[@]}" simulate --profile "$out/measured-profile.j
   --trace "$out/e2e-trace.npz" --plan models/tiny-mixtral-crisp --compare "$out/e2e.json" \
   --json "$out/simulate-measured.json"
 step layer 120 "${cb[@]}" layer --json "$out/layer.json"
-step kernels 120 "${cb[@]}" kernels --device cuda --widths 0.25,0.5,0.75,1 --tokens 1,4,16,128 \
+step kernels 120 "${cb[@]}" kernels --device cuda --widths 0.25,0.5,0.75,1 --tokens 1,4,16,128 --tail-start 0.25 \
   --json "$out/kernels.json"
 step cpu-kernel 60 "${cb[@]}" cpu --shapes mixtral --tokens 1,4 --widths 0.125,0.25,0.5,1 --repeats 5 \
   --impl native-fp32,int4pack-bf16 --json "$out/cpu-kernel.json"

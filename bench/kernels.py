@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from crisp_kernels import Backend, PackedExpert, QuantFormat, dequantize_expert, expert_mlp, expert_mlp_ref
 from crisp_kernels.expert_mlp import select_backend
+from crisp_kernels.format import TAIL_QMAX, rows_for_neurons
 from crisp_runtime import cli_args as ca
 
 from . import common, report
@@ -63,6 +64,25 @@ def random_packed_expert(shape: ModelShape, fmt: QuantFormat, device, seed: int 
     if not fmt.symmetric:
         zeros = torch.randint(0, 16, (inter, 3, groups), generator=gen, device=device, dtype=torch.uint8)
     return PackedExpert(fmt, q, scales, zeros)
+
+
+def random_tail_expert(packed: PackedExpert, tail_start: int, seed: int = 0) -> PackedExpert:
+    """``packed``'s first ``tail_start`` rows and random 2-bit tail rows after them (format.py, "2-bit tail
+    rows"), holding the same neurons (I = ``packed.width``), outputs of the same order."""
+    device, inter = packed.device, packed.width
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    rows = rows_for_neurons(inter, tail_start) - tail_start
+    q = torch.randint(0, 256, (rows, *packed.qweight.shape[1:]), generator=gen, device=device, dtype=torch.uint8)
+    # 2-bit (q - z) has std ~1.1 against 4-bit's ~4.6: scales x 4 keep each dot product's std near 1
+    scales = (packed.scales[tail_start:tail_start + 1].float() * 4).expand(rows, -1, -1).to(torch.float16)
+    zeros = torch.randint(0, TAIL_QMAX + 1, (rows, *packed.zeros.shape[1:]), generator=gen, device=device,
+                          dtype=torch.uint8)
+
+    def cat(head, tail):
+        return torch.cat((head[:tail_start], tail)).contiguous()
+
+    return PackedExpert(packed.fmt, cat(packed.qweight, q), cat(packed.scales, scales), cat(packed.zeros, zeros),
+                        tail_start=tail_start)
 
 
 def time_us(fn: Callable[[], object], device: torch.device, *, warmup: int, iters: int, flush: bool = True) -> float:
@@ -142,8 +162,17 @@ def run_kernel_sweep(
     copy_bytes: int | None = None,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    tail_start: float | None = None,
 ) -> list[dict]:
-    """One record per (shape, T, width); see the module docstring for the fields' meaning."""
+    """One record per (shape, T, width); see the module docstring for the fields' meaning.
+
+    tail_start: also time the same neurons stored with a 2-bit tail from this fraction of I on
+    (``crisp_tail``: the 4-bit head's kernels then the 2-bit tail's, checked against its own float64
+    reference), e.g. 0.25 for ``crisp_tools.tail_pack --layout 2g128@0.25``; None: not timed."""
+    if tail_start is not None and not 0.0 <= float(tail_start) < 1.0:
+        raise ValueError(f"tail_start {tail_start}: must lie in [0, 1) (the fraction of I kept 4-bit)")
+    if tail_start is not None and symmetric:
+        raise ValueError("tail_start: a 2-bit tail needs the asymmetric format (zero points)")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose from {', '.join(_DTYPES)}")
@@ -172,6 +201,9 @@ def run_kernel_sweep(
     records = []
     for shape in resolved:
         packed = random_packed_expert(shape, fmt, device, seed)
+        tail = None
+        if tail_start is not None:
+            tail = random_tail_expert(packed, round(float(tail_start) * shape.intermediate_size), seed)
         for num_tokens in tokens:
             gen = torch.Generator(device=device).manual_seed(seed + num_tokens)
             x = torch.randn(int(num_tokens), shape.hidden_size, generator=gen, device=device).to(act_dtype)
@@ -220,6 +252,9 @@ def run_kernel_sweep(
                     "err_dequant_linear": errs["dequant_linear"],
                     "err_fp16_linear": errs["fp16_linear"],
                 }
+                if tail is not None:
+                    row.update(_tail_timing(x, tail, width, chosen, act_dtype, device, warmup, iters, us["crisp"],
+                                            shape, num_tokens))
                 if frac in fractions:
                     rows.append(row)
                     done += 1
@@ -228,6 +263,21 @@ def run_kernel_sweep(
             records.extend(sorted(rows, key=lambda r: r["width_fraction"]))
         del packed
     return records
+
+
+def _tail_timing(x, tail: PackedExpert, width: int, backend, act_dtype, device, warmup, iters, us_4bit, shape,
+                 num_tokens) -> dict:
+    """The ``crisp_tail`` fields of one row: the same ``width`` neurons read from the tail expert's rows."""
+    rows = rows_for_neurons(width, tail.tail_start)
+    ref = expert_mlp_ref(x, tail, rows, compute_dtype=torch.float64)
+    err = _rel_err(expert_mlp(x, tail, rows, backend=backend), ref)
+    if not err <= _tolerance("crisp", act_dtype):
+        raise ValueError(f"crisp_tail is wrong at {shape.name} T={num_tokens} k={width}: relative error {err:.2e} > "
+                         f"{_tolerance('crisp', act_dtype):.1e}")
+    us = time_us(lambda: expert_mlp(x, tail, rows, backend=backend), device, warmup=warmup, iters=iters)
+    nbytes = tail.nbytes(rows) + x.numel() * x.element_size()
+    return {"tail_start": tail.tail_start, "tail_rows": rows, "bytes_read_tail": nbytes, "us_crisp_tail": us,
+            "gb_per_s_tail": nbytes / (us * 1e-6) / 1e9, "x_tail_vs_4bit": us_4bit / us, "err_crisp_tail": err}
 
 
 # ---------------------------------------------------------------------------- crisp-bench kernels
@@ -254,6 +304,11 @@ COLUMNS = [("shape", "shape"), ("tokens", "T"), ("width_fraction", "width"), ("b
                       ("width_scaling", "width scaling")]
 
 
+TAIL_COLUMNS = [("shape", "shape"), ("tokens", "T"), ("width_fraction", "width"), ("tail_rows", "rows"),
+                ("us_crisp", "4-bit us"), ("us_crisp_tail", "tail us"), ("gb_per_s_tail", "tail GB/s"),
+                ("x_tail_vs_4bit", "x 4-bit")]
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("kernels", help="expert kernels vs dequantize+F.linear and fp16 F.linear",
                               description="The kernels sweep (widths x token counts x model shapes): us, GB/s of "
@@ -276,6 +331,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--iters", type=ca.positive_int, default=None,
                    help="timed calls per variant (default: 50 on CUDA, 20 on a CPU, quick: 5)")
     p.add_argument("--quick", action="store_true", help="fewest repetitions")
+    p.add_argument("--tail-start", type=ca.float_in(0.0, 1.0, high_open=True), default=None, metavar="F",
+                   help="also time the same neurons with a 2-bit tail from fraction F of I on (a crisp_tools.tail_pack "
+                   "pack, e.g. 0.25 for 2g128@0.25): its us, GB/s and speed-up over the 4-bit rows")
     common.add_outputs(p)
 
 
@@ -288,7 +346,7 @@ def run(args) -> int:
         records = run_kernel_sweep(
             names, args.widths, args.tokens, device=device, dtype=args.dtype, group_size=args.group_size,
             symmetric=args.symmetric, warmup=args.warmup, iters=args.iters, quick=args.quick, backend=args.backend,
-            progress=report.Progress("kernels"),
+            progress=report.Progress("kernels"), tail_start=args.tail_start,
         )
     except (ValueError, KeyError) as exc:
         raise common.CliError(f"kernels: {exc}") from exc
@@ -298,6 +356,9 @@ def run(args) -> int:
               f"copy bandwidth {r['copy_gb_per_s']:.1f} GB/s (read + write)")
         print(report.table(records, COLUMNS,
                            title="kernels (us, GB/s of prefix bytes, % of copy bandwidth)"))
+        if args.tail_start is not None:
+            print(report.table(records, TAIL_COLUMNS, title="the same neurons with a 2-bit tail (us, GB/s of its "
+                               "bytes, speed-up over the 4-bit rows)"))
     else:
         print("kernels: the sweep returned no records")
     if args.plot and records:

@@ -400,3 +400,27 @@ def test_triton_head_plus_tail_equals_the_reference(device, kernel_backend, num_
     want[rows.cpu()] += weights.cpu()[:, None] * slots
     assert (acc.cpu() - want).norm() <= 1e-5 * want.norm().clamp_min(1e-6)
     assert not acc[num_tokens:].any()
+
+
+def test_the_kernel_benchmark_times_a_tail_beside_the_4bit_rows(capsys):
+    """crisp-bench kernels --tail-start: the same neurons from tail rows, checked against their own reference
+    before timing; the record says how many rows and bytes that is."""
+    from crisp_bench import cli as bench_cli
+    from crisp_bench.kernels import run_kernel_sweep
+
+    recs = run_kernel_sweep(["128x256"], [0.5, 1.0], [1], device="cpu", quick=True, tail_start=0.25)
+    assert len(recs) == 2
+    for r in recs:
+        assert r["tail_start"] == 64 and r["tail_rows"] == rows_for_neurons(r["width"], 64)
+        assert r["err_crisp_tail"] <= 2 * 2.0**-11 and r["us_crisp_tail"] > 0  # fp16 output rounding (2u)
+        assert r["bytes_read_tail"] < r["bytes_read"] or r["width"] <= 64
+    full = next(r for r in recs if r["width_fraction"] == 1.0)
+    x_bytes = full["tokens"] * 128 * 2  # the fp16 activations, counted in both
+    assert (full["bytes_read_tail"] - x_bytes) / (full["bytes_read"] - x_bytes) == 0.625
+    with pytest.raises(ValueError, match="tail_start"):
+        run_kernel_sweep(["tiny"], [1.0], [1], device="cpu", quick=True, tail_start=1.0)
+    with pytest.raises(ValueError, match="asymmetric"):
+        run_kernel_sweep(["tiny"], [1.0], [1], device="cpu", quick=True, tail_start=0.5, symmetric=True)
+    assert bench_cli.main(["kernels", "--quick", "--shapes", "tiny", "--widths", "1", "--tokens", "1",
+                           "--tail-start", "0.25"]) == 0
+    assert "2-bit tail" in capsys.readouterr().out
