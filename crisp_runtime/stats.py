@@ -28,7 +28,8 @@ Definitions (all JSON-friendly ints/floats):
   plan wanted but the policy skipped, ``served_wider`` slots served wider than wanted (free,
   from a wider resident prefix), ``served_widened`` dominant slots widened on demand
   (``DominantWiden.HIT``); ``served_{dominant,aux}_{slots,neurons}`` served slots and
-  their summed widths per role (``served_width_mean`` in ``as_dict``).
+  their summed widths per role (``served_width_mean`` in ``as_dict``); with a 2-bit tail pack every
+  width here counts storage rows (``crisp_kernels.format.neurons_in_rows`` gives its neurons).
 - Prefetch (``CrispRuntime.prefetch``): ``prefetches`` admitted, ``prefetch_bytes`` copied,
   ``prefetch_rejected`` (did not fit without evicting what the step needs), ``prefetch_hits``
   demands served without a copy by a prefetch not used before; with ``PrefetchPolicy.window``,
