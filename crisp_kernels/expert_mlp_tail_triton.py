@@ -55,16 +55,16 @@ import torch
 from ._triton import tl, triton
 from .checks import ACTIVATION_DTYPES, INDEX_DTYPES, check_token_vector
 from .expert_mlp_triton import _dot, _dot_dtype, _num_sms, _token_rows
+from .format import TAIL_BITS, unpack_crumbs
 
 # ----------------------------------------------------------------------------- constants
 
-TAIL_BITS = 2
 TAIL_CODES_PER_BYTE = 8 // TAIL_BITS  # 4
-TAIL_QMAX = (1 << TAIL_BITS) - 1  # 3
 TAIL_DECODE_MAX_TOKENS = 16  # T <= this takes the GEMV path, larger T the tl.dot path
-_PROGRAMS_PER_SM = 2  # stage 2 is split over neurons until it has about this many programs per SM ...
-# ... but never into chunks of fewer neurons than this: a 2-bit neuron is half the bytes of a 4-bit
-# one, so twice the 4-bit kernels' 64 for the same bytes streamed per atomic epilogue.
+# Stage 2 is split over neurons until it has about this many programs per SM, but never into chunks of
+# fewer than _MIN_SPLIT_NEURONS: a 2-bit neuron is half the bytes of a 4-bit one, so twice the 4-bit
+# kernels' 64 for the same bytes streamed per atomic epilogue.
+_PROGRAMS_PER_SM = 2
 _MIN_SPLIT_NEURONS = 128
 _Q_DTYPE = torch.uint8
 _S_DTYPE = torch.float16
@@ -504,12 +504,6 @@ def tail_mlp_accumulate_triton_(
 # ----------------------------------------------------------------------------- reference
 
 
-def _unpack_crumbs(p: torch.Tensor) -> torch.Tensor:
-    """(..., B) uint8 -> (..., 4B) codes in [0, 3] (int16): byte b's bits [2i, 2i + 2) are element 4b + i."""
-    shifts = torch.arange(0, 8, TAIL_BITS, dtype=torch.int16, device=p.device)
-    return ((p.to(torch.int16).unsqueeze(-1) >> shifts) & TAIL_QMAX).flatten(-2)
-
-
 def tail_mlp_accumulate_ref_(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -532,7 +526,7 @@ def tail_mlp_accumulate_ref_(
     if num_tokens == 0 or width == 0:
         return
     dt = out.dtype
-    codes = _unpack_crumbs(q2[:width]).to(dt)  # (width, 3, H)
+    codes = unpack_crumbs(q2[:width]).to(dt)  # (width, 3, H)
     scales = s2[:width].to(dt).repeat_interleave(group_size, dim=-1)
     zeros = z2[:width].to(dt).repeat_interleave(group_size, dim=-1)
     w = (codes - zeros) * scales
