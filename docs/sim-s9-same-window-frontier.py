@@ -1,8 +1,8 @@
 """Session 9 (issue 10): the 25% frontier on a 2-bit tail pack with every loss from the same held-out windows.
 
 Reads the frontier simulations of four tail packs (2g128@0.25 at CRISP tier widths 256/64/32, 256/96/32,
-256/128/64 and 256/192/96; `crisp-bench simulate --matrix frontier --tail-layout 2g128@0.25`) whose accuracy files all evaluate
-the same 64 held-out windows x 128 tokens: the decodes through the runtime with the prefetch window
+256/128/64 and 256/192/96; `crisp-bench simulate --matrix frontier --tail-layout 2g128@0.25`) whose accuracy
+files all evaluate the same 64 held-out windows x 128 tokens: the decodes through the runtime with the prefetch window
 (`crisp-eval --mode decode --budgets 0.25 --prefetch-window rtx4090-pcie4`, residency-aware CRISP) and the batch
 frontier evaluation (`crisp-eval --frontier --samples 64 --seq-len 128`, uniform and skip-aux, exact serving).
 Prints the table and plots tokens/s over 4-bit full-width LRU against the loss, one line per family.
