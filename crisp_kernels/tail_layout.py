@@ -14,9 +14,11 @@ windows): the full width of ``m432`` (25% 4-bit, 25% 3-bit g64, 50% 2-bit g128: 
 bytes at H = 4096) loses 0.24% of next-token accuracy against 4-bit; at CRISP's plan widths its tail
 costs 0.6-0.8 point on top of the plan's own loss.
 
-Status: a layout is simulated (``crisp-bench simulate --tail-layout``) and its accuracy emulated
-inside the 4-bit format (``crisp_tools.tail_emulation``); packs, kernels and the runtime store
-and compute 4-bit rows only. This module is the one definition of the layouts' bytes.
+Status: every layout is simulated (``crisp-bench simulate --tail-layout``) and its accuracy can be
+emulated inside the 4-bit format (``crisp_tools.tail_emulation``). One family is also a pack format:
+``2gG@F`` (one 2-bit segment, groups twice the pack's), stored as two neurons per 4-bit row
+(``crisp_kernels.format``, "2-bit tail rows"; ``crisp_tools.tail_pack``); 3-bit rows are not stored.
+This module is the one definition of the layouts' bytes.
 """
 
 from __future__ import annotations

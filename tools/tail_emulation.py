@@ -1,4 +1,7 @@
-"""Emulate a tail layout inside the 4-bit format, to measure its accuracy before packs can store it.
+"""Emulate a tail layout inside the 4-bit format, to measure the accuracy of layouts packs cannot store.
+
+(The 2-bit layouts ``2gG@F`` are stored for real by ``crisp_tools.tail_pack``; this tool covers the others,
+e.g. ``m432``'s 3-bit rows, and was how session 8 measured them.)
 
     python -m crisp_tools.tail_emulation --model models/tiny-mixtral --crisp models/tiny-mixtral-crisp \\
         --layout m432 --out /tmp/tiny-mixtral-m432 [--tier-widths 256,40,16]
