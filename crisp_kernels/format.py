@@ -459,6 +459,10 @@ class PackedLayer:
         """Neurons per expert (I of the model); equal to ``intermediate_size`` without a 2-bit tail."""
         return self.neuron_order.shape[1]
 
+    def neurons(self, width: int) -> int:
+        """The model's neurons a width of ``width`` storage rows computes (a last padding neuron not counted)."""
+        return min(neurons_in_rows(width, self.tail_start), self.num_neurons)
+
     @property
     def num_experts(self) -> int:
         return self.qweight.shape[0]

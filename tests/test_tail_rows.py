@@ -94,6 +94,8 @@ def test_storage_rows_decode_independently(inter, tail_start, group):
     plain, tail = make(inter=inter, group=group, tail_start=tail_start)
     assert tail.intermediate_size == rows_for_neurons(inter, tail_start) and tail.num_neurons == inter
     assert tail.neuron_nbytes == plain.neuron_nbytes  # a storage row costs one 4-bit row
+    assert tail.neurons(tail.intermediate_size) == inter  # the padding neuron of an odd tail is not counted
+    assert tail.neurons(tail_start + 1) == min(tail_start + 2, inter) and plain.neurons(7) == 7
     assert torch.equal(tail.qweight[:, :tail_start], plain.qweight[:, :tail_start])  # the head bit for bit
     assert torch.equal(tail.scales[:, :tail_start], plain.scales[:, :tail_start])
     rows = layer_neuron_rows(tail, torch.float64)

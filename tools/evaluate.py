@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from crisp_kernels.format import neurons_in_rows, rows_for_neurons
+from crisp_kernels.format import rows_for_neurons
 from crisp_kernels.tail_layout import PLAIN
 from crisp_runtime import cli_args as ca
 from crisp_runtime.baselines import equal_bytes_plans
@@ -167,8 +167,7 @@ class Evaluator:
 
     def neurons(self, width: int) -> int:
         """Neurons of a width of this pack (storage rows of a 2-bit tail pack; ``format.neurons_in_rows``)."""
-        first = next(iter(self.layers.values()))
-        return min(neurons_in_rows(width, first.tail_start), first.num_neurons)
+        return next(iter(self.layers.values())).neurons(width)
 
     def _plan(self, kind, inter=None, **kw) -> CrispPlan:
         """A baseline plan over ``inter`` rows (default: this pack's; a reference pack's neurons)."""

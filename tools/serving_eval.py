@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from crisp_kernels.format import neurons_in_rows
 from crisp_runtime.baselines import equal_bytes_plans, full_plan
 from crisp_runtime.copy_window import PrefetchWindow
 from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
@@ -271,11 +270,7 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
     def budget_bytes(fraction):
         return int(fraction * total)
 
-    first = next(iter(pack.layers.values()))
-
-    def to_neurons(width: int) -> int:
-        return min(neurons_in_rows(width, first.tail_start), first.num_neurons)
-
+    to_neurons = next(iter(pack.layers.values())).neurons  # a tail pack's widths count storage rows
     t0 = time.time()
     full_case = ServingCase("full-exact", "full")
     if reference is not None:
