@@ -57,6 +57,9 @@ MATRICES = ("product", "residency", "frontier", "hybrid")
 CRISP_FLOORS = (1.0, 0.875, 0.75, 0.625)
 UNIFORM_FRACTIONS = (0.375, 0.5, 0.625, 0.75)  # plus the width matched to CRISP's bytes
 SKIP_THRESHOLDS = (0.2, 0.3, 0.4)  # plus the threshold matched to CRISP's bytes and "always"
+# CRISP under a width cap (``CrispPlan.width_cap``), fractions of the neurons: at 50% of the 4-bit bytes a
+# 2-bit tail pack at 3/4 of its neurons fits the whole cache (session 9: uniform at 192/256 copied nothing)
+CRISP_CAPS = (0.75, 0.875)
 RUNTIME_EVICTION = "lru"  # RuntimeConfig's default: what an evaluation that names no eviction ran
 FRONTIER_EVICTION = "lru"  # what the runtime-in-the-loop evaluation measured residency-aware accuracy with
 
@@ -153,6 +156,10 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
                         {"family": "crisp residency-aware", "knob": "dominant_floor", "knob_value": f}))
         out.append((SimPolicy("crisp", plans["crisp"], exact, FRONTIER_EVICTION, prefetch),
                     {"family": "crisp plan widths", "knob": "plan", "knob_value": "plan"}))
+        crisp = plans["crisp"]
+        for cap in sorted({max(1, round(f * crisp.intermediate_size)) for f in CRISP_CAPS}):
+            out.append((SimPolicy("crisp", crisp.capped(cap), exact, FRONTIER_EVICTION, prefetch, variant=f"cap{cap}"),
+                        {"family": "crisp capped", "knob": "width_cap", "knob_value": cap}))
     widths = sorted({max(1, round(f * inter)) for f in UNIFORM_FRACTIONS}
                     | ({plans["uniform"].uniform_width} if "uniform" in plans else set()))
     for w in widths:
@@ -178,6 +185,8 @@ def knobs(policy: SimPolicy) -> dict:
     out: dict = {"dominant_floor": policy.serving.dominant_floor, "serving_policy": policy.serving.to_dict()}
     if plan.uniform_width is not None:
         out["uniform_width"] = plan.uniform_width
+    if plan.width_cap is not None:
+        out["width_cap"] = plan.width_cap
     if policy.name == "skip_aux":
         out["skip_threshold"] = plan.skip_threshold
     return out
@@ -252,12 +261,12 @@ def _evaluated(r) -> dict | None:
                 "serving": None if exact else tuple(serving.get(k) for k in _SERVING_KEYS),
                 "budget_fraction": r.get("budget_fraction"), "prefetch": _prefetch_width(r.get("prefetch")),
                 "uniform_width": detail.get("uniform_width"), "skip_threshold": detail.get("skip_threshold"),
-                "accuracy_loss": loss}
+                "width_cap": detail.get("width_cap"), "accuracy_loss": loss}
     family = {"skip_aux_all": "skip_aux"}.get(r["policy"], r["policy"])  # batch evaluation: exact serving
     return {"family": family, "exact": True, "eviction": None, "serving": None, "budget_fraction": None,
             "prefetch": None,
             "uniform_width": r.get("uniform_width"), "skip_threshold": r.get("skip_threshold"),
-            "accuracy_loss": loss}
+            "width_cap": r.get("width_cap"), "accuracy_loss": loss}
 
 
 def _prefetch_width(prefetch) -> str | None:
@@ -308,6 +317,8 @@ def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None,
                 continue
         if record["policy"] == "uniform" and ev["uniform_width"] != record.get("uniform_width"):
             continue
+        if record["policy"] == "crisp" and ev.get("width_cap") != record.get("width_cap"):
+            continue  # a capped CRISP plan's loss is not the uncapped plan's
         if record["policy"] == "skip_aux":
             a, b = ev["skip_threshold"], record.get("skip_threshold")
             if (a is None) != (b is None) or (a is not None and abs(a - b) > 1e-6):

@@ -65,7 +65,8 @@ class TailMapping:
         out = replace(plan, intermediate_size=self.full)
         if plan.policy is PolicyKind.CRISP:
             tw = plan.tier_widths
-            out = replace(out, tier_widths=TierWidths(self.rows(tw.hot), self.rows(tw.warm), self.rows(tw.cold)))
+            out = replace(out, tier_widths=TierWidths(self.rows(tw.hot), self.rows(tw.warm), self.rows(tw.cold)),
+                          width_cap=None if plan.width_cap is None else self.rows(plan.width_cap))
         elif plan.policy is PolicyKind.UNIFORM:
             out = replace(out, uniform_width=self.rows(plan.uniform_width))
         out.validate()

@@ -7,6 +7,11 @@ Hot / Warm / Cold tiers by frequency and names the dominant expert of each combi
     Warm  the dominant expert(s) full width, the others at ``TierWidths.warm`` neurons
     Cold  the dominant expert(s) full width, the others at ``TierWidths.cold`` (0 = skipped)
 
+A CRISP plan may carry a ``width_cap``: no routed slot runs wider (the dominant at the cap, each tier at
+``min(tier width, cap)``). Where a uniform width fits the GPU budget, that width as a cap keeps every
+expert resident while the tiers still narrow the auxiliaries below it (issue 10, session 10: at 50% of the
+4-bit bytes a 2-bit tail pack at 3/4 of its neurons fits the whole cache).
+
 The same machinery expresses the baselines every comparison needs (``PolicyKind``): full
 width everywhere, one uniform width, and skipping the auxiliary expert(s) (always, or when the
 routing weight is under a threshold).
@@ -158,6 +163,7 @@ class CrispPlan:
     num_dominant: int = 1  # experts per token kept at full width (CRISP, SKIP_AUX)
     uniform_width: int | None = None  # UNIFORM
     skip_threshold: float | None = None  # SKIP_AUX: skip only when the routing weight is below this
+    width_cap: int | None = None  # CRISP: the widest any routed slot runs (None = the full width)
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -194,11 +200,13 @@ class CrispPlan:
         *,
         unseen_tier: Tier = Tier.WARM,
         num_dominant: int = 1,
+        width_cap: int | None = None,
         description: str = "",
     ) -> CrispPlan:
         return cls(
             PolicyKind.CRISP, num_experts, top_k, intermediate_size, tuple(sorted(layers)), tier_widths=tier_widths,
-            layers=dict(layers), unseen_tier=unseen_tier, num_dominant=num_dominant, description=description,
+            layers=dict(layers), unseen_tier=unseen_tier, num_dominant=num_dominant, width_cap=width_cap,
+            description=description,
         )
 
     def with_tiers(self, tier_widths: TierWidths | None = None, layers: Mapping[int, LayerPlan] | None = None,
@@ -208,8 +216,19 @@ class CrispPlan:
             self.num_experts, self.top_k, self.intermediate_size, self.layers if layers is None else layers,
             self.tier_widths if tier_widths is None else tier_widths,
             unseen_tier=self.unseen_tier if unseen_tier is None else unseen_tier,
-            num_dominant=self.num_dominant, description=self.description,
+            num_dominant=self.num_dominant, width_cap=self.width_cap, description=self.description,
         )
+
+    def capped(self, width_cap: int | None) -> CrispPlan:
+        """A copy of a CRISP plan under ``width_cap`` (neurons; None: uncapped); see the module docstring."""
+        if self.policy is not PolicyKind.CRISP:
+            raise PlanError(f"plan: width_cap applies to CRISP plans only, not {self.policy.value!r}")
+        return dataclasses.replace(self, width_cap=width_cap)
+
+    @property
+    def dominant_width(self) -> int:
+        """The width a dominant slot runs at: the full width, or the cap of a capped CRISP plan."""
+        return self.intermediate_size if self.width_cap is None else self.width_cap
 
     def in_storage_rows(self, tail_start: int | None) -> CrispPlan:
         """This plan (widths in neurons) for a pack whose rows from ``tail_start`` hold two 2-bit neurons each
@@ -226,6 +245,7 @@ class CrispPlan:
         return dataclasses.replace(
             self, intermediate_size=rows(self.intermediate_size), tier_widths=tiers,
             uniform_width=None if self.uniform_width is None else rows(self.uniform_width),
+            width_cap=None if self.width_cap is None else rows(self.width_cap),
             description=f"{self.description} [storage rows: 2-bit tail from row {tail_start}]".strip())
 
     # ------------------------------------------------------------------ validation
@@ -245,6 +265,11 @@ class CrispPlan:
             0.0 <= self.skip_threshold <= 1.0
         ):
             raise PlanError(f"plan: skip_threshold must lie in [0, 1], got {self.skip_threshold}")
+        if self.width_cap is not None:
+            if self.policy is not PolicyKind.CRISP:
+                raise PlanError(f"plan: width_cap applies to CRISP plans only, not {self.policy.value!r}")
+            if not 1 <= self.width_cap <= full:
+                raise PlanError(f"plan: width_cap must lie in [1, {full}] (or be None: uncapped), got {self.width_cap}")
         if self.policy is PolicyKind.CRISP:
             if self.tier_widths is None:
                 raise PlanError("plan: a CRISP plan needs tier_widths")
@@ -302,6 +327,10 @@ class CrispPlan:
                     raise PlanError(f"plan: width of tier {name!r} must be an integer, got {w!r}")
             object.__setattr__(self, "tier_widths", TierWidths(*(int(getattr(self.tier_widths, n))
                                                                  for n in ("hot", "warm", "cold"))))
+        if self.width_cap is not None:
+            if not integral(self.width_cap):
+                raise PlanError(f"plan: width_cap must be an integer or None, got {self.width_cap!r}")
+            object.__setattr__(self, "width_cap", int(self.width_cap))
         if not isinstance(self.unseen_tier, Tier):
             raise PlanError(f"plan: unseen_tier must be a Tier ({', '.join(t.name for t in Tier)}), "
                             f"got {self.unseen_tier!r}")
@@ -420,6 +449,7 @@ class CrispPlan:
                     roles += [pos in dom for pos in range(k)]
             return out
         tier_width = self._tier_width if policy is PolicyKind.CRISP else None
+        dominant_width = self.dominant_width
         for experts, w in zip(index, weights, strict=True):
             k = len(experts)
             valid = [pos for pos in range(k) if 0 <= experts[pos] < num_experts]
@@ -435,7 +465,7 @@ class CrispPlan:
                 aux = [tier_width[tier]] * k
             row = [0] * k
             for pos in valid:
-                row[pos] = full if ranks[pos] < num_dominant else aux[pos]
+                row[pos] = dominant_width if ranks[pos] < num_dominant else aux[pos]
             out += row
             if roles is not None:
                 roles += [pos in ranks and ranks[pos] < num_dominant for pos in range(k)]
@@ -443,9 +473,10 @@ class CrispPlan:
 
     @functools.cached_property
     def _tier_width(self) -> dict[Tier, int]:
-        """Aux width per tier of a CRISP plan (``TierWidths.for_tier`` builds its dict per call)."""
+        """Aux width per tier of a CRISP plan, under its cap (``TierWidths.for_tier`` builds its dict per call)."""
         tw = self.tier_widths
-        return {Tier.HOT: tw.hot, Tier.WARM: tw.warm, Tier.COLD: tw.cold}
+        cap = self.dominant_width
+        return {Tier.HOT: min(tw.hot, cap), Tier.WARM: min(tw.warm, cap), Tier.COLD: min(tw.cold, cap)}
 
     def _pair_tier(self, layer_id: int, pair: list[int]) -> tuple[Tier, bool]:
         """(tier of a token's leading pair, whether its second expert is the dominant one)."""
@@ -482,7 +513,8 @@ class CrispPlan:
             elif not flat:
                 aux_width, rank = self._crisp_sorted(layer_id, sorted_index, rank)
             if not flat:
-                sorted_widths = torch.where(rank < self.num_dominant, torch.full_like(aux_width, full), aux_width)
+                sorted_widths = torch.where(rank < self.num_dominant, torch.full_like(aux_width, self.dominant_width),
+                                            aux_width)
                 widths = torch.empty_like(sorted_widths).scatter_(1, order, sorted_widths)
             if roles:
                 dominant = torch.empty_like(valid).scatter_(1, order, rank < self.num_dominant) & valid
@@ -490,9 +522,9 @@ class CrispPlan:
 
     def _crisp_sorted(self, layer_id: int, sorted_index: torch.Tensor, rank: torch.Tensor):
         num_tokens, k = sorted_index.shape
-        tw = self.tier_widths
+        tw = self._tier_width
         device = sorted_index.device
-        tier_width = torch.tensor([tw.hot, tw.warm, tw.cold], dtype=torch.int64, device=device)
+        tier_width = torch.tensor([tw[Tier.HOT], tw[Tier.WARM], tw[Tier.COLD]], dtype=torch.int64, device=device)
         if k < 2:
             code = torch.full((num_tokens,), _TIER_CODE[Tier.HOT], dtype=torch.int64, device=device)
             return tier_width[code].unsqueeze(1).expand(num_tokens, k), rank
@@ -533,6 +565,8 @@ class CrispPlan:
             out["tier_widths"] = {"hot": self.tier_widths.hot, "warm": self.tier_widths.warm,
                                   "cold": self.tier_widths.cold}
             out["unseen_tier"] = self.unseen_tier.value
+            if self.width_cap is not None:  # uncapped plans (and their digests) stay as they were
+                out["width_cap"] = self.width_cap
             out["layers"] = {
                 str(layer_id): [
                     {"experts": list(pair), "tier": tier.value, "dominant": lp.dominant.get(pair)}
@@ -618,8 +652,9 @@ class CrispPlan:
             raise PlanError(f"plan is malformed: field layers: no entry for layers {missing} of layer_ids "
                             f"(a CRISP plan lists "
                             f"every layer, with [] for one whose combinations are all unseen)")
+        cap = _json_int(data, "width_cap", minimum=1) if data.get("width_cap") is not None else None
         return cls(policy, tier_widths=tier_widths, layers=layers,
-                   unseen_tier=_json_enum(data, "unseen_tier", Tier), **common)
+                   unseen_tier=_json_enum(data, "unseen_tier", Tier), width_cap=cap, **common)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, atomically."""
@@ -656,7 +691,7 @@ _POLICY_FIELDS = {
     PolicyKind.FULL: (),
     PolicyKind.UNIFORM: ("uniform_width",),
     PolicyKind.SKIP_AUX: ("skip_threshold",),
-    PolicyKind.CRISP: ("combination_key", "tier_widths", "unseen_tier", "layers"),
+    PolicyKind.CRISP: ("combination_key", "tier_widths", "unseen_tier", "layers", "width_cap"),
 }
 
 

@@ -54,14 +54,15 @@ def _widths_by_hand(plan: CrispPlan, index, weights):
             aux = plan.tier_widths.for_tier(tier)
         elif plan.policy is PolicyKind.CRISP:
             aux = FULL
+        cap = FULL if plan.width_cap is None else plan.width_cap  # a capped CRISP plan: nothing wider
         for pos in by_weight:
             if ranks[pos] < plan.num_dominant:
-                widths[pos] = FULL
+                widths[pos] = min(FULL, cap)
             elif plan.policy is PolicyKind.SKIP_AUX:
                 thr = plan.skip_threshold
                 widths[pos] = FULL if thr is not None and w_row[pos] >= thr else 0
             else:
-                widths[pos] = aux
+                widths[pos] = min(aux, cap)
         out.append(widths)
     return torch.tensor(out, dtype=torch.int64)
 
@@ -84,7 +85,8 @@ def test_crisp_widths_follow_tiers_and_dominance():
     assert torch.equal(widths, expected)
 
 
-@pytest.mark.parametrize("policy", ["full", "uniform", "skip", "skip_thr", "crisp", "crisp_top4"])
+@pytest.mark.parametrize("policy", ["full", "uniform", "skip", "skip_thr", "crisp", "crisp_top4", "crisp_cap33",
+                                    "crisp_cap1", "crisp_cap_full", "crisp_top4_cap64"])
 def test_widths_match_a_per_token_restatement(policy):
     gen = torch.Generator().manual_seed(7)
     top_k = 4 if policy == "crisp_top4" else 2
@@ -95,6 +97,11 @@ def test_widths_match_a_per_token_restatement(policy):
         "skip_thr": CrispPlan.skip_aux(8, top_k, FULL, [0], threshold=0.3),
         "crisp": _crisp_plan(),
         "crisp_top4": _crisp_plan(top_k=4, num_dominant=2, unseen=Tier.COLD),
+        # caps below the Warm width (40), at 1, at the full width (= uncapped), and between Warm and full
+        "crisp_cap33": _crisp_plan().capped(33),
+        "crisp_cap1": _crisp_plan().capped(1),
+        "crisp_cap_full": _crisp_plan().capped(FULL),
+        "crisp_top4_cap64": _crisp_plan(top_k=4, num_dominant=2, unseen=Tier.COLD).capped(64),
     }
     plan = plans[policy]
     index = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(200)])
@@ -110,6 +117,41 @@ def test_widths_match_a_per_token_restatement(policy):
         expected = _widths_by_hand(plan, index, weights)
     assert torch.equal(got, expected)
     assert got[5, 0] == 0
+    assert torch.equal(plan.device_token_widths(0, index, weights), expected)  # the compiled path's rules
+    if plan.width_cap is not None:  # a cap clips the uncapped plan's widths and changes nothing else
+        uncapped = plan.capped(None).token_widths(0, index, weights)
+        assert torch.equal(got, uncapped.clamp(max=plan.width_cap))
+        assert int(got.max()) == min(plan.width_cap, FULL)
+
+
+def test_width_cap_json_storage_rows_and_refusals(tmp_path):
+    plan = _crisp_plan().capped(48)
+    path = tmp_path / "capped.json"
+    plan.save(path)
+    assert CrispPlan.load(path) == plan and json.loads(path.read_text())["width_cap"] == 48
+    assert "width_cap" not in _crisp_plan().to_dict()  # uncapped plans, and their digests, are unchanged
+    assert plan.widths_digest() != _crisp_plan().widths_digest()
+    assert plan.capped(None) == _crisp_plan()
+    # a 2-bit tail from neuron 24: neurons 24..47 are 12 rows, so the cap is rows 24 + 12 = 36
+    rows = plan.in_storage_rows(24)
+    assert rows.width_cap == 36 and rows.dominant_width == 36
+    for bad, match in ((0, r"width_cap must lie in \[1, 96\]"), (FULL + 1, "width_cap must lie"),
+                       (True, "width_cap must be an integer"), (40.5, "width_cap must be an integer")):
+        with pytest.raises(PlanError, match=match):
+            _crisp_plan().capped(bad)
+    with pytest.raises(PlanError, match="CRISP plans only"):
+        CrispPlan.uniform(8, 2, FULL, [0], 7).capped(8)
+    with pytest.raises(PlanError, match="CRISP plans only"):
+        CrispPlan(PolicyKind.FULL, 8, 2, FULL, (0,), width_cap=8)
+    data = plan.to_dict()
+    for bad in (0, "48", 48.0, FULL + 1):
+        data["width_cap"] = bad
+        with pytest.raises(PlanError, match="width_cap"):
+            CrispPlan.from_dict(data)
+    data = CrispPlan.uniform(8, 2, FULL, [0], 7).to_dict()
+    data["width_cap"] = 8
+    with pytest.raises(PlanError, match="unknown field"):
+        CrispPlan.from_dict(data)
 
 
 def test_json_round_trip_and_validation(tmp_path):

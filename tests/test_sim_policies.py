@@ -50,6 +50,24 @@ def test_frontier_sweeps_each_family_knob(plans):
     assert len({c.label for c in configs}) == len(configs)  # one record per configuration
     assert len({c.plan.uniform_width for c in configs if c.name == "uniform"}) >= 4
     assert None in {c.plan.skip_threshold for c in configs if c.name == "skip_aux"}  # "always skip" is a point
+    caps = [c.plan.width_cap for c in configs if c.name == "crisp" and c.plan.width_cap is not None]
+    inter = plans["crisp"].intermediate_size
+    assert caps == [round(0.75 * inter), round(0.875 * inter)]  # the capped CRISP plans, exact serving
+    assert all(c.serving.name == "plan" for c in configs if c.plan.width_cap is not None)
+
+
+def test_a_capped_plan_takes_only_its_own_cap_s_accuracy(plans, tmp_path):
+    cap = round(0.75 * plans["crisp"].intermediate_size)
+    batch = tmp_path / "eval.json"
+    batch.write_text(json.dumps({"model": "models/synthetic", "records": [
+        {"policy": "crisp", "relative_accuracy_loss_vs_full": 0.013},
+        {"policy": "crisp", "width_cap": cap, "relative_accuracy_loss_vs_full": 0.031}]}))
+    evaluated, _ = read_accuracy([batch], "models/synthetic")
+    configs = {c.label: c for c in configurations(plans, "frontier", prefetch=[True])}
+    got = {label: accuracy_for(_record(c), evaluated)[0] for label, c in configs.items() if c.name == "crisp"}
+    assert got["crisp/plan/lru+prefetch"] == 0.013
+    assert got[f"crisp@cap{cap}/plan/lru+prefetch"] == 0.031
+    assert got[f"crisp@cap{round(0.875 * plans['crisp'].intermediate_size)}/plan/lru+prefetch"] is None
 
 
 def test_pareto_keeps_the_undominated_points():

@@ -102,6 +102,11 @@ def test_eval_of_a_tail_pack_batch_and_frontier(tail, tmp_path, capsys):
         rows = rows_for_neurons(r["uniform_width"], 64)
         assert r["bytes_per_token"] == pytest.approx(full_4bit * rows / 256)
     assert by["uniform"] is uniforms[0] and "storage rows" in uniforms[0]["label"]  # the matched one first
+    # capped CRISP (neurons recorded; the cap in rows clips the pack plan's widths, so never more bytes)
+    capped = {r["width_cap"]: r for r in recs if r["policy"] == "crisp" and "width_cap" in r}
+    assert sorted(capped) == [192, 224] and by["crisp"].get("width_cap") is None
+    assert capped[192]["bytes_per_token"] <= capped[224]["bytes_per_token"] <= by["crisp"]["bytes_per_token"]
+    assert capped[192]["bytes_per_token"] <= full_4bit * rows_for_neurons(192, 64) / 256
 
 
 def test_decode_of_a_tail_pack_against_its_4bit_reference(tail, tmp_path):

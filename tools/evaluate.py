@@ -235,8 +235,9 @@ class Evaluator:
         return records
 
     def _frontier(self, run, n_tok, *, matched_width: int, matched_threshold) -> list[dict]:
-        """Uniform and skip-aux at the simulator's frontier knobs (exact serving: batch = runtime in the loop)."""
-        from crisp_bench.sim_policies import SKIP_THRESHOLDS, UNIFORM_FRACTIONS
+        """Uniform, skip-aux and capped CRISP at the simulator's frontier knobs (exact serving: batch = runtime in
+        the loop)."""
+        from crisp_bench.sim_policies import CRISP_CAPS, SKIP_THRESHOLDS, UNIFORM_FRACTIONS
 
         first = next(iter(self.layers.values()))
         neurons = self.pack_plan.intermediate_size
@@ -251,6 +252,11 @@ class Evaluator:
             got = run(self._plan("skip_aux", threshold=th))
             out.append(self._record("skip_aux", f"skip auxiliary if weight < {th:g} (frontier)", got[1], got[0],
                                     n_tok, skip_threshold=th))
+        for cap in sorted({max(1, round(f * neurons)) for f in CRISP_CAPS}):
+            # the cap in the pack's rows, recorded in neurons (as uniform widths are)
+            got = run(self.plan.capped(rows_for_neurons(cap, first.tail_start)))
+            out.append(self._record("crisp", f"CRISP capped at {cap}/{neurons} (frontier)", got[1], got[0], n_tok,
+                                    width_cap=cap))
         return out
 
     def _record(self, policy, label, bpt, scores, n_tok, **extra):
