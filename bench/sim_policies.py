@@ -60,6 +60,9 @@ SKIP_THRESHOLDS = (0.2, 0.3, 0.4)  # plus the threshold matched to CRISP's bytes
 # CRISP under a width cap (``CrispPlan.width_cap``), fractions of the neurons: at 50% of the 4-bit bytes a
 # 2-bit tail pack at 3/4 of its neurons fits the whole cache (session 9: uniform at 192/256 copied nothing)
 CRISP_CAPS = (0.75, 0.875)
+# residency-aware CRISP under a cap: a lower floor costs less there (every width is at most the cap; session 10 at
+# 50%: cap 224/256 with floor 0.375 decoded 1.83% loss, uncapped floor 0.625 1.15%)
+CAPPED_FLOORS = (1.0, 0.75, 0.625, 0.5, 0.375)
 RUNTIME_EVICTION = "lru"  # RuntimeConfig's default: what an evaluation that names no eviction ran
 FRONTIER_EVICTION = "lru"  # what the runtime-in-the-loop evaluation measured residency-aware accuracy with
 
@@ -142,7 +145,8 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
 
     All with LRU eviction (what the runtime-in-the-loop evaluation ran, so that residency-aware
     points carry its accuracy) and (when the trace has predictions) prefetch. Residency-aware
-    CRISP is swept over its dominant floor; CRISP at the plan's widths is one point; uniform and
+    CRISP is swept over its dominant floor; CRISP at the plan's widths is one point; CRISP under each
+    width cap of ``CRISP_CAPS`` at the plan's widths and residency-aware over ``CAPPED_FLOORS``; uniform and
     skip_aux are served at their plan's widths (their outputs do not depend on the cache, so the
     batch evaluation's accuracy holds) and swept over width and threshold.
     """
@@ -160,6 +164,11 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
         for cap in sorted({max(1, round(f * crisp.intermediate_size)) for f in CRISP_CAPS}):
             out.append((SimPolicy("crisp", crisp.capped(cap), exact, FRONTIER_EVICTION, prefetch, variant=f"cap{cap}"),
                         {"family": "crisp capped", "knob": "width_cap", "knob_value": cap}))
+            # ... and served from what is resident under the cap
+            for f in CAPPED_FLOORS:
+                out.append((SimPolicy("crisp", crisp.capped(cap), resident_serving(f), FRONTIER_EVICTION, prefetch,
+                                      variant=f"cap{cap}"),
+                            {"family": "crisp capped residency-aware", "knob": "dominant_floor", "knob_value": f}))
     widths = sorted({max(1, round(f * inter)) for f in UNIFORM_FRACTIONS}
                     | ({plans["uniform"].uniform_width} if "uniform" in plans else set()))
     for w in widths:

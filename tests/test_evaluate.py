@@ -175,6 +175,27 @@ def test_decode_exact_serving_is_independent_of_the_budget(setup):
     assert st_tight["bytes_h2d"] > st_loose["bytes_h2d"] == 0
 
 
+def test_a_capped_plan_is_served_under_its_cap_and_recorded_with_it(setup):
+    """CrispPlan.width_cap through the runtime: the decode equals the batch run of the same capped plan, no
+    slot is served wider than the cap, and the record carries the cap (what the simulator matches)."""
+    from crisp_tools.serving_eval import ServingCase, record, run_case, total_expert_bytes
+
+    model, pack, windows = _decode_setup(setup, samples=2, seq_len=16)
+    cap = pack.plan.intermediate_size * 3 // 4
+    capped = pack.plan.capped(cap)
+    with apply(model, pack, plan=capped):
+        batch = score_windows(model, windows)
+    case = ServingCase("crisp-exact")
+    decoded, stats = run_case(model, pack, capped, windows, int(0.3 * total_expert_bytes(pack.layers)), case)
+    assert torch.allclose(decoded.nll, batch.nll, atol=1e-4, rtol=0)  # the fp tolerance of the test above
+    uncapped, _ = run_case(model, pack, pack.plan, windows, None, case)
+    assert not torch.allclose(uncapped.nll, decoded.nll, atol=1e-4, rtol=0)  # the cap changed what ran
+    assert stats["served_dominant_neurons"] == cap * stats["served_dominant_slots"]  # every dominant at the cap
+    rec = record(case, 0.3, 1, decoded, stats, uncapped, capped, 1.0)
+    assert rec["plan_detail"]["width_cap"] == cap
+    assert "width_cap" not in record(case, 0.3, 1, uncapped, stats, uncapped, pack.plan, 1.0)["plan_detail"]
+
+
 def test_serving_sweep_records(setup, tmp_path):
     from crisp_tools.serving_eval import ServingCase, serving_sweep, write_serving_json
 

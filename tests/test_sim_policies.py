@@ -44,7 +44,8 @@ def test_product_matrix_always_has_the_full_lru_baseline(plans):
 
 def test_frontier_sweeps_each_family_knob(plans):
     configs = configurations(plans, "frontier", prefetch=[False, True])
-    floors = sorted(c.serving.dominant_floor for c in configs if c.name == "crisp" and c.serving.name != "plan")
+    floors = sorted(c.serving.dominant_floor for c in configs if c.name == "crisp" and c.serving.name != "plan"
+                    and c.plan.width_cap is None)
     assert floors == [0.625, 0.75, 0.875, 1.0] and all(c.prefetch for c in configs[1:])
     assert all(c.serving.name == "plan" for c in configs if c.name in ("uniform", "skip_aux"))
     assert len({c.label for c in configs}) == len(configs)  # one record per configuration
@@ -52,8 +53,9 @@ def test_frontier_sweeps_each_family_knob(plans):
     assert None in {c.plan.skip_threshold for c in configs if c.name == "skip_aux"}  # "always skip" is a point
     caps = [c.plan.width_cap for c in configs if c.name == "crisp" and c.plan.width_cap is not None]
     inter = plans["crisp"].intermediate_size
-    assert caps == [round(0.75 * inter), round(0.875 * inter)]  # the capped CRISP plans, exact serving
-    assert all(c.serving.name == "plan" for c in configs if c.plan.width_cap is not None)
+    exact_caps = [c.plan.width_cap for c in configs if c.plan.width_cap is not None and c.serving.name == "plan"]
+    assert exact_caps == [round(0.75 * inter), round(0.875 * inter)]  # the capped CRISP plans at the plan's widths
+    assert len(caps) == 2 * 6  # ... and residency-aware at each of the 5 floors
 
 
 def test_a_capped_plan_takes_only_its_own_cap_s_accuracy(plans, tmp_path):

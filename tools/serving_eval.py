@@ -168,7 +168,9 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         "plan": case.plan,
         "plan_detail": {"uniform_width": None if plan.uniform_width is None else neurons(plan.uniform_width),
                         "skip_threshold": plan.skip_threshold,
-                        "num_dominant": plan.num_dominant},
+                        "num_dominant": plan.num_dominant,
+                        # a capped CRISP plan's cap in neurons (absent: uncapped, as in records before it)
+                        **({} if plan.width_cap is None else {"width_cap": neurons(plan.width_cap)})},
         "budget_fraction": budget_fraction,
         "budget_bytes": budget_bytes,
         "serving": _serving_dict(case.serving),
@@ -201,7 +203,8 @@ def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
          "records": [ one per (policy, budget):
            {"policy": str            case name, e.g. "crisp-exact", "crisp-resident-floor0.75+prefetch",
             "plan": str              crisp | uniform | skip_aux | full (uniform/skip_aux matched to CRISP's bytes),
-            "plan_detail": {uniform_width (neurons), skip_threshold, num_dominant},
+            "plan_detail": {uniform_width (neurons), skip_threshold, num_dominant, and for a capped CRISP
+                            plan width_cap (neurons)},
             "budget_fraction": float  GPU expert-cache budget / all expert bytes of the pack,
             "budget_bytes": int,
             "serving": {name, hit_width, aux_narrower, aux_missing, dominant_floor, exact: bool}
