@@ -54,7 +54,7 @@ from .simulate import SimPolicy
 MATRICES = ("product", "residency", "frontier", "hybrid")
 # The frontier's knobs. CRISP: the dominant floor (1.0 = a missed dominant loads at full width;
 # PERF-BOUNDS: 0.75 was +29% tokens/s for ~0.8 point of loss, 0.625 passed 2% loss).
-CRISP_FLOORS = (1.0, 0.875, 0.75, 0.625)
+CRISP_FLOORS = (1.0, 0.875, 0.75, 0.625, 0.5)
 UNIFORM_FRACTIONS = (0.375, 0.5, 0.625, 0.75)  # plus the width matched to CRISP's bytes
 SKIP_THRESHOLDS = (0.2, 0.3, 0.4)  # plus the threshold matched to CRISP's bytes and "always"
 # CRISP under a width cap (``CrispPlan.width_cap``), fractions of the neurons: at 50% of the 4-bit bytes a

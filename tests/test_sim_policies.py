@@ -46,7 +46,7 @@ def test_frontier_sweeps_each_family_knob(plans):
     configs = configurations(plans, "frontier", prefetch=[False, True])
     floors = sorted(c.serving.dominant_floor for c in configs if c.name == "crisp" and c.serving.name != "plan"
                     and c.plan.width_cap is None)
-    assert floors == [0.625, 0.75, 0.875, 1.0] and all(c.prefetch for c in configs[1:])
+    assert floors == [0.5, 0.625, 0.75, 0.875, 1.0] and all(c.prefetch for c in configs[1:])
     assert all(c.serving.name == "plan" for c in configs if c.name in ("uniform", "skip_aux"))
     assert len({c.label for c in configs}) == len(configs)  # one record per configuration
     assert len({c.plan.uniform_width for c in configs if c.name == "uniform"}) >= 4
