@@ -220,9 +220,8 @@ class CrispPlan:
         )
 
     def capped(self, width_cap: int | None) -> CrispPlan:
-        """A copy of a CRISP plan under ``width_cap`` (neurons; None: uncapped); see the module docstring."""
-        if self.policy is not PolicyKind.CRISP:
-            raise PlanError(f"plan: width_cap applies to CRISP plans only, not {self.policy.value!r}")
+        """A copy of a CRISP plan under ``width_cap`` (neurons; None: uncapped); see the module docstring.
+        ``validate`` refuses a cap on another policy or outside [1, I]."""
         return dataclasses.replace(self, width_cap=width_cap)
 
     @property
