@@ -63,6 +63,13 @@ CRISP_CAPS = (0.75, 0.875)
 # residency-aware CRISP under a cap: a lower floor costs less there (every width is at most the cap; session 10 at
 # 50%: cap 224/256 with floor 0.375 decoded 1.83% loss, uncapped floor 0.625 1.15%)
 CAPPED_FLOORS = (1.0, 0.75, 0.625, 0.5, 0.375)
+# CRISP whose auxiliaries of routing weight >= w run at the dominant width (``CrispPlan.aux_full_weight``): below 1%
+# loss at 25% skip-auxiliary's weight threshold beat the pair tiers (session 10); with it, a heavy auxiliary runs whole
+# and a light one keeps its tier's narrow width instead of being skipped (session 11, 128 x 256 held-out windows,
+# Warm 64 / Cold 32 tail pack at the plan's widths: weight 0.3 lost 0.78% at 48% of the bytes, skip-aux at 0.3 1.22%)
+PROMOTE_WEIGHTS = (0.25, 0.3, 0.35, 0.4, 0.45)
+# ... served from what is resident at these dominant floors
+PROMOTED_FLOORS = (1.0, 0.75)
 RUNTIME_EVICTION = "lru"  # RuntimeConfig's default: what an evaluation that names no eviction ran
 FRONTIER_EVICTION = "lru"  # what the runtime-in-the-loop evaluation measured residency-aware accuracy with
 
@@ -169,6 +176,15 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
                 out.append((SimPolicy("crisp", crisp.capped(cap), resident_serving(f), FRONTIER_EVICTION, prefetch,
                                       variant=f"cap{cap}"),
                             {"family": "crisp capped residency-aware", "knob": "dominant_floor", "knob_value": f}))
+        for weight in PROMOTE_WEIGHTS:
+            promoted = crisp.promoted(weight)
+            out.append((SimPolicy("crisp", promoted, exact, FRONTIER_EVICTION, prefetch, variant=f"aux{weight:g}"),
+                        {"family": "crisp weight-promoted", "knob": "aux_full_weight", "knob_value": weight}))
+            for f in PROMOTED_FLOORS:
+                out.append((SimPolicy("crisp", promoted, resident_serving(f), FRONTIER_EVICTION, prefetch,
+                                      variant=f"aux{weight:g}"),
+                            {"family": "crisp weight-promoted residency-aware", "knob": "aux_full_weight",
+                             "knob_value": weight}))
     widths = sorted({max(1, round(f * inter)) for f in UNIFORM_FRACTIONS}
                     | ({plans["uniform"].uniform_width} if "uniform" in plans else set()))
     for w in widths:
@@ -196,6 +212,8 @@ def knobs(policy: SimPolicy) -> dict:
         out["uniform_width"] = plan.uniform_width
     if plan.width_cap is not None:
         out["width_cap"] = plan.width_cap
+    if plan.aux_full_weight is not None:
+        out["aux_full_weight"] = plan.aux_full_weight
     if policy.name == "skip_aux":
         out["skip_threshold"] = plan.skip_threshold
     return out
@@ -270,12 +288,13 @@ def _evaluated(r) -> dict | None:
                 "serving": None if exact else tuple(serving.get(k) for k in _SERVING_KEYS),
                 "budget_fraction": r.get("budget_fraction"), "prefetch": _prefetch_width(r.get("prefetch")),
                 "uniform_width": detail.get("uniform_width"), "skip_threshold": detail.get("skip_threshold"),
-                "width_cap": detail.get("width_cap"), "accuracy_loss": loss}
+                "width_cap": detail.get("width_cap"), "aux_full_weight": detail.get("aux_full_weight"),
+                "accuracy_loss": loss}
     family = {"skip_aux_all": "skip_aux"}.get(r["policy"], r["policy"])  # batch evaluation: exact serving
     return {"family": family, "exact": True, "eviction": None, "serving": None, "budget_fraction": None,
             "prefetch": None,
             "uniform_width": r.get("uniform_width"), "skip_threshold": r.get("skip_threshold"),
-            "width_cap": r.get("width_cap"), "accuracy_loss": loss}
+            "width_cap": r.get("width_cap"), "aux_full_weight": r.get("aux_full_weight"), "accuracy_loss": loss}
 
 
 def _prefetch_width(prefetch) -> str | None:
@@ -328,12 +347,17 @@ def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None,
             continue
         if record["policy"] == "crisp" and ev.get("width_cap") != record.get("width_cap"):
             continue  # a capped CRISP plan's loss is not the uncapped plan's
-        if record["policy"] == "skip_aux":
-            a, b = ev["skip_threshold"], record.get("skip_threshold")
-            if (a is None) != (b is None) or (a is not None and abs(a - b) > 1e-6):
-                continue
+        if record["policy"] == "crisp" and not _same_weight(ev.get("aux_full_weight"), record.get("aux_full_weight")):
+            continue  # nor a weight-promoted plan's
+        if record["policy"] == "skip_aux" and not _same_weight(ev["skip_threshold"], record.get("skip_threshold")):
+            continue
         return ev["accuracy_loss"], ev["source"]
     return None, None
+
+
+def _same_weight(a, b) -> bool:
+    """Two routing-weight thresholds (None = none) name the same configuration (JSON round trips to 1e-6)."""
+    return (a is None) == (b is None) and (a is None or abs(a - b) <= 1e-6)
 
 
 # ---------------------------------------------------------------------------- frontier plot

@@ -289,7 +289,9 @@ def run(args) -> int:
         print(f"wrote {args.plot}")
     _emit(args, "simulate", records, profile=profile.to_dict(), target=shape.__dict__, mapping=notes,
           plans={k: v.to_dict() if k != "crisp" else {"description": v.description, "tier_widths": vars(v.tier_widths),
-                                                      **({} if v.width_cap is None else {"width_cap": v.width_cap})}
+                                                      **({} if v.width_cap is None else {"width_cap": v.width_cap}),
+                                                      **({} if v.aux_full_weight is None
+                                                         else {"aux_full_weight": v.aux_full_weight})}
                  for k, v in plans.items()},
           headline={k: v for k, v in headline.items() if k != "lines"}, comparison=comparison)
     print(f"simulate: {time.perf_counter() - t0:.1f} s")
@@ -392,6 +394,8 @@ def _load_crisp_plan(spec, pack_dir, trace, notes):
         raise CliError(f"{path}: is a {plan.policy.value!r} plan, not a CRISP plan")
     tw = plan.tier_widths
     cap = "" if plan.width_cap is None else f", every width capped at {plan.width_cap}"
+    if plan.aux_full_weight is not None:
+        cap += f", auxiliaries of routing weight >= {plan.aux_full_weight:g} at the dominant width"
     notes.append(f"crisp plan: {_rel(path)} (hot/warm/cold aux widths {tw.hot}/{tw.warm}/{tw.cold} of "
                  f"{plan.intermediate_size}{cap}, unseen pairs -> {plan.unseen_tier.value})")
     return plan

@@ -12,6 +12,13 @@ A CRISP plan may carry a ``width_cap``: no routed slot runs wider (the dominant 
 expert resident while the tiers still narrow the auxiliaries below it (issue 10, session 10: at 50% of the
 4-bit bytes a 2-bit tail pack at 3/4 of its neurons fits the whole cache).
 
+A CRISP plan may also carry ``aux_full_weight``: an auxiliary whose routing weight is at least this runs at the
+dominant width whatever its pair's tier (its role stays auxiliary, so a residency-aware serving policy may still
+serve it narrower from what is resident). Why: on the trained tiny Mixtral the routing weight picked the
+auxiliaries that matter better than the pair tiers below 1% loss (issue 10, session 10: skip-auxiliary at weight
+0.239 lost 0.74% at 2.43x full-width LRU where CRISP's lowest loss was 0.92% at 2.36x); with the threshold, the
+heavy auxiliaries run whole and the light ones keep the tiers' narrow widths instead of being skipped.
+
 The same machinery expresses the baselines every comparison needs (``PolicyKind``): full
 width everywhere, one uniform width, and skipping the auxiliary expert(s) (always, or when the
 routing weight is under a threshold).
@@ -164,6 +171,7 @@ class CrispPlan:
     uniform_width: int | None = None  # UNIFORM
     skip_threshold: float | None = None  # SKIP_AUX: skip only when the routing weight is below this
     width_cap: int | None = None  # CRISP: the widest any routed slot runs (None = the full width)
+    aux_full_weight: float | None = None  # CRISP: an auxiliary of routing weight >= this runs at the dominant width
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -201,12 +209,13 @@ class CrispPlan:
         unseen_tier: Tier = Tier.WARM,
         num_dominant: int = 1,
         width_cap: int | None = None,
+        aux_full_weight: float | None = None,
         description: str = "",
     ) -> CrispPlan:
         return cls(
             PolicyKind.CRISP, num_experts, top_k, intermediate_size, tuple(sorted(layers)), tier_widths=tier_widths,
             layers=dict(layers), unseen_tier=unseen_tier, num_dominant=num_dominant, width_cap=width_cap,
-            description=description,
+            aux_full_weight=aux_full_weight, description=description,
         )
 
     def with_tiers(self, tier_widths: TierWidths | None = None, layers: Mapping[int, LayerPlan] | None = None,
@@ -216,13 +225,20 @@ class CrispPlan:
             self.num_experts, self.top_k, self.intermediate_size, self.layers if layers is None else layers,
             self.tier_widths if tier_widths is None else tier_widths,
             unseen_tier=self.unseen_tier if unseen_tier is None else unseen_tier,
-            num_dominant=self.num_dominant, width_cap=self.width_cap, description=self.description,
+            num_dominant=self.num_dominant, width_cap=self.width_cap, aux_full_weight=self.aux_full_weight,
+            description=self.description,
         )
 
     def capped(self, width_cap: int | None) -> CrispPlan:
         """A copy of a CRISP plan under ``width_cap`` (neurons; None: uncapped); see the module docstring.
         ``validate`` refuses a cap on another policy or outside [1, I]."""
         return dataclasses.replace(self, width_cap=width_cap)
+
+    def promoted(self, aux_full_weight: float | None) -> CrispPlan:
+        """A copy of a CRISP plan whose auxiliaries of routing weight >= ``aux_full_weight`` run at the dominant
+        width (None: the tiers only); see the module docstring. ``validate`` refuses it on another policy or
+        outside [0, 1]."""
+        return dataclasses.replace(self, aux_full_weight=aux_full_weight)
 
     @property
     def dominant_width(self) -> int:
@@ -269,6 +285,12 @@ class CrispPlan:
                 raise PlanError(f"plan: width_cap applies to CRISP plans only, not {self.policy.value!r}")
             if not 1 <= self.width_cap <= full:
                 raise PlanError(f"plan: width_cap must lie in [1, {full}] (or be None: uncapped), got {self.width_cap}")
+        if self.aux_full_weight is not None:
+            if self.policy is not PolicyKind.CRISP:
+                raise PlanError(f"plan: aux_full_weight applies to CRISP plans only, not {self.policy.value!r}")
+            if not 0.0 <= self.aux_full_weight <= 1.0:
+                raise PlanError(f"plan: aux_full_weight must lie in [0, 1] (or be None: tiers only), "
+                                f"got {self.aux_full_weight}")
         if self.policy is PolicyKind.CRISP:
             if self.tier_widths is None:
                 raise PlanError("plan: a CRISP plan needs tier_widths")
@@ -330,6 +352,15 @@ class CrispPlan:
             if not integral(self.width_cap):
                 raise PlanError(f"plan: width_cap must be an integer or None, got {self.width_cap!r}")
             object.__setattr__(self, "width_cap", int(self.width_cap))
+        import math
+        import numbers
+
+        for name in ("skip_threshold", "aux_full_weight"):  # routing-weight thresholds: real numbers, not bools
+            v = getattr(self, name)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                    raise PlanError(f"plan: {name} must be a number in [0, 1] or None, got {v!r}")
+                object.__setattr__(self, name, float(v))
         if not isinstance(self.unseen_tier, Tier):
             raise PlanError(f"plan: unseen_tier must be a Tier ({', '.join(t.name for t in Tier)}), "
                             f"got {self.unseen_tier!r}")
@@ -449,19 +480,21 @@ class CrispPlan:
             return out
         tier_width = self._tier_width if policy is PolicyKind.CRISP else None
         dominant_width = self.dominant_width
+        skip_thr, promote = self._weight_thresholds
         for experts, w in zip(index, weights, strict=True):
             k = len(experts)
             valid = [pos for pos in range(k) if 0 <= experts[pos] < num_experts]
             by_weight = sorted(valid, key=lambda pos: -w[pos])  # stable: ties keep router order
             ranks = {pos: r for r, pos in enumerate(by_weight)}
             if policy is PolicyKind.SKIP_AUX:
-                thr = self.skip_threshold
-                aux = [full if thr is not None and w[pos] >= thr else 0 for pos in range(k)]
+                aux = [full if skip_thr is not None and w[pos] >= skip_thr else 0 for pos in range(k)]
             else:
                 tier, swap = self._pair_tier(layer_id, [experts[pos] for pos in by_weight[:2]])
                 if swap:
                     ranks[by_weight[0]], ranks[by_weight[1]] = 1, 0
                 aux = [tier_width[tier]] * k
+                if promote is not None:
+                    aux = [dominant_width if w[pos] >= promote else aux[pos] for pos in range(k)]
             row = [0] * k
             for pos in valid:
                 row[pos] = dominant_width if ranks[pos] < num_dominant else aux[pos]
@@ -469,6 +502,15 @@ class CrispPlan:
             if roles is not None:
                 roles += [pos in ranks and ranks[pos] < num_dominant for pos in range(k)]
         return out
+
+    @functools.cached_property
+    def _weight_thresholds(self) -> tuple[float | None, float | None]:
+        """(skip_threshold, aux_full_weight) rounded to float32: the vectorized rules compare a float32 tensor with
+        a Python number in float32 (0.239 becomes 0.23899999...), so the Python rules compare with the same value
+        and both paths agree on a weight equal to the rounded threshold."""
+        def f32(v):
+            return None if v is None else torch.tensor(v, dtype=torch.float32).item()
+        return f32(self.skip_threshold), f32(self.aux_full_weight)
 
     @functools.cached_property
     def _tier_width(self) -> dict[Tier, int]:
@@ -508,9 +550,12 @@ class CrispPlan:
             if self.policy is PolicyKind.SKIP_AUX:
                 aux_width = torch.zeros_like(sorted_index)
                 if self.skip_threshold is not None:
-                    aux_width = torch.where(sorted_weights >= self.skip_threshold, full, 0)
+                    aux_width = torch.where(sorted_weights >= self._weight_thresholds[0], full, 0)
             elif not flat:
                 aux_width, rank = self._crisp_sorted(layer_id, sorted_index, rank)
+                if self.aux_full_weight is not None:  # heavy auxiliaries at the dominant width
+                    aux_width = torch.where(sorted_weights >= self._weight_thresholds[1], self.dominant_width,
+                                            aux_width)
             if not flat:
                 sorted_widths = torch.where(rank < self.num_dominant, torch.full_like(aux_width, self.dominant_width),
                                             aux_width)
@@ -566,6 +611,8 @@ class CrispPlan:
             out["unseen_tier"] = self.unseen_tier.value
             if self.width_cap is not None:  # uncapped plans (and their digests) stay as they were
                 out["width_cap"] = self.width_cap
+            if self.aux_full_weight is not None:  # likewise plans without it
+                out["aux_full_weight"] = self.aux_full_weight
             out["layers"] = {
                 str(layer_id): [
                     {"experts": list(pair), "tier": tier.value, "dominant": lp.dominant.get(pair)}
@@ -652,8 +699,13 @@ class CrispPlan:
                             f"(a CRISP plan lists "
                             f"every layer, with [] for one whose combinations are all unseen)")
         cap = _json_int(data, "width_cap", minimum=1) if data.get("width_cap") is not None else None
+        promote = data.get("aux_full_weight")
+        if promote is not None and (type(promote) not in (int, float) or not 0.0 <= promote <= 1.0):
+            raise PlanError(f"plan is malformed: field aux_full_weight: expected null or a number in [0, 1], "
+                            f"got {promote!r}")
         return cls(policy, tier_widths=tier_widths, layers=layers,
-                   unseen_tier=_json_enum(data, "unseen_tier", Tier), width_cap=cap, **common)
+                   unseen_tier=_json_enum(data, "unseen_tier", Tier), width_cap=cap,
+                   aux_full_weight=None if promote is None else float(promote), **common)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, atomically."""
@@ -690,7 +742,7 @@ _POLICY_FIELDS = {
     PolicyKind.FULL: (),
     PolicyKind.UNIFORM: ("uniform_width",),
     PolicyKind.SKIP_AUX: ("skip_threshold",),
-    PolicyKind.CRISP: ("combination_key", "tier_widths", "unseen_tier", "layers", "width_cap"),
+    PolicyKind.CRISP: ("combination_key", "tier_widths", "unseen_tier", "layers", "width_cap", "aux_full_weight"),
 }
 
 

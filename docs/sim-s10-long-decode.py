@@ -11,11 +11,13 @@ window of rtx4090-pcie4 at Mixtral-8x7B sizes, as ``crisp-eval --mode decode --p
 which saves its ~25 min decode.
 
     PYTHONPATH=. python docs/sim-s10-long-decode.py OUT.json PACK BUDGET FLOOR [FLOOR ...] [--cap N]
-        [--windows N L]
+        [--aux-full-weight W] [--windows N L]
         FLOOR: the dominant floor of the runtime's "resident" serving policy (1 = "resident", 0.75 =
                "resident-floor75"), each decoded with next-layer prefetch through the window (~6 min each at
-               128 x 256); --cap: the pack's plan under CrispPlan.width_cap N (neurons); --windows: other
-               windows than 128 x 256 (session 9's 50% decodes used 32 x 128)
+               128 x 256); --cap: the pack's plan under CrispPlan.width_cap N (neurons); --aux-full-weight
+               (session 11): its auxiliaries of routing weight >= W at the dominant width
+               (CrispPlan.aux_full_weight); --windows: other windows than 128 x 256 (session 9's 50% decodes
+               used 32 x 128)
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main() -> int:
     p.add_argument("budget", type=float)
     p.add_argument("floors", nargs="+", type=float)
     p.add_argument("--cap", type=int, default=None)
+    p.add_argument("--aux-full-weight", type=float, default=None)
     p.add_argument("--windows", type=int, nargs=2, default=(SAMPLES, SEQ_LEN), metavar=("N", "L"))
     args = p.parse_args()
     out, pack_dir, budget = args.out, args.pack, args.budget
@@ -61,7 +64,12 @@ def main() -> int:
     t0 = time.time()
     ev = Evaluator(MODEL, pack_dir, HELDOUT, samples=args.windows[0], seq_len=args.windows[1], quiet=True,
                    reference_dir=REFERENCE)
-    plan = ev.plan if args.cap is None else plan_for_layers(ev.pack_plan.capped(args.cap), ev.layers)  # rows
+    pack_plan = ev.pack_plan
+    if args.cap is not None:
+        pack_plan = pack_plan.capped(args.cap)
+    if args.aux_full_weight is not None:
+        pack_plan = pack_plan.promoted(args.aux_full_weight)
+    plan = plan_for_layers(pack_plan, ev.layers)  # in the pack's storage rows
     window = ev.prefetch_window(get_profile("rtx4090-pcie4"), "mixtral-8x7b")
     cases = serving_eval.with_window([case(f) for f in args.floors], window)
     with ev._runtime_runner(*ev.reference) as run:  # the 4-bit full width, batch (= its decode: exact serving)

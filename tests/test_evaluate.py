@@ -196,6 +196,26 @@ def test_a_capped_plan_is_served_under_its_cap_and_recorded_with_it(setup):
     assert "width_cap" not in record(case, 0.3, 1, uncapped, stats, uncapped, pack.plan, 1.0)["plan_detail"]
 
 
+def test_a_weight_promoted_plan_decodes_as_its_batch_run_and_is_recorded_with_it(setup):
+    """CrispPlan.aux_full_weight through the runtime: the decode equals the batch run of the same plan, the heavy
+    auxiliaries widen what is served, and the record carries the weight (what the simulator matches)."""
+    from crisp_tools.serving_eval import ServingCase, record, run_case, total_expert_bytes
+
+    model, pack, windows = _decode_setup(setup, samples=2, seq_len=16)
+    promoted = pack.plan.promoted(0.3)
+    with apply(model, pack, plan=promoted):
+        batch = score_windows(model, windows)
+    case = ServingCase("crisp-exact")
+    budget = int(0.3 * total_expert_bytes(pack.layers))
+    decoded, stats = run_case(model, pack, promoted, windows, budget, case)
+    assert torch.allclose(decoded.nll, batch.nll, atol=1e-4, rtol=0)  # the fp tolerance of the tests above
+    plain, plain_stats = run_case(model, pack, pack.plan, windows, budget, case)
+    assert stats["bytes_routed"] > plain_stats["bytes_routed"]  # heavy auxiliaries ran wider than their tiers
+    rec = record(case, 0.3, 1, decoded, stats, plain, promoted, 1.0)
+    assert rec["plan_detail"]["aux_full_weight"] == 0.3
+    assert "aux_full_weight" not in record(case, 0.3, 1, plain, plain_stats, plain, pack.plan, 1.0)["plan_detail"]
+
+
 def test_serving_sweep_records(setup, tmp_path):
     from crisp_tools.serving_eval import ServingCase, serving_sweep, write_serving_json
 

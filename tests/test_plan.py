@@ -61,6 +61,8 @@ def _widths_by_hand(plan: CrispPlan, index, weights):
             elif plan.policy is PolicyKind.SKIP_AUX:
                 thr = plan.skip_threshold
                 widths[pos] = FULL if thr is not None and w_row[pos] >= thr else 0
+            elif plan.aux_full_weight is not None and w_row[pos] >= plan._weight_thresholds[1]:
+                widths[pos] = min(FULL, cap)  # a heavy auxiliary: the dominant's width whatever its tier
             else:
                 widths[pos] = min(aux, cap)
         out.append(widths)
@@ -86,10 +88,11 @@ def test_crisp_widths_follow_tiers_and_dominance():
 
 
 @pytest.mark.parametrize("policy", ["full", "uniform", "skip", "skip_thr", "crisp", "crisp_top4", "crisp_cap33",
-                                    "crisp_cap1", "crisp_cap_full", "crisp_top4_cap64"])
+                                    "crisp_cap1", "crisp_cap_full", "crisp_top4_cap64", "crisp_aux0.3",
+                                    "crisp_aux0", "crisp_aux1", "crisp_top4_aux0.15_cap64"])
 def test_widths_match_a_per_token_restatement(policy):
     gen = torch.Generator().manual_seed(7)
-    top_k = 4 if policy == "crisp_top4" else 2
+    top_k = 4 if "top4" in policy else 2  # the top-4 plans get top-4 routing (num_dominant 2: two auxiliaries)
     plans = {
         "full": CrispPlan.full(8, top_k, FULL, [0]),
         "uniform": CrispPlan.uniform(8, top_k, FULL, [0], 33),
@@ -102,6 +105,12 @@ def test_widths_match_a_per_token_restatement(policy):
         "crisp_cap1": _crisp_plan().capped(1),
         "crisp_cap_full": _crisp_plan().capped(FULL),
         "crisp_top4_cap64": _crisp_plan(top_k=4, num_dominant=2, unseen=Tier.COLD).capped(64),
+        # heavy auxiliaries at the dominant width: from weight 0.3, every one (0), only a weight of 1 (none here),
+        # and under a cap with top-4 routing
+        "crisp_aux0.3": _crisp_plan().promoted(0.3),
+        "crisp_aux0": _crisp_plan().promoted(0.0),
+        "crisp_aux1": _crisp_plan().promoted(1.0),
+        "crisp_top4_aux0.15_cap64": _crisp_plan(top_k=4, num_dominant=2, unseen=Tier.COLD).capped(64).promoted(0.15),
     }
     plan = plans[policy]
     index = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(200)])
@@ -122,6 +131,15 @@ def test_widths_match_a_per_token_restatement(policy):
         uncapped = plan.capped(None).token_widths(0, index, weights)
         assert torch.equal(got, uncapped.clamp(max=plan.width_cap))
         assert int(got.max()) == min(plan.width_cap, FULL)
+    if plan.aux_full_weight is not None:  # a promotion only widens: each slot is its unpromoted width or the dominant's
+        tiers_only = plan.promoted(None).token_widths(0, index, weights)
+        assert bool(((got == tiers_only) | (got == plan.dominant_width)).all()) and bool((got >= tiers_only).all())
+        heavy = (weights >= plan.aux_full_weight) & (index < 8)
+        assert bool((got[heavy] == plan.dominant_width).all())
+        if plan.aux_full_weight == 0.0:  # every routed slot at the dominant width
+            assert torch.equal(got, torch.where(index < 8, plan.dominant_width, 0))
+        changed = int((got != tiers_only).sum())
+        assert changed > 0 if plan.aux_full_weight < 1.0 else changed == 0  # the test's weights move some slots
 
 
 def test_width_cap_json_storage_rows_and_refusals(tmp_path):
@@ -152,6 +170,56 @@ def test_width_cap_json_storage_rows_and_refusals(tmp_path):
     data["width_cap"] = 8
     with pytest.raises(PlanError, match="unknown field"):
         CrispPlan.from_dict(data)
+
+
+def test_aux_full_weight_json_thresholds_and_refusals(tmp_path):
+    plan = _crisp_plan().promoted(0.25)
+    path = tmp_path / "promoted.json"
+    plan.save(path)
+    assert CrispPlan.load(path) == plan and json.loads(path.read_text())["aux_full_weight"] == 0.25
+    assert "aux_full_weight" not in _crisp_plan().to_dict()  # plans without it, and their digests, are unchanged
+    assert plan.widths_digest() != _crisp_plan().widths_digest()
+    assert plan.promoted(None) == _crisp_plan() and plan.in_storage_rows(24).aux_full_weight == 0.25
+    assert plan.with_tiers(TierWidths(FULL, 8, 0)).aux_full_weight == 0.25  # searches keep it
+    for bad, match in ((-0.1, r"aux_full_weight must lie in \[0, 1\]"), (1.5, "must lie in"),
+                       (True, "aux_full_weight must be a number"), ("0.3", "must be a number"),
+                       (float("nan"), "must be a number")):
+        with pytest.raises(PlanError, match=match):
+            _crisp_plan().promoted(bad)
+    with pytest.raises(PlanError, match="CRISP plans only"):
+        CrispPlan.skip_aux(8, 2, FULL, [0], threshold=0.3).promoted(0.3)
+    data = plan.to_dict()
+    for bad in (-1, "0.3", True, 2.0, [0.3]):
+        data["aux_full_weight"] = bad
+        with pytest.raises(PlanError, match="aux_full_weight"):
+            CrispPlan.from_dict(data)
+    data["aux_full_weight"] = None  # null: tiers only
+    assert CrispPlan.from_dict(data) == _crisp_plan()
+    data = CrispPlan.skip_aux(8, 2, FULL, [0], threshold=0.3).to_dict()
+    data["aux_full_weight"] = 0.3
+    with pytest.raises(PlanError, match="unknown field"):
+        CrispPlan.from_dict(data)
+
+
+@pytest.mark.parametrize("make", [lambda t: _crisp_plan().promoted(t),
+                                  lambda t: CrispPlan.skip_aux(8, 2, FULL, [0], threshold=t)],
+                         ids=["crisp_aux_full_weight", "skip_threshold"])
+@pytest.mark.parametrize("threshold", [0.239, 0.3, 0.1])  # float32(t) below t, above t, above t
+def test_weight_thresholds_agree_on_both_paths_at_the_float32_boundary(make, threshold):
+    # A float32 weight equal to the float32 rounding of the threshold: the vectorized rules compare in float32
+    # (a float32 tensor against a Python number), so the decode path must compare with the same rounded value.
+    plan = make(threshold)
+    w32 = torch.tensor(threshold, dtype=torch.float32)
+    assert w32.item() != threshold  # the boundary case exists for these thresholds
+    index = torch.tensor([[2, 3]] * 40)  # a Warm pair of the CRISP plan (3 dominant by its label)
+    weights = torch.stack([1 - w32, w32]).expand(40, 2).contiguous()  # (40, 2) float32; expert 3 the lighter
+    if plan.policy is PolicyKind.CRISP:
+        weights = weights.flip(1)  # expert 2 the lighter, an auxiliary (3 is the labelled dominant)
+    big = plan.token_widths(0, index, weights)  # 40 x 2 = 80 slots: the vectorized path
+    small = plan.token_widths(0, index[:4], weights[:4])  # the plain-Python path
+    assert torch.equal(big[:4], small)
+    assert torch.equal(plan.device_token_widths(0, index, weights), big)
+    assert int(big.min()) == FULL  # the weight equals the threshold as compared: at or above it, so run full
 
 
 def test_json_round_trip_and_validation(tmp_path):

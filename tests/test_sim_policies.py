@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from crisp_bench.sim_policies import accuracy_for, configurations, knobs, pareto, read_accuracy
+from crisp_bench.sim_policies import (
+    PROMOTE_WEIGHTS,
+    PROMOTED_FLOORS,
+    accuracy_for,
+    configurations,
+    knobs,
+    pareto,
+    read_accuracy,
+)
 from crisp_bench.traces import plan_from_trace, policy_plans, synthetic_trace
 
 
@@ -45,7 +53,7 @@ def test_product_matrix_always_has_the_full_lru_baseline(plans):
 def test_frontier_sweeps_each_family_knob(plans):
     configs = configurations(plans, "frontier", prefetch=[False, True])
     floors = sorted(c.serving.dominant_floor for c in configs if c.name == "crisp" and c.serving.name != "plan"
-                    and c.plan.width_cap is None)
+                    and c.plan.width_cap is None and c.plan.aux_full_weight is None)
     assert floors == [0.5, 0.625, 0.75, 0.875, 1.0] and all(c.prefetch for c in configs[1:])
     assert all(c.serving.name == "plan" for c in configs if c.name in ("uniform", "skip_aux"))
     assert len({c.label for c in configs}) == len(configs)  # one record per configuration
@@ -56,6 +64,30 @@ def test_frontier_sweeps_each_family_knob(plans):
     exact_caps = [c.plan.width_cap for c in configs if c.plan.width_cap is not None and c.serving.name == "plan"]
     assert exact_caps == [round(0.75 * inter), round(0.875 * inter)]  # the capped CRISP plans at the plan's widths
     assert len(caps) == 2 * 6  # ... and residency-aware at each of the 5 floors
+    promoted = [(c.plan.aux_full_weight, c.serving.name) for c in configs if c.plan.aux_full_weight is not None]
+    assert [w for w, s in promoted if s == "plan"] == list(PROMOTE_WEIGHTS)  # weight-promoted at the plan's widths
+    assert len(promoted) == len(PROMOTE_WEIGHTS) * (1 + len(PROMOTED_FLOORS))  # ... and residency-aware per floor
+    assert all(c.plan.width_cap is None for c in configs if c.plan.aux_full_weight is not None)
+
+
+def test_a_weight_promoted_plan_takes_only_its_own_weight_s_accuracy(plans, tmp_path):
+    batch = tmp_path / "eval.json"
+    batch.write_text(json.dumps({"model": "models/synthetic", "records": [
+        {"policy": "crisp", "relative_accuracy_loss_vs_full": 0.013},
+        {"policy": "crisp", "aux_full_weight": 0.3, "relative_accuracy_loss_vs_full": 0.008}]}))
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps({"format": "crisp-eval-serving", "model": "models/synthetic", "records": [
+        {"policy": "crisp-resident+prefetch", "plan": "crisp", "budget_fraction": 0.25,
+         "serving": {"name": "resident", "hit_width": "resident", "aux_narrower": "resident",
+                     "aux_missing": "load", "dominant_floor": 1.0, "exact": False},
+         "prefetch": {"extra_experts": 0}, "plan_detail": {"aux_full_weight": 0.35}, "accuracy_loss": 0.007}]}))
+    evaluated, _ = read_accuracy([batch, serving], "models/synthetic")
+    configs = {c.label: c for c in configurations(plans, "frontier", prefetch=[True])}
+    got = {label: accuracy_for(_record(c), evaluated)[0] for label, c in configs.items() if c.name == "crisp"}
+    assert got["crisp/plan/lru+prefetch"] == 0.013 and got["crisp@aux0.3/plan/lru+prefetch"] == 0.008
+    assert got["crisp@aux0.35/plan/lru+prefetch"] is None  # no batch evaluation of that weight
+    assert got["crisp@aux0.35/resident/lru+prefetch"] == 0.007  # the decode of that weight and serving
+    assert got["crisp/resident/lru+prefetch"] is None and got["crisp@aux0.3/resident/lru+prefetch"] is None
 
 
 def test_a_capped_plan_takes_only_its_own_cap_s_accuracy(plans, tmp_path):

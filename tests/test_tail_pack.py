@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crisp_bench.sim_policies import PROMOTE_WEIGHTS
 from crisp_tools import evaluate
 from crisp_tools import tail_pack as tp
 
@@ -107,6 +108,13 @@ def test_eval_of_a_tail_pack_batch_and_frontier(tail, tmp_path, capsys):
     assert sorted(capped) == [192, 224] and by["crisp"].get("width_cap") is None
     assert capped[192]["bytes_per_token"] <= capped[224]["bytes_per_token"] <= by["crisp"]["bytes_per_token"]
     assert capped[192]["bytes_per_token"] <= full_4bit * rows_for_neurons(192, 64) / 256
+    # weight-promoted CRISP at the simulator's weights: a higher weight promotes fewer auxiliaries, never fewer
+    # bytes than the tiers alone
+    promoted = [r for r in recs if r["policy"] == "crisp" and "aux_full_weight" in r]
+    assert [r["aux_full_weight"] for r in promoted] == list(PROMOTE_WEIGHTS)
+    bpt = [r["bytes_per_token"] for r in promoted]
+    assert bpt == sorted(bpt, reverse=True) and bpt[0] > by["crisp"]["bytes_per_token"]
+    assert all(b >= by["crisp"]["bytes_per_token"] for b in bpt)
 
 
 def test_decode_of_a_tail_pack_against_its_4bit_reference(tail, tmp_path):

@@ -25,13 +25,19 @@ MODEL, PACK, TEXT = ROOT / "models/tiny-mixtral", ROOT / "models/tiny-mixtral-cr
 
 def test_candidates_are_the_stated_space():
     cands = tp.candidates()
-    assert len(cands) == 14 and len({c.label for c in cands}) == 14
+    assert len(cands) == 14 * len(tp.SEARCH_AUX_WEIGHTS) and len({c.label for c in cands}) == len(cands)
     assert {c.dominant_floor for c in cands} == set(tp.SEARCH_FLOORS)
+    assert {c.aux_full_weight for c in cands} == set(tp.SEARCH_AUX_WEIGHTS) and None in tp.SEARCH_AUX_WEIGHTS
+    assert len(tp.candidates(aux_full_weights=(None,))) == 14
     # AHEAD only with serving-width prefetch (its second phase needs it), never at full width
     for c in cands:
         if c.widen is DominantWiden.AHEAD:
             assert c.prefetch is PrefetchWidth.SERVING and c.dominant_floor < 1.0
     assert tp.Candidate(0.75).serving().dominant_floor == 0.75
+    _, plan, _ = load_pack_dir(PACK)
+    assert tp.Candidate(0.75).plan_for(plan) is plan
+    assert tp.Candidate(0.75, aux_full_weight=0.3).plan_for(plan) == plan.promoted(0.3)
+    assert tp.Candidate(0.75, aux_full_weight=0.3).label == "floor0.75-aux0.3"
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -76,7 +82,8 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     slow = {"crisp-floor1"}  # full-width dominants: slower on every budget below one token's working set
     monkeypatch.setattr(tp, "run_case", fake_run_case)
     goal = tp.ThroughputGoal(0.25, max_accuracy_loss=bound)
-    record = tp.search_throughput(model, layers, plan, windows, goal, cands=cands)
+    record, chosen_plan = tp.search_throughput(model, layers, plan, windows, goal, cands=cands)
+    assert chosen_plan is plan  # no candidate here changes the plan
     sims = record.search["candidates"]
     speed = {r["candidate"]: r["tokens_per_s"] for r in sims}
     assert speed["floor0.5+prefetch-serving"] > speed["floor1"]
@@ -95,6 +102,32 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     goal0 = tp.ThroughputGoal(0.25, max_accuracy_loss=0.0)
     with pytest.raises(ValueError, match="no candidate"):
         tp.search_throughput(model, layers, plan, windows, goal0, cands=cands)
+
+
+def test_search_decodes_and_stores_the_chosen_auxiliary_weight(tiny, monkeypatch):
+    """A candidate with an auxiliary weight is simulated and decoded with the promoted plan, and the search
+    returns that plan (what the pack stores). Scripted accuracies: only the weight-0.3 candidate is within."""
+    model, layers, plan, windows = tiny
+    decoded_plans = {}
+
+    def fake_run_case(model, pack, plan, windows, budget_bytes, case):
+        decoded_plans[case.name] = plan
+        n = windows.shape[1] - 1
+        correct = torch.ones(windows.shape[0], n, dtype=torch.bool)
+        if case.plan != "full" and "aux0.3" not in case.name:
+            correct.view(-1)[:8] = False
+        return TokenScores(torch.zeros(windows.shape[0], n), correct), {}
+
+    monkeypatch.setattr(tp, "run_case", fake_run_case)
+    cands = [tp.Candidate(0.5), tp.Candidate(0.5, aux_full_weight=0.3)]
+    record, chosen_plan = tp.search_throughput(model, layers, plan, windows, tp.ThroughputGoal(0.25, 0.1),
+                                               cands=cands)
+    assert record.search["chosen"]["candidate"] == "floor0.5-aux0.3"
+    assert chosen_plan.aux_full_weight == 0.3 and chosen_plan.promoted(None).tier_widths == plan.tier_widths
+    assert "routing weight >= 0.3" in chosen_plan.description
+    assert decoded_plans["crisp-floor0.5-aux0.3"] == plan.promoted(0.3)
+    speed = {r["candidate"]: r["bytes_per_token"] for r in record.search["candidates"]}
+    assert speed["floor0.5-aux0.3"] > speed["floor0.5"]  # the promoted plan was the one simulated
 
 
 def test_serving_record_round_trips_through_a_pack(tmp_path):
@@ -156,7 +189,9 @@ def test_profile_stores_the_throughput_choice(tmp_path):
     # a bound of 1.0 admits anything: the fastest simulated candidate is the one stored
     fastest = max(search["candidates"], key=lambda r: r["tokens_per_s"])
     assert search["chosen"]["candidate"] == fastest["candidate"]
-    assert record.policy == next(c.serving() for c in tp.candidates() if c.label == fastest["candidate"])
+    chosen = next(c for c in tp.candidates() if c.label == fastest["candidate"])
+    assert record.policy == chosen.serving()
+    assert pack.plan.aux_full_weight == chosen.aux_full_weight  # the pack's plan is the one the choice serves
 
 
 def test_profile_refuses_a_bad_hardware_profile_before_any_work(tmp_path, capsys):

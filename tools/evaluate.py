@@ -237,7 +237,7 @@ class Evaluator:
     def _frontier(self, run, n_tok, *, matched_width: int, matched_threshold) -> list[dict]:
         """Uniform, skip-aux and capped CRISP at the simulator's frontier knobs (exact serving: batch = runtime in
         the loop)."""
-        from crisp_bench.sim_policies import CRISP_CAPS, SKIP_THRESHOLDS, UNIFORM_FRACTIONS
+        from crisp_bench.sim_policies import CRISP_CAPS, PROMOTE_WEIGHTS, SKIP_THRESHOLDS, UNIFORM_FRACTIONS
 
         first = next(iter(self.layers.values()))
         neurons = self.pack_plan.intermediate_size
@@ -257,6 +257,10 @@ class Evaluator:
             got = run(self.plan.capped(rows_for_neurons(cap, first.tail_start)))
             out.append(self._record("crisp", f"CRISP capped at {cap}/{neurons} (frontier)", got[1], got[0], n_tok,
                                     width_cap=cap))
+        for weight in PROMOTE_WEIGHTS:
+            got = run(self.plan.promoted(weight))
+            out.append(self._record("crisp", f"CRISP, auxiliaries of weight >= {weight:g} at full width (frontier)",
+                                    got[1], got[0], n_tok, aux_full_weight=weight))
         return out
 
     def _record(self, policy, label, bpt, scores, n_tok, **extra):

@@ -170,7 +170,9 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
                         "skip_threshold": plan.skip_threshold,
                         "num_dominant": plan.num_dominant,
                         # a capped CRISP plan's cap in neurons (absent: uncapped, as in records before it)
-                        **({} if plan.width_cap is None else {"width_cap": neurons(plan.width_cap)})},
+                        **({} if plan.width_cap is None else {"width_cap": neurons(plan.width_cap)}),
+                        # a weight-promoted CRISP plan's threshold (absent: none)
+                        **({} if plan.aux_full_weight is None else {"aux_full_weight": plan.aux_full_weight})},
         "budget_fraction": budget_fraction,
         "budget_bytes": budget_bytes,
         "serving": _serving_dict(case.serving),
@@ -204,7 +206,7 @@ def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
            {"policy": str            case name, e.g. "crisp-exact", "crisp-resident-floor0.75+prefetch",
             "plan": str              crisp | uniform | skip_aux | full (uniform/skip_aux matched to CRISP's bytes),
             "plan_detail": {uniform_width (neurons), skip_threshold, num_dominant, and for a capped CRISP
-                            plan width_cap (neurons)},
+                            plan width_cap (neurons) and aux_full_weight},
             "budget_fraction": float  GPU expert-cache budget / all expert bytes of the pack,
             "budget_bytes": int,
             "serving": {name, hit_width, aux_narrower, aux_missing, dominant_floor, exact: bool}

@@ -85,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "0,0.0625 also tries 1/16)")
     p.add_argument("--plan-for-throughput", dest="throughput_budget", type=ca.float_in(0.0, 1.0, low_open=True),
                    default=None, metavar="BUDGET",
-                   help="also choose the serving policy / prefetch with the most simulated tokens/s at this GPU budget "
+                   help="also choose the serving policy / prefetch (and whether auxiliaries of routing weight >= 0.3 "
+                        "or 0.4 run at full width) with the most simulated tokens/s at this GPU budget "
                         "(fraction of all expert bytes) on --hardware-profile, within --max-accuracy-loss measured by "
                         "decoding held-out calibration windows through the runtime; stored in pack.json 'serving' "
-                        "(crisp_runtime.serving_record)")
+                        "(crisp_runtime.serving_record) and the pack's plan (aux_full_weight)")
     p.add_argument("--max-accuracy-loss", type=ca.float_in(0.0, 1.0), default=0.02, metavar="FRACTION",
                    help="with --plan-for-throughput: the largest relative next-token accuracy loss allowed")
     p.add_argument("--hardware-profile", default="rtx4090-pcie4",

@@ -54,7 +54,9 @@ class Profiler:
             measure_dominance(inputs, stats, log)
             packed = pack_layers(inputs, order)
             plan, plan_info, search = choose_plan(inputs, stats, packed, log)
-            serving = None if self.goal is None else plan_serving(inputs, self.goal, packed, plan, log)
+            serving = None
+            if self.goal is not None:  # the chosen serving, and the plan with its auxiliary weight if it took one
+                serving, plan = plan_serving(inputs, self.goal, packed, plan, log)
         info = profile_info(inputs, stats, plan_info, search, log.elapsed())
         if serving is not None:
             info[SERVING_KEY] = serving.to_dict()

@@ -11,7 +11,11 @@ how the pack is *served* at a budget, from a small stated space (:func:`candidat
   (AHEAD, with SERVING prefetch: the prefetcher's second phase); on demand (HIT) is left out: on the
   simulated RTX 4090 it ran 2.03x against 2.42x without (docs/residency-and-serving.md);
 - auxiliaries served from what is resident (wider for free, narrower without a copy), eviction fixed
-  by the goal (default next-use, the runtime's best online policy there).
+  by the goal (default next-use, the runtime's best online policy there);
+- the one plan knob: auxiliaries of routing weight >= w at the dominant width
+  (``CrispPlan.aux_full_weight``), none or w in :data:`SEARCH_AUX_WEIGHTS` (issue 10, session 11: on the
+  tiny Mixtral's held-out text the weight picked the auxiliaries that matter better than the pair tiers
+  below 1% loss). The chosen weight is stored in the pack's plan.
 
 Speed: each candidate replays a routing trace recorded on the held-out calibration windows (with
 the next layer's predictions) through the simulator's library API (``crisp_bench.simulate``, the
@@ -35,6 +39,7 @@ simulator's library, which imports only ``crisp_runtime`` and ``crisp_kernels``)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -47,7 +52,7 @@ from crisp_bench.traces import record_trace
 from crisp_runtime.baselines import full_plan
 from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
 from crisp_runtime.pack import CrispPack
-from crisp_runtime.plan import CrispPlan
+from crisp_runtime.plan import CrispPlan, PolicyKind
 from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
 from crisp_runtime.serving_record import SERVING_KEY, ServingRecord
@@ -59,6 +64,9 @@ __all__ = ["SERVING_KEY", "Candidate", "ThroughputGoal", "candidates", "goal_fro
            "search_throughput", "simulate_candidates", "target_shape"]
 
 SEARCH_FLOORS = (1.0, 0.75, 0.625, 0.5)
+# None: the tiers alone; the weights: the frontier's (crisp_bench.sim_policies.PROMOTE_WEIGHTS) middle two, which
+# lost 0.78% / 1.06% at 48% / 45% of the 4-bit bytes on the Warm 64 / Cold 32 tail pack (plan widths, session 11)
+SEARCH_AUX_WEIGHTS = (None, 0.3, 0.4)
 
 
 @dataclass(frozen=True)
@@ -95,12 +103,18 @@ class Candidate:
     dominant_floor: float
     widen: DominantWiden = DominantWiden.NEVER
     prefetch: PrefetchWidth | None = None
+    aux_full_weight: float | None = None  # the plan's CrispPlan.aux_full_weight (None: the tiers alone)
 
     @property
     def label(self) -> str:
         pf = "" if self.prefetch is None else f"+prefetch-{self.prefetch.value}"
         widen = "" if self.widen is DominantWiden.NEVER else f"-{self.widen.value}"
-        return f"floor{self.dominant_floor:g}{widen}{pf}"
+        aux = "" if self.aux_full_weight is None else f"-aux{self.aux_full_weight:g}"
+        return f"floor{self.dominant_floor:g}{widen}{aux}{pf}"
+
+    def plan_for(self, plan: CrispPlan) -> CrispPlan:
+        """The plan this candidate serves: ``plan`` with its auxiliary weight (``plan`` itself without one)."""
+        return plan if self.aux_full_weight is None else plan.promoted(self.aux_full_weight)
 
     def serving(self) -> ServingPolicy:
         return replace(SERVING_POLICIES["resident"], name=f"resident-floor{self.dominant_floor:g}"
@@ -111,15 +125,18 @@ class Candidate:
         return None if self.prefetch is None else PrefetchPolicy(width=self.prefetch)
 
 
-def candidates(floors: Sequence[float] = SEARCH_FLOORS) -> list[Candidate]:
-    """The search space (module docstring): per floor, no prefetch, PLAN prefetch, and below full width
-    SERVING prefetch without and with AHEAD widening (at full width those equal PLAN): 14 by default."""
+def candidates(floors: Sequence[float] = SEARCH_FLOORS,
+               aux_full_weights: Sequence[float | None] = SEARCH_AUX_WEIGHTS) -> list[Candidate]:
+    """The search space (module docstring): per auxiliary weight and floor, no prefetch, PLAN prefetch, and
+    below full width SERVING prefetch without and with AHEAD widening (at full width those equal PLAN): 14 per
+    weight, 42 by default."""
     out = []
-    for f in floors:
-        out += [Candidate(f), Candidate(f, prefetch=PrefetchWidth.PLAN)]
-        if f < 1.0:
-            out += [Candidate(f, prefetch=PrefetchWidth.SERVING),
-                    Candidate(f, DominantWiden.AHEAD, PrefetchWidth.SERVING)]
+    for w in aux_full_weights:
+        for f in floors:
+            out += [Candidate(f, aux_full_weight=w), Candidate(f, prefetch=PrefetchWidth.PLAN, aux_full_weight=w)]
+            if f < 1.0:
+                out += [Candidate(f, prefetch=PrefetchWidth.SERVING, aux_full_weight=w),
+                        Candidate(f, DominantWiden.AHEAD, PrefetchWidth.SERVING, aux_full_weight=w)]
     return out
 
 
@@ -156,7 +173,7 @@ def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: Mod
     base_tps = base.tokens_per_s("router")
     out = []
     for c in cands:
-        sim = SimPolicy("crisp", plan, c.serving(), goal.eviction, c.prefetch is not None,
+        sim = SimPolicy("crisp", c.plan_for(plan), c.serving(), goal.eviction, c.prefetch is not None,
                         c.prefetch or PrefetchWidth.PLAN)
         res = simulate_decode(trace, sim, profile, shape, budget, orders=["widest_first"], warmup=warmup,
                               predicted=predicted if c.prefetch is not None else None)
@@ -168,13 +185,16 @@ def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: Mod
 
 def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goal: ThroughputGoal, *,
                       cands: Sequence[Candidate] | None = None, source: str = "held-out calibration windows",
-                      log: Callable[[str], None] = lambda msg: None) -> ServingRecord:
-    """The fastest candidate within the accuracy bound (see the module docstring) as a :class:`ServingRecord`.
+                      log: Callable[[str], None] = lambda msg: None) -> tuple[ServingRecord, CrispPlan]:
+    """The fastest candidate within the accuracy bound (see the module docstring): its :class:`ServingRecord`
+    and the plan it serves (``plan``, or ``plan`` with the candidate's auxiliary weight: the pack stores that).
 
     windows: (N, L) held-out calibration token windows: the routing trace is recorded on them and they
     are decoded for the accuracy. Raises ValueError when no candidate meets the bound.
     """
-    cands = candidates() if cands is None else list(cands)
+    if cands is None:  # the auxiliary weight is a CRISP plan's knob: other plans search the serving alone
+        cands = candidates(aux_full_weights=SEARCH_AUX_WEIGHTS if plan.policy is PolicyKind.CRISP else (None,))
+    cands = list(cands)
     if not cands:
         raise ValueError("search_throughput: no candidates")
     if windows.dim() != 2 or windows.shape[1] < 2:
@@ -197,7 +217,7 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
         prefetch = c.prefetch_policy()
         case = ServingCase(f"crisp-{c.label}", "crisp", c.serving(),
                            None if prefetch is None else replace(prefetch, window=window), eviction=goal.eviction)
-        scores, _ = run_case(model, pack, plan, windows, budget_bytes, case)
+        scores, _ = run_case(model, pack, c.plan_for(plan), windows, budget_bytes, case)
         r["accuracy_loss"] = (full.accuracy - scores.accuracy) / full.accuracy if full.accuracy else 0.0
         log(f"throughput: {c.label}: accuracy loss {r['accuracy_loss']:.2%} (runtime in the loop)")
         if r["accuracy_loss"] <= goal.max_accuracy_loss:
@@ -212,7 +232,12 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
               "accuracy_prefetch_window": window.name,
               "windows": list(windows.shape), "full_width_accuracy": full.accuracy,
               "full_lru_tokens_per_s": base_tps, "chosen": r, "candidates": sims}
-    return ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search)
+    chosen_plan = c.plan_for(plan)
+    if c.aux_full_weight is not None:
+        chosen_plan = dataclasses.replace(chosen_plan, description=(
+            f"{plan.description} Auxiliaries of routing weight >= {c.aux_full_weight:g} run at the dominant width "
+            f"(chosen by --plan-for-throughput for simulated tokens/s).").strip())
+    return ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search), chosen_plan
 
 
 def goal_from_config(cfg) -> ThroughputGoal | None:
@@ -227,10 +252,12 @@ def goal_from_config(cfg) -> ThroughputGoal | None:
         raise CliError(f"--plan-for-throughput / --hardware-profile: {exc}") from None
 
 
-def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Callable[[str], None]) -> ServingRecord:
-    """The profiler's step: :func:`search_throughput` on the held-out calibration windows (the last
-    ``--holdout-fraction`` of ``--data``: disjoint from the statistics windows and from any evaluation text),
-    the first ``--throughput-windows`` of them cut to ``--throughput-seq-len`` tokens."""
+def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Callable[[str], None]
+                 ) -> tuple[ServingRecord, CrispPlan]:
+    """The profiler's step: :func:`search_throughput` (the serving record and the plan to store) on the
+    held-out calibration windows (the last ``--holdout-fraction`` of ``--data``: disjoint from the statistics
+    windows and from any evaluation text), the first ``--throughput-windows`` of them cut to
+    ``--throughput-seq-len`` tokens."""
     cfg = inputs.cfg
     windows = inputs.search_windows[: cfg.throughput_windows, : cfg.throughput_seq_len]
     source = (f"held-out calibration windows ({windows.shape[0]} x {windows.shape[1]} tokens of the last "
