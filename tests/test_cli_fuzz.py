@@ -90,12 +90,15 @@ BENCH = (
         "--prefetch-width": ["full", "", "plan,x"], "--accuracy": [""], "--from-json": [""],
         "--tail-layout": TAIL_LAYOUTS_BAD})
 )
+AUX_WEIGHT_BAD = ["", "-0.1", "1.5", "nan", "inf", "abc"]
 TAIL_EMULATION = _cases("tail-emulation", {
     "--model": [""], "--crisp": [""], "--out": [""], "--layout": TAIL_LAYOUTS_BAD,
-    "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"]})
+    "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"],
+    "--aux-full-weight": AUX_WEIGHT_BAD})
 TAIL_PACK = _cases("tail-pack", {
     "--model": [""], "--crisp": [""], "--out": [""], "--layout": TAIL_LAYOUTS_BAD,
-    "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"]})
+    "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"],
+    "--aux-full-weight": AUX_WEIGHT_BAD})
 CORPUS = _cases("corpus", {"--cap-bytes": POS_INT})
 TRAIN = _cases("train", {
     "--steps": POS_INT, "--seed": SEED, "--batch-size": POS_INT, "--seq-len": SEQ_LEN,

@@ -63,6 +63,14 @@ def test_layouts_a_pack_cannot_store_are_refused(tail, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_tail_pack_stores_a_plan_with_an_auxiliary_weight(tmp_path):
+    out = tmp_path / "w"
+    assert tp.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "2g128@0.25", "--out", str(out),
+                    "--aux-full-weight", "0.3", "--quiet"]) == 0
+    pack, src = load_pack(out), load_pack(TINY_PACK)
+    assert pack.plan == src.plan.promoted(0.3) and pack.info["tail_pack"]["aux_full_weight"] == 0.3
+
+
 def test_an_interrupted_tail_pack_leaves_nothing(tmp_path, monkeypatch, capsys):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt

@@ -141,6 +141,9 @@ def tail_tool_parser(prog: str, doc: str, source_verb: str, layout_help: str) ->
     p.add_argument("--tier-widths", default=None, type=tier_widths_arg, metavar="HOT,WARM,COLD",
                    help="store the plan with these tier widths (neurons of a pair's non-dominant expert); "
                    "default: the pack's")
+    p.add_argument("--aux-full-weight", default=None, type=ca.float_in(0.0, 1.0), metavar="W",
+                   help="store the plan with auxiliaries of routing weight >= W at the dominant width whatever their "
+                   "tier (CrispPlan.aux_full_weight; default: the pack's plan as it is)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -182,6 +185,11 @@ def source_pack(args):
             plan.validate()
         except ValueError as exc:
             raise CliError(f"--tier-widths: {exc}") from None
+    if args.aux_full_weight is not None:
+        try:
+            plan = plan.promoted(args.aux_full_weight)
+        except ValueError as exc:
+            raise CliError(f"--aux-full-weight: {exc}") from None
     return layers, plan, info
 
 
@@ -210,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         out = new_out(args)
-        if args.layout.is_plain and args.tier_widths is None:
-            raise CliError("--layout q4 is the pack itself: nothing to emulate (give --tier-widths to store another "
-                           "plan)")
+        if args.layout.is_plain and args.tier_widths is None and args.aux_full_weight is None:
+            raise CliError("--layout q4 is the pack itself: nothing to emulate (give --tier-widths or "
+                           "--aux-full-weight to store another plan)")
         layers, plan, info = source_pack(args)
         _, refs = source_model(args, layers, info)
         from crisp_runtime.pack import save_pack
@@ -230,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             info[INFO_LAYOUT] = args.layout.to_dict()
         info[INFO_EMULATION] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
                                 "tier_widths": None if args.tier_widths is None else vars(args.tier_widths),
+                                "aux_full_weight": args.aux_full_weight,
                                 "note": "4-bit format; tail rows on low-bit grids (crisp_tools.tail_emulation)"}
         save_pack(out, new, plan=plan, info=info)
     except (CliError, OutputPathError) as exc:

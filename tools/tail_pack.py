@@ -1,7 +1,7 @@
 """Store a CRISP pack's less important neurons at 2 bits: a real 2-bit tail pack from a 4-bit pack.
 
     python -m crisp_tools.tail_pack --model models/tiny-mixtral --crisp models/tiny-mixtral-crisp \\
-        --layout 2g128@0.25 --out /tmp/tiny-mixtral-2g128 [--tier-widths 256,64,32]
+        --layout 2g128@0.25 --out /tmp/tiny-mixtral-2g128 [--tier-widths 256,64,32] [--aux-full-weight 0.3]
     crisp-eval --model models/tiny-mixtral --crisp /tmp/tiny-mixtral-2g128 \\
         --reference-crisp models/tiny-mixtral-crisp --data data/stdlib-heldout.txt --mode decode --json t.json
 
@@ -17,7 +17,8 @@ several segments) are simulated and emulated only (``crisp_tools.tail_emulation`
 
 The result is a pack folder (written atomically, never over an existing path) whose pack.json records
 ``tail_layout`` and ``tail_pack`` (the source pack and its experts file record). Its plan is the source
-pack's (in neurons: the runtime converts it to storage rows), or the source's with ``--tier-widths``.
+pack's (in neurons: the runtime converts it to storage rows), or the source's with ``--tier-widths`` and / or
+``--aux-full-weight`` (auxiliaries of routing weight >= W at the dominant width).
 ``crisp-eval`` measures it against the source pack's full width (``--reference-crisp``), in batch or
 decode mode (the runtime's cache then counts the tail pack's real bytes).
 """
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         info[INFO_TAIL_PACK] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
                                 "tail_start_neuron": start,
                                 "tier_widths": None if args.tier_widths is None else vars(args.tier_widths),
+                                "aux_full_weight": args.aux_full_weight,
                                 "note": "neurons from tail_start_neuron stored at 2 bits (crisp_tools.tail_pack)"}
         save_pack(out, new, plan=plan, info=info)
     except (CliError, OutputPathError) as exc:
