@@ -82,13 +82,18 @@ HYBRID_SPLIT_FLOOR_HIT = ServingPolicy("hybrid_split-floor62.5-hit", dominant_fl
 HYBRID_SPLIT_FLOOR875 = ServingPolicy("hybrid_split-floor87.5", dominant_floor=0.875, placement=Placement.SPLIT)
 
 
-def resident_serving(floor: float) -> ServingPolicy:
-    """Auxiliaries served from what is resident (wider for free, narrower without a copy), a
-    missed dominant at ``floor`` of the full width; the runtime's named policy when it has one."""
+def resident_serving(floor: float, aux_narrower: AuxNarrower = AuxNarrower.RESIDENT) -> ServingPolicy:
+    """Auxiliaries served from what is resident (wider for free, narrower without a copy; with
+    ``AuxNarrower.NARROW_ONLY`` only those the plan wants narrower than its dominant width), a missed dominant at
+    ``floor`` of the full width; the runtime's named policy when it has one."""
     name = "resident" if floor == 1.0 else f"resident-floor{100 * floor:g}"
+    if aux_narrower is AuxNarrower.NARROW_ONLY:
+        name = "resident-narrow-aux" if floor == 1.0 else f"{name}-narrow-aux"
+    elif aux_narrower is not AuxNarrower.RESIDENT:
+        raise ValueError(f"resident_serving: aux_narrower must be RESIDENT or NARROW_ONLY, got {aux_narrower!r}")
     if name in SERVING_POLICIES:
         return SERVING_POLICIES[name]
-    return ServingPolicy(name, HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD, floor)
+    return ServingPolicy(name, HitWidth.RESIDENT, aux_narrower, AuxMissing.LOAD, floor)
 
 
 def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequence[str] = ("plan",),
@@ -180,11 +185,12 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
             promoted = crisp.promoted(weight)
             out.append((SimPolicy("crisp", promoted, exact, FRONTIER_EVICTION, prefetch, variant=f"aux{weight:g}"),
                         {"family": "crisp weight-promoted", "knob": "aux_full_weight", "knob_value": weight}))
-            for f in PROMOTED_FLOORS:
-                out.append((SimPolicy("crisp", promoted, resident_serving(f), FRONTIER_EVICTION, prefetch,
-                                      variant=f"aux{weight:g}"),
-                            {"family": "crisp weight-promoted residency-aware", "knob": "aux_full_weight",
-                             "knob_value": weight}))
+            for f in PROMOTED_FLOORS:  # heavy auxiliaries widened (NARROW_ONLY), and served as resident
+                for narrow in (AuxNarrower.NARROW_ONLY, AuxNarrower.RESIDENT):
+                    out.append((SimPolicy("crisp", promoted, resident_serving(f, narrow), FRONTIER_EVICTION, prefetch,
+                                          variant=f"aux{weight:g}"),
+                                {"family": "crisp weight-promoted residency-aware", "knob": "aux_full_weight",
+                                 "knob_value": weight}))
     widths = sorted({max(1, round(f * inter)) for f in UNIFORM_FRACTIONS}
                     | ({plans["uniform"].uniform_width} if "uniform" in plans else set()))
     for w in widths:

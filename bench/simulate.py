@@ -383,7 +383,8 @@ def simulate_decode(
             served = serve_slots(serving, index_row, want_rows[li][t],
                                  None if dom_rows[li] is None else dom_rows[li][t],
                                  num_experts=trace.num_experts, full_width=inter,
-                                 resident_width=lambda e, led=led, layer=layer: led.width(layer, e))
+                                 resident_width=lambda e, led=led, layer=layer: led.width(layer, e),
+                                 whole_width=plan.dominant_width)
             step = plan_step(index_row, served.widths, num_experts=trace.num_experts, neuron_nbytes=nb,
                              resident_width=lambda e, led=led, layer=layer: led.width(layer, e), cost=cost,
                              placement=placement, split_granule=granule, max_copy_rows=copy_rows)

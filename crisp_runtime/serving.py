@@ -11,7 +11,8 @@ slot                        width it needs resident
 ==========================  =================================================================
 wanted 0 (the plan skips)   none: skipped, whatever is resident
 ``r >= wanted``             ``wanted`` (a hit)
-auxiliary, ``0 < r < w``    ``r`` if ``aux_narrower`` is RESIDENT (no copy), else ``wanted``
+auxiliary, ``0 < r < w``    ``r`` if ``aux_narrower`` is RESIDENT (no copy), or NARROW_ONLY and the plan
+                            wants it narrower than its dominant width; else ``wanted``
 auxiliary, ``r == 0``       ``wanted`` if ``aux_missing`` is LOAD, none (skip) if SKIP
 dominant, ``r == 0``        ``floor = min(wanted, ceil(dominant_floor * full))``: a missed
                             dominant loads only the floor prefix, never less
@@ -65,6 +66,11 @@ class AuxNarrower(enum.Enum):
 
     WIDEN = "widen"  # ... is widened (rows r..wanted copied)
     RESIDENT = "resident"  # ... runs at the resident width (no copy)
+    # ... runs at the resident width when the plan wants it narrower than the plan's dominant width, and is widened
+    # when the plan wants it whole (a Hot pair, or heavy by routing weight: CrispPlan.aux_full_weight). Why: with
+    # RESIDENT a heavy auxiliary ran at the prefix a light use had left (session 11, Warm 64 / Cold 32 tail pack at
+    # 25%: weight 0.3 lost 0.90% decoded against 0.78% at the plan's widths)
+    NARROW_ONLY = "narrow_only"
 
 
 class DominantWiden(enum.Enum):
@@ -167,6 +173,9 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
     "resident": ServingPolicy("resident", HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD, 1.0),
     "resident-floor75": ServingPolicy("resident-floor75", HitWidth.RESIDENT, AuxNarrower.RESIDENT, AuxMissing.LOAD,
                                       0.75),
+    # "resident", but an auxiliary the plan wants whole (Hot, or heavy by CrispPlan.aux_full_weight) is widened
+    "resident-narrow-aux": ServingPolicy("resident-narrow-aux", HitWidth.RESIDENT, AuxNarrower.NARROW_ONLY,
+                                         AuxMissing.LOAD, 1.0),
     # the same, and a dominant resident narrower than wanted is widened: on its next use ("-widen") or
     # by the prefetcher ahead of it ("-ahead")
     "resident-floor75-widen": ServingPolicy("resident-floor75-widen", HitWidth.RESIDENT, AuxNarrower.RESIDENT,
@@ -238,8 +247,10 @@ class ServedSlots(NamedTuple):
 
 
 def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor, dominant: torch.Tensor | None, *,
-                num_experts: int, full_width: int, resident_width: Callable[[int], int]) -> ServedSlots:
-    """Served widths of one step's slots (see the module docstring); all CPU, pure."""
+                num_experts: int, full_width: int, resident_width: Callable[[int], int],
+                whole_width: int | None = None) -> ServedSlots:
+    """Served widths of one step's slots (see the module docstring); all CPU, pure. ``whole_width``: the plan's
+    dominant width (``CrispPlan.dominant_width``; default ``full_width``), what ``AuxNarrower.NARROW_ONLY`` keeps."""
     if policy.follows_plan and dominant is None:  # the default's fast path: no residency lookups, no roles
         same = SlotValues(wanted)
         return ServedSlots(same, same, None, 0, 0, 0)
@@ -249,13 +260,15 @@ def serve_slots(policy: ServingPolicy, index: torch.Tensor, wanted: torch.Tensor
     flat_e = [v for row in index.tolist() for v in row]
     flat_w = [v for row in wanted.tolist() for v in row]
     flat_d = [v for row in dominant.tolist() for v in row]
-    served, counts = _serve_lists(policy, flat_e, flat_w, flat_d, num_experts, full_width, resident_width)
+    served, counts = _serve_lists(policy, flat_e, flat_w, flat_d, num_experts, full_width, resident_width,
+                                  full_width if whole_width is None else whole_width)
     return ServedSlots(SlotValues(served, tuple(wanted.shape)), SlotValues(wanted), SlotValues(dominant, None,
                                                                                                torch.bool), *counts)
 
 
 def _serve_lists(policy: ServingPolicy, flat_e: list[int], flat_w: list[int], flat_d: list[bool], num_experts: int,
-                 full_width: int, resident_width: Callable[[int], int]) -> tuple[list[int], tuple[int, ...]]:
+                 full_width: int, resident_width: Callable[[int], int], whole_width: int
+                 ) -> tuple[list[int], tuple[int, ...]]:
     """The served width of each slot (flat lists) and the counters of :class:`ServedSlots`."""
     resident: dict[int, int] = {}
     served = [0] * len(flat_w)
@@ -267,7 +280,7 @@ def _serve_lists(policy: ServingPolicy, flat_e: list[int], flat_w: list[int], fl
         r = resident.get(e)
         if r is None:
             r = resident[e] = resident_width(e)
-        served[p] = _serve_one(policy, w, dom, r, full_width)
+        served[p] = _serve_one(policy, w, dom, r, full_width, whole_width)
         if widen and dom and 0 < r < w and served[p] > max(r, policy.floor_width(w, full_width)):
             widened += 1
     # A slot served below what its expert will hold after the step's copies gets those rows for free.
@@ -319,7 +332,8 @@ def ahead_width(policy: ServingPolicy, wanted: int, dominant: bool, full: int) -
     return miss_width(policy, wanted, dominant, full)
 
 
-def _serve_one(policy: ServingPolicy, wanted: int, dominant: bool, resident: int, full: int) -> int:
+def _serve_one(policy: ServingPolicy, wanted: int, dominant: bool, resident: int, full: int,
+               whole: int | None = None) -> int:
     if resident >= wanted:
         return wanted
     if dominant:
@@ -327,7 +341,11 @@ def _serve_one(policy: ServingPolicy, wanted: int, dominant: bool, resident: int
             return wanted
         return max(resident, policy.floor_width(wanted, full))
     if resident > 0:
-        return resident if policy.aux_narrower is AuxNarrower.RESIDENT else wanted
+        narrow = policy.aux_narrower
+        if narrow is AuxNarrower.RESIDENT or narrow is AuxNarrower.NARROW_ONLY and wanted < (
+                full if whole is None else whole):
+            return resident
+        return wanted
     return wanted if policy.aux_missing is AuxMissing.LOAD else 0
 
 
@@ -358,14 +376,15 @@ def plan_served_step(policy: ServingPolicy, plan, layer_id: int, top_k_index: to
             served = ServedSlots(wanted_v, wanted_v, None, 0, 0, 0)
         else:
             widths, counts = _serve_lists(policy, flat_e, flat_w, flat_d, num_experts, plan.intermediate_size,
-                                          resident_width)
+                                          resident_width, plan.dominant_width)
             served = ServedSlots(SlotValues(widths, shape), wanted_v, SlotValues(flat_d, shape, torch.bool), *counts)
         step_index, step_widths = SlotValues(flat_e, shape), served.slot_widths
     else:
         index = top_k_index.detach().to("cpu", torch.int64)
         wanted, dominant = plan.token_widths_and_roles(layer_id, index, top_k_weights, roles=roles)
         served = serve_slots(policy, index, wanted, dominant, num_experts=num_experts,
-                             full_width=plan.intermediate_size, resident_width=resident_width)
+                             full_width=plan.intermediate_size, resident_width=resident_width,
+                             whole_width=plan.dominant_width)
         step_index, step_widths = index, served.widths
     step = plan_step(step_index, step_widths, num_experts=num_experts, neuron_nbytes=neuron_nbytes,
                      resident_width=resident_width, cost=CostModel() if cost is None else cost, order=order,

@@ -11,12 +11,13 @@ window of rtx4090-pcie4 at Mixtral-8x7B sizes, as ``crisp-eval --mode decode --p
 which saves its ~25 min decode.
 
     PYTHONPATH=. python docs/sim-s10-long-decode.py OUT.json PACK BUDGET FLOOR [FLOOR ...] [--cap N]
-        [--aux-full-weight W] [--windows N L]
+        [--aux-full-weight W] [--narrow-only] [--windows N L]
         FLOOR: the dominant floor of the runtime's "resident" serving policy (1 = "resident", 0.75 =
                "resident-floor75"), each decoded with next-layer prefetch through the window (~6 min each at
                128 x 256); --cap: the pack's plan under CrispPlan.width_cap N (neurons); --aux-full-weight
                (session 11): its auxiliaries of routing weight >= W at the dominant width
-               (CrispPlan.aux_full_weight); --windows: other windows than 128 x 256 (session 9's 50% decodes
+               (CrispPlan.aux_full_weight); --narrow-only: auxiliaries the plan wants whole are widened
+               (AuxNarrower.NARROW_ONLY); --windows: other windows than 128 x 256 (session 9's 50% decodes
                used 32 x 128)
 """
 
@@ -40,9 +41,12 @@ MODEL, REFERENCE, HELDOUT = "models/tiny-mixtral", "models/tiny-mixtral-crisp", 
 SAMPLES, SEQ_LEN = 128, 256
 
 
-def case(floor: float) -> serving_eval.ServingCase:
-    """What crisp-eval --mode decode names crisp-resident-floorF+prefetch (serving_eval.default_cases)."""
-    policy = replace(SERVING_POLICIES["resident"], name=f"resident-floor{floor:g}", dominant_floor=floor)
+def case(floor: float, narrow_only: bool = False) -> serving_eval.ServingCase:
+    """What crisp-eval --mode decode names crisp-resident-floorF+prefetch (serving_eval.default_cases); with
+    ``narrow_only`` the auxiliaries the plan wants whole are widened (AuxNarrower.NARROW_ONLY, session 11)."""
+    base = SERVING_POLICIES["resident-narrow-aux" if narrow_only else "resident"]
+    policy = replace(base, name=f"resident-floor{floor:g}" + ("-narrow-aux" if narrow_only else ""),
+                     dominant_floor=floor)
     return serving_eval.ServingCase(f"crisp-{policy.name}+prefetch", "crisp", policy, PrefetchPolicy())
 
 
@@ -56,6 +60,7 @@ def main() -> int:
     p.add_argument("floors", nargs="+", type=float)
     p.add_argument("--cap", type=int, default=None)
     p.add_argument("--aux-full-weight", type=float, default=None)
+    p.add_argument("--narrow-only", action="store_true")
     p.add_argument("--windows", type=int, nargs=2, default=(SAMPLES, SEQ_LEN), metavar=("N", "L"))
     args = p.parse_args()
     out, pack_dir, budget = args.out, args.pack, args.budget
@@ -71,7 +76,7 @@ def main() -> int:
         pack_plan = pack_plan.promoted(args.aux_full_weight)
     plan = plan_for_layers(pack_plan, ev.layers)  # in the pack's storage rows
     window = ev.prefetch_window(get_profile("rtx4090-pcie4"), "mixtral-8x7b")
-    cases = serving_eval.with_window([case(f) for f in args.floors], window)
+    cases = serving_eval.with_window([case(f, args.narrow_only) for f in args.floors], window)
     with ev._runtime_runner(*ev.reference) as run:  # the 4-bit full width, batch (= its decode: exact serving)
         full, _ = run(ev._plan("full", next(iter(ev.reference[0].values())).intermediate_size))
     print(f"4-bit full width (batch): acc {full.accuracy:.4f} ({time.time() - t0:.0f} s)", flush=True)

@@ -49,6 +49,9 @@ def _plans(k: int) -> dict[str, CrispPlan]:
     if k >= 2:
         out["crisp_dom2"] = CrispPlan.crisp(E, k, INTER, layers, TierWidths(INTER, 4, 2), num_dominant=2,
                                             unseen_tier=Tier.COLD)
+    # heavy auxiliaries at the dominant width, under a cap (what AuxNarrower.NARROW_ONLY keeps is the cap)
+    out["crisp_aux_cap"] = CrispPlan.crisp(E, k, INTER, layers, TierWidths(INTER, INTER // 2, 3), width_cap=12,
+                                           aux_full_weight=0.2)
     return out
 
 
@@ -91,7 +94,7 @@ def test_list_rules_equal_the_vectorized_rules(k, tokens, case, index_dtype, wei
 
 
 @pytest.mark.parametrize("serving", ["plan", "resident", "resident-floor75", "resident-floor75-widen", "hybrid",
-                                     "hybrid_split"])
+                                     "hybrid_split", "resident-narrow-aux"])
 @pytest.mark.parametrize("order", list(TaskOrder))
 @pytest.mark.parametrize(("tokens", "k"), [(1, 2), (1, 4), (3, 2), (8, 8)])
 @pytest.mark.parametrize("case", CASES)
@@ -107,7 +110,7 @@ def test_step_planned_on_lists_equals_the_tensor_composition(serving, order, tok
                                         resident_width=resident.get, cost=cost, order=order)
         wanted, dominant = plan._token_widths_tensor(0, index, weights, roles=not policy.follows_plan)
         ref = serve_slots(policy, index, wanted, dominant, num_experts=E, full_width=INTER,
-                          resident_width=resident.get)
+                          resident_width=resident.get, whole_width=plan.dominant_width)
         ref_step = plan_step(index, ref.widths, num_experts=E, neuron_nbytes=40, resident_width=resident.get,
                              cost=cost, order=order, placement=policy.placement)
         assert torch.equal(served.widths, ref.widths) and served.widths.shape == (tokens, k), name

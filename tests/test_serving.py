@@ -51,8 +51,10 @@ def reference(layer_id, x, index, weights, widths):
     return out
 
 
-def brute_serve(policy, index, wanted, dominant, resident, full):
-    """The module docstring's table, written out slot by slot with no shared code."""
+def brute_serve(policy, index, wanted, dominant, resident, full, whole=None):
+    """The module docstring's table, written out slot by slot with no shared code (``whole``: the plan's
+    dominant width, default ``full``)."""
+    whole = full if whole is None else whole
     slots = [(int(e), int(w), bool(d)) for e, w, d in zip(index.reshape(-1), wanted.reshape(-1),
                                                           dominant.reshape(-1), strict=True)]
     need = []
@@ -64,8 +66,10 @@ def brute_serve(policy, index, wanted, dominant, resident, full):
             need.append(w)
         elif d:  # NEVER and AHEAD: no demand copy beyond the floor
             need.append(max(r, min(w, math.ceil(policy.dominant_floor * full))))
-        elif r > 0:
-            need.append(r if policy.aux_narrower is AuxNarrower.RESIDENT else w)
+        elif r > 0:  # NARROW_ONLY: narrower than resident only where the plan wants it narrower than whole
+            narrow = policy.aux_narrower is AuxNarrower.RESIDENT or (
+                policy.aux_narrower is AuxNarrower.NARROW_ONLY and w < whole)
+            need.append(r if narrow else w)
         else:
             need.append(w if policy.aux_missing is AuxMissing.LOAD else 0)
     available = {}
@@ -86,9 +90,10 @@ def test_serve_slots_equals_brute_force(policy, tokens, k, seed):
     wanted = torch.randint(0, INTER + 1, (tokens, k), generator=g) * (torch.rand(tokens, k, generator=g) < 0.8)
     dominant = torch.rand(tokens, k, generator=g) < 0.4
     resident = {e: int(torch.randint(0, INTER + 1, (1,), generator=g)) for e in range(5)}
+    whole = (INTER, 12)[seed % 2]  # the plan's dominant width: the full width, or a cap
     got = serve_slots(policy, index, wanted, dominant, num_experts=5, full_width=INTER,
-                      resident_width=resident.__getitem__)
-    want = brute_serve(policy, index, wanted, dominant, resident, INTER)
+                      resident_width=resident.__getitem__, whole_width=whole)
+    want = brute_serve(policy, index, wanted, dominant, resident, INTER, whole)
     assert torch.equal(got.widths, want)
     active = wanted > 0
     assert got.fallbacks == int(((want < wanted) & (want > 0)).sum())
@@ -106,6 +111,22 @@ def test_serve_slots_equals_brute_force(policy, tokens, k, seed):
         assert bool((want[dominant & active & (res > 0)] >= wanted[dominant & active & (res > 0)]).all())
     else:
         assert got.widened == 0
+
+
+@pytest.mark.parametrize("whole", [INTER, 12])
+def test_narrow_only_widens_the_auxiliaries_the_plan_wants_whole(whole):
+    """AuxNarrower.NARROW_ONLY: an auxiliary wanted narrower than the plan's dominant width runs at its resident
+    prefix (no copy), one wanted at the dominant width (heavy, or Hot) is widened to it; RESIDENT narrows both."""
+    index = torch.tensor([[0, 1], [2, 3]])  # expert 1 and 3 auxiliaries, both resident at 4 neurons
+    wanted = torch.tensor([[whole, 8], [whole, whole]])
+    dominant = torch.tensor([[True, False], [True, False]])
+    resident = {0: whole, 1: 4, 2: whole, 3: 4}
+    narrow = serve_slots(SERVING_POLICIES["resident-narrow-aux"], index, wanted, dominant, num_experts=4,
+                         full_width=INTER, resident_width=resident.__getitem__, whole_width=whole)
+    assert narrow.widths.tolist() == [[whole, 4], [whole, whole]]
+    plain = serve_slots(SERVING_POLICIES["resident"], index, wanted, dominant, num_experts=4, full_width=INTER,
+                        resident_width=resident.__getitem__, whole_width=whole)
+    assert plain.widths.tolist() == [[whole, 4], [whole, 4]]
 
 
 @pytest.mark.parametrize("widen", list(DominantWiden))

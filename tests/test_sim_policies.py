@@ -66,7 +66,7 @@ def test_frontier_sweeps_each_family_knob(plans):
     assert len(caps) == 2 * 6  # ... and residency-aware at each of the 5 floors
     promoted = [(c.plan.aux_full_weight, c.serving.name) for c in configs if c.plan.aux_full_weight is not None]
     assert [w for w, s in promoted if s == "plan"] == list(PROMOTE_WEIGHTS)  # weight-promoted at the plan's widths
-    assert len(promoted) == len(PROMOTE_WEIGHTS) * (1 + len(PROMOTED_FLOORS))  # ... and residency-aware per floor
+    assert len(promoted) == len(PROMOTE_WEIGHTS) * (1 + 2 * len(PROMOTED_FLOORS))  # ... residency-aware per floor, x2
     assert all(c.plan.width_cap is None for c in configs if c.plan.aux_full_weight is not None)
 
 
