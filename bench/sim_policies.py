@@ -61,15 +61,16 @@ SKIP_THRESHOLDS = (0.2, 0.3, 0.4)  # plus the threshold matched to CRISP's bytes
 # 2-bit tail pack at 3/4 of its neurons fits the whole cache (session 9: uniform at 192/256 copied nothing)
 CRISP_CAPS = (0.75, 0.875)
 # residency-aware CRISP under a cap: a lower floor costs less there (every width is at most the cap; session 10 at
-# 50%: cap 224/256 with floor 0.375 decoded 1.83% loss, uncapped floor 0.625 1.15%)
-CAPPED_FLOORS = (1.0, 0.75, 0.625, 0.5, 0.375)
+# 50%: cap 224/256 with floor 0.375 decoded 1.83% loss, uncapped floor 0.625 1.15%); 0.25 for the fast end of the
+# 25% frontier (session 11: uniform at 96/256 neurons ran 4.70x full-width LRU at 9.7% loss, above every CRISP point)
+CAPPED_FLOORS = (1.0, 0.75, 0.625, 0.5, 0.375, 0.25)
 # CRISP whose auxiliaries of routing weight >= w run at the dominant width (``CrispPlan.aux_full_weight``): below 1%
 # loss at 25% skip-auxiliary's weight threshold beat the pair tiers (session 10); with it, a heavy auxiliary runs whole
 # and a light one keeps its tier's narrow width instead of being skipped (session 11, 128 x 256 held-out windows,
 # Warm 64 / Cold 32 tail pack at the plan's widths: weight 0.3 lost 0.78% at 48% of the bytes, skip-aux at 0.3 1.22%)
 PROMOTE_WEIGHTS = (0.25, 0.3, 0.35, 0.4, 0.45)
 # ... served from what is resident at these dominant floors
-PROMOTED_FLOORS = (1.0, 0.75)
+PROMOTED_FLOORS = (1.0, 0.875, 0.75)
 RUNTIME_EVICTION = "lru"  # RuntimeConfig's default: what an evaluation that names no eviction ran
 FRONTIER_EVICTION = "lru"  # what the runtime-in-the-loop evaluation measured residency-aware accuracy with
 

@@ -34,6 +34,7 @@ RUNS = {
         "256/64/32": ROOT / "bench-simulate-tail-pack-s10-64-32-frontier-50.json"}},
 }
 CRISP = ("crisp residency-aware", "crisp plan widths", "crisp capped", "crisp capped residency-aware")
+BASELINES = ("uniform", "skip_aux")  # every other family is a CRISP one
 COLORS = {"crisp residency-aware": "tab:orange", "crisp plan widths": "tab:red", "crisp capped": "tab:purple",
           "crisp capped residency-aware": "tab:brown", "uniform": "tab:blue", "skip_aux": "tab:green"}
 
@@ -48,25 +49,32 @@ def points(files: dict[str, Path]) -> list[dict]:
             if r["order"] != "widest_first" or r["accuracy_loss"] is None or not r.get("family"):
                 continue
             family = r["family"]
-            key = (family, r["label"]) if family not in CRISP else (family, tiers, r["label"])
+            key = (family, r["label"]) if family in BASELINES else (family, tiers, r["label"])
             if key in seen:
                 continue  # uniform / skip-aux do not depend on the CRISP plan: once
             seen.add(key)
             knob = r.get("knob_value")
             cap = r.get("width_cap")
-            note = f"{tiers.split('/', 1)[1]}" if family in CRISP else (
+            note = f"{tiers.split('/', 1)[1]}" if family not in BASELINES else (
                 f"w{knob}" if family == "uniform" else "always" if knob is None else f"t{knob:.3g}")
-            if family in CRISP and (cap is not None or family.endswith("residency-aware")):
-                note += (f" cap{cap}" if cap is not None else "") + (
-                    f" f{knob:g}" if family.endswith("residency-aware") else "")
+            if family not in BASELINES:
+                if cap is not None:
+                    note += f" cap{cap}"
+                if r.get("aux_full_weight") is not None:  # session 11's weight-promoted families
+                    note += f" aux{r['aux_full_weight']:g}"
+                if family.endswith("residency-aware"):
+                    note += f" f{r['dominant_floor']:g}"
+                    if r["serving_policy"].get("aux_narrower") == "narrow_only":
+                        note += " narrow-only"
             out.append({"family": family, "note": note, "x": r["tokens_per_s"] / base, "loss": r["accuracy_loss"]})
     return out
 
 
 def check(rows: list[dict]) -> list[str]:
-    crisp = [r for r in rows if r["family"] in CRISP]
+    """For each uniform / skip-aux point, the fastest CRISP point (any other family) at or below its loss."""
+    crisp = [r for r in rows if r["family"] not in BASELINES]
     lines = []
-    for r in sorted((r for r in rows if r["family"] not in CRISP), key=lambda r: r["loss"]):
+    for r in sorted((r for r in rows if r["family"] in BASELINES), key=lambda r: r["loss"]):
         best = max((c for c in crisp if c["loss"] <= r["loss"] + 1e-12), key=lambda c: c["x"], default=None)
         ok = best is not None and best["x"] >= r["x"] - 1e-9
         what = "none at or below its loss" if best is None else (

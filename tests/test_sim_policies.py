@@ -63,7 +63,7 @@ def test_frontier_sweeps_each_family_knob(plans):
     inter = plans["crisp"].intermediate_size
     exact_caps = [c.plan.width_cap for c in configs if c.plan.width_cap is not None and c.serving.name == "plan"]
     assert exact_caps == [round(0.75 * inter), round(0.875 * inter)]  # the capped CRISP plans at the plan's widths
-    assert len(caps) == 2 * 6  # ... and residency-aware at each of the 5 floors
+    assert len(caps) == 2 * 7  # ... and residency-aware at each of the 6 floors
     promoted = [(c.plan.aux_full_weight, c.serving.name) for c in configs if c.plan.aux_full_weight is not None]
     assert [w for w, s in promoted if s == "plan"] == list(PROMOTE_WEIGHTS)  # weight-promoted at the plan's widths
     assert len(promoted) == len(PROMOTE_WEIGHTS) * (1 + 2 * len(PROMOTED_FLOORS))  # ... residency-aware per floor, x2
