@@ -56,27 +56,34 @@ def main() -> int:
         print(f"  {r['family']:38s} {r['note']:30s} {r['x']:5.2f}x  {100 * r['loss']:5.2f}%")
     print("each uniform / skip-aux point against CRISP's (loss <= and tokens/s >=):")
     print("\n".join(s10.check(rows)))
-    fig, ax = plt.subplots(figsize=(9, 5.8))
-    for family, color in COLORS.items():
-        pts = sorted((r for r in rows if r["family"] == family), key=lambda r: r["loss"])
-        if not pts:
-            continue
-        if family in BASELINES:
-            ax.plot([100 * r["loss"] for r in pts], [r["x"] for r in pts], "o-", color=color, label=family, ms=5)
-        else:
-            ax.scatter([100 * r["loss"] for r in pts], [r["x"] for r in pts], color=color, label=family, s=30)
-            if family.startswith("crisp weight-promoted"):
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.8), gridspec_kw={"width_ratios": [3, 2]})
+    for ax, (xmax, ylim, notes) in zip(axes, ((1.6, (2.15, 2.8), True), (10.0, (2.0, 5.0), False)), strict=True):
+        for family, color in COLORS.items():
+            pts = sorted((r for r in rows if r["family"] == family and r["loss"] * 100 <= xmax),
+                         key=lambda r: r["loss"])
+            if not pts:
+                continue
+            if family in BASELINES:
+                ax.plot([100 * r["loss"] for r in pts], [r["x"] for r in pts], "o-", color=color, label=family, ms=5)
+            else:
+                ax.scatter([100 * r["loss"] for r in pts], [r["x"] for r in pts], color=color, label=family, s=26)
+            if notes:
                 for r in pts:
-                    ax.annotate(r["note"], (100 * r["loss"], r["x"]), fontsize=5, xytext=(4, -7),
-                                textcoords="offset points")
-    ax.axvline(2.0, ls=":", color="gray")
-    ax.axhline(2.5, ls=":", color="gray")
-    ax.set_xlim(0, 5)
-    ax.set_ylim(2.0, 4.0)
-    ax.set_xlabel("relative next-token accuracy loss vs 4-bit full width (%), 128 x 256 held-out windows")
-    ax.set_ylabel("tokens/s over 4-bit full-width LRU (simulated)")
-    ax.set_title("25%, RTX 4090 + PCIe 4.0, Mixtral-8x7B sizes: tail pack 2g128@0.25, LRU + prefetch", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+                    if ylim[0] <= r["x"] <= ylim[1]:
+                        ax.annotate(r["note"], (100 * r["loss"], r["x"]), fontsize=5, xytext=(3, -6),
+                                    textcoords="offset points")
+        ax.axvline(2.0, ls=":", color="gray")
+        ax.axhline(2.5, ls=":", color="gray")
+        ax.set_xlim(0.4 if notes else 0, xmax)
+        ax.set_ylim(*ylim)
+        ax.set_xlabel("relative next-token accuracy loss vs 4-bit full width (%), 128 x 256 held-out windows",
+                      fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tokens/s over 4-bit full-width LRU (simulated)")
+    axes[0].set_title("below 1.6% loss (zoom)", fontsize=9)
+    axes[1].set_title("every point up to 10% loss", fontsize=9)
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("25%, RTX 4090 + PCIe 4.0, Mixtral-8x7B sizes: tail pack 2g128@0.25, LRU + prefetch", fontsize=10)
     fig.tight_layout()
     write_atomic(PNG, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
