@@ -60,13 +60,15 @@ def _crisp_plan(num_experts: int, top_k: int, inter: int, layer_ids, seed: int =
 def _plan_for(policy: str, num_experts, top_k, inter, layer_ids) -> CrispPlan:
     if policy == "crisp":
         return _crisp_plan(num_experts, top_k, inter, layer_ids)
+    if policy == "crisp_aux":  # heavy auxiliaries at the dominant width (CrispPlan.aux_full_weight, session 11)
+        return _crisp_plan(num_experts, top_k, inter, layer_ids).promoted(0.3)
     if policy == "full":
         return CrispPlan.full(num_experts, top_k, inter, layer_ids)
     if policy == "uniform":
         return CrispPlan.uniform(num_experts, top_k, inter, layer_ids, inter // 2)
     if policy == "skip_aux":
         return CrispPlan.skip_aux(num_experts, top_k, inter, layer_ids)
-    raise ValueError(f"policy: expected crisp, full, uniform or skip_aux, got {policy!r}")
+    raise ValueError(f"policy: expected crisp, crisp_aux, full, uniform or skip_aux, got {policy!r}")
 
 
 def measure_planner_overhead(
@@ -356,8 +358,10 @@ def _to_cpu_layer(layer):
 
 
 def main() -> None:
-    for r in measure_planner_overhead():
-        print(f"E={r['num_experts']:3d} top-{r['top_k']} T={r['tokens']} {r['policy']:6s} {r['serving']:16s} planner "
+    runs = measure_planner_overhead() + measure_planner_overhead(policies=("crisp_aux",),
+                                                                 servings=("resident", "resident-narrow-aux"))
+    for r in runs:
+        print(f"E={r['num_experts']:3d} top-{r['top_k']} T={r['tokens']} {r['policy']:9s} {r['serving']:19s} planner "
               f"p50 {r['planner_us_p50']:6.1f} us  mean {r['planner_us_mean']:6.1f} us  "
               f"p99 {r['planner_us_p99']:6.1f} us  (plan widths alone {r['plan_widths_us_mean']:5.1f} us)  "
               f"target <= {r['target_us']:.0f} us: {'yes' if r['meets_target'] else 'NO'}  threads={r['threads']}")
