@@ -82,8 +82,10 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     slow = {"crisp-floor1"}  # full-width dominants: slower on every budget below one token's working set
     monkeypatch.setattr(tp, "run_case", fake_run_case)
     goal = tp.ThroughputGoal(0.25, max_accuracy_loss=bound)
-    record, chosen_plan = tp.search_throughput(model, layers, plan, windows, goal, cands=cands)
+    lines = []
+    record, chosen_plan = tp.search_throughput(model, layers, plan, windows, goal, cands=cands, log=lines.append)
     assert chosen_plan is plan  # no candidate here changes the plan
+    assert [ln.split(" ")[2] for ln in lines if "simulated" in ln] == ["1/2", "2/2"]  # progress per simulation
     sims = record.search["candidates"]
     speed = {r["candidate"]: r["tokens_per_s"] for r in sims}
     assert speed["floor0.5+prefetch-serving"] > speed["floor1"]

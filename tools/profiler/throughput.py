@@ -163,8 +163,9 @@ def _auto_target(trace) -> ModelShape | None:
 
 
 def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: ModelShape, cands: Sequence[Candidate],
-                        *, warmup: int) -> tuple[float, list[dict]]:
-    """(full-width LRU tokens/s in router order, one record per candidate) on ``trace`` at ``goal.budget``."""
+                        *, warmup: int, log: Callable[[str], None] = lambda msg: None) -> tuple[float, list[dict]]:
+    """(full-width LRU tokens/s in router order, one record per candidate) on ``trace`` at ``goal.budget``;
+    ``log`` gets one line per candidate as it is simulated (42 by default: minutes on a small CPU)."""
     profile = get_profile(goal.profile)
     budget = int(goal.budget * shape.total_expert_nbytes)
     predicted = trace.predicted
@@ -180,6 +181,8 @@ def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: Mod
         s = res.summary("widest_first")
         out.append({"candidate": c.label, "tokens_per_s": s["tokens_per_s"], "x_full_lru": s["tokens_per_s"] / base_tps,
                     "bytes_per_token": s["bytes_per_token"], "hit_rate": s["hit_rate"]})
+        log(f"throughput: simulated {len(out)}/{len(cands)} {c.label}: {s['tokens_per_s']:.2f} tok/s "
+            f"({s['tokens_per_s'] / base_tps:.2f}x full-width LRU)")
     return base_tps, out
 
 
@@ -203,9 +206,7 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     first = next(iter(layers.values()))
     shape = target_shape(goal, trace, first.hidden_size)
     warmup = min(32, trace.num_tokens // 4)
-    base_tps, sims = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup)
-    for r in sims:
-        log(f"throughput: {r['candidate']}: {r['tokens_per_s']:.2f} tok/s ({r['x_full_lru']:.2f}x full-width LRU)")
+    base_tps, sims = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup, log=log)
     pack = CrispPack(layers, plan)
     budget_bytes = int(goal.budget * total_expert_bytes(layers))
     full, _ = run_case(model, pack, full_plan(plan), windows, budget_bytes, ServingCase("full-exact", "full"))
