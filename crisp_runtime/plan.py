@@ -13,11 +13,12 @@ expert resident while the tiers still narrow the auxiliaries below it (issue 10,
 4-bit bytes a 2-bit tail pack at 3/4 of its neurons fits the whole cache).
 
 A CRISP plan may also carry ``aux_full_weight``: an auxiliary whose routing weight is at least this runs at the
-dominant width whatever its pair's tier (its role stays auxiliary, so a residency-aware serving policy may still
-serve it narrower from what is resident). Why: on the trained tiny Mixtral the routing weight picked the
-auxiliaries that matter better than the pair tiers below 1% loss (issue 10, session 10: skip-auxiliary at weight
-0.239 lost 0.74% at 2.43x full-width LRU where CRISP's lowest loss was 0.92% at 2.36x); with the threshold, the
-heavy auxiliaries run whole and the light ones keep the tiers' narrow widths instead of being skipped.
+dominant width whatever its pair's tier (its role stays auxiliary: the serving policy ``resident`` may still serve
+it narrower from what is resident, ``resident-narrow-aux`` never does). Why: on the trained tiny Mixtral the
+routing weight picked the auxiliaries that matter better than the pair tiers below 1% loss (issue 10, session 10:
+skip-auxiliary at weight 0.239 lost 0.74% at 2.43x full-width LRU where CRISP's lowest loss was 0.92% at 2.36x);
+with the threshold, the heavy auxiliaries run whole and the light ones keep the tiers' narrow widths instead of
+being skipped.
 
 The same machinery expresses the baselines every comparison needs (``PolicyKind``): full
 width everywhere, one uniform width, and skipping the auxiliary expert(s) (always, or when the
