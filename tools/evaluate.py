@@ -235,8 +235,8 @@ class Evaluator:
         return records
 
     def _frontier(self, run, n_tok, *, matched_width: int, matched_threshold) -> list[dict]:
-        """Uniform, skip-aux and capped CRISP at the simulator's frontier knobs (exact serving: batch = runtime in
-        the loop)."""
+        """Uniform, skip-aux, capped and weight-promoted CRISP at the simulator's frontier knobs (exact serving: batch =
+        runtime in the loop)."""
         from crisp_bench.sim_policies import CRISP_CAPS, PROMOTE_WEIGHTS, SKIP_THRESHOLDS, UNIFORM_FRACTIONS
 
         first = next(iter(self.layers.values()))

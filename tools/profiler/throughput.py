@@ -64,7 +64,7 @@ __all__ = ["SERVING_KEY", "Candidate", "ThroughputGoal", "candidates", "goal_fro
            "search_throughput", "simulate_candidates", "target_shape"]
 
 SEARCH_FLOORS = (1.0, 0.75, 0.625, 0.5)
-# None: the tiers alone; the weights: the frontier's (crisp_bench.sim_policies.PROMOTE_WEIGHTS) middle two, which
+# None: the tiers alone; the weights: two of the frontier's (crisp_bench.sim_policies.PROMOTE_WEIGHTS), which
 # lost 0.78% / 1.06% at 48% / 45% of the 4-bit bytes on the Warm 64 / Cold 32 tail pack (plan widths, session 11)
 SEARCH_AUX_WEIGHTS = (None, 0.3, 0.4)
 
