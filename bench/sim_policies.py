@@ -19,6 +19,9 @@ Three ways to choose them (``--matrix``):
   ``hybrid_split_transient`` (the split's copies in a per-step buffer, not admitted); with
   ``--prefetch trace`` also the split with next-layer prefetch (full widths; CRISP's, with and
   without the buffer, with a 62.5% dominant floor widened on the next use, and with an 87.5% floor);
+- ``stored``: full-width LRU and the serving choice a throughput search stored in the CRISP pack
+  (``crisp-profile --plan-for-throughput``: its serving policy, eviction and prefetch width, with the pack's
+  plan; ``crisp_runtime.serving_record``), e.g. to time it on another trace or hardware profile;
 - ``frontier``: each family swept over its knob (CRISP's dominant floor, uniform's width,
   skip-auxiliary's threshold) with next-use eviction and prefetch, for the tokens/s-against-
   accuracy plot (uniform and skip-auxiliary served at their plan's widths there, whose accuracy
@@ -46,12 +49,14 @@ from pathlib import Path
 
 from crisp_kernels.tail_layout import PLAIN
 from crisp_runtime.plan import CrispPlan
+from crisp_runtime.prefetch import PrefetchWidth
 from crisp_runtime.scheduler import Placement
 from crisp_runtime.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, DominantWiden, HitWidth, ServingPolicy
+from crisp_runtime.serving_record import ServingRecord
 
 from .simulate import SimPolicy
 
-MATRICES = ("product", "residency", "frontier", "hybrid")
+MATRICES = ("product", "residency", "frontier", "hybrid", "stored")
 # The frontier's knobs. CRISP: the dominant floor (1.0 = a missed dominant loads at full width;
 # PERF-BOUNDS: 0.75 was +29% tokens/s for ~0.8 point of loss, 0.625 passed 2% loss).
 CRISP_FLOORS = (1.0, 0.875, 0.75, 0.625, 0.5)
@@ -98,8 +103,17 @@ def resident_serving(floor: float, aux_narrower: AuxNarrower = AuxNarrower.RESID
 
 
 def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequence[str] = ("plan",),
-                   evictions: Sequence[str] = ("lru",), prefetch: Sequence[bool] = (False,)) -> list[SimPolicy]:
-    """The configurations of one run (see the module docstring); the full-width LRU baseline first."""
+                   evictions: Sequence[str] = ("lru",), prefetch: Sequence[bool] = (False,),
+                   stored: ServingRecord | None = None) -> list[SimPolicy]:
+    """The configurations of one run (see the module docstring); the full-width LRU baseline first.
+    ``stored``: the serving choice of the ``stored`` matrix (required there, refused elsewhere)."""
+    if (matrix == "stored") != (stored is not None):
+        raise ValueError("stored: a ServingRecord with matrix 'stored' and only there")
+    if matrix == "stored":
+        pf = stored.prefetch
+        return [SimPolicy("full", plans["full"]),
+                SimPolicy("crisp", plans["crisp"], stored.policy, stored.eviction, pf is not None,
+                          pf.width if pf is not None else PrefetchWidth.PLAN)]
     if matrix == "product":
         out = [SimPolicy(name, plan, SERVING_POLICIES[s], e, p)
                for name, plan in plans.items() for s in serving for e in evictions for p in prefetch]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from crisp_tools.text import read_texts, sample_sequences
 
+from crisp_kernels import PackFormatError
 from crisp_kernels.tail_layout import PLAIN, TailLayout, TailSegment, parse_tail_layout
 from crisp_runtime import cli_args as ca
 from crisp_runtime.moe_layers import max_positions
@@ -42,6 +43,7 @@ SERVING_NAMES = tuple(SERVING_POLICIES)
 PREFETCH_WIDTHS = tuple(w.value for w in PrefetchWidth)
 # evaluations whose accuracy_loss simulate attaches to its records (when of the traced model)
 DEFAULT_ACCURACY = ("docs/eval-tiny-mixtral.json", "docs/eval-serving-tiny-mixtral.json")
+DEFAULT_BUDGET = 0.25  # of the 4-bit expert bytes: the budget the paper's and issue 10's headline figures use
 SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
 
 # the argument types and option groups of bench.common under the names this module uses
@@ -102,8 +104,9 @@ def add_parser(subparsers) -> None:
                    "default: the pack's plan")
     p.add_argument("--target", default="mixtral-8x7b", choices=[*TARGETS, "native"],
                    help="model whose layer count and expert sizes the trace is mapped onto (default mixtral-8x7b)")
-    p.add_argument("--budget", type=_fraction, default=0.25,
-                   help="GPU budget as a fraction of the model's 4-bit expert bytes (default 0.25)")
+    p.add_argument("--budget", type=_fraction, default=None,
+                   help=f"GPU budget as a fraction of the model's 4-bit expert bytes (default {DEFAULT_BUDGET}; with "
+                   "--matrix stored the stored choice's budget)")
     p.add_argument("--budget-sweep", action="store_true", help="sweep the budget from 10%% to 75%%")
     p.add_argument("--policies", type=_csv(POLICIES), default=list(POLICIES), help="comma separated")
     p.add_argument("--orders", type=_csv(ORDERS), default=list(ORDERS), help="comma separated")
@@ -121,7 +124,9 @@ def add_parser(subparsers) -> None:
                    "without prefetch, Belady bound, uniform / skip_aux with the same machinery); frontier: each "
                    "family swept over its knob (for --plot: tokens/s against accuracy loss); hybrid: issue 11's "
                    "CPU placements (GPU-only full LRU, static_hybrid, cpu_only, CRISP GPU-only and hybrid; needs a "
-                   "--profile with a CPU, e.g. rtx4090-pcie4-ddr5; docs/hybrid.md)")
+                   "--profile with a CPU, e.g. rtx4090-pcie4-ddr5; docs/hybrid.md); stored: full-width LRU and the "
+                   "serving choice (policy, eviction, prefetch width, budget) that crisp-profile --plan-for-throughput "
+                   "stored in the --plan / --pack folder, with that pack's plan")
     p.add_argument("--serving", type=_csv(SERVING_NAMES), default=["plan"],
                    help=f"serving policies (crisp_runtime.serving), comma separated: {', '.join(SERVING_NAMES)} "
                    "(default plan: the plan's widths whatever is resident)")
@@ -190,15 +195,20 @@ def _check_pack_layout(args) -> None:
 def run(args) -> int:
     t0 = time.perf_counter()
     _check_pack_layout(args)
-    profile, shape, trace, plans, notes = _simulation_inputs(args)
+    profile, shape, trace, plans, notes, stored = _simulation_inputs(args)
     layout = args.tail_layout
     print(f"simulate: profile {profile.name} ({profile.description or profile.source})")
+    if args.budget is None:  # the stored choice's budget with --matrix stored, else 25%
+        args.budget = stored.gpu_budget_fraction if stored is not None else DEFAULT_BUDGET
     budgets = list(SWEEP) if args.budget_sweep else [args.budget]
     if args.warmup is None:
         args.warmup = min(32, trace.num_tokens // 4)
     if args.warmup >= trace.num_tokens:
         raise CliError(f"--warmup must lie in [0, {trace.num_tokens}) for a trace of {trace.num_tokens} tokens")
     predicted = getattr(trace, "predicted", None)
+    if stored is not None and stored.prefetch is not None and predicted is None:
+        raise CliError("--matrix stored: the stored choice prefetches, and the trace holds no next-layer predictions "
+                       "(use docs/bench-trace-heldout-predicted.npz or record one with this version)")
     if args.prefetch == "trace" and predicted is None:
         raise CliError("--prefetch trace: the trace holds no next-layer predictions (record one with this version: "
                        "`crisp-bench simulate --record-trace`, or use docs/bench-trace-heldout-predicted.npz)")
@@ -219,7 +229,7 @@ def run(args) -> int:
     try:
         configs = configurations(plans, args.matrix, serving=args.serving, evictions=args.eviction,
                                  prefetch=prefetch if args.matrix != "product" else
-                                 ([True] if args.prefetch == "trace" else [False]))
+                                 ([True] if args.prefetch == "trace" else [False]), stored=stored)
     except KeyError as exc:
         raise CliError(f"--matrix {args.matrix} needs policy {exc} in --policies") from None
     if args.prefetch_width != ["plan"]:
@@ -299,7 +309,7 @@ def run(args) -> int:
 
 
 def _simulation_inputs(args):
-    """(profile, target shape, trace, plans, mapped widths, notes) for ``simulate``."""
+    """(profile, target shape, trace, plans, notes, stored serving choice or None) for ``simulate``."""
     profile = get_profile(args.profile, args.profile_file)
     notes: list[str] = []
     pack_dir = None
@@ -352,7 +362,44 @@ def _simulation_inputs(args):
     if shape.intermediate_size % trace.intermediate_size:
         raise CliError(f"the traced model's I={trace.intermediate_size} does not divide {shape.name}'s "
                        f"I={shape.intermediate_size}: widths cannot be mapped exactly (use --target native)")
-    return profile, shape, trace, plans, notes
+    stored = _stored_serving(args, pack_dir, plans, notes) if args.matrix == "stored" else None
+    return profile, shape, trace, plans, notes, stored
+
+
+def _stored_serving(args, pack_dir, plans, notes):
+    """--matrix stored: the serving choice stored in the --plan folder (else the --pack folder); refused when
+    there is none, when it cannot be simulated, or without the full and crisp policies."""
+    from crisp_runtime.cli_args import read_json
+    from crisp_runtime.serving_record import serving_record
+
+    option, folder = ("--plan", args.plan) if args.plan is not None else ("--pack", pack_dir)
+    if folder is None or folder == "auto" or not Path(folder).is_dir():
+        raise CliError(f"--matrix stored: give --plan PACK_FOLDER (a pack crisp-profile --plan-for-throughput wrote; "
+                       f"got {option} {folder})")
+    where = Path(folder) / "pack.json"
+    try:
+        record = serving_record(read_json(where, option), where=str(where))
+    except (ValueError, PackFormatError) as exc:
+        raise CliError(f"--matrix stored: {exc}") from None
+    if record is None:
+        raise CliError(f"--matrix stored: {where} stores no serving choice (crisp-profile --plan-for-throughput "
+                       "stores one)")
+    if record.prefetch is not None and record.prefetch.extra_experts:
+        raise CliError(f"--matrix stored: {where} prefetches {record.prefetch.extra_experts} extra experts per token, "
+                       "which the simulator does not model (the trace holds the predicted top-k only)")
+    defaults = (("--serving", args.serving, ["plan"]), ("--eviction", args.eviction, ["lru"]),
+                ("--prefetch-width", args.prefetch_width, ["plan"]))
+    given = [opt for opt, value, default in defaults if value != default]
+    if given:
+        raise CliError(f"--matrix stored: {', '.join(given)} would change the stored choice (it names its own "
+                       "serving policy, eviction and prefetch width)")
+    missing = [k for k in ("full", "crisp") if k not in plans]
+    if missing:
+        raise CliError(f"--matrix stored needs policies {', '.join(missing)} in --policies")
+    pf = "none" if record.prefetch is None else f"{record.prefetch.width.value}-width prefetch"
+    notes.append(f"stored serving choice of {_rel(where)}: {record.policy.name}, {record.eviction} eviction, {pf}, "
+                 f"budget {record.gpu_budget_fraction:.0%}")
+    return record
 
 
 def _record(model, args):

@@ -263,6 +263,63 @@ def test_decode_mode_cli(setup, tmp_path, capsys):
     assert "crisp-resident-floor0.75+prefetch" in capsys.readouterr().out
 
 
+def test_stored_serving_decodes_the_packs_choice_at_its_budget(setup, tmp_path, capsys):
+    """--stored-serving: the serving choice a throughput search stored in pack.json (policy, prefetch, eviction,
+    budget) is the one case decoded, with the pack's plan (here weight-promoted), and it equals run_case with that
+    record; a pack storing none, batch mode and batch-mode --budgets are refused."""
+    from crisp_tools.calibration import load_pack_dir, load_texts
+    from crisp_tools.serving_eval import ServingCase, run_case, total_expert_bytes
+
+    from crisp_runtime.pack import save_pack
+    from crisp_runtime.prefetch import PrefetchPolicy
+    from crisp_runtime.serving import SERVING_POLICIES
+    from crisp_runtime.serving_record import ServingRecord
+
+    root, model_dir, held, out = setup
+    layers, plan, _ = load_pack_dir(out)
+    stored = ServingRecord(SERVING_POLICIES["resident-floor75-ahead"], PrefetchPolicy(width="serving"), "next_use",
+                           0.3, {"accuracy_prefetch_window": "rtx4090-pcie4/mixtral-8x7b"})
+    packed = save_pack(tmp_path / "searched", layers, plan=plan.promoted(0.3), info={"serving": stored.to_dict()})
+    base = ["--model", str(model_dir), "--crisp", str(packed), "--data", str(held), "--seq-len", "12",
+            "--samples", "2", "--threads", "1"]
+    path = tmp_path / "stored.json"
+    assert ev.main([*base, "--mode", "decode", "--stored-serving", "--json", str(path)]) == 0
+    assert "measured its accuracy with the prefetch window rtx4090-pcie4/mixtral-8x7b" in capsys.readouterr().err
+    doc = json.loads(path.read_text())
+    assert [r["policy"] for r in doc["records"]] == ["full-exact", "crisp-stored-resident-floor75-ahead+prefetch"]
+    got = doc["records"][1]
+    assert got["budget_fraction"] == 0.3 and got["eviction"] == "next_use"
+    assert got["serving"]["dominant_widen"] == "ahead" and got["prefetch"]["width"] == "serving"
+    assert got["plan_detail"]["aux_full_weight"] == 0.3
+    model, _ = load_model(model_dir)
+    pack = load_pack(packed)
+    windows = contiguous_windows(load_texts([held]), 2, 12)
+    case = ServingCase("direct", "crisp", stored.policy, stored.prefetch, eviction="next_use")
+    scores, stats = run_case(model, pack, pack.plan, windows, int(0.3 * total_expert_bytes(pack.layers)), case)
+    assert got["accuracy"] == pytest.approx(scores.accuracy, abs=0) and got["bytes_h2d_per_token"] == pytest.approx(
+        stats["bytes_h2d"] / stats["tokens"])
+    # --budgets overrides the stored budget
+    path2 = tmp_path / "stored-05.json"
+    assert ev.main([*base, "--mode", "decode", "--stored-serving", "--budgets", "0.5", "--json", str(path2),
+                    "--quiet"]) == 0
+    assert json.loads(path2.read_text())["records"][1]["budget_fraction"] == 0.5
+    capsys.readouterr()
+    assert ev.main([*base, "--stored-serving"]) == 2
+    assert "--stored-serving: only with --mode decode" in capsys.readouterr().err
+    assert ev.main([*base, "--budgets", "0.5"]) == 2
+    assert "--budgets: only with --mode decode" in capsys.readouterr().err
+    plain = [*base[:3], str(out), *base[4:]]
+    assert ev.main([*plain, "--mode", "decode", "--stored-serving", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--stored-serving" in err and "stores no serving choice" in err and len(err.strip().splitlines()) == 1
+    info = json.loads((packed / "pack.json").read_text())  # a hand-edited stored choice is refused, named
+    info["serving"]["eviction"] = "fifo"
+    (packed / "pack.json").write_text(json.dumps(info))
+    assert ev.main([*base, "--mode", "decode", "--stored-serving", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--stored-serving" in err and "eviction" in err and len(err.strip().splitlines()) == 1
+
+
 def test_decode_mode_cli_with_prefetch_window(setup, tmp_path, capsys):
     """--prefetch-window: every prefetching case decodes with the window of the profile timing the target's rows
     (named "+window", the window in its record and the meta), the others as without it."""

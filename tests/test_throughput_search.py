@@ -204,3 +204,54 @@ def test_profile_refuses_a_bad_hardware_profile_before_any_work(tmp_path, capsys
     rc = prof.main(["--model", str(MODEL), "--data", str(TEXT), "--out", str(out), *PROFILE_ARGS,
                     "--plan-for-throughput", "0.25", "--hardware-profile", "abacus"])
     assert rc == 2 and "--plan-for-throughput" in capsys.readouterr().err and not out.exists()
+
+
+# ---------------------------------------------------------------------------- the stored choice, simulated
+
+
+def _searched_pack(tmp_path, record, aux_full_weight=0.4):
+    layers, plan, _ = load_pack_dir(PACK)
+    return save_pack(tmp_path / "searched", layers, plan=plan.promoted(aux_full_weight),
+                     info={"serving": record.to_dict()}), plan.promoted(aux_full_weight)
+
+
+def test_simulate_matrix_stored_times_the_choice_as_the_search_did(tmp_path, capsys):
+    """crisp-bench simulate --matrix stored: the pack's stored serving choice (policy, eviction, prefetch width,
+    budget) with its plan gives the tokens/s the throughput search's own simulation gives that candidate on the
+    same trace (one implementation); options that would change the choice are refused."""
+    from crisp_bench.cli import main as bench
+    from crisp_bench.shapes import TARGETS
+    from crisp_bench.traces import Trace
+
+    record = ServingRecord(SERVING_POLICIES["resident-floor75-ahead"], PrefetchPolicy(width="serving"), "next_use",
+                           0.3)
+    packed, plan = _searched_pack(tmp_path, record)
+    trace_path = ROOT / "docs/bench-trace-heldout-predicted.npz"
+    out = tmp_path / "sim.json"
+    args = ["simulate", "--trace", str(trace_path), "--plan", str(packed), "--tokens", "40", "--warmup", "8"]
+    assert bench([*args, "--matrix", "stored", "--orders", "router,widest_first", "--json", str(out)]) == 0
+    assert "stored serving choice" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    got = {(r["label"], r["order"]): r for r in doc["records"]}
+    crisp = got[("crisp/resident-floor75-ahead/next_use+prefetch-serving", "widest_first")]
+    assert crisp["budget_fraction"] == 0.3 and crisp["aux_full_weight"] == 0.4
+    trace = Trace.load(trace_path).head(40)
+    cand = tp.Candidate(0.75, DominantWiden.AHEAD, PrefetchWidth.SERVING, aux_full_weight=0.4)
+    base_tps, sims = tp.simulate_candidates(trace, plan.promoted(None), tp.ThroughputGoal(0.3, target="mixtral-8x7b"),
+                                            TARGETS["mixtral-8x7b"], [cand], warmup=8)
+    assert crisp["tokens_per_s"] == pytest.approx(sims[0]["tokens_per_s"], rel=1e-12)
+    assert got[("full/plan/lru", "router")]["tokens_per_s"] == pytest.approx(base_tps, rel=1e-12)
+    capsys.readouterr()
+    for extra, match in ((["--serving", "resident"], "--serving"), (["--eviction", "lru,belady"], "--eviction"),
+                         (["--prefetch-width", "plan"], None)):
+        rc = bench([*args, "--matrix", "stored", *extra])
+        if match is None:  # the default value is no change
+            assert rc == 0
+        else:
+            assert rc == 2 and match in capsys.readouterr().err
+    layers, plan, _ = load_pack_dir(PACK)
+    plain = save_pack(tmp_path / "plain", layers, plan=plan)
+    assert bench(["simulate", "--trace", str(trace_path), "--plan", str(plain), "--matrix", "stored"]) == 2
+    assert "stores no serving choice" in capsys.readouterr().err
+    assert bench(["simulate", "--trace", str(trace_path), "--plan", "auto", "--matrix", "stored"]) == 2
+    assert "--plan PACK_FOLDER" in capsys.readouterr().err

@@ -58,6 +58,7 @@ from .calibration import (
 )
 from .tail_emulation import INFO_EMULATION, emulation_of
 
+DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: issue 10's three
 
 class Evaluator:
     def __init__(self, model_dir, pack_dir, data, *, samples=None, seq_len=256, batch_size=16, device="cpu",
@@ -136,17 +137,18 @@ class Evaluator:
                                f"{pack_dir}'s (another profile of the model)")
         return (PLAIN.name if layout is None else layout.name), (ref_layers, ref_info)
 
-    def run_decode(self, budgets, window=None) -> tuple[list[dict], dict]:
-        """Runtime in the loop (``crisp_tools.serving_eval``): every default case at every budget fraction;
-        ``window`` (a ``PrefetchWindow``) on every prefetching case."""
+    def run_decode(self, budgets, window=None, cases=None) -> tuple[list[dict], dict]:
+        """Runtime in the loop (``crisp_tools.serving_eval``): every case (default: ``default_cases()``) at every
+        budget fraction; ``window`` (a ``PrefetchWindow``) on every prefetching case."""
         from crisp_runtime.pack import CrispPack
 
         self.log(f"decode: {self.windows.shape[0]} windows x {self.windows.shape[1]} tokens, budgets {budgets}"
                  + ("" if window is None else f", prefetch window {window.name}"))
         pack = CrispPack(self.layers, self.plan, self.info)
         reference = None if self.reference is None else CrispPack(self.reference[0], None, self.reference[1])
-        return serving_eval.serving_sweep(self.model, pack, self.windows, budgets, serving_eval.default_cases(),
-                                          log=self.log, window=window, reference=reference)
+        cases = serving_eval.default_cases() if cases is None else cases
+        return serving_eval.serving_sweep(self.model, pack, self.windows, budgets, cases, log=self.log, window=window,
+                                          reference=reference)
 
     def prefetch_window(self, profile, target: str):
         """The window of ``profile`` timing ``target``'s expert rows (``native``: this pack's own bytes per row)."""
@@ -375,9 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch: whole windows per forward, no cache budget (equal-bytes table); decode: teacher-forced "
                         "decode through the runtime's expert cache at each --budgets fraction, one token per forward "
                         "(runtime in the loop; serving policies and prefetch)")
-    p.add_argument("--budgets", nargs="+", type=ca.float_in(0.0, 1.0, low_open=True), default=[0.1, 0.25, 0.5],
+    p.add_argument("--budgets", nargs="+", type=ca.float_in(0.0, 1.0, low_open=True), default=None,
                    metavar="F",
-                   help="--mode decode: GPU expert-cache budgets as fractions of all expert bytes of the pack")
+                   help="--mode decode: GPU expert-cache budgets as fractions of all expert bytes of the pack "
+                        f"(default: {' '.join(map(str, DECODE_BUDGETS))}; with --stored-serving the stored budget)")
+    p.add_argument("--stored-serving", action="store_true",
+                   help="--mode decode: evaluate only the serving choice stored in --crisp's pack.json by "
+                        "crisp-profile --plan-for-throughput (its policy, prefetch, eviction and budget, with the "
+                        "pack's plan), on this text: the held-out check of the throughput search's choice")
     p.add_argument("--prefetch-window", default=None, metavar="PROFILE", type=_window_profile,
                    help="--mode decode: admit only the prefetch rows a GPU of this hardware profile copies before the "
                         "next layer's demand (the simulator's timeline, crisp_runtime.copy_window), so the decode "
@@ -443,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         profile = _load_window_profile(args)
         check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data,
                                               "--reference-crisp": args.reference_crisp})
+        if args.stored_serving and args.mode != "decode":
+            raise CliError("--stored-serving: only with --mode decode (a serving choice depends on the cache)")
+        info = _pack_info_or_none(args.crisp) if args.stored_serving else None
+        if info is not None:  # before loading the model: a pack that stores none fails at once
+            stored_case(info, str(Path(args.crisp) / "pack.json"))
+        if args.budgets is not None and args.mode != "decode":
+            raise CliError("--budgets: only with --mode decode (batch mode has no cache budget)")
         if args.frontier and args.mode == "decode":
             raise CliError("--frontier: batch mode only (its families are served at their plans' widths, whose outputs "
                            "do not depend on the cache)")
@@ -483,8 +497,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
 
 
+def stored_case(info, where: str):
+    """(the decode case of a pack's stored serving choice, the stored ``ServingRecord``); a CliError when the pack
+    stores none (``crisp_runtime.serving_record``)."""
+    from crisp_kernels import PackFormatError
+    from crisp_runtime.serving_record import serving_record
+
+    try:
+        rec = serving_record(info, where=where)
+    except PackFormatError as exc:
+        raise CliError(f"--stored-serving: {exc}") from None
+    if rec is None:
+        raise CliError(f"--stored-serving: {where} stores no serving choice (crisp-profile --plan-for-throughput "
+                       "stores one)")
+    name = f"crisp-stored-{rec.policy.name}" + ("" if rec.prefetch is None else "+prefetch")
+    case = serving_eval.ServingCase(name, "crisp", rec.policy, rec.prefetch, eviction=rec.eviction)
+    return case, rec
+
+
+def _pack_info_or_none(pack_dir) -> dict | None:
+    """pack.json of a pack folder as a dict, or None when it cannot be read (the pack's loader then says why)."""
+    import json
+
+    try:
+        info = json.loads((Path(pack_dir) / "pack.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def _decode_main(ev: Evaluator, args, window=None) -> int:
-    records, meta = ev.run_decode(args.budgets, window)
+    cases, budgets = None, args.budgets or list(DECODE_BUDGETS)
+    if args.stored_serving:
+        case, rec = stored_case(ev.info, str(Path(args.crisp) / "pack.json"))
+        cases, budgets = [case], args.budgets or [rec.gpu_budget_fraction]
+        searched = rec.search.get("accuracy_prefetch_window")
+        if searched and window is None:
+            ev.log(f"note: the search measured its accuracy with the prefetch window {searched}; without "
+                   "--prefetch-window every prefetch completes here")
+    records, meta = ev.run_decode(budgets, window, cases)
     print(serving_eval.format_table(records))
     if args.json:
         serving_eval.write_serving_json(args.json, records, {"model": args.model, "crisp": args.crisp,
