@@ -60,6 +60,7 @@ from .tail_emulation import INFO_EMULATION, emulation_of
 
 DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: issue 10's three
 
+
 class Evaluator:
     def __init__(self, model_dir, pack_dir, data, *, samples=None, seq_len=256, batch_size=16, device="cpu",
                  engine="runtime", quiet=False, dtype="auto", reference_dir=None):
@@ -517,11 +518,9 @@ def stored_case(info, where: str):
 
 def _pack_info_or_none(pack_dir) -> dict | None:
     """pack.json of a pack folder as a dict, or None when it cannot be read (the pack's loader then says why)."""
-    import json
-
     try:
-        info = json.loads((Path(pack_dir) / "pack.json").read_text())
-    except (OSError, ValueError):
+        info = ca.read_json(Path(pack_dir) / "pack.json", "--crisp")
+    except ValueError:  # JsonInputError
         return None
     return info if isinstance(info, dict) else None
 
