@@ -44,7 +44,8 @@ PROFILE = _cases("profile", {
     "--model": [""], "--data": [""], "--out": [""], "--work-dir": [""],
     "--num-dominant": POS_INT, "--plan-for-throughput": HALF_OPEN_UNIT, "--max-accuracy-loss": UNIT,
     "--hardware-profile": ["abacus", "", "missing.json"], "--throughput-windows": POS_INT,
-    "--throughput-seq-len": SEQ_LEN,
+    "--throughput-seq-len": SEQ_LEN, "--throughput-accuracy-windows": POS_INT,
+    "--accuracy-confidence": ["0.4", "1", "1.5", "nan", "abc", ""],
     "--placement": ["everywhere", "", "device-map"], "--device-map": ["everywhere", "", '{"m": "gpu7"}', "[1]", "{}"],
     "--max-memory": ['{"cpu": "lots"}', "[1]", ""], "--offload-folder": [""],
 })

@@ -45,6 +45,7 @@ def test_candidates_are_the_stated_space():
     ({"budget": 0.25, "max_accuracy_loss": -0.1}, "max_accuracy_loss"),
     ({"budget": 0.25, "eviction": "random"}, "eviction"), ({"budget": 0.25, "target": "gpt-5"}, "target"),
     ({"budget": 0.25, "profile": "abacus"}, "abacus"),
+    ({"budget": 0.25, "confidence": 0.4}, "confidence"), ({"budget": 0.25, "confidence": 1.0}, "confidence"),
 ])
 def test_goal_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -67,7 +68,7 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     model, layers, plan, windows = tiny
     evaluated, windows_used = [], []
 
-    def fake_run_case(model, pack, plan, windows, budget_bytes, case):
+    def fake_run_case(model, pack, plan, windows, budget_bytes, case, *, stop=None):
         evaluated.append(case.name)
         if case.prefetch is not None:  # decoded as the simulated copy engine delivers, not every prefetch whole
             windows_used.append(case.prefetch.window)
@@ -81,7 +82,7 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     cands = [tp.Candidate(0.5, prefetch=PrefetchWidth.SERVING), tp.Candidate(1.0)]
     slow = {"crisp-floor1"}  # full-width dominants: slower on every budget below one token's working set
     monkeypatch.setattr(tp, "run_case", fake_run_case)
-    goal = tp.ThroughputGoal(0.25, max_accuracy_loss=bound)
+    goal = tp.ThroughputGoal(0.25, max_accuracy_loss=bound, confidence=0.5)  # the point estimate decides
     lines = []
     record, chosen_plan = tp.search_throughput(model, layers, plan, windows, goal, cands=cands, log=lines.append)
     assert chosen_plan is plan  # no candidate here changes the plan
@@ -101,7 +102,7 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     assert windows_used and all(w is not None and w.name == record.search["accuracy_prefetch_window"]
                                 for w in windows_used)
     assert record.prefetch is None or record.prefetch.window is None  # the stored policy serves real copies
-    goal0 = tp.ThroughputGoal(0.25, max_accuracy_loss=0.0)
+    goal0 = tp.ThroughputGoal(0.25, max_accuracy_loss=0.0, confidence=0.5)
     with pytest.raises(ValueError, match="no candidate"):
         tp.search_throughput(model, layers, plan, windows, goal0, cands=cands)
 
@@ -112,7 +113,7 @@ def test_search_decodes_and_stores_the_chosen_auxiliary_weight(tiny, monkeypatch
     model, layers, plan, windows = tiny
     decoded_plans = {}
 
-    def fake_run_case(model, pack, plan, windows, budget_bytes, case):
+    def fake_run_case(model, pack, plan, windows, budget_bytes, case, *, stop=None):
         decoded_plans[case.name] = plan
         n = windows.shape[1] - 1
         correct = torch.ones(windows.shape[0], n, dtype=torch.bool)
@@ -122,14 +123,81 @@ def test_search_decodes_and_stores_the_chosen_auxiliary_weight(tiny, monkeypatch
 
     monkeypatch.setattr(tp, "run_case", fake_run_case)
     cands = [tp.Candidate(0.5), tp.Candidate(0.5, aux_full_weight=0.3)]
-    record, chosen_plan = tp.search_throughput(model, layers, plan, windows, tp.ThroughputGoal(0.25, 0.1),
-                                               cands=cands)
+    record, chosen_plan = tp.search_throughput(model, layers, plan, windows,
+                                               tp.ThroughputGoal(0.25, 0.1, confidence=0.5), cands=cands)
     assert record.search["chosen"]["candidate"] == "floor0.5-aux0.3"
     assert chosen_plan.aux_full_weight == 0.3 and chosen_plan.promoted(None).tier_widths == plan.tier_widths
     assert "routing weight >= 0.3" in chosen_plan.description
     assert decoded_plans["crisp-floor0.5-aux0.3"] == plan.promoted(0.3)
     speed = {r["candidate"]: r["bytes_per_token"] for r in record.search["candidates"]}
     assert speed["floor0.5-aux0.3"] > speed["floor0.5"]  # the promoted plan was the one simulated
+
+
+def _scripted_decode(losses: list[list[int]], decoded: list[tuple[str, int]]):
+    """A run_case that decodes window by window as the real one does (``stop`` asked after each window but the
+    last). The full-width reference loses nothing; the i-th candidate decoded loses ``losses[i][n]`` of the
+    predictions of window n. ``decoded`` gets (case name, windows decoded) per candidate."""
+
+    def run_case(model, pack, plan, windows, budget_bytes, case, *, stop=None):
+        n_windows, n = windows.shape[0], windows.shape[1] - 1
+        correct = torch.ones(n_windows, n, dtype=torch.bool)
+        lost = losses[len(decoded)] if case.plan != "full" else [0] * n_windows
+        for w in range(n_windows):
+            correct[w, : lost[w]] = False
+            if stop is not None and w + 1 < n_windows and stop(TokenScores(torch.zeros(w + 1, n), correct[: w + 1])):
+                break
+        if case.plan != "full":
+            decoded.append((case.name, w + 1))
+        return TokenScores(torch.zeros(w + 1, n), correct[: w + 1]), {}
+
+    return run_case
+
+
+def test_search_accepts_only_a_loss_within_the_bound_at_its_confidence(tiny, monkeypatch):
+    """Three candidates, 8 accuracy windows of 19 predictions, looks of 2 windows (the traced ones), bound 10%,
+    confidence 95% (z = 1.645). Fastest first:
+    - loses 10 in every window (52.6%, no spread): over the bound at the first look, stopped after 2 windows;
+    - loses 0 / 3 alternately: 7.9% point loss, within, but 7.9% + 1.645 x 3.0% = 12.8%: unresolved, not taken;
+    - loses 3 in the first window only: 2.0% + 1.645 x 2.0% = 5.2%: accepted after all 8 windows."""
+    model, layers, plan, _ = tiny
+    windows = contiguous_windows(read_texts([TEXT]), 8, 20)
+    cands = [tp.Candidate(0.5, prefetch=PrefetchWidth.SERVING), tp.Candidate(0.5), tp.Candidate(1.0)]
+    decoded = []
+    monkeypatch.setattr(tp, "run_case", _scripted_decode([[10] * 8, [0, 3] * 4, [3] + [0] * 7], decoded))
+    goal = tp.ThroughputGoal(0.25, max_accuracy_loss=0.1)
+    record, _ = tp.search_throughput(model, layers, plan, windows[:2], goal, accuracy_windows=windows, cands=cands)
+    by = {r["candidate"]: r for r in record.search["candidates"]}
+    order = sorted(by, key=lambda k: -by[k]["tokens_per_s"])
+    assert [name for name, _ in decoded] == [f"crisp-{k}" for k in order]  # fastest first
+    assert [n for _, n in decoded] == [2, 8, 8]
+    first, second, third = (by[k] for k in order)
+    assert first["accuracy_decision"] == "over" and first["accuracy_windows"] == 2
+    assert first["accuracy_loss"] == pytest.approx(10 / 19) and first["accuracy_loss_se"] == 0.0
+    assert second["accuracy_decision"] == "unresolved" and second["accuracy_loss"] == pytest.approx(12 / 152)
+    assert third["accuracy_decision"] == "within" and third["accuracy_windows"] == 8
+    # the cluster standard error by hand: d = (3, 0 x 7) lost, a = 19 right per window, R = 3 / 152
+    r = 3 / 152
+    se = (((3 - r * 19) ** 2 + 7 * (r * 19) ** 2) * 8 / 7) ** 0.5 / 152
+    assert third["accuracy_loss"] == pytest.approx(r) and third["accuracy_loss_se"] == pytest.approx(se)
+    assert third["accuracy_loss_upper"] == pytest.approx(r + 1.6448536 * se)
+    assert record.search["chosen"]["candidate"] == order[2]
+    assert record.search["accuracy_windows"] == [8, 20] and record.search["windows"] == [2, 20]
+    assert record.search["confidence"] == 0.95
+
+
+def test_a_point_estimate_within_the_bound_is_not_enough(tiny, monkeypatch):
+    """One candidate, 2.6% point loss, all of it in one of 4 windows: 2.6% + 1.645 x 2.6% is over 3%, so a search
+    bounded at 3% finds nothing; at confidence 0.5 (the point estimate) it is accepted."""
+    model, layers, plan, _ = tiny
+    windows = contiguous_windows(read_texts([TEXT]), 4, 20)
+    cands = [tp.Candidate(1.0)]
+    monkeypatch.setattr(tp, "run_case", _scripted_decode([[2, 0, 0, 0]], []))  # 2 of 76: 2.6%
+    with pytest.raises(ValueError, match="confidence"):
+        tp.search_throughput(model, layers, plan, windows, tp.ThroughputGoal(0.25, 0.03), cands=cands)
+    monkeypatch.setattr(tp, "run_case", _scripted_decode([[2, 0, 0, 0]], []))
+    record, _ = tp.search_throughput(model, layers, plan, windows, tp.ThroughputGoal(0.25, 0.03, confidence=0.5),
+                                     cands=cands)
+    assert record.search["chosen"]["accuracy_loss"] == pytest.approx(2 / 76)
 
 
 def test_serving_record_round_trips_through_a_pack(tmp_path):
@@ -180,13 +248,14 @@ def test_profile_stores_the_throughput_choice(tmp_path):
     out = tmp_path / "pack"
     rc = prof.main(["--model", str(model), "--data", str(text), "--out", str(out), *PROFILE_ARGS,
                     "--plan-for-throughput", "0.5", "--max-accuracy-loss", "1.0", "--throughput-windows", "2",
-                    "--throughput-seq-len", "12"])
+                    "--throughput-accuracy-windows", "3", "--throughput-seq-len", "12"])
     assert rc == 0
     pack = load_pack(out)
     record = serving_record(pack.info)
     assert record is not None and record.gpu_budget_fraction == 0.5
     search = record.search
     assert len(search["candidates"]) == len(tp.candidates()) and search["windows"] == [2, 12]
+    assert search["accuracy_windows"] == [3, 12]
     assert "held-out calibration" in search["accuracy_text"]
     # a bound of 1.0 admits anything: the fastest simulated candidate is the one stored
     fastest = max(search["candidates"], key=lambda r: r["tokens_per_s"])
@@ -204,6 +273,18 @@ def test_profile_refuses_a_bad_hardware_profile_before_any_work(tmp_path, capsys
     rc = prof.main(["--model", str(MODEL), "--data", str(TEXT), "--out", str(out), *PROFILE_ARGS,
                     "--plan-for-throughput", "0.25", "--hardware-profile", "abacus"])
     assert rc == 2 and "--plan-for-throughput" in capsys.readouterr().err and not out.exists()
+
+
+def test_profile_refuses_fewer_accuracy_windows_than_traced_before_any_work(tmp_path, capsys):
+    from crisp_tools import profiler as prof
+    from profile_helpers import PROFILE_ARGS
+
+    out = tmp_path / "pack"
+    rc = prof.main(["--model", str(MODEL), "--data", str(TEXT), "--out", str(out), *PROFILE_ARGS,
+                    "--plan-for-throughput", "0.25", "--throughput-windows", "8", "--throughput-accuracy-windows", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--throughput-accuracy-windows (4)" in err and "--throughput-windows (8)" in err
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------------------- the stored choice, simulated

@@ -16,6 +16,7 @@ pack's total expert bytes). :func:`write_serving_json` documents the JSON record
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,15 +35,21 @@ from crisp_runtime.runtime import RuntimeConfig, plan_for_layers
 from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy, make_serving
 
 from .calibration import TokenScores, dump_json
+from .loss_estimate import relative_loss
 
 SERVING_EVAL_FORMAT = "crisp-eval-serving"
 SERVING_EVAL_VERSION = 1
 
 
 @torch.no_grad()
-def decode_windows(model, windows: torch.Tensor, progress: Callable | None = None) -> TokenScores:
+def decode_windows(model, windows: torch.Tensor, progress: Callable | None = None,
+                   stop: Callable[[TokenScores], bool] | None = None) -> TokenScores:
     """Teacher-forced decoding of each window (N, L): position t is fed alone, with the KV cache of
-    positions < t, and predicts t+1. Same :class:`TokenScores` as ``score_windows`` ((N, L-1))."""
+    positions < t, and predicts t+1. Same :class:`TokenScores` as ``score_windows`` ((N, L-1)).
+
+    ``stop`` is asked after each window with the scores of the windows decoded so far; when it answers True
+    the decode ends there and returns those windows' scores only ((n, L-1), n <= N): the throughput search
+    stops a candidate already known to be over its bound."""
     device = next(p for p in model.parameters() if not p.is_meta).device
     nll = torch.zeros(windows.shape[0], windows.shape[1] - 1)
     correct = torch.zeros(windows.shape[0], windows.shape[1] - 1, dtype=torch.bool)
@@ -57,6 +64,8 @@ def decode_windows(model, windows: torch.Tensor, progress: Callable | None = Non
             correct[n, t] = bool(logits.argmax() == ids[t + 1])
         if progress is not None:
             progress(n + 1, windows.shape[0])
+        if stop is not None and n + 1 < windows.shape[0] and stop(TokenScores(nll[: n + 1], correct[: n + 1])):
+            return TokenScores(nll[: n + 1].clone(), correct[: n + 1].clone())
     return TokenScores(nll, correct)
 
 
@@ -140,10 +149,11 @@ def applied(model, pack, plan: CrispPlan, budget_bytes: int | None, case: Servin
 
 
 def run_case(model, pack, plan: CrispPlan, windows: torch.Tensor, budget_bytes: int | None,
-             case: ServingCase) -> tuple[TokenScores, dict]:
-    """Decode ``windows`` through CRISP at ``budget_bytes`` under ``case``: (scores, handle.stats())."""
+             case: ServingCase, *, stop: Callable[[TokenScores], bool] | None = None) -> tuple[TokenScores, dict]:
+    """Decode ``windows`` through CRISP at ``budget_bytes`` under ``case``: (scores, handle.stats()); ``stop``
+    as in :func:`decode_windows` (the scores then cover the windows decoded)."""
     with applied(model, pack, plan, budget_bytes, case) as handle:
-        scores = decode_windows(model, windows)
+        scores = decode_windows(model, windows, stop=stop)
         return scores, handle.stats()
 
 
@@ -181,6 +191,8 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         "perplexity": scores.perplexity,
         "loss": scores.loss,
         "accuracy_loss": (full.accuracy - scores.accuracy) / full.accuracy if full.accuracy else None,
+        # its standard error, paired with the reference and clustered by window (crisp_tools.loss_estimate)
+        "accuracy_loss_se": _loss_se(full, scores),
         "tokens_evaluated": int(scores.nll.numel()),
         "bytes_routed_per_token": stats.get("bytes_routed", 0) / tokens,
         "bytes_h2d_per_token": stats.get("bytes_h2d", 0) / tokens,
@@ -193,6 +205,13 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         **({} if case.eviction == "lru" else {"eviction": case.eviction}),
         **case.extra,
     }
+
+
+def _loss_se(full: TokenScores, scores: TokenScores) -> float | None:
+    if not full.accuracy or full.correct.shape != scores.correct.shape:
+        return None
+    se = relative_loss(full.correct, scores.correct).standard_error
+    return se if math.isfinite(se) else None
 
 
 def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
@@ -215,6 +234,8 @@ def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
             "accuracy": float        next-token accuracy, teacher-forced decode through the runtime,
             "perplexity": float, "loss": float (mean nll, nats),
             "accuracy_loss": float   (full-width accuracy - accuracy) / full-width accuracy (a fraction),
+            "accuracy_loss_se": float | null  its standard error, paired with the full-width decode and
+                                     clustered by window (crisp_tools.loss_estimate; null from one window),
             "tokens_evaluated": int  predictions scored (N x (L - 1)),
             "bytes_routed_per_token", "bytes_h2d_per_token" (demanded copies),
             "bytes_copied_per_token" (demanded + prefetched copies): float, "hit_rate": float,

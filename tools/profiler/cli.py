@@ -94,8 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --plan-for-throughput: the largest relative next-token accuracy loss allowed")
     p.add_argument("--hardware-profile", default="rtx4090-pcie4",
                    help="with --plan-for-throughput: a crisp-bench profile (rtx4090-pcie4, rtx4090-pcie4-ddr5, ...)")
-    p.add_argument("--throughput-windows", type=ca.positive_int, default=8,
-                   help="with --plan-for-throughput: held-out calibration windows traced and decoded per candidate")
+    p.add_argument("--throughput-windows", type=ca.positive_int, default=16,
+                   help="with --plan-for-throughput: held-out calibration windows the routing trace (the speed) is "
+                        "recorded on; candidates are decoded in looks of this many windows")
+    p.add_argument("--throughput-accuracy-windows", type=ca.positive_int, default=None, metavar="N",
+                   help="with --plan-for-throughput: held-out calibration windows decoded before a candidate is "
+                        "accepted (default max(128, --throughput-windows); the first --throughput-windows of them "
+                        "are the traced ones)")
+    p.add_argument("--accuracy-confidence", type=ca.float_in(0.5, 1.0, high_open=True), default=0.95,
+                   metavar="FRACTION",
+                   help="with --plan-for-throughput: a candidate is accepted when its loss is within "
+                        "--max-accuracy-loss at this one-sided confidence (loss + z standard errors, clustered by "
+                        "window; 0.5: the point estimate) and stopped early once it is over at it")
     p.add_argument("--throughput-seq-len", type=ca.int_in(2), default=128,
                    help="with --plan-for-throughput: tokens per decoded window")
     p.add_argument("--placement", default="resident", choices=PLACEMENT_CHOICES,

@@ -69,6 +69,8 @@ class ProfileInputs:
     windows: torch.Tensor  # statistics windows (samples, seq_len)
     dom_windows: torch.Tensor  # dominance windows, drawn from the same (calibration) part
     search_windows: torch.Tensor | None  # held-out calibration windows (search, --dominance auto)
+    # --plan-for-throughput's held-out calibration windows (decoded; the first --throughput-windows traced)
+    throughput_windows: torch.Tensor | None
     run_key: str
     work: WorkFolder
     placed: PlacedModel  # the placement; its close() removes the offload folder (pipeline.Profiler.run)
@@ -193,10 +195,18 @@ def _prepare_loaded(cfg: ProfileConfig, out: Path, work_root: Path, cutoffs: Tie
     if cfg.dominance not in DOMINANCE_RULES:
         raise CliError(f"--dominance: expected one of {DOMINANCE_RULES}, got {cfg.dominance!r}")
     search_windows = None
-    if cfg.search_target_bytes is not None or cfg.dominance == "auto" or cfg.throughput_budget is not None:
+    if cfg.search_target_bytes is not None or cfg.dominance == "auto":
         search_windows = random_windows(
             holdout_texts, cfg.search_samples, cfg.seq_len, cfg.seed + 2,
             f"--data (held-out calibration part, last {cfg.holdout_fraction:.0%})",
+        )
+    throughput_windows = None
+    if cfg.throughput_budget is not None:
+        count = cfg.throughput_accuracy_windows or max(128, cfg.throughput_windows)
+        throughput_windows = random_windows(
+            holdout_texts, count, cfg.throughput_seq_len, cfg.seed + 3,
+            f"--data (held-out calibration part, last {cfg.holdout_fraction:.0%}; --throughput-accuracy-windows "
+            f"{count} x --throughput-seq-len {cfg.throughput_seq_len})",
         )
     check_vocab(model, windows)
 
@@ -210,4 +220,5 @@ def _prepare_loaded(cfg: ProfileConfig, out: Path, work_root: Path, cutoffs: Tie
     work.check()
     return ProfileInputs(cfg=cfg, out=out, fmt=fmt, cutoffs=cutoffs, device=device, model=model, layers=layers,
                          top_k=top_k, fingerprint=fingerprint, windows=windows, dom_windows=dom_windows,
-                         search_windows=search_windows, run_key=run_key, work=work, placed=placed)
+                         search_windows=search_windows, throughput_windows=throughput_windows, run_key=run_key,
+                         work=work, placed=placed)
