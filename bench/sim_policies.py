@@ -276,7 +276,10 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
         digest = doc.get("plan_widths_sha256")  # absent: written before it was recorded (trusted)
         if digest is not None and not isinstance(digest, str):
             raise ValueError(f"--accuracy {path}: plan_widths_sha256 must be a string, got {digest!r}")
-        if crisp_plan is not None and digest is not None and digest != crisp_plan.widths_digest():
+        # a weight-promoted plan's evaluations record its widths digest with or without the weight (crisp-eval
+        # of a pack that stores it; a decode that promotes the pack's plan): the weight itself is matched per
+        # record (match_accuracy), so either digest names this plan's widths
+        if crisp_plan is not None and digest is not None and digest not in _digests(crisp_plan):
             notes.append(f"accuracy: {path} was evaluated with another CRISP plan than the one simulated "
                          f"(plan_widths_sha256 {digest[:12]}...): not used")
             continue
@@ -295,6 +298,10 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
                 used += 1
         notes.append(f"accuracy: {used} evaluated configurations from {path}")
     return rows, notes
+
+
+def _digests(plan: CrispPlan) -> set[str]:
+    return {plan.widths_digest(), plan.promoted(None).widths_digest()}
 
 
 def _evaluated(r) -> dict | None:

@@ -385,3 +385,22 @@ def test_an_evaluation_of_another_plan_is_not_attached(tmp_path):
     rows, _ = sim_policies.read_accuracy([_write_eval(tmp_path / "old.json", None, {"crisp": 0.013})],
                                          "models/tiny-mixtral", other)
     assert len(rows) == 1  # written before the digest was recorded: trusted, as before
+
+
+def test_a_promoted_plan_takes_evaluations_recorded_with_or_without_its_weight(tmp_path):
+    """A decode that promotes a pack's plan records the pack's digest (without the weight) and the weight per
+    record; a pack that stores the weight has the digest with it. Both name the promoted plan's widths, so
+    either is attached to a simulation of the stored plan; another plan's digest still is not."""
+    plan = CrispPlan.load(TINY_PACK / "plan.json")
+    promoted = plan.promoted(0.33)
+    assert promoted.widths_digest() != plan.widths_digest()
+    path = _write_eval(tmp_path / "e.json", None, {"crisp": 0.0072})
+    doc = json.loads(path.read_text())
+    for digest in (plan.widths_digest(), promoted.widths_digest()):
+        path.write_text(json.dumps({**doc, "plan_widths_sha256": digest}))
+        rows, notes = sim_policies.read_accuracy([path], "models/tiny-mixtral", promoted)
+        assert len(rows) == 1 and not any("another CRISP plan" in n for n in notes)
+    other = plan.with_tiers(TierWidths(256, 40, 16)).promoted(0.33)
+    path.write_text(json.dumps({**doc, "plan_widths_sha256": other.widths_digest()}))
+    rows, notes = sim_policies.read_accuracy([path], "models/tiny-mixtral", promoted)
+    assert rows == [] and any("another CRISP plan" in n for n in notes)
