@@ -124,12 +124,11 @@ def test_simulate_cli_runs_each_prefetch_width(trace, tmp_path, capsys):
 def test_serving_case_eviction_is_recorded_for_the_accuracy_match(trace, eviction):
     """An evaluation's record names a non-default eviction, so that the simulator attaches its accuracy
     to that eviction only (an unnamed one ran the runtime's default, LRU)."""
-    from types import SimpleNamespace
-
+    from crisp_tools.calibration import TokenScores
     from crisp_tools.serving_eval import ServingCase, record
 
     case = ServingCase("c", "crisp", "resident-floor75", PrefetchPolicy(width="serving"), eviction=eviction)
-    scores = SimpleNamespace(accuracy=0.7, perplexity=2.0, loss=0.7, nll=torch.zeros(10))
+    scores = TokenScores(torch.full((2, 5), 0.7), torch.tensor([[True] * 4 + [False]] * 2))
     rec = record(case, 0.25, 100, scores, {"tokens": 10}, scores, plan_from_trace(trace), 1.0)
     assert rec.get("eviction") == (None if eviction == "lru" else eviction)
     ev = read_accuracy_rows([{**rec, "accuracy_loss": 0.03}])
