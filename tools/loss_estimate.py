@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LossEstimate", "relative_loss"]
+__all__ = ["LossEstimate", "finite_or_none", "relative_loss"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,8 @@ def relative_loss(reference_correct: torch.Tensor, correct: torch.Tensor) -> Los
         return LossEstimate(ratio, math.inf, n)
     spread = float(((d - ratio * a) ** 2).sum()) * n / (n - 1)
     return LossEstimate(ratio, math.sqrt(spread) / total, n)
+
+
+def finite_or_none(x: float) -> float | None:
+    """JSON has no infinity: a standard error (or a bound) from one window is recorded as null."""
+    return x if math.isfinite(x) else None

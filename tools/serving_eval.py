@@ -16,7 +16,6 @@ pack's total expert bytes). :func:`write_serving_json` documents the JSON record
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,7 +34,7 @@ from crisp_runtime.runtime import RuntimeConfig, plan_for_layers
 from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy, make_serving
 
 from .calibration import TokenScores, dump_json
-from .loss_estimate import relative_loss
+from .loss_estimate import finite_or_none, relative_loss
 
 SERVING_EVAL_FORMAT = "crisp-eval-serving"
 SERVING_EVAL_VERSION = 1
@@ -210,8 +209,7 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
 def _loss_se(full: TokenScores, scores: TokenScores) -> float | None:
     if not full.accuracy or full.correct.shape != scores.correct.shape:
         return None
-    se = relative_loss(full.correct, scores.correct).standard_error
-    return se if math.isfinite(se) else None
+    return finite_or_none(relative_loss(full.correct, scores.correct).standard_error)
 
 
 def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:

@@ -202,7 +202,7 @@ def _prepare_loaded(cfg: ProfileConfig, out: Path, work_root: Path, cutoffs: Tie
         )
     throughput_windows = None
     if cfg.throughput_budget is not None:
-        count = cfg.throughput_accuracy_windows or max(128, cfg.throughput_windows)
+        count = cfg.accuracy_window_count
         throughput_windows = random_windows(
             holdout_texts, count, cfg.throughput_seq_len, cfg.seed + 3,
             f"--data (held-out calibration part, last {cfg.holdout_fraction:.0%}; --throughput-accuracy-windows "

@@ -40,7 +40,6 @@ simulator's library, which imports only ``crisp_runtime`` and ``crisp_kernels``)
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from statistics import NormalDist
@@ -60,7 +59,7 @@ from crisp_runtime.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
 from crisp_runtime.serving_record import SERVING_KEY, ServingRecord
 
 from ..calibration import CliError
-from ..loss_estimate import relative_loss
+from ..loss_estimate import finite_or_none, relative_loss
 from ..serving_eval import ServingCase, run_case, total_expert_bytes
 
 __all__ = ["SERVING_KEY", "Candidate", "ThroughputGoal", "candidates", "goal_from_config", "plan_serving",
@@ -254,8 +253,8 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
         scores, _ = run_case(model, pack, c.plan_for(plan), accuracy_windows, budget_bytes, case, stop=over_bound)
         est = relative_loss(full.correct[: scores.correct.shape[0]], scores.correct)
         accepted = est.windows == total and est.upper(z) <= goal.max_accuracy_loss
-        r.update(accuracy_loss=est.loss, accuracy_loss_se=_finite(est.standard_error),
-                 accuracy_loss_upper=_finite(est.upper(z)), accuracy_windows=est.windows,
+        r.update(accuracy_loss=est.loss, accuracy_loss_se=finite_or_none(est.standard_error),
+                 accuracy_loss_upper=finite_or_none(est.upper(z)), accuracy_windows=est.windows,
                  accuracy_decision="within" if accepted else "over" if est.lower(z) > goal.max_accuracy_loss
                  else "unresolved")
         log(f"throughput: {c.label}: accuracy loss {est.loss:.2%} +- {est.standard_error:.2%} over {est.windows}/"
@@ -280,11 +279,6 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
             f"{plan.description} Auxiliaries of routing weight >= {c.aux_full_weight:g} run at the dominant width "
             f"(chosen by --plan-for-throughput for simulated tokens/s).").strip())
     return ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search), chosen_plan
-
-
-def _finite(x: float) -> float | None:
-    """JSON has no infinity: a standard error from one window is recorded as null."""
-    return x if math.isfinite(x) else None
 
 
 def goal_from_config(cfg) -> ThroughputGoal | None:
