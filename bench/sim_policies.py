@@ -235,6 +235,8 @@ def knobs(policy: SimPolicy) -> dict:
         out["width_cap"] = plan.width_cap
     if plan.aux_full_weight is not None:
         out["aux_full_weight"] = plan.aux_full_weight
+    if plan.aux_skip_weight is not None:
+        out["aux_skip_weight"] = plan.aux_skip_weight
     if policy.name == "skip_aux":
         out["skip_threshold"] = plan.skip_threshold
     return out
@@ -242,7 +244,7 @@ def knobs(policy: SimPolicy) -> dict:
 
 # ---------------------------------------------------------------------------- accuracy
 
-_SERVING_KEYS = ("hit_width", "aux_narrower", "aux_missing", "dominant_floor", "dominant_widen")
+_SERVING_KEYS = ("hit_width", "aux_narrower", "aux_missing", "dominant_floor", "dominant_widen", "aux_skipped")
 
 
 def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_plan: CrispPlan | None = None
@@ -301,7 +303,10 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
 
 
 def _digests(plan: CrispPlan) -> set[str]:
-    return {plan.widths_digest(), plan.promoted(None).widths_digest()}
+    # likewise a three-band plan's with or without its skip threshold
+    plans = [plan, plan.promoted(None)]
+    plans += [p.skipping(None) for p in plans if p.aux_skip_weight is not None]
+    return {p.widths_digest() for p in plans}
 
 
 def _evaluated(r) -> dict | None:
@@ -317,12 +322,13 @@ def _evaluated(r) -> dict | None:
                 "budget_fraction": r.get("budget_fraction"), "prefetch": _prefetch_width(r.get("prefetch")),
                 "uniform_width": detail.get("uniform_width"), "skip_threshold": detail.get("skip_threshold"),
                 "width_cap": detail.get("width_cap"), "aux_full_weight": detail.get("aux_full_weight"),
-                "accuracy_loss": loss}
+                "aux_skip_weight": detail.get("aux_skip_weight"), "accuracy_loss": loss}
     family = {"skip_aux_all": "skip_aux"}.get(r["policy"], r["policy"])  # batch evaluation: exact serving
     return {"family": family, "exact": True, "eviction": None, "serving": None, "budget_fraction": None,
             "prefetch": None,
             "uniform_width": r.get("uniform_width"), "skip_threshold": r.get("skip_threshold"),
-            "width_cap": r.get("width_cap"), "aux_full_weight": r.get("aux_full_weight"), "accuracy_loss": loss}
+            "width_cap": r.get("width_cap"), "aux_full_weight": r.get("aux_full_weight"),
+            "aux_skip_weight": r.get("aux_skip_weight"), "accuracy_loss": loss}
 
 
 def _prefetch_width(prefetch) -> str | None:
@@ -377,6 +383,8 @@ def accuracy_for(record: dict, evaluated: Sequence[dict]) -> tuple[float | None,
             continue  # a capped CRISP plan's loss is not the uncapped plan's
         if record["policy"] == "crisp" and not _same_weight(ev.get("aux_full_weight"), record.get("aux_full_weight")):
             continue  # nor a weight-promoted plan's
+        if record["policy"] == "crisp" and not _same_weight(ev.get("aux_skip_weight"), record.get("aux_skip_weight")):
+            continue  # nor a three-band plan's
         if record["policy"] == "skip_aux" and not _same_weight(ev["skip_threshold"], record.get("skip_threshold")):
             continue
         return ev["accuracy_loss"], ev["source"]

@@ -301,7 +301,9 @@ def run(args) -> int:
           plans={k: v.to_dict() if k != "crisp" else {"description": v.description, "tier_widths": vars(v.tier_widths),
                                                       **({} if v.width_cap is None else {"width_cap": v.width_cap}),
                                                       **({} if v.aux_full_weight is None
-                                                         else {"aux_full_weight": v.aux_full_weight})}
+                                                         else {"aux_full_weight": v.aux_full_weight}),
+                                                      **({} if v.aux_skip_weight is None
+                                                         else {"aux_skip_weight": v.aux_skip_weight})}
                  for k, v in plans.items()},
           headline={k: v for k, v in headline.items() if k != "lines"}, comparison=comparison)
     print(f"simulate: {time.perf_counter() - t0:.1f} s")
@@ -443,6 +445,8 @@ def _load_crisp_plan(spec, pack_dir, trace, notes):
     cap = "" if plan.width_cap is None else f", every width capped at {plan.width_cap}"
     if plan.aux_full_weight is not None:
         cap += f", auxiliaries of routing weight >= {plan.aux_full_weight:g} at the dominant width"
+    if plan.aux_skip_weight is not None:
+        cap += f", auxiliaries of routing weight < {plan.aux_skip_weight:g} skipped"
     notes.append(f"crisp plan: {_rel(path)} (hot/warm/cold aux widths {tw.hot}/{tw.warm}/{tw.cold} of "
                  f"{plan.intermediate_size}{cap}, unseen pairs -> {plan.unseen_tier.value})")
     return plan

@@ -20,6 +20,13 @@ skip-auxiliary at weight 0.239 lost 0.74% at 2.43x full-width LRU where CRISP's 
 with the threshold, the heavy auxiliaries run whole and the light ones keep the tiers' narrow widths instead of
 being skipped.
 
+And ``aux_skip_weight``: an auxiliary whose routing weight is below this is skipped (width 0) whatever its pair's
+tier, so a plan has three bands by routing weight: light auxiliaries skipped, middle ones at the tiers' widths, heavy
+ones whole (``aux_full_weight``; ``aux_skip_weight <= aux_full_weight``). Why: at 10% of the expert bytes skipping
+a light auxiliary saved more time per point of loss than narrowing it (issue 10, session 13: skip-auxiliary at
+weight 0.3 ran 2.45x full-width LRU at 1.22% where CRISP's fastest at <= 1.23% was 2.37x); with both thresholds
+equal the plan is skip-auxiliary at that threshold.
+
 The same machinery expresses the baselines every comparison needs (``PolicyKind``): full
 width everywhere, one uniform width, and skipping the auxiliary expert(s) (always, or when the
 routing weight is under a threshold).
@@ -173,6 +180,7 @@ class CrispPlan:
     skip_threshold: float | None = None  # SKIP_AUX: skip only when the routing weight is below this
     width_cap: int | None = None  # CRISP: the widest any routed slot runs (None = the full width)
     aux_full_weight: float | None = None  # CRISP: an auxiliary of routing weight >= this runs at the dominant width
+    aux_skip_weight: float | None = None  # CRISP: an auxiliary of routing weight < this is skipped
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -211,12 +219,13 @@ class CrispPlan:
         num_dominant: int = 1,
         width_cap: int | None = None,
         aux_full_weight: float | None = None,
+        aux_skip_weight: float | None = None,
         description: str = "",
     ) -> CrispPlan:
         return cls(
             PolicyKind.CRISP, num_experts, top_k, intermediate_size, tuple(sorted(layers)), tier_widths=tier_widths,
             layers=dict(layers), unseen_tier=unseen_tier, num_dominant=num_dominant, width_cap=width_cap,
-            aux_full_weight=aux_full_weight, description=description,
+            aux_full_weight=aux_full_weight, aux_skip_weight=aux_skip_weight, description=description,
         )
 
     def with_tiers(self, tier_widths: TierWidths | None = None, layers: Mapping[int, LayerPlan] | None = None,
@@ -227,7 +236,7 @@ class CrispPlan:
             self.tier_widths if tier_widths is None else tier_widths,
             unseen_tier=self.unseen_tier if unseen_tier is None else unseen_tier,
             num_dominant=self.num_dominant, width_cap=self.width_cap, aux_full_weight=self.aux_full_weight,
-            description=self.description,
+            aux_skip_weight=self.aux_skip_weight, description=self.description,
         )
 
     def capped(self, width_cap: int | None) -> CrispPlan:
@@ -240,6 +249,12 @@ class CrispPlan:
         width (None: the tiers only); see the module docstring. ``validate`` refuses it on another policy or
         outside [0, 1]."""
         return dataclasses.replace(self, aux_full_weight=aux_full_weight)
+
+    def skipping(self, aux_skip_weight: float | None) -> CrispPlan:
+        """A copy of a CRISP plan whose auxiliaries of routing weight < ``aux_skip_weight`` are skipped (None: none
+        by weight); see the module docstring. ``validate`` refuses it on another policy, outside [0, 1] or above
+        ``aux_full_weight``."""
+        return dataclasses.replace(self, aux_skip_weight=aux_skip_weight)
 
     @property
     def dominant_width(self) -> int:
@@ -292,6 +307,15 @@ class CrispPlan:
             if not 0.0 <= self.aux_full_weight <= 1.0:
                 raise PlanError(f"plan: aux_full_weight must lie in [0, 1] (or be None: tiers only), "
                                 f"got {self.aux_full_weight}")
+        if self.aux_skip_weight is not None:
+            if self.policy is not PolicyKind.CRISP:
+                raise PlanError(f"plan: aux_skip_weight applies to CRISP plans only, not {self.policy.value!r}")
+            if not 0.0 <= self.aux_skip_weight <= 1.0:
+                raise PlanError(f"plan: aux_skip_weight must lie in [0, 1] (or be None: tiers only), "
+                                f"got {self.aux_skip_weight}")
+            if self.aux_full_weight is not None and self.aux_skip_weight > self.aux_full_weight:
+                raise PlanError(f"plan: aux_skip_weight {self.aux_skip_weight} must not exceed aux_full_weight "
+                                f"{self.aux_full_weight} (a weight cannot be skipped and whole)")
         if self.policy is PolicyKind.CRISP:
             if self.tier_widths is None:
                 raise PlanError("plan: a CRISP plan needs tier_widths")
@@ -356,7 +380,7 @@ class CrispPlan:
         import math
         import numbers
 
-        for name in ("skip_threshold", "aux_full_weight"):  # routing-weight thresholds: real numbers, not bools
+        for name in ("skip_threshold", "aux_full_weight", "aux_skip_weight"):  # routing-weight thresholds: real numbers, not bools
             v = getattr(self, name)
             if v is not None:
                 if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
@@ -481,7 +505,7 @@ class CrispPlan:
             return out
         tier_width = self._tier_width if policy is PolicyKind.CRISP else None
         dominant_width = self.dominant_width
-        skip_thr, promote = self._weight_thresholds
+        skip_thr, promote, light = self._weight_thresholds
         for experts, w in zip(index, weights, strict=True):
             k = len(experts)
             valid = [pos for pos in range(k) if 0 <= experts[pos] < num_experts]
@@ -496,6 +520,8 @@ class CrispPlan:
                 aux = [tier_width[tier]] * k
                 if promote is not None:
                     aux = [dominant_width if w[pos] >= promote else aux[pos] for pos in range(k)]
+                if light is not None:
+                    aux = [0 if w[pos] < light else aux[pos] for pos in range(k)]
             row = [0] * k
             for pos in valid:
                 row[pos] = dominant_width if ranks[pos] < num_dominant else aux[pos]
@@ -505,13 +531,13 @@ class CrispPlan:
         return out
 
     @functools.cached_property
-    def _weight_thresholds(self) -> tuple[float | None, float | None]:
-        """(skip_threshold, aux_full_weight) rounded to float32: the vectorized rules compare a float32 tensor with
+    def _weight_thresholds(self) -> tuple[float | None, float | None, float | None]:
+        """(skip_threshold, aux_full_weight, aux_skip_weight) rounded to float32: the vectorized rules compare a float32 tensor with
         a Python number in float32 (0.239 becomes 0.23899999...), so the Python rules compare with the same value
         and both paths agree on a weight equal to the rounded threshold."""
         def f32(v):
             return None if v is None else torch.tensor(v, dtype=torch.float32).item()
-        return f32(self.skip_threshold), f32(self.aux_full_weight)
+        return f32(self.skip_threshold), f32(self.aux_full_weight), f32(self.aux_skip_weight)
 
     @functools.cached_property
     def _tier_width(self) -> dict[Tier, int]:
@@ -557,6 +583,8 @@ class CrispPlan:
                 if self.aux_full_weight is not None:  # heavy auxiliaries at the dominant width
                     aux_width = torch.where(sorted_weights >= self._weight_thresholds[1], self.dominant_width,
                                             aux_width)
+                if self.aux_skip_weight is not None:  # light auxiliaries skipped
+                    aux_width = torch.where(sorted_weights < self._weight_thresholds[2], 0, aux_width)
             if not flat:
                 sorted_widths = torch.where(rank < self.num_dominant, torch.full_like(aux_width, self.dominant_width),
                                             aux_width)
@@ -614,6 +642,8 @@ class CrispPlan:
                 out["width_cap"] = self.width_cap
             if self.aux_full_weight is not None:  # likewise plans without it
                 out["aux_full_weight"] = self.aux_full_weight
+            if self.aux_skip_weight is not None:
+                out["aux_skip_weight"] = self.aux_skip_weight
             out["layers"] = {
                 str(layer_id): [
                     {"experts": list(pair), "tier": tier.value, "dominant": lp.dominant.get(pair)}
@@ -700,13 +730,14 @@ class CrispPlan:
                             f"(a CRISP plan lists "
                             f"every layer, with [] for one whose combinations are all unseen)")
         cap = _json_int(data, "width_cap", minimum=1) if data.get("width_cap") is not None else None
-        promote = data.get("aux_full_weight")
-        if promote is not None and (type(promote) not in (int, float) or not 0.0 <= promote <= 1.0):
-            raise PlanError(f"plan is malformed: field aux_full_weight: expected null or a number in [0, 1], "
-                            f"got {promote!r}")
+        weights = {}
+        for name in ("aux_full_weight", "aux_skip_weight"):
+            v = data.get(name)
+            if v is not None and (type(v) not in (int, float) or not 0.0 <= v <= 1.0):
+                raise PlanError(f"plan is malformed: field {name}: expected null or a number in [0, 1], got {v!r}")
+            weights[name] = None if v is None else float(v)
         return cls(policy, tier_widths=tier_widths, layers=layers,
-                   unseen_tier=_json_enum(data, "unseen_tier", Tier), width_cap=cap,
-                   aux_full_weight=None if promote is None else float(promote), **common)
+                   unseen_tier=_json_enum(data, "unseen_tier", Tier), width_cap=cap, **weights, **common)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, atomically."""
@@ -743,7 +774,8 @@ _POLICY_FIELDS = {
     PolicyKind.FULL: (),
     PolicyKind.UNIFORM: ("uniform_width",),
     PolicyKind.SKIP_AUX: ("skip_threshold",),
-    PolicyKind.CRISP: ("combination_key", "tier_widths", "unseen_tier", "layers", "width_cap", "aux_full_weight"),
+    PolicyKind.CRISP: ("combination_key", "tier_widths", "unseen_tier", "layers", "width_cap", "aux_full_weight",
+                        "aux_skip_weight"),
 }
 
 

@@ -9,7 +9,8 @@ wider resident copy):
 ==========================  =================================================================
 slot                        width it needs resident
 ==========================  =================================================================
-wanted 0 (the plan skips)   none: skipped, whatever is resident
+wanted 0 (the plan skips)   none: skipped, unless ``aux_skipped`` is RESIDENT (an auxiliary whose expert holds
+                            rows after the step's copies runs at that width: no copy)
 ``r >= wanted``             ``wanted`` (a hit)
 auxiliary, ``0 < r < w``    ``r`` if ``aux_narrower`` is RESIDENT (no copy), or NARROW_ONLY and the plan
                             wants it narrower than its dominant width; else ``wanted``
@@ -81,6 +82,16 @@ class DominantWiden(enum.Enum):
     AHEAD = "ahead"  # ... runs at max(resident, floor), and the prefetcher tops it up ahead of its next use
 
 
+class AuxSkipped(enum.Enum):
+    """An auxiliary the plan skips (wanted width 0)..."""
+
+    SKIP = "skip"  # ... is skipped, whatever is resident
+    # ... runs at the width its expert holds after the step's copies (none: skipped). No byte is copied for it,
+    # so it changes accuracy and compute, never the copies (the CRISP prefix format makes any resident prefix a
+    # valid narrower expert; what a skip-auxiliary or three-band plan skips is often resident at 50%)
+    RESIDENT = "resident"
+
+
 class AuxMissing(enum.Enum):
     """An auxiliary not resident at all..."""
 
@@ -108,12 +119,14 @@ class ServingPolicy:
     # a per-step buffer, admitted only where they fit without evicting (docs/hybrid.md, session 3:
     # at 25% the admitted copies evicted the pinned hot experts, hit rate 0.95 -> 0.34).
     transient_buffer: float = 0.0
+    aux_skipped: AuxSkipped = AuxSkipped.SKIP
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ServingPolicy: name must be a non-empty string, got {self.name!r}")
         for attr, kind in (("hit_width", HitWidth), ("aux_narrower", AuxNarrower), ("aux_missing", AuxMissing),
-                           ("placement", Placement), ("dominant_widen", DominantWiden)):
+                           ("placement", Placement), ("dominant_widen", DominantWiden),
+                           ("aux_skipped", AuxSkipped)):
             value = getattr(self, attr)
             if not isinstance(value, kind):
                 try:
@@ -137,7 +150,8 @@ class ServingPolicy:
         """True when every slot is served at the plan's width whatever is resident (the default).
         Cached: read per layer step (frozen fields; the cache lives in the instance's ``__dict__``)."""
         return (self.hit_width is HitWidth.WANTED and self.aux_narrower is AuxNarrower.WIDEN
-                and self.aux_missing is AuxMissing.LOAD and self.dominant_floor == 1.0)
+                and self.aux_missing is AuxMissing.LOAD and self.dominant_floor == 1.0
+                and self.aux_skipped is AuxSkipped.SKIP)
 
     def floor_width(self, wanted: int, full: int) -> int:
         return min(wanted, math.ceil(self.dominant_floor * full))
@@ -151,6 +165,8 @@ class ServingPolicy:
             out["dominant_widen"] = self.dominant_widen.value
         if self.transient_buffer:
             out["transient_buffer"] = self.transient_buffer
+        if self.aux_skipped is not AuxSkipped.SKIP:  # likewise
+            out["aux_skipped"] = self.aux_skipped.value
         return out
 
     def transient_rows(self, full: int) -> int | None:
@@ -160,7 +176,7 @@ class ServingPolicy:
     @classmethod
     def from_dict(cls, data: Mapping) -> ServingPolicy:
         unknown = set(data) - {"name", "hit_width", "aux_narrower", "aux_missing", "dominant_floor", "placement",
-                                "dominant_widen", "transient_buffer"}
+                                "dominant_widen", "transient_buffer", "aux_skipped"}
         if unknown:
             raise ValueError(f"ServingPolicy: unknown keys {sorted(unknown)}")
         return cls(**data)
@@ -176,6 +192,10 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
     # "resident", but an auxiliary the plan wants whole (Hot, or heavy by CrispPlan.aux_full_weight) is widened
     "resident-narrow-aux": ServingPolicy("resident-narrow-aux", HitWidth.RESIDENT, AuxNarrower.NARROW_ONLY,
                                          AuxMissing.LOAD, 1.0),
+    # the same, and an auxiliary the plan skips runs at what its expert holds (AuxSkipped.RESIDENT; session 14)
+    "resident-narrow-aux-revive": ServingPolicy("resident-narrow-aux-revive", HitWidth.RESIDENT,
+                                                AuxNarrower.NARROW_ONLY, AuxMissing.LOAD, 1.0,
+                                                aux_skipped=AuxSkipped.RESIDENT),
     # the same, and a dominant resident narrower than wanted is widened: on its next use ("-widen") or
     # by the prefetcher ahead of it ("-ahead")
     "resident-floor75-widen": ServingPolicy("resident-floor75-widen", HitWidth.RESIDENT, AuxNarrower.RESIDENT,
@@ -274,8 +294,13 @@ def _serve_lists(policy: ServingPolicy, flat_e: list[int], flat_w: list[int], fl
     served = [0] * len(flat_w)
     widen = policy.dominant_widen is DominantWiden.HIT
     widened = 0
+    revive = policy.aux_skipped is AuxSkipped.RESIDENT
     for p, (e, w, dom) in enumerate(zip(flat_e, flat_w, flat_d, strict=True)):
-        if w <= 0 or not 0 <= e < num_experts:
+        if not 0 <= e < num_experts:
+            continue
+        if w <= 0:
+            if revive and not dom and e not in resident:
+                resident[e] = resident_width(e)
             continue
         r = resident.get(e)
         if r is None:
@@ -290,8 +315,17 @@ def _serve_lists(policy: ServingPolicy, flat_e: list[int], flat_w: list[int], fl
             available[e] = s
     fallbacks = skips = wider = dom_slots = dom_neurons = aux_slots = aux_neurons = 0
     free = policy.hit_width is HitWidth.RESIDENT
+    revive = policy.aux_skipped is AuxSkipped.RESIDENT
     for p, (e, w) in enumerate(zip(flat_e, flat_w, strict=True)):
-        if w <= 0 or not 0 <= e < num_experts:
+        if not 0 <= e < num_experts:
+            continue
+        if w <= 0:  # the plan skips it: an auxiliary (a dominant's width is never 0)
+            a = available.get(e, 0) if revive and not flat_d[p] else 0
+            if a:
+                served[p] = a
+                wider += 1
+                aux_slots += 1
+                aux_neurons += a
             continue
         a = available.get(e, 0)
         s = served[p]

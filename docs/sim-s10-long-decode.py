@@ -11,13 +11,15 @@ window of rtx4090-pcie4 at Mixtral-8x7B sizes, as ``crisp-eval --mode decode --p
 which saves its ~25 min decode.
 
     PYTHONPATH=. python docs/sim-s10-long-decode.py OUT.json PACK BUDGET FLOOR [FLOOR ...] [--cap N]
-        [--aux-full-weight W] [--narrow-only] [--windows N L]
+        [--aux-full-weight W] [--aux-skip-weight S] [--narrow-only] [--revive] [--windows N L]
         FLOOR: the dominant floor of the runtime's "resident" serving policy (1 = "resident", 0.75 =
                "resident-floor75"), each decoded with next-layer prefetch through the window (~6 min each at
                128 x 256); --cap: the pack's plan under CrispPlan.width_cap N (neurons); --aux-full-weight
                (session 11): its auxiliaries of routing weight >= W at the dominant width
                (CrispPlan.aux_full_weight); --narrow-only: auxiliaries the plan wants whole are widened
-               (AuxNarrower.NARROW_ONLY); --windows: other windows than 128 x 256 (session 9's 50% decodes
+               (AuxNarrower.NARROW_ONLY); --aux-skip-weight (session 14): auxiliaries of routing weight < S
+               skipped (CrispPlan.aux_skip_weight); --revive (session 14): an auxiliary the plan skips runs at
+               what its expert holds (AuxSkipped.RESIDENT); --windows: other windows than 128 x 256 (session 9's 50% decodes
                used 32 x 128)
 """
 
@@ -35,18 +37,20 @@ from crisp_tools.evaluate import Evaluator
 from crisp_runtime.pack import CrispPack
 from crisp_runtime.prefetch import PrefetchPolicy
 from crisp_runtime.runtime import plan_for_layers
-from crisp_runtime.serving import SERVING_POLICIES
+from crisp_runtime.serving import SERVING_POLICIES, AuxSkipped
 
 MODEL, REFERENCE, HELDOUT = "models/tiny-mixtral", "models/tiny-mixtral-crisp", ["data/stdlib-heldout.txt"]
 SAMPLES, SEQ_LEN = 128, 256
 
 
-def case(floor: float, narrow_only: bool = False) -> serving_eval.ServingCase:
+def case(floor: float, narrow_only: bool = False, revive: bool = False) -> serving_eval.ServingCase:
     """What crisp-eval --mode decode names crisp-resident-floorF+prefetch (serving_eval.default_cases); with
-    ``narrow_only`` the auxiliaries the plan wants whole are widened (AuxNarrower.NARROW_ONLY, session 11)."""
+    ``narrow_only`` the auxiliaries the plan wants whole are widened (AuxNarrower.NARROW_ONLY, session 11); with
+    ``revive`` an auxiliary the plan skips runs at what its expert holds (AuxSkipped.RESIDENT, session 14)."""
     base = SERVING_POLICIES["resident-narrow-aux" if narrow_only else "resident"]
-    policy = replace(base, name=f"resident-floor{floor:g}" + ("-narrow-aux" if narrow_only else ""),
-                     dominant_floor=floor)
+    policy = replace(base, name=f"resident-floor{floor:g}" + ("-narrow-aux" if narrow_only else "")
+                     + ("-revive" if revive else ""), dominant_floor=floor,
+                     aux_skipped=AuxSkipped.RESIDENT if revive else AuxSkipped.SKIP)
     return serving_eval.ServingCase(f"crisp-{policy.name}+prefetch", "crisp", policy, PrefetchPolicy())
 
 
@@ -60,7 +64,9 @@ def main() -> int:
     p.add_argument("floors", nargs="+", type=float)
     p.add_argument("--cap", type=int, default=None)
     p.add_argument("--aux-full-weight", type=float, default=None)
+    p.add_argument("--aux-skip-weight", type=float, default=None)
     p.add_argument("--narrow-only", action="store_true")
+    p.add_argument("--revive", action="store_true")
     p.add_argument("--windows", type=int, nargs=2, default=(SAMPLES, SEQ_LEN), metavar=("N", "L"))
     args = p.parse_args()
     out, pack_dir, budget = args.out, args.pack, args.budget
@@ -74,9 +80,11 @@ def main() -> int:
         pack_plan = pack_plan.capped(args.cap)
     if args.aux_full_weight is not None:
         pack_plan = pack_plan.promoted(args.aux_full_weight)
+    if args.aux_skip_weight is not None:
+        pack_plan = pack_plan.skipping(args.aux_skip_weight)
     plan = plan_for_layers(pack_plan, ev.layers)  # in the pack's storage rows
     window = ev.prefetch_window(get_profile("rtx4090-pcie4"), "mixtral-8x7b")
-    cases = serving_eval.with_window([case(f, args.narrow_only) for f in args.floors], window)
+    cases = serving_eval.with_window([case(f, args.narrow_only, args.revive) for f in args.floors], window)
     with ev._runtime_runner(*ev.reference) as run:  # the 4-bit full width, batch (= its decode: exact serving)
         full, _ = run(ev._plan("full", next(iter(ev.reference[0].values())).intermediate_size))
     print(f"4-bit full width (batch): acc {full.accuracy:.4f} ({time.time() - t0:.0f} s)", flush=True)

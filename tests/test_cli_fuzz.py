@@ -95,11 +95,11 @@ AUX_WEIGHT_BAD = ["", "-0.1", "1.5", "nan", "inf", "abc"]
 TAIL_EMULATION = _cases("tail-emulation", {
     "--model": [""], "--crisp": [""], "--out": [""], "--layout": TAIL_LAYOUTS_BAD,
     "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"],
-    "--aux-full-weight": AUX_WEIGHT_BAD})
+    "--aux-full-weight": AUX_WEIGHT_BAD, "--aux-skip-weight": AUX_WEIGHT_BAD})
 TAIL_PACK = _cases("tail-pack", {
     "--model": [""], "--crisp": [""], "--out": [""], "--layout": TAIL_LAYOUTS_BAD,
     "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"],
-    "--aux-full-weight": AUX_WEIGHT_BAD})
+    "--aux-full-weight": AUX_WEIGHT_BAD, "--aux-skip-weight": AUX_WEIGHT_BAD})
 CORPUS = _cases("corpus", {"--cap-bytes": POS_INT})
 TRAIN = _cases("train", {
     "--steps": POS_INT, "--seed": SEED, "--batch-size": POS_INT, "--seq-len": SEQ_LEN,

@@ -196,13 +196,17 @@ def test_a_capped_plan_is_served_under_its_cap_and_recorded_with_it(setup):
     assert "width_cap" not in record(case, 0.3, 1, uncapped, stats, uncapped, pack.plan, 1.0)["plan_detail"]
 
 
-def test_a_weight_promoted_plan_decodes_as_its_batch_run_and_is_recorded_with_it(setup):
-    """CrispPlan.aux_full_weight through the runtime: the decode equals the batch run of the same plan, the heavy
-    auxiliaries widen what is served, and the record carries the weight (what the simulator matches)."""
+@pytest.mark.parametrize("banded", [False, True], ids=["promoted", "three_band"])
+def test_a_weight_promoted_plan_decodes_as_its_batch_run_and_is_recorded_with_it(setup, banded):
+    """CrispPlan.aux_full_weight (and aux_skip_weight) through the runtime: the decode equals the batch run of the
+    same plan, the heavy auxiliaries widen what is served (the light ones are skipped), and the record carries the
+    thresholds (what the simulator matches)."""
     from crisp_tools.serving_eval import ServingCase, record, run_case, total_expert_bytes
 
     model, pack, windows = _decode_setup(setup, samples=2, seq_len=16)
     promoted = pack.plan.promoted(0.3)
+    if banded:
+        promoted = promoted.skipping(0.3)  # = skip-aux at 0.3: every auxiliary lighter than 0.3 skipped
     with apply(model, pack, plan=promoted):
         batch = score_windows(model, windows)
     case = ServingCase("crisp-exact")
@@ -210,9 +214,15 @@ def test_a_weight_promoted_plan_decodes_as_its_batch_run_and_is_recorded_with_it
     decoded, stats = run_case(model, pack, promoted, windows, budget, case)
     assert torch.allclose(decoded.nll, batch.nll, atol=1e-4, rtol=0)  # the fp tolerance of the tests above
     plain, plain_stats = run_case(model, pack, pack.plan, windows, budget, case)
-    assert stats["bytes_routed"] > plain_stats["bytes_routed"]  # heavy auxiliaries ran wider than their tiers
+    if banded:  # light auxiliaries skipped, whatever their tier
+        only_promoted, only_stats = run_case(model, pack, pack.plan.promoted(0.3), windows, budget, case)
+        assert stats["skipped"] > only_stats["skipped"]
+        assert not torch.equal(decoded.nll, only_promoted.nll)
+    else:
+        assert stats["bytes_routed"] > plain_stats["bytes_routed"]  # heavy auxiliaries ran wider than their tiers
     rec = record(case, 0.3, 1, decoded, stats, plain, promoted, 1.0)
     assert rec["plan_detail"]["aux_full_weight"] == 0.3
+    assert rec["plan_detail"].get("aux_skip_weight") == (0.3 if banded else None)
     assert "aux_full_weight" not in record(case, 0.3, 1, plain, plain_stats, plain, pack.plan, 1.0)["plan_detail"]
 
 

@@ -61,6 +61,8 @@ def _widths_by_hand(plan: CrispPlan, index, weights):
             elif plan.policy is PolicyKind.SKIP_AUX:
                 thr = plan.skip_threshold
                 widths[pos] = FULL if thr is not None and w_row[pos] >= thr else 0
+            elif plan.aux_skip_weight is not None and w_row[pos] < plan._weight_thresholds[2]:
+                widths[pos] = 0  # a light auxiliary: skipped whatever its tier
             elif plan.aux_full_weight is not None and w_row[pos] >= plan._weight_thresholds[1]:
                 widths[pos] = min(FULL, cap)  # a heavy auxiliary: the dominant's width whatever its tier
             else:
@@ -89,7 +91,9 @@ def test_crisp_widths_follow_tiers_and_dominance():
 
 @pytest.mark.parametrize("policy", ["full", "uniform", "skip", "skip_thr", "crisp", "crisp_top4", "crisp_cap33",
                                     "crisp_cap1", "crisp_cap_full", "crisp_top4_cap64", "crisp_aux0.3",
-                                    "crisp_aux0", "crisp_aux1", "crisp_top4_aux0.15_cap64"])
+                                    "crisp_aux0", "crisp_aux1", "crisp_top4_aux0.15_cap64",
+                                    "crisp_skip0.2_aux0.4", "crisp_skip0.3", "crisp_top4_skip0.1_aux0.3_cap64",
+                                    "crisp_skip1"])
 def test_widths_match_a_per_token_restatement(policy):
     gen = torch.Generator().manual_seed(7)
     top_k = 4 if "top4" in policy else 2  # the top-4 plans get top-4 routing (num_dominant 2: two auxiliaries)
@@ -111,6 +115,13 @@ def test_widths_match_a_per_token_restatement(policy):
         "crisp_aux0": _crisp_plan().promoted(0.0),
         "crisp_aux1": _crisp_plan().promoted(1.0),
         "crisp_top4_aux0.15_cap64": _crisp_plan(top_k=4, num_dominant=2, unseen=Tier.COLD).capped(64).promoted(0.15),
+        # three bands by routing weight (light skipped, middle at the tiers, heavy whole), a skip band alone,
+        # the same under top-4 routing and a cap, and every auxiliary skipped (weight 1: the dominant only)
+        "crisp_skip0.2_aux0.4": _crisp_plan().promoted(0.4).skipping(0.2),
+        "crisp_skip0.3": _crisp_plan().skipping(0.3),
+        "crisp_top4_skip0.1_aux0.3_cap64": _crisp_plan(top_k=4, num_dominant=2, unseen=Tier.COLD).capped(64)
+        .promoted(0.3).skipping(0.1),
+        "crisp_skip1": _crisp_plan().skipping(1.0),
     }
     plan = plans[policy]
     index = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(200)])
@@ -140,6 +151,14 @@ def test_widths_match_a_per_token_restatement(policy):
             assert torch.equal(got, torch.where(index < 8, plan.dominant_width, 0))
         changed = int((got != tiers_only).sum())
         assert changed > 0 if plan.aux_full_weight < 1.0 else changed == 0  # the test's weights move some slots
+    if plan.aux_skip_weight is not None:  # a skip band only zeroes: each slot is its unskipped width or 0
+        unskipped = plan.skipping(None).token_widths(0, index, weights)
+        assert bool(((got == unskipped) | (got == 0)).all())
+        light = (weights < plan.aux_skip_weight) & (index < 8) & (got != plan.dominant_width)
+        assert bool((got[light] == 0).all())
+        assert int(((got == 0) & (unskipped > 0)).sum()) > 0  # the test's weights skip some slots
+        if plan.aux_skip_weight == 1.0:  # every auxiliary skipped: num_dominant slots per token run
+            assert torch.equal((got > 0).sum(1), torch.clamp((index < 8).sum(1), max=plan.num_dominant))
 
 
 def test_width_cap_json_storage_rows_and_refusals(tmp_path):
@@ -202,8 +221,9 @@ def test_aux_full_weight_json_thresholds_and_refusals(tmp_path):
 
 
 @pytest.mark.parametrize("make", [lambda t: _crisp_plan().promoted(t),
-                                  lambda t: CrispPlan.skip_aux(8, 2, FULL, [0], threshold=t)],
-                         ids=["crisp_aux_full_weight", "skip_threshold"])
+                                  lambda t: CrispPlan.skip_aux(8, 2, FULL, [0], threshold=t),
+                                  lambda t: _crisp_plan().skipping(t)],
+                         ids=["crisp_aux_full_weight", "skip_threshold", "crisp_aux_skip_weight"])
 @pytest.mark.parametrize("threshold", [0.239, 0.3, 0.1])  # float32(t) below t, above t, above t
 def test_weight_thresholds_agree_on_both_paths_at_the_float32_boundary(make, threshold):
     # A float32 weight equal to the float32 rounding of the threshold: the vectorized rules compare in float32
@@ -219,7 +239,57 @@ def test_weight_thresholds_agree_on_both_paths_at_the_float32_boundary(make, thr
     small = plan.token_widths(0, index[:4], weights[:4])  # the plain-Python path
     assert torch.equal(big[:4], small)
     assert torch.equal(plan.device_token_widths(0, index, weights), big)
-    assert int(big.min()) == FULL  # the weight equals the threshold as compared: at or above it, so run full
+    # the weight equals the threshold as compared: at or above it, so run full (not skipped: the Warm width)
+    assert int(big.min()) == (40 if plan.aux_skip_weight is not None else FULL)
+
+
+def test_aux_skip_weight_json_bands_and_refusals(tmp_path):
+    plan = _crisp_plan().promoted(0.4).skipping(0.2)
+    path = tmp_path / "banded.json"
+    plan.save(path)
+    assert CrispPlan.load(path) == plan and json.loads(path.read_text())["aux_skip_weight"] == 0.2
+    assert "aux_skip_weight" not in _crisp_plan().to_dict()  # plans without it, and their digests, are unchanged
+    assert plan.widths_digest() != plan.skipping(None).widths_digest()
+    assert plan.in_storage_rows(24).aux_skip_weight == 0.2 and plan.capped(48).aux_skip_weight == 0.2
+    assert plan.with_tiers(TierWidths(FULL, 8, 0)).aux_skip_weight == 0.2  # searches keep it
+    for bad, match in ((-0.1, r"aux_skip_weight must lie in \[0, 1\]"), (1.5, "must lie in"),
+                       (True, "aux_skip_weight must be a number"), ("0.3", "must be a number"),
+                       (float("nan"), "must be a number")):
+        with pytest.raises(PlanError, match=match):
+            _crisp_plan().skipping(bad)
+    with pytest.raises(PlanError, match="must not exceed aux_full_weight"):
+        _crisp_plan().promoted(0.3).skipping(0.31)
+    with pytest.raises(PlanError, match="CRISP plans only"):
+        CrispPlan.skip_aux(8, 2, FULL, [0], threshold=0.3).skipping(0.3)
+    data = plan.to_dict()
+    for bad in (-1, "0.3", True, 2.0, [0.3]):
+        data["aux_skip_weight"] = bad
+        with pytest.raises(PlanError, match="aux_skip_weight"):
+            CrispPlan.from_dict(data)
+    data["aux_skip_weight"] = 0.5  # above aux_full_weight 0.4
+    with pytest.raises(PlanError, match="must not exceed"):
+        CrispPlan.from_dict(data)
+    data["aux_skip_weight"] = None
+    assert CrispPlan.from_dict(data) == plan.skipping(None)
+    data = CrispPlan.uniform(8, 2, FULL, [0], 7).to_dict()
+    data["aux_skip_weight"] = 0.3
+    with pytest.raises(PlanError, match="unknown field"):
+        CrispPlan.from_dict(data)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.239, 0.3, 1.0])
+def test_equal_thresholds_make_skip_aux(threshold):
+    """With no combination profiled (every pair unseen, the heavier expert dominant), a CRISP plan with
+    aux_skip_weight = aux_full_weight = t gives every slot skip-auxiliary's width at threshold t."""
+    crisp = CrispPlan.crisp(8, 2, FULL, {0: LayerPlan({}, {})}, TierWidths(FULL, 40, 8), aux_full_weight=threshold,
+                            aux_skip_weight=threshold)
+    skip = CrispPlan.skip_aux(8, 2, FULL, [0], threshold=threshold)
+    gen = torch.Generator().manual_seed(3)
+    index = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(300)])
+    weights = torch.rand(300, 2, generator=gen)
+    weights = weights / weights.sum(1, keepdim=True)
+    assert torch.equal(crisp.token_widths(0, index, weights), skip.token_widths(0, index, weights))
+    assert torch.equal(crisp.token_widths(0, index[:8], weights[:8]), skip.token_widths(0, index[:8], weights[:8]))
 
 
 def test_json_round_trip_and_validation(tmp_path):

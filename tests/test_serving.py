@@ -17,6 +17,7 @@ from crisp_runtime.serving import (
     SERVING_POLICIES,
     AuxMissing,
     AuxNarrower,
+    AuxSkipped,
     DominantWiden,
     HitWidth,
     ServingPolicy,
@@ -34,7 +35,7 @@ DEQ = {i: [dequantize_expert(layer.expert(e), dtype=torch.float64) for e in rang
 
 policies = st.builds(ServingPolicy, st.just("p"), st.sampled_from(list(HitWidth)), st.sampled_from(list(AuxNarrower)),
                      st.sampled_from(list(AuxMissing)), st.sampled_from([1.0, 0.75, 0.5, 0.0625]),
-                     dominant_widen=st.sampled_from(list(DominantWiden)))
+                     dominant_widen=st.sampled_from(list(DominantWiden)), aux_skipped=st.sampled_from(list(AuxSkipped)))
 
 
 def reference(layer_id, x, index, weights, widths):
@@ -76,9 +77,12 @@ def brute_serve(policy, index, wanted, dominant, resident, full, whole=None):
     for (e, _, _), n in zip(slots, need, strict=True):
         available[e] = max(available.get(e, resident.get(e, 0)), n)
     served = []
-    for e, w, _ in slots:
+    for e, w, d in slots:
         a = available[e]
-        served.append(0 if w == 0 else a if policy.hit_width is HitWidth.RESIDENT else min(w, a))
+        if w == 0:  # the plan skips it: an auxiliary runs at what its expert holds under AuxSkipped.RESIDENT
+            served.append(a if policy.aux_skipped is AuxSkipped.RESIDENT and not d else 0)
+        else:
+            served.append(a if policy.hit_width is HitWidth.RESIDENT else min(w, a))
     return torch.tensor(served).reshape(wanted.shape)
 
 
@@ -164,6 +168,33 @@ def test_policy_errors(kwargs, match):
         ServingPolicy(**kwargs)
 
 
+def test_skipped_auxiliaries_run_at_what_is_resident_and_copy_nothing():
+    """AuxSkipped.RESIDENT: an auxiliary the plan skips runs at its expert's resident prefix, or at what the step
+    copies for another slot of the same expert; none resident: still skipped. The step's copies are unchanged."""
+    index = torch.tensor([[0, 1], [2, 3], [4, 0], [3, 5]])  # expert 0 dominant in step 1, auxiliary in step 3
+    wanted = torch.tensor([[INTER, 0], [INTER, 0], [INTER, 0], [8, 0]])
+    dominant = torch.tensor([[True, False], [True, False], [True, False], [True, False]])
+    resident = {0: 0, 1: 6, 2: INTER, 3: 0, 4: INTER, 5: 0}
+    revive = SERVING_POLICIES["resident-narrow-aux-revive"]
+    assert revive.aux_skipped is AuxSkipped.RESIDENT and not revive.follows_plan
+    got = serve_slots(revive, index, wanted, dominant, num_experts=6, full_width=INTER,
+                      resident_width=resident.__getitem__)
+    # expert 1 resident at 6; expert 3 none resident (skipped, though the token of row 3 copies 3's first 8 rows as a
+    # dominant: the slot of row 1 gets them too); expert 0 gets INTER from row 0's copy; expert 5 none
+    assert got.widths.tolist() == [[INTER, 6], [INTER, 8], [INTER, INTER], [8, 0]]
+    assert got.wider == 3 and got.skips == 0 and got.aux_slots == 3 and got.aux_neurons == 6 + 8 + INTER
+    plain = serve_slots(SERVING_POLICIES["resident-narrow-aux"], index, wanted, dominant, num_experts=6,
+                        full_width=INTER, resident_width=resident.__getitem__)
+    assert plain.widths.tolist() == [[INTER, 0], [INTER, 0], [INTER, 0], [8, 0]]
+    # the tasks copy the same bytes: reviving reads only rows already resident or copied for the step
+    from crisp_runtime.scheduler import plan_step
+    steps = [plan_step(index, s.widths, num_experts=6, neuron_nbytes=NB, resident_width=resident.__getitem__)
+             for s in (got, plain)]
+    assert steps[0].bytes_missing == steps[1].bytes_missing and steps[0].bytes_read > steps[1].bytes_read
+    assert ServingPolicy.from_dict(revive.to_dict()) == revive and revive.to_dict()["aux_skipped"] == "resident"
+    assert "aux_skipped" not in SERVING_POLICIES["resident-narrow-aux"].to_dict()  # older dicts stay as they were
+
+
 def test_policy_names_and_dict_round_trip():
     assert ServingPolicy().follows_plan and not SERVING_POLICIES["resident"].follows_plan
     for name, policy in SERVING_POLICIES.items():
@@ -198,7 +229,10 @@ def plans(draw):
         layers[layer_id] = LayerPlan({p: draw(st.sampled_from(list(Tier))) for p in pairs},
                                      {p: draw(st.sampled_from(p)) for p in pairs})
     widths = TierWidths(INTER, draw(st.integers(0, INTER)), draw(st.integers(0, INTER)))
-    return CrispPlan.crisp(E, TOP_K, INTER, layers, widths, unseen_tier=draw(st.sampled_from(list(Tier))))
+    promote = draw(st.sampled_from([None, 0.35, 0.45]))
+    skip = draw(st.sampled_from([None, 0.2, 0.35]))  # a light band skipped (aux_skip_weight <= aux_full_weight)
+    return CrispPlan.crisp(E, TOP_K, INTER, layers, widths, unseen_tier=draw(st.sampled_from(list(Tier))),
+                           aux_full_weight=promote, aux_skip_weight=skip)
 
 
 @st.composite

@@ -90,6 +90,34 @@ def test_a_weight_promoted_plan_takes_only_its_own_weight_s_accuracy(plans, tmp_
     assert got["crisp/resident/lru+prefetch"] is None and got["crisp@aux0.3/resident/lru+prefetch"] is None
 
 
+def test_a_three_band_plan_takes_only_its_own_thresholds_accuracy(plans, tmp_path):
+    """CrispPlan.aux_skip_weight is matched per record like aux_full_weight, and AuxSkipped per serving policy."""
+    from bench.sim_policies import SimPolicy
+    from crisp_runtime.serving import SERVING_POLICIES
+
+    banded = plans["crisp"].promoted(0.4).skipping(0.2)
+    batch = tmp_path / "eval.json"
+    batch.write_text(json.dumps({"model": "models/synthetic", "records": [
+        {"policy": "crisp", "aux_full_weight": 0.4, "relative_accuracy_loss_vs_full": 0.010},
+        {"policy": "crisp", "aux_full_weight": 0.4, "aux_skip_weight": 0.2, "relative_accuracy_loss_vs_full": 0.011}]}))
+    serving = tmp_path / "serving.json"
+    revive = SERVING_POLICIES["resident-narrow-aux-revive"]
+    serving.write_text(json.dumps({"format": "crisp-eval-serving", "model": "models/synthetic", "records": [
+        {"policy": "crisp-revive+prefetch", "plan": "crisp", "budget_fraction": 0.25,
+         "serving": {**revive.to_dict(), "exact": False}, "prefetch": {"extra_experts": 0},
+         "plan_detail": {"aux_full_weight": 0.4, "aux_skip_weight": 0.2}, "accuracy_loss": 0.009}]}))
+    evaluated, _ = read_accuracy([batch, serving], "models/synthetic")
+
+    def loss(plan, serving_name, prefetch=True):
+        sim = SimPolicy("crisp", plan, SERVING_POLICIES[serving_name], "lru", prefetch=prefetch)
+        return accuracy_for(_record(sim), evaluated)[0]
+
+    assert loss(banded, "plan") == 0.011 and loss(plans["crisp"].promoted(0.4), "plan") == 0.010
+    assert loss(plans["crisp"].promoted(0.4).skipping(0.25), "plan") is None  # no evaluation of that threshold
+    assert loss(banded, "resident-narrow-aux-revive") == 0.009
+    assert loss(banded, "resident-narrow-aux") is None  # the decode revived skipped auxiliaries: not this policy
+
+
 def test_a_capped_plan_takes_only_its_own_cap_s_accuracy(plans, tmp_path):
     cap = round(0.75 * plans["crisp"].intermediate_size)
     batch = tmp_path / "eval.json"

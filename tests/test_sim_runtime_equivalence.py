@@ -56,13 +56,15 @@ def decisions_and_prefetches(decisions, monkeypatch):
 
 
 @pytest.mark.parametrize("serving", ["plan", "resident", "resident-floor75", "resident-floor75-widen",
-                                     "resident-narrow-aux"])
+                                     "resident-narrow-aux", "resident-narrow-aux-revive"])
 @pytest.mark.parametrize(("eviction", "budget_experts"), [("lru", 4), ("next_use", 6)])
 def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, eviction, budget_experts):
     trace = synthetic_trace(num_layers=LAYERS, num_tokens=24, num_experts=EXPERTS, intermediate_size=INTER, seed=3)
     plan = plan_from_trace(trace)  # hot / warm (50%) / cold tiers: widenings and skips happen
     if serving == "resident-narrow-aux":  # heavy auxiliaries wanted whole, which NARROW_ONLY widens
         plan = plan.promoted(0.3)
+    if serving == "resident-narrow-aux-revive":  # and light ones skipped by the plan, run where resident
+        plan = plan.promoted(0.35).skipping(0.25)
     layers = random_layers(layer_ids=tuple(range(LAYERS)), num_experts=EXPERTS, inter=INTER, hidden=HIDDEN)
     nb = layers[0].fmt.neuron_nbytes(HIDDEN)
     shape = ModelShape("toy", LAYERS, EXPERTS, 2, HIDDEN, INTER)

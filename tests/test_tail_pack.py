@@ -69,6 +69,18 @@ def test_a_tail_pack_stores_a_plan_with_an_auxiliary_weight(tmp_path):
                     "--aux-full-weight", "0.3", "--quiet"]) == 0
     pack, src = load_pack(out), load_pack(TINY_PACK)
     assert pack.plan == src.plan.promoted(0.3) and pack.info["tail_pack"]["aux_full_weight"] == 0.3
+    assert "aux_skip_weight" not in pack.info["tail_pack"]
+
+
+def test_a_tail_pack_stores_a_three_band_plan_and_refuses_crossed_thresholds(tmp_path, capsys):
+    base = ["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "2g128@0.25", "--quiet"]
+    out = tmp_path / "banded"
+    assert tp.main([*base, "--out", str(out), "--aux-full-weight", "0.4", "--aux-skip-weight", "0.2"]) == 0
+    pack, src = load_pack(out), load_pack(TINY_PACK)
+    assert pack.plan == src.plan.promoted(0.4).skipping(0.2) and pack.info["tail_pack"]["aux_skip_weight"] == 0.2
+    crossed = tmp_path / "crossed"
+    assert tp.main([*base, "--out", str(crossed), "--aux-full-weight", "0.3", "--aux-skip-weight", "0.35"]) == 2
+    assert "--aux-skip-weight" in capsys.readouterr().err and not crossed.exists()
 
 
 def test_an_interrupted_tail_pack_leaves_nothing(tmp_path, monkeypatch, capsys):

@@ -208,7 +208,12 @@ class Evaluator:
                 label = "4-bit full width"
             records.append(self._record("full", label, full[1], full[0], n_tok))
             crisp = run(self.plan)
-            records.append(self._record("crisp", "CRISP (pack plan)", crisp[1], crisp[0], n_tok))
+            # the pack plan's own knobs, so that a simulation of that plan matches this row (bench.sim_policies)
+            knobs = {k: v for k, v in (("width_cap", None if self.plan.width_cap is None
+                                        else self.neurons(self.plan.width_cap)),
+                                       ("aux_full_weight", self.plan.aux_full_weight),
+                                       ("aux_skip_weight", self.plan.aux_skip_weight)) if v is not None}
+            records.append(self._record("crisp", "CRISP (pack plan)", crisp[1], crisp[0], n_tok, **knobs))
             # uniform and skip-aux matched to CRISP's measured bytes per token on the full-width run's routing
             routing = {i: trace.layer(i) for i in self.layer_ids}
             plans = equal_bytes_plans(self.plan, routing, target=crisp[1] / self.neuron_bytes)

@@ -181,7 +181,9 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
                         # a capped CRISP plan's cap in neurons (absent: uncapped, as in records before it)
                         **({} if plan.width_cap is None else {"width_cap": neurons(plan.width_cap)}),
                         # a weight-promoted CRISP plan's threshold (absent: none)
-                        **({} if plan.aux_full_weight is None else {"aux_full_weight": plan.aux_full_weight})},
+                        **({} if plan.aux_full_weight is None else {"aux_full_weight": plan.aux_full_weight}),
+                        # a three-band CRISP plan's skip threshold (absent: none)
+                        **({} if plan.aux_skip_weight is None else {"aux_skip_weight": plan.aux_skip_weight})},
         "budget_fraction": budget_fraction,
         "budget_bytes": budget_bytes,
         "serving": _serving_dict(case.serving),

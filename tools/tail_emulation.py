@@ -144,6 +144,9 @@ def tail_tool_parser(prog: str, doc: str, source_verb: str, layout_help: str) ->
     p.add_argument("--aux-full-weight", default=None, type=ca.float_in(0.0, 1.0), metavar="W",
                    help="store the plan with auxiliaries of routing weight >= W at the dominant width whatever their "
                    "tier (CrispPlan.aux_full_weight; default: the pack's plan as it is)")
+    p.add_argument("--aux-skip-weight", default=None, type=ca.float_in(0.0, 1.0), metavar="S",
+                   help="store the plan with auxiliaries of routing weight < S skipped whatever their tier "
+                   "(CrispPlan.aux_skip_weight; at most --aux-full-weight; default: the pack's plan as it is)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -190,6 +193,11 @@ def source_pack(args):
             plan = plan.promoted(args.aux_full_weight)
         except ValueError as exc:
             raise CliError(f"--aux-full-weight: {exc}") from None
+    if args.aux_skip_weight is not None:
+        try:
+            plan = plan.skipping(args.aux_skip_weight)
+        except ValueError as exc:
+            raise CliError(f"--aux-skip-weight: {exc}") from None
     return layers, plan, info
 
 
@@ -218,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         out = new_out(args)
-        if args.layout.is_plain and args.tier_widths is None and args.aux_full_weight is None:
-            raise CliError("--layout q4 is the pack itself: nothing to emulate (give --tier-widths or "
-                           "--aux-full-weight to store another plan)")
+        if (args.layout.is_plain and args.tier_widths is None and args.aux_full_weight is None
+                and args.aux_skip_weight is None):
+            raise CliError("--layout q4 is the pack itself: nothing to emulate (give --tier-widths, "
+                           "--aux-full-weight or --aux-skip-weight to store another plan)")
         layers, plan, info = source_pack(args)
         _, refs = source_model(args, layers, info)
         from crisp_runtime.pack import save_pack
@@ -239,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         info[INFO_EMULATION] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
                                 "tier_widths": None if args.tier_widths is None else vars(args.tier_widths),
                                 "aux_full_weight": args.aux_full_weight,
+                                **({} if args.aux_skip_weight is None else {"aux_skip_weight": args.aux_skip_weight}),
                                 "note": "4-bit format; tail rows on low-bit grids (crisp_tools.tail_emulation)"}
         save_pack(out, new, plan=plan, info=info)
     except (CliError, OutputPathError) as exc:

@@ -17,8 +17,9 @@ several segments) are simulated and emulated only (``crisp_tools.tail_emulation`
 
 The result is a pack folder (written atomically, never over an existing path) whose pack.json records
 ``tail_layout`` and ``tail_pack`` (the source pack and its experts file record). Its plan is the source
-pack's (in neurons: the runtime converts it to storage rows), or the source's with ``--tier-widths`` and / or
-``--aux-full-weight`` (auxiliaries of routing weight >= W at the dominant width).
+pack's (in neurons: the runtime converts it to storage rows), or the source's with ``--tier-widths``,
+``--aux-full-weight`` (auxiliaries of routing weight >= W at the dominant width) and / or ``--aux-skip-weight``
+(auxiliaries of routing weight < S skipped).
 ``crisp-eval`` measures it against the source pack's full width (``--reference-crisp``), in batch or
 decode mode (the runtime's cache then counts the tail pack's real bytes).
 """
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "tail_start_neuron": start,
                                 "tier_widths": None if args.tier_widths is None else vars(args.tier_widths),
                                 "aux_full_weight": args.aux_full_weight,
+                                **({} if args.aux_skip_weight is None else {"aux_skip_weight": args.aux_skip_weight}),
                                 "note": "neurons from tail_start_neuron stored at 2 bits (crisp_tools.tail_pack)"}
         save_pack(out, new, plan=plan, info=info)
     except (CliError, OutputPathError) as exc:
