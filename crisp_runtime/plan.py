@@ -380,7 +380,8 @@ class CrispPlan:
         import math
         import numbers
 
-        for name in ("skip_threshold", "aux_full_weight", "aux_skip_weight"):  # routing-weight thresholds: real numbers, not bools
+        # routing-weight thresholds: real numbers, not bools
+        for name in ("skip_threshold", "aux_full_weight", "aux_skip_weight"):
             v = getattr(self, name)
             if v is not None:
                 if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
@@ -532,8 +533,8 @@ class CrispPlan:
 
     @functools.cached_property
     def _weight_thresholds(self) -> tuple[float | None, float | None, float | None]:
-        """(skip_threshold, aux_full_weight, aux_skip_weight) rounded to float32: the vectorized rules compare a float32 tensor with
-        a Python number in float32 (0.239 becomes 0.23899999...), so the Python rules compare with the same value
+        """(skip_threshold, aux_full_weight, aux_skip_weight) rounded to float32: the vectorized rules compare a
+        float32 tensor with a Python number in float32 (0.239 becomes 0.23899999...), so the Python rules compare with the same value
         and both paths agree on a weight equal to the rounded threshold."""
         def f32(v):
             return None if v is None else torch.tensor(v, dtype=torch.float32).item()

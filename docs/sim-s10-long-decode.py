@@ -19,8 +19,8 @@ which saves its ~25 min decode.
                (CrispPlan.aux_full_weight); --narrow-only: auxiliaries the plan wants whole are widened
                (AuxNarrower.NARROW_ONLY); --aux-skip-weight (session 14): auxiliaries of routing weight < S
                skipped (CrispPlan.aux_skip_weight); --revive (session 14): an auxiliary the plan skips runs at
-               what its expert holds (AuxSkipped.RESIDENT); --windows: other windows than 128 x 256 (session 9's 50% decodes
-               used 32 x 128)
+               what its expert holds (AuxSkipped.RESIDENT); --windows: other windows than 128 x 256 (session 9's
+               50% decodes used 32 x 128)
 """
 
 from __future__ import annotations
