@@ -534,8 +534,8 @@ class CrispPlan:
     @functools.cached_property
     def _weight_thresholds(self) -> tuple[float | None, float | None, float | None]:
         """(skip_threshold, aux_full_weight, aux_skip_weight) rounded to float32: the vectorized rules compare a
-        float32 tensor with a Python number in float32 (0.239 becomes 0.23899999...), so the Python rules compare with the same value
-        and both paths agree on a weight equal to the rounded threshold."""
+        float32 tensor with a Python number in float32 (0.239 becomes 0.23899999...), so the Python rules compare
+        with the same value and both paths agree on a weight equal to the rounded threshold."""
         def f32(v):
             return None if v is None else torch.tensor(v, dtype=torch.float32).item()
         return f32(self.skip_threshold), f32(self.aux_full_weight), f32(self.aux_skip_weight)
