@@ -196,7 +196,8 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
                 out.append((SimPolicy("crisp", crisp.capped(cap), resident_serving(f), FRONTIER_EVICTION, prefetch,
                                       variant=f"cap{cap}"),
                             {"family": "crisp capped residency-aware", "knob": "dominant_floor", "knob_value": f}))
-        for weight in PROMOTE_WEIGHTS:
+        # a three-band plan (CrispPlan.aux_skip_weight S) is promoted only at weights >= S (below: refused)
+        for weight in (w for w in PROMOTE_WEIGHTS if crisp.aux_skip_weight is None or w >= crisp.aux_skip_weight):
             promoted = crisp.promoted(weight)
             out.append((SimPolicy("crisp", promoted, exact, FRONTIER_EVICTION, prefetch, variant=f"aux{weight:g}"),
                         {"family": "crisp weight-promoted", "knob": "aux_full_weight", "knob_value": weight}))

@@ -70,6 +70,14 @@ def test_frontier_sweeps_each_family_knob(plans):
     assert all(c.plan.width_cap is None for c in configs if c.plan.aux_full_weight is not None)
 
 
+def test_frontier_of_a_three_band_plan_promotes_only_at_or_above_its_skip_weight(plans):
+    banded = {**plans, "crisp": plans["crisp"].skipping(0.3)}
+    configs = configurations(banded, "frontier", prefetch=[True])  # promoted(0.25) would be refused: not built
+    weights = sorted({c.plan.aux_full_weight for c in configs if c.plan.aux_full_weight is not None})
+    assert weights == [w for w in PROMOTE_WEIGHTS if w >= 0.3]
+    assert all(c.plan.aux_skip_weight == 0.3 for c in configs if c.name == "crisp")
+
+
 def test_a_weight_promoted_plan_takes_only_its_own_weight_s_accuracy(plans, tmp_path):
     batch = tmp_path / "eval.json"
     batch.write_text(json.dumps({"model": "models/synthetic", "records": [

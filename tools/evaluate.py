@@ -265,7 +265,8 @@ class Evaluator:
             got = run(self.plan.capped(rows_for_neurons(cap, first.tail_start)))
             out.append(self._record("crisp", f"CRISP capped at {cap}/{neurons} (frontier)", got[1], got[0], n_tok,
                                     width_cap=cap))
-        for weight in PROMOTE_WEIGHTS:
+        skip = self.plan.aux_skip_weight  # a three-band plan is promoted only at weights >= its skip weight
+        for weight in (w for w in PROMOTE_WEIGHTS if skip is None or w >= skip):
             got = run(self.plan.promoted(weight))
             out.append(self._record("crisp", f"CRISP, auxiliaries of weight >= {weight:g} at full width (frontier)",
                                     got[1], got[0], n_tok, aux_full_weight=weight))

@@ -214,7 +214,9 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     loss - z standard errors is already over the bound. Raises ValueError when no candidate is accepted.
     """
     if cands is None:  # the auxiliary weight is a CRISP plan's knob: other plans search the serving alone
-        cands = candidates(aux_full_weights=SEARCH_AUX_WEIGHTS if plan.policy is PolicyKind.CRISP else (None,))
+        weights = SEARCH_AUX_WEIGHTS if plan.policy is PolicyKind.CRISP else (None,)
+        skip = plan.aux_skip_weight  # a three-band plan: only weights >= its skip weight (below: refused)
+        cands = candidates(aux_full_weights=[w for w in weights if w is None or skip is None or w >= skip])
     cands = list(cands)
     if not cands:
         raise ValueError("search_throughput: no candidates")
