@@ -51,7 +51,15 @@ from crisp_kernels.tail_layout import PLAIN
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import PrefetchWidth
 from crisp_runtime.scheduler import Placement
-from crisp_runtime.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, DominantWiden, HitWidth, ServingPolicy
+from crisp_runtime.serving import (
+    SERVING_POLICIES,
+    AuxMissing,
+    AuxNarrower,
+    DominantWiden,
+    HitWidth,
+    ServingPolicy,
+    serving_by_name,
+)
 from crisp_runtime.serving_record import ServingRecord
 
 from .simulate import SimPolicy
@@ -115,7 +123,7 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
                 SimPolicy("crisp", plans["crisp"], stored.policy, stored.eviction, pf is not None,
                           pf.width if pf is not None else PrefetchWidth.PLAN)]
     if matrix == "product":
-        out = [SimPolicy(name, plan, SERVING_POLICIES[s], e, p)
+        out = [SimPolicy(name, plan, serving_by_name(s), e, p)
                for name, plan in plans.items() for s in serving for e in evictions for p in prefetch]
         base = SimPolicy("full", plans["full"]) if "full" in plans else None
         if base is not None and base.label not in {c.label for c in out}:

@@ -17,7 +17,7 @@ from crisp_runtime import cli_args as ca
 from crisp_runtime.moe_layers import max_positions
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import PrefetchWidth
-from crisp_runtime.serving import SERVING_POLICIES
+from crisp_runtime.serving import SERVING_POLICIES, serving_by_name
 
 from . import common, report
 from . import simulate as sim
@@ -50,6 +50,19 @@ SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
 _csv, _fraction, _fractions, _int_list, _positive_int = (
     common.csv_choices, common.fraction, common.fractions, common.int_list, common.positive_int)
 _outputs, _model_args, _rel, _emit = common.add_outputs, common.add_model_args, common.rel, common.emit
+
+
+def _serving_list(text: str) -> list[str]:
+    """--serving: comma-separated names ``crisp_runtime.serving.serving_by_name`` takes."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected policy names, got {text!r}")
+    for item in items:
+        try:
+            serving_by_name(item)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return items
 
 
 SIMULATE_EPILOG = """\
@@ -127,9 +140,10 @@ def add_parser(subparsers) -> None:
                    "--profile with a CPU, e.g. rtx4090-pcie4-ddr5; docs/hybrid.md); stored: full-width LRU and the "
                    "serving choice (policy, eviction, prefetch width, budget) that crisp-profile --plan-for-throughput "
                    "stored in the --plan / --pack folder, with that pack's plan")
-    p.add_argument("--serving", type=_csv(SERVING_NAMES), default=["plan"],
-                   help=f"serving policies (crisp_runtime.serving), comma separated: {', '.join(SERVING_NAMES)} "
-                   "(default plan: the plan's widths whatever is resident)")
+    p.add_argument("--serving", type=_serving_list, default=["plan"],
+                   help=f"serving policies (crisp_runtime.serving), comma separated: {', '.join(SERVING_NAMES)}, "
+                   "or resident-floorP[-narrow-aux][-revive] (a missed dominant at P%% of the full width; "
+                   "serving.serving_by_name) (default plan: the plan's widths whatever is resident)")
     p.add_argument("--eviction", type=_csv(SIM_EVICTIONS), default=["lru"],
                    help=f"eviction policies, comma separated: {', '.join(SIM_EVICTIONS)} (belady: offline "
                    "furthest next use, the reference). The full-width LRU baseline is always simulated")

@@ -216,6 +216,38 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
 }
 
 
+_FLOOR_NAME = "resident-floor"
+_NAME_SUFFIXES = (("-narrow-aux", {"aux_narrower": AuxNarrower.NARROW_ONLY}),
+                  ("-revive", {"aux_skipped": AuxSkipped.RESIDENT}))
+
+
+def serving_by_name(name: str) -> ServingPolicy:
+    """A named policy of :data:`SERVING_POLICIES`, or ``resident-floorP`` (``resident`` with a missed dominant
+    loading P percent of the full width, 0 < P <= 100) optionally followed by ``-narrow-aux``
+    (AuxNarrower.NARROW_ONLY) and ``-revive`` (AuxSkipped.RESIDENT), in that order: e.g.
+    ``resident-floor87.5-narrow-aux``. What the benchmarks' ``--serving`` lists take; ValueError otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(f"serving: expected a policy name, got {name!r}")
+    if name in SERVING_POLICIES:
+        return SERVING_POLICIES[name]
+    fields: dict = {}
+    rest = name
+    for suffix, changes in reversed(_NAME_SUFFIXES):
+        if rest.endswith(suffix):
+            rest = rest[:-len(suffix)]
+            fields.update(changes)
+    percent = rest[len(_FLOOR_NAME):] if rest.startswith(_FLOOR_NAME) else ""
+    try:
+        floor = float(percent) / 100 if percent.replace(".", "", 1).isdigit() else math.nan
+    except ValueError:
+        floor = math.nan
+    if not 0.0 < floor <= 1.0:
+        raise ValueError(f"serving: unknown policy {name!r}: expected one of {', '.join(SERVING_POLICIES)}, or "
+                         f"resident-floorP[-narrow-aux][-revive] with 0 < P <= 100")
+    return ServingPolicy(name, HitWidth.RESIDENT, fields.get("aux_narrower", AuxNarrower.RESIDENT), AuxMissing.LOAD,
+                         floor, aux_skipped=fields.get("aux_skipped", AuxSkipped.SKIP))
+
+
 def make_serving(spec) -> ServingPolicy:
     """A policy from a name in :data:`SERVING_POLICIES`, a dict (``to_dict`` form) or an instance."""
     if isinstance(spec, ServingPolicy):

@@ -20,7 +20,9 @@ Two steps, both the product's code:
     crisp-bench simulate --trace docs/bench-trace-heldout-predicted.npz --pack /tmp/pack-64-32 \\
         --plan /tmp/plans/s0.3-w0.45-cnone.json --tail-layout 2g128@0.25 --budget 0.1 --policies crisp \\
         --serving plan --prefetch trace --orders widest_first --json SIM.json
-    # 3. the check: every uniform / skip-aux point against the fastest CRISP point at or below its loss
+    # 3. the paired differences behind the coverings (held-out and calibration text)
+    PYTHONPATH=. python docs/sim-s14-three-band.py paired /tmp/pack-64-32 [--data data/stdlib-calib.txt]
+    # 4. the check: every uniform / skip-aux point against the fastest CRISP point at or below its loss
     PYTHONPATH=. python docs/sim-s14-three-band.py check docs/eval-s14-three-band-128x256.json \\
         --sims SIM.json ... [--decoded DECODE.json ...] [--json docs/bench-simulate-s14-three-band.json]
 
@@ -49,6 +51,12 @@ CONFIGS += [(s, None, None) for s in (0.1, 0.2, 0.3, 0.4)]
 CONFIGS += [(0.2, 0.2, None), (0.5, 0.5, None)]  # = skip-aux at 0.2 and "always": the machinery's check
 CONFIGS += [(s, w, cap) for cap in (240, 224, 208, 192, 160, 128)
             for s, w in ((None, None), (0.2, 0.4), (0.3, 0.4), (0.35, 0.4), (0.3, 0.3), (0.4, 0.4), (0.5, 0.5))]
+
+
+# (three-band point, the skip-aux point it covers at 10 / 50%): their paired difference per text (`paired`)
+PAIRS = [((0.15, 0.3, None), (0.2, 0.2, None)), ((0.25, 0.4, None), (0.3, 0.3, None)),
+         ((0.35, 0.45, None), (0.4, 0.4, None)), ((0.3, 0.45, None), (0.4, 0.4, None)),
+         ((0.3, 0.4, 192), (0.5, 0.5, None))]
 
 
 def _name(s, w, cap) -> str:
@@ -111,6 +119,28 @@ def cmd_batch(args) -> int:
                      "(docs/sim-s14-three-band.py)"],
            "records": records}
     _write_new(out, doc)
+    return 0
+
+
+def cmd_paired(args) -> int:
+    """Each PAIRS' three-band point against its skip-aux point on the same windows: the relative accuracy of the
+    first over the second (paired, window-clustered standard error), and their bytes per token."""
+    from crisp_tools.evaluate import Evaluator
+    from crisp_tools.loss_estimate import relative_loss
+
+    from crisp_runtime.runtime import plan_for_layers
+
+    ev = Evaluator(MODEL, args.pack, args.data, samples=SAMPLES, seq_len=SEQ_LEN, quiet=True, reference_dir=REFERENCE)
+    print(f"{args.data}: {tuple(ev.windows.shape)} windows; loss of A relative to B (B's hits as the reference)")
+    with ev._runtime_runner() as run:
+        for a, b in PAIRS:
+            got = {}
+            for cfg in (a, b):
+                s, w, cap = cfg
+                got[cfg] = run(plan_for_layers(ev.pack_plan.promoted(w).skipping(s).capped(cap), ev.layers))
+            est = relative_loss(got[b][0].correct, got[a][0].correct)
+            print(f"  A {_name(*a):18s} vs B {_name(*b):18s}: {est.loss:+.2%} +- {est.standard_error:.2%} "
+                  f"(A's bytes / B's {got[a][1] / got[b][1]:.3f})", flush=True)
     return 0
 
 
@@ -185,6 +215,9 @@ def main() -> int:
     pl = sub.add_parser("plans", help="write every configuration's plan JSON (for crisp-bench simulate --plan)")
     pl.add_argument("pack")
     pl.add_argument("out", help="folder")
+    pr = sub.add_parser("paired", help="PAIRS: each three-band point against its skip-aux point, paired")
+    pr.add_argument("pack")
+    pr.add_argument("--data", nargs="+", default=HELDOUT)
     c = sub.add_parser("check", help="attach losses to simulations; the frontier check")
     c.add_argument("batch", help="the batch JSON of `batch`")
     c.add_argument("--sims", nargs="+", required=True, help="crisp-bench simulate --json files")
@@ -192,7 +225,7 @@ def main() -> int:
                    "aware configurations")
     c.add_argument("--json", default=None, help="write the merged records here (new file)")
     args = p.parse_args()
-    return {"batch": cmd_batch, "plans": cmd_plans, "check": cmd_check}[args.cmd](args)
+    return {"batch": cmd_batch, "plans": cmd_plans, "paired": cmd_paired, "check": cmd_check}[args.cmd](args)
 
 
 if __name__ == "__main__":

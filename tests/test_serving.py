@@ -195,6 +195,35 @@ def test_skipped_auxiliaries_run_at_what_is_resident_and_copy_nothing():
     assert "aux_skipped" not in SERVING_POLICIES["resident-narrow-aux"].to_dict()  # older dicts stay as they were
 
 
+@pytest.mark.parametrize(("name", "floor", "narrow", "skipped"), [
+    ("resident-floor87.5", 0.875, AuxNarrower.RESIDENT, AuxSkipped.SKIP),
+    ("resident-floor100-narrow-aux", 1.0, AuxNarrower.NARROW_ONLY, AuxSkipped.SKIP),
+    ("resident-floor37.5-narrow-aux-revive", 0.375, AuxNarrower.NARROW_ONLY, AuxSkipped.RESIDENT),
+    ("resident-floor75-revive", 0.75, AuxNarrower.RESIDENT, AuxSkipped.RESIDENT),
+])
+def test_serving_by_name_builds_floor_policies(name, floor, narrow, skipped):
+    from crisp_runtime.serving import serving_by_name
+
+    policy = serving_by_name(name)
+    assert (policy.name, policy.dominant_floor, policy.aux_narrower, policy.aux_skipped) == (name, floor, narrow,
+                                                                                             skipped)
+    assert policy.hit_width is HitWidth.RESIDENT and policy.aux_missing is AuxMissing.LOAD
+    assert serving_by_name("resident-floor75") is SERVING_POLICIES["resident-floor75"]  # a named one is itself
+    # the same fields as the runtime's named policy of that floor (what the simulator matches evaluations by)
+    assert serving_by_name("resident-floor100-narrow-aux").to_dict() == {
+        **SERVING_POLICIES["resident-narrow-aux"].to_dict(), "name": "resident-floor100-narrow-aux"}
+
+
+@pytest.mark.parametrize("bad", ["resident-floor0", "resident-floor100.5", "resident-floor", "resident-floorx",
+                                 "resident-floor-5", "resident-floor50-revive-narrow-aux", "resident-floornan",
+                                 "floor50", "", "resident-floor1e2"])
+def test_serving_by_name_refuses_nonsense(bad):
+    from crisp_runtime.serving import serving_by_name
+
+    with pytest.raises(ValueError, match="unknown policy"):
+        serving_by_name(bad)
+
+
 def test_policy_names_and_dict_round_trip():
     assert ServingPolicy().follows_plan and not SERVING_POLICIES["resident"].follows_plan
     for name, policy in SERVING_POLICIES.items():
