@@ -88,8 +88,8 @@ BENCH = (
         "--eviction": ["fifo", ""], "--warmup": NONNEG_INT, "--record-trace": ["", "DIR", "MISSING"],
         "--trace": [""], "--compare": [""], "--profile-file": [""], "--profile": ["", "gtx480"], "--plan": [""],
         "--matrix": ["bogus", ""],
-        "--serving": ["magic", "", "plan,x", "resident-floor0", "resident-floor150", "resident-floorx", "resident-floor-5",
-                      "resident-floor50-revive-narrow-aux"],
+        "--serving": ["magic", "", "plan,x", "resident-floor0", "resident-floor150", "resident-floorx",
+                      "resident-floor-5", "resident-floor50-revive-narrow-aux"],
         "--prefetch": ["always", ""],
         "--prefetch-width": ["full", "", "plan,x"], "--accuracy": [""], "--from-json": [""],
         "--tail-layout": TAIL_LAYOUTS_BAD})
