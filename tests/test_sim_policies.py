@@ -50,6 +50,17 @@ def test_product_matrix_always_has_the_full_lru_baseline(plans):
         configurations(plans, "everything")
 
 
+def test_product_matrix_takes_floor_policy_names(plans):
+    configs = configurations({"crisp": plans["crisp"], "full": plans["full"]}, "product",
+                             serving=["resident-floor87.5-narrow-aux"], prefetch=[True])
+    crisp = [c for c in configs if c.name == "crisp"]
+    assert [c.serving.dominant_floor for c in crisp] == [0.875]
+    assert crisp[0].serving.aux_narrower.value == "narrow_only"
+    assert crisp[0].label.startswith("crisp/resident-floor87.5")
+    with pytest.raises(ValueError, match="unknown policy"):
+        configurations(plans, "product", serving=["resident-floor0"])
+
+
 def test_frontier_sweeps_each_family_knob(plans):
     configs = configurations(plans, "frontier", prefetch=[False, True])
     floors = sorted(c.serving.dominant_floor for c in configs if c.name == "crisp" and c.serving.name != "plan"
