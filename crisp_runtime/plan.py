@@ -301,21 +301,17 @@ class CrispPlan:
                 raise PlanError(f"plan: width_cap applies to CRISP plans only, not {self.policy.value!r}")
             if not 1 <= self.width_cap <= full:
                 raise PlanError(f"plan: width_cap must lie in [1, {full}] (or be None: uncapped), got {self.width_cap}")
-        if self.aux_full_weight is not None:
+        for name in ("aux_full_weight", "aux_skip_weight"):  # the CRISP plan's routing-weight bands
+            v = getattr(self, name)
+            if v is None:
+                continue
             if self.policy is not PolicyKind.CRISP:
-                raise PlanError(f"plan: aux_full_weight applies to CRISP plans only, not {self.policy.value!r}")
-            if not 0.0 <= self.aux_full_weight <= 1.0:
-                raise PlanError(f"plan: aux_full_weight must lie in [0, 1] (or be None: tiers only), "
-                                f"got {self.aux_full_weight}")
-        if self.aux_skip_weight is not None:
-            if self.policy is not PolicyKind.CRISP:
-                raise PlanError(f"plan: aux_skip_weight applies to CRISP plans only, not {self.policy.value!r}")
-            if not 0.0 <= self.aux_skip_weight <= 1.0:
-                raise PlanError(f"plan: aux_skip_weight must lie in [0, 1] (or be None: tiers only), "
-                                f"got {self.aux_skip_weight}")
-            if self.aux_full_weight is not None and self.aux_skip_weight > self.aux_full_weight:
-                raise PlanError(f"plan: aux_skip_weight {self.aux_skip_weight} must not exceed aux_full_weight "
-                                f"{self.aux_full_weight} (a weight cannot be skipped and whole)")
+                raise PlanError(f"plan: {name} applies to CRISP plans only, not {self.policy.value!r}")
+            if not 0.0 <= v <= 1.0:
+                raise PlanError(f"plan: {name} must lie in [0, 1] (or be None: tiers only), got {v}")
+        if None not in (self.aux_skip_weight, self.aux_full_weight) and self.aux_skip_weight > self.aux_full_weight:
+            raise PlanError(f"plan: aux_skip_weight {self.aux_skip_weight} must not exceed aux_full_weight "
+                            f"{self.aux_full_weight} (a weight cannot be skipped and whole)")
         if self.policy is PolicyKind.CRISP:
             if self.tier_widths is None:
                 raise PlanError("plan: a CRISP plan needs tier_widths")
