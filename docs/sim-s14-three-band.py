@@ -24,7 +24,8 @@ Two steps, both the product's code:
     PYTHONPATH=. python docs/sim-s14-three-band.py paired /tmp/pack-64-32 [--data data/stdlib-calib.txt]
     # 4. the check: every uniform / skip-aux point against the fastest CRISP point at or below its loss
     PYTHONPATH=. python docs/sim-s14-three-band.py check docs/eval-s14-three-band-128x256.json \\
-        --sims SIM.json ... [--decoded DECODE.json ...] [--json docs/bench-simulate-s14-three-band.json]
+        --sims SIM.json ... [--decoded DECODE.json ...] [--json docs/bench-simulate-s14-three-band.json] \\
+        [--calibration docs/eval-s14-three-band-calib-128x256.json]
 
 The check attaches a loss to a simulated record only through ``bench.sim_policies.accuracy_for`` (the same
 thresholds, cap and, for residency-aware serving, the same serving policy, budget and prefetch: a decode of
@@ -185,11 +186,41 @@ def cmd_check(args) -> int:
             print(f"  {r['note']:48s} {r['x']:5.2f}x at {100 * r['loss']:5.2f}%")
         print("  each uniform / skip-aux point against every CRISP point (sessions 11-14; loss <= and tokens/s >=):")
         print("\n".join(s10.check(earlier[budget] + mine)))
+        if args.calibration:
+            print(_chosen_on_calibration(args.batch, args.calibration, merged, earlier[budget], budget))
     if args.json:
         _write_new(Path(args.json), {"format": "crisp-s14-three-band", "full_width_lru_tokens_per_s": base,
                                 "full_width_lru_source": {b: str(p) for b, p in base_files.items()},
                                 "accuracy": [str(args.batch), *map(str, args.decoded)], "records": merged})
     return 0
+
+
+def _chosen_on_calibration(batch: str, calibration: str, merged: list[dict], earlier: list[dict], budget: str) -> str:
+    """For each skip-aux point with an S = W configuration in both batch files: the fastest simulated three-band
+    point at the plan's widths whose loss on the calibration text is at most skip-aux's there, and its held-out
+    loss and speed against skip-aux's (the choice made on other text than the one that reports it)."""
+    held = {r["label"]: r["relative_accuracy_loss_vs_full"] for r in json.loads(Path(batch).read_text())["records"]}
+    calib = {r["label"]: r["relative_accuracy_loss_vs_full"]
+             for r in json.loads(Path(calibration).read_text())["records"]}
+    skip_x = {r["note"]: r["x"] for r in earlier if r["family"] == "skip_aux"}
+    lines = ["  chosen on the calibration text (fastest simulated three-band point at <= skip-aux's calibration loss):"]
+    for t, note in ((0.2, "t0.2"), (0.3, "t0.3"), (0.4, "t0.4"), (0.5, "always")):
+        own = _name(t, t, None)
+        if own not in calib or note not in skip_x:
+            continue
+        ok = [r for r in merged if r["serving"] == "plan" and f"{round(100 * r['budget_fraction'])}" == budget
+              and r["config"] != own and r["config"] in calib and calib[r["config"]] <= calib[own]]
+        best = max(ok, key=lambda r: r["x_full_width_lru"], default=None)
+        head = (f"    skip-aux {note:6s} {skip_x[note]:.2f}x, held-out {100 * held[own]:.2f}%, calibration "
+                f"{100 * calib[own]:.2f}%: ")
+        if best is None:
+            lines.append(head + "no three-band point at or below its calibration loss")
+            continue
+        c = best["config"]
+        verdict = "covers it" if best["x_full_width_lru"] >= skip_x[note] and held[c] <= held[own] else "does not"
+        lines.append(head + f"{c} {best['x_full_width_lru']:.2f}x, held-out {100 * held[c]:.2f}%, calibration "
+                     f"{100 * calib[c]:.2f}%: {verdict}")
+    return "\n".join(lines)
 
 
 def _write_new(out: Path, doc: dict) -> None:
@@ -224,6 +255,8 @@ def main() -> int:
     c.add_argument("--decoded", nargs="*", default=[], help="decodes (docs/sim-s10-long-decode.py) of residency-"
                    "aware configurations")
     c.add_argument("--json", default=None, help="write the merged records here (new file)")
+    c.add_argument("--calibration", default=None, help="the batch JSON of `batch --data data/stdlib-calib.txt`: "
+                   "also choose the points on the calibration text")
     args = p.parse_args()
     return {"batch": cmd_batch, "plans": cmd_plans, "paired": cmd_paired, "check": cmd_check}[args.cmd](args)
 

@@ -78,6 +78,13 @@ def test_a_tail_pack_stores_a_three_band_plan_and_refuses_crossed_thresholds(tmp
     assert tp.main([*base, "--out", str(out), "--aux-full-weight", "0.4", "--aux-skip-weight", "0.2"]) == 0
     pack, src = load_pack(out), load_pack(TINY_PACK)
     assert pack.plan == src.plan.promoted(0.4).skipping(0.2) and pack.info["tail_pack"]["aux_skip_weight"] == 0.2
+    # crisp-eval's row of the pack plan carries its thresholds (what a simulation of that plan is matched by)
+    path = tmp_path / "banded.json"
+    assert evaluate.main(["--model", str(TINY), "--crisp", str(out), "--data", HELDOUT, "--samples", "2",
+                          "--seq-len", "24", "--quiet", "--threads", "1", "--reference-crisp", str(TINY_PACK),
+                          "--json", str(path)]) == 0
+    row = next(r for r in json.loads(path.read_text())["records"] if r["policy"] == "crisp")
+    assert (row["aux_full_weight"], row["aux_skip_weight"], row.get("width_cap")) == (0.4, 0.2, None)
     crossed = tmp_path / "crossed"
     assert tp.main([*base, "--out", str(crossed), "--aux-full-weight", "0.3", "--aux-skip-weight", "0.35"]) == 2
     assert "--aux-skip-weight" in capsys.readouterr().err and not crossed.exists()
