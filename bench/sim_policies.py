@@ -53,11 +53,10 @@ from crisp_runtime.prefetch import PrefetchWidth
 from crisp_runtime.scheduler import Placement
 from crisp_runtime.serving import (
     SERVING_POLICIES,
-    AuxMissing,
     AuxNarrower,
     DominantWiden,
-    HitWidth,
     ServingPolicy,
+    resident_policy,
     serving_by_name,
 )
 from crisp_runtime.serving_record import ServingRecord
@@ -96,20 +95,6 @@ HYBRID_SPLIT_FLOOR_HIT = ServingPolicy("hybrid_split-floor62.5-hit", dominant_fl
 HYBRID_SPLIT_FLOOR875 = ServingPolicy("hybrid_split-floor87.5", dominant_floor=0.875, placement=Placement.SPLIT)
 
 
-def resident_serving(floor: float, aux_narrower: AuxNarrower = AuxNarrower.RESIDENT) -> ServingPolicy:
-    """Auxiliaries served from what is resident (wider for free, narrower without a copy; with
-    ``AuxNarrower.NARROW_ONLY`` only those the plan wants narrower than its dominant width), a missed dominant at
-    ``floor`` of the full width; the runtime's named policy when it has one."""
-    name = "resident" if floor == 1.0 else f"resident-floor{100 * floor:g}"
-    if aux_narrower is AuxNarrower.NARROW_ONLY:
-        name = "resident-narrow-aux" if floor == 1.0 else f"{name}-narrow-aux"
-    elif aux_narrower is not AuxNarrower.RESIDENT:
-        raise ValueError(f"resident_serving: aux_narrower must be RESIDENT or NARROW_ONLY, got {aux_narrower!r}")
-    if name in SERVING_POLICIES:
-        return SERVING_POLICIES[name]
-    return ServingPolicy(name, HitWidth.RESIDENT, aux_narrower, AuxMissing.LOAD, floor)
-
-
 def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequence[str] = ("plan",),
                    evictions: Sequence[str] = ("lru",), prefetch: Sequence[bool] = (False,),
                    stored: ServingRecord | None = None) -> list[SimPolicy]:
@@ -136,13 +121,13 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
             crisp = plans["crisp"]
             out.append(SimPolicy("crisp", crisp))
             for p in pf:
-                out += [SimPolicy("crisp", crisp, resident_serving(f), "next_use", p) for f in (1.0, 0.75)]
+                out += [SimPolicy("crisp", crisp, resident_policy(f), "next_use", p) for f in (1.0, 0.75)]
             for p in pf:  # the eviction the runtime-in-the-loop evaluation ran: these carry its accuracy
-                out += [SimPolicy("crisp", crisp, resident_serving(f), RUNTIME_EVICTION, p) for f in (1.0, 0.75)]
-            out.append(SimPolicy("crisp", crisp, resident_serving(0.75), "belady", pf[-1]))
+                out += [SimPolicy("crisp", crisp, resident_policy(f), RUNTIME_EVICTION, p) for f in (1.0, 0.75)]
+            out.append(SimPolicy("crisp", crisp, resident_policy(0.75), "belady", pf[-1]))
         for name in ("uniform", "skip_aux"):
             if name in plans:
-                out += [SimPolicy(name, plans[name], resident_serving(1.0), "next_use", p) for p in pf]
+                out += [SimPolicy(name, plans[name], resident_policy(1.0), "next_use", p) for p in pf]
         return out
     if matrix == "frontier":
         return [SimPolicy("full", plans["full"])] + [c for c, _ in frontier(plans, pf[-1])]
@@ -191,7 +176,7 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
     exact = SERVING_POLICIES["plan"]
     if "crisp" in plans:
         for f in CRISP_FLOORS:
-            out.append((SimPolicy("crisp", plans["crisp"], resident_serving(f), FRONTIER_EVICTION, prefetch),
+            out.append((SimPolicy("crisp", plans["crisp"], resident_policy(f), FRONTIER_EVICTION, prefetch),
                         {"family": "crisp residency-aware", "knob": "dominant_floor", "knob_value": f}))
         out.append((SimPolicy("crisp", plans["crisp"], exact, FRONTIER_EVICTION, prefetch),
                     {"family": "crisp plan widths", "knob": "plan", "knob_value": "plan"}))
@@ -201,7 +186,7 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
                         {"family": "crisp capped", "knob": "width_cap", "knob_value": cap}))
             # ... and served from what is resident under the cap
             for f in CAPPED_FLOORS:
-                out.append((SimPolicy("crisp", crisp.capped(cap), resident_serving(f), FRONTIER_EVICTION, prefetch,
+                out.append((SimPolicy("crisp", crisp.capped(cap), resident_policy(f), FRONTIER_EVICTION, prefetch,
                                       variant=f"cap{cap}"),
                             {"family": "crisp capped residency-aware", "knob": "dominant_floor", "knob_value": f}))
         # a three-band plan (CrispPlan.aux_skip_weight S) is promoted only at weights >= S (below: refused)
@@ -211,7 +196,7 @@ def frontier(plans: dict[str, CrispPlan], prefetch: bool) -> list[tuple[SimPolic
                         {"family": "crisp weight-promoted", "knob": "aux_full_weight", "knob_value": weight}))
             for f in PROMOTED_FLOORS:  # heavy auxiliaries widened (NARROW_ONLY), and served as resident
                 for narrow in (AuxNarrower.NARROW_ONLY, AuxNarrower.RESIDENT):
-                    out.append((SimPolicy("crisp", promoted, resident_serving(f, narrow), FRONTIER_EVICTION, prefetch,
+                    out.append((SimPolicy("crisp", promoted, resident_policy(f, narrow), FRONTIER_EVICTION, prefetch,
                                           variant=f"aux{weight:g}"),
                                 {"family": "crisp weight-promoted residency-aware", "knob": "aux_full_weight",
                                  "knob_value": weight}))

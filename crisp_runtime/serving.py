@@ -217,35 +217,48 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
 
 
 _FLOOR_NAME = "resident-floor"
-_NAME_SUFFIXES = (("-narrow-aux", {"aux_narrower": AuxNarrower.NARROW_ONLY}),
-                  ("-revive", {"aux_skipped": AuxSkipped.RESIDENT}))
+_NARROW_SUFFIX, _REVIVE_SUFFIX = "-narrow-aux", "-revive"
+
+
+def resident_policy(floor: float, aux_narrower: AuxNarrower = AuxNarrower.RESIDENT,
+                    aux_skipped: AuxSkipped = AuxSkipped.SKIP) -> ServingPolicy:
+    """``resident`` (auxiliaries served from what is resident: wider for free, narrower without a copy; with
+    ``AuxNarrower.NARROW_ONLY`` only those the plan wants narrower than its dominant width) with a missed dominant
+    at ``floor`` of the full width, and ``aux_skipped``; named ``resident-floorP[-narrow-aux][-revive]``, or the
+    named policy of :data:`SERVING_POLICIES` when there is one (floor 1: ``resident``, ``resident-narrow-aux``)."""
+    if aux_narrower not in (AuxNarrower.RESIDENT, AuxNarrower.NARROW_ONLY):
+        raise ValueError(f"resident_policy: aux_narrower must be RESIDENT or NARROW_ONLY, got {aux_narrower!r}")
+    name = "resident" if floor == 1.0 else f"{_FLOOR_NAME}{100 * floor:g}"
+    if aux_narrower is AuxNarrower.NARROW_ONLY:
+        name = "resident-narrow-aux" if floor == 1.0 else name + _NARROW_SUFFIX
+    if aux_skipped is AuxSkipped.RESIDENT:
+        name += _REVIVE_SUFFIX
+    if name in SERVING_POLICIES:
+        return SERVING_POLICIES[name]
+    return ServingPolicy(name, HitWidth.RESIDENT, aux_narrower, AuxMissing.LOAD, floor, aux_skipped=aux_skipped)
 
 
 def serving_by_name(name: str) -> ServingPolicy:
-    """A named policy of :data:`SERVING_POLICIES`, or ``resident-floorP`` (``resident`` with a missed dominant
-    loading P percent of the full width, 0 < P <= 100) optionally followed by ``-narrow-aux``
+    """A named policy of :data:`SERVING_POLICIES`, or ``resident-floorP`` (:func:`resident_policy` with a missed
+    dominant loading P percent of the full width, 0 < P <= 100) optionally followed by ``-narrow-aux``
     (AuxNarrower.NARROW_ONLY) and ``-revive`` (AuxSkipped.RESIDENT), in that order: e.g.
     ``resident-floor87.5-narrow-aux``. What the benchmarks' ``--serving`` lists take; ValueError otherwise."""
     if not isinstance(name, str):
         raise ValueError(f"serving: expected a policy name, got {name!r}")
     if name in SERVING_POLICIES:
         return SERVING_POLICIES[name]
-    fields: dict = {}
     rest = name
-    for suffix, changes in reversed(_NAME_SUFFIXES):
-        if rest.endswith(suffix):
-            rest = rest[:-len(suffix)]
-            fields.update(changes)
-    percent = rest[len(_FLOOR_NAME):] if rest.startswith(_FLOOR_NAME) else ""
-    try:
-        floor = float(percent) / 100 if percent.replace(".", "", 1).isdigit() else math.nan
-    except ValueError:
-        floor = math.nan
+    revive = rest.endswith(_REVIVE_SUFFIX)
+    rest = rest.removesuffix(_REVIVE_SUFFIX)
+    narrow = rest.endswith(_NARROW_SUFFIX)
+    rest = rest.removesuffix(_NARROW_SUFFIX)
+    percent = rest.removeprefix(_FLOOR_NAME) if rest.startswith(_FLOOR_NAME) else ""
+    floor = float(percent) / 100 if percent.replace(".", "", 1).isdigit() else math.nan
     if not 0.0 < floor <= 1.0:
         raise ValueError(f"serving: unknown policy {name!r}: expected one of {', '.join(SERVING_POLICIES)}, or "
                          f"resident-floorP[-narrow-aux][-revive] with 0 < P <= 100")
-    return ServingPolicy(name, HitWidth.RESIDENT, fields.get("aux_narrower", AuxNarrower.RESIDENT), AuxMissing.LOAD,
-                         floor, aux_skipped=fields.get("aux_skipped", AuxSkipped.SKIP))
+    return resident_policy(floor, AuxNarrower.NARROW_ONLY if narrow else AuxNarrower.RESIDENT,
+                           AuxSkipped.RESIDENT if revive else AuxSkipped.SKIP)
 
 
 def make_serving(spec) -> ServingPolicy:
@@ -347,7 +360,6 @@ def _serve_lists(policy: ServingPolicy, flat_e: list[int], flat_w: list[int], fl
             available[e] = s
     fallbacks = skips = wider = dom_slots = dom_neurons = aux_slots = aux_neurons = 0
     free = policy.hit_width is HitWidth.RESIDENT
-    revive = policy.aux_skipped is AuxSkipped.RESIDENT
     for p, (e, w) in enumerate(zip(flat_e, flat_w, strict=True)):
         if not 0 <= e < num_experts:
             continue

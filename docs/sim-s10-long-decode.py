@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from crisp_bench.profiles import get_profile
@@ -37,7 +36,7 @@ from crisp_tools.evaluate import Evaluator
 from crisp_runtime.pack import CrispPack
 from crisp_runtime.prefetch import PrefetchPolicy
 from crisp_runtime.runtime import plan_for_layers
-from crisp_runtime.serving import SERVING_POLICIES, AuxSkipped
+from crisp_runtime.serving import AuxNarrower, AuxSkipped, resident_policy
 
 MODEL, REFERENCE, HELDOUT = "models/tiny-mixtral", "models/tiny-mixtral-crisp", ["data/stdlib-heldout.txt"]
 SAMPLES, SEQ_LEN = 128, 256
@@ -47,10 +46,8 @@ def case(floor: float, narrow_only: bool = False, revive: bool = False) -> servi
     """What crisp-eval --mode decode names crisp-resident-floorF+prefetch (serving_eval.default_cases); with
     ``narrow_only`` the auxiliaries the plan wants whole are widened (AuxNarrower.NARROW_ONLY, session 11); with
     ``revive`` an auxiliary the plan skips runs at what its expert holds (AuxSkipped.RESIDENT, session 14)."""
-    base = SERVING_POLICIES["resident-narrow-aux" if narrow_only else "resident"]
-    policy = replace(base, name=f"resident-floor{floor:g}" + ("-narrow-aux" if narrow_only else "")
-                     + ("-revive" if revive else ""), dominant_floor=floor,
-                     aux_skipped=AuxSkipped.RESIDENT if revive else AuxSkipped.SKIP)
+    policy = resident_policy(floor, AuxNarrower.NARROW_ONLY if narrow_only else AuxNarrower.RESIDENT,
+                             AuxSkipped.RESIDENT if revive else AuxSkipped.SKIP)
     return serving_eval.ServingCase(f"crisp-{policy.name}+prefetch", "crisp", policy, PrefetchPolicy())
 
 

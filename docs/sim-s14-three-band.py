@@ -60,6 +60,11 @@ PAIRS = [((0.15, 0.3, None), (0.2, 0.2, None)), ((0.25, 0.4, None), (0.3, 0.3, N
          ((0.3, 0.4, 192), (0.5, 0.5, None))]
 
 
+def _config_plan(plan, s, w, cap):
+    """``plan`` with the configuration's skip weight S, auxiliary weight W and cap (None: not set)."""
+    return plan.promoted(w).skipping(s).capped(cap)
+
+
 def _name(s, w, cap) -> str:
     def f(v):
         return "none" if v is None else f"{v:g}"
@@ -82,7 +87,7 @@ def cmd_plans(args) -> int:
     for s, w, cap in CONFIGS:
         path = out / f"{_name(s, w, cap)}.json"
         if not path.exists():
-            base.promoted(w).skipping(s).capped(cap).save(path)
+            _config_plan(base, s, w, cap).save(path)
     print(f"wrote {len(CONFIGS)} plans to {out}")
     return 0
 
@@ -103,7 +108,7 @@ def cmd_batch(args) -> int:
     records = []
     with ev._runtime_runner() as run:
         for n, (s, w, cap) in enumerate(CONFIGS, 1):
-            plan = ev.pack_plan.promoted(w).skipping(s).capped(cap)
+            plan = _config_plan(ev.pack_plan, s, w, cap)
             scores, bpt = run(plan_for_layers(plan, ev.layers))
             est = relative_loss(full.correct, scores.correct)
             records.append({"policy": "crisp", "label": _name(s, w, cap), "aux_skip_weight": s, "aux_full_weight": w,
@@ -137,8 +142,7 @@ def cmd_paired(args) -> int:
         for a, b in PAIRS:
             got = {}
             for cfg in (a, b):
-                s, w, cap = cfg
-                got[cfg] = run(plan_for_layers(ev.pack_plan.promoted(w).skipping(s).capped(cap), ev.layers))
+                got[cfg] = run(plan_for_layers(_config_plan(ev.pack_plan, *cfg), ev.layers))
             est = relative_loss(got[b][0].correct, got[a][0].correct)
             print(f"  A {_name(*a):18s} vs B {_name(*b):18s}: {est.loss:+.2%} +- {est.standard_error:.2%} "
                   f"(A's bytes / B's {got[a][1] / got[b][1]:.3f})", flush=True)

@@ -195,23 +195,28 @@ def test_skipped_auxiliaries_run_at_what_is_resident_and_copy_nothing():
     assert "aux_skipped" not in SERVING_POLICIES["resident-narrow-aux"].to_dict()  # older dicts stay as they were
 
 
-@pytest.mark.parametrize(("name", "floor", "narrow", "skipped"), [
-    ("resident-floor87.5", 0.875, AuxNarrower.RESIDENT, AuxSkipped.SKIP),
-    ("resident-floor100-narrow-aux", 1.0, AuxNarrower.NARROW_ONLY, AuxSkipped.SKIP),
-    ("resident-floor37.5-narrow-aux-revive", 0.375, AuxNarrower.NARROW_ONLY, AuxSkipped.RESIDENT),
-    ("resident-floor75-revive", 0.75, AuxNarrower.RESIDENT, AuxSkipped.RESIDENT),
+@pytest.mark.parametrize(("name", "canonical", "floor", "narrow", "skipped"), [
+    ("resident-floor87.5", "resident-floor87.5", 0.875, AuxNarrower.RESIDENT, AuxSkipped.SKIP),
+    ("resident-floor100-narrow-aux", "resident-narrow-aux", 1.0, AuxNarrower.NARROW_ONLY, AuxSkipped.SKIP),
+    ("resident-floor37.5-narrow-aux-revive", "resident-floor37.5-narrow-aux-revive", 0.375, AuxNarrower.NARROW_ONLY,
+     AuxSkipped.RESIDENT),
+    ("resident-floor75-revive", "resident-floor75-revive", 0.75, AuxNarrower.RESIDENT, AuxSkipped.RESIDENT),
+    ("resident-floor87.50", "resident-floor87.5", 0.875, AuxNarrower.RESIDENT, AuxSkipped.SKIP),
 ])
-def test_serving_by_name_builds_floor_policies(name, floor, narrow, skipped):
-    from crisp_runtime.serving import serving_by_name
+def test_serving_by_name_builds_floor_policies(name, canonical, floor, narrow, skipped):
+    from crisp_runtime.serving import resident_policy, serving_by_name
 
     policy = serving_by_name(name)
-    assert (policy.name, policy.dominant_floor, policy.aux_narrower, policy.aux_skipped) == (name, floor, narrow,
+    assert (policy.name, policy.dominant_floor, policy.aux_narrower, policy.aux_skipped) == (canonical, floor, narrow,
                                                                                              skipped)
     assert policy.hit_width is HitWidth.RESIDENT and policy.aux_missing is AuxMissing.LOAD
-    assert serving_by_name("resident-floor75") is SERVING_POLICIES["resident-floor75"]  # a named one is itself
-    # the same fields as the runtime's named policy of that floor (what the simulator matches evaluations by)
-    assert serving_by_name("resident-floor100-narrow-aux").to_dict() == {
-        **SERVING_POLICIES["resident-narrow-aux"].to_dict(), "name": "resident-floor100-narrow-aux"}
+    assert policy == resident_policy(floor, narrow, skipped)  # the one constructor of floor policies
+    assert serving_by_name(canonical) == policy  # its name names it
+    # a floor the runtime names is that named policy itself (floor 1: "resident" / "resident-narrow-aux")
+    assert serving_by_name("resident-floor75") is SERVING_POLICIES["resident-floor75"]
+    assert serving_by_name("resident-floor100-narrow-aux") is SERVING_POLICIES["resident-narrow-aux"]
+    with pytest.raises(ValueError, match="aux_narrower"):
+        resident_policy(0.5, AuxNarrower.WIDEN)
 
 
 @pytest.mark.parametrize("bad", ["resident-floor0", "resident-floor100.5", "resident-floor", "resident-floorx",
