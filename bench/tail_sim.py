@@ -17,11 +17,11 @@ Not mapped: CPU placements (the CPU kernel reads 4-bit rows only) are refused.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from crisp_kernels.tail_layout import TailLayout
 from crisp_runtime.plan import CrispPlan, PolicyKind, TierWidths
+from crisp_runtime.serving import ServingPolicy, floor_in_rows
 
 from .shapes import ModelShape
 from .simulate import SimPolicy, neuron_scale
@@ -72,21 +72,17 @@ class TailMapping:
         out.validate()
         return out
 
-    def mapped_floor(self, floor: float) -> float:
-        """A dominant floor (fraction of the neurons) as a fraction of the byte rows."""
-        if floor >= 1.0:
-            return 1.0
-        width = math.ceil(floor * self.trace.intermediate_size)
-        return max(1, self.rows(width)) / self.full
+    def mapped_serving(self, serving: ServingPolicy) -> ServingPolicy:
+        """``serving`` with its dominant floor (a fraction of the neurons) as a fraction of the byte rows: the
+        runtime's rule for a tail pack's storage rows (``crisp_runtime.serving.floor_in_rows``)."""
+        return floor_in_rows(serving, self.trace.intermediate_size, self.full, self.rows)
 
     def mapped_policy(self, policy: SimPolicy) -> SimPolicy:
         serving = policy.serving
         if serving.placement.uses_cpu:
             raise ValueError(f"serving {serving.name!r}: CPU placements are not simulated with a tail layout (the CPU "
                              "kernel reads 4-bit rows only)")
-        if serving.dominant_floor < 1.0:
-            serving = replace(serving, dominant_floor=self.mapped_floor(serving.dominant_floor))
-        return replace(policy, plan=self.mapped_plan(policy.plan), serving=serving)
+        return replace(policy, plan=self.mapped_plan(policy.plan), serving=self.mapped_serving(serving))
 
     def note(self) -> str:
         shape = self.shape

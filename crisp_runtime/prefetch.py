@@ -312,7 +312,7 @@ class Prefetcher:
         if routed is None:
             return None
         nxt, index, weights = routed
-        plan, serving = self.runtime.plan, self.runtime.serving
+        plan, serving = self.runtime.plan, self.runtime.step_serving
         widths = slot_widths(self.policy, plan, serving, nxt, index, weights)
         wanted = merge_requests(index.reshape(-1).tolist(), widths.reshape(-1).tolist())
         if self.policy.extra_experts and _prefetches_extra(self.policy, serving):

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crisp_kernels import Backend, PackedLayer
+from crisp_kernels.format import rows_for_neurons
 from crisp_kernels.expert_mlp import (
     expert_mlp_accumulate_unchecked_,
     experts_mlp_accumulate_unchecked_,
@@ -62,7 +63,7 @@ from .plan import CrispPlan
 from .prefetch import PrefetchPolicy
 from .residency import HIT, MISS, TRANSIENT, Decision, transient_buffer_bytes, transient_rows
 from .scheduler import CostModel, StepPlan, TaskOrder
-from .serving import ServedSlots, ServingPolicy, make_serving, plan_served_step
+from .serving import ServedSlots, ServingPolicy, floor_in_rows, make_serving, plan_served_step
 from .stats import LayerStats, RuntimeStats
 
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -178,6 +179,10 @@ class CrispRuntime:
                                      self.device, make_policy(config.eviction, plan))
         self.layers = dict(self.store.layers) if self.store is not None else dict(self.cache.layers)
         first = self.layers[self.layer_ids[0]]
+        # the policy as applied to the plan's unit (a tail pack's storage rows): its floor restated in rows
+        # (serving.floor_in_rows); ``serving`` stays the policy as configured (what stats() and records name)
+        self.step_serving = floor_in_rows(self.serving, first.num_neurons, first.intermediate_size,
+                                          lambda n: rows_for_neurons(n, first.tail_start))
         self.num_experts = first.num_experts
         self._nb = {i: layer.neuron_nbytes for i, layer in self.layers.items()}  # + 8 B per gpt-oss bias pair
         self._hidden = {i: layer.hidden_size for i, layer in self.layers.items()}
@@ -273,7 +278,7 @@ class CrispRuntime:
         width = (cache.ledger.layer_width(layer_id) if type(cache) is PrefixCache
                  else lambda e: cache.resident_width(layer_id, e))
         return plan_served_step(
-            self.serving, self.plan, layer_id, top_k_index, top_k_weights, num_experts=self.num_experts,
+            self.step_serving, self.plan, layer_id, top_k_index, top_k_weights, num_experts=self.num_experts,
             neuron_nbytes=self._nb[layer_id], resident_width=width,
             cost=self.config.cost, order=self.config.order,
         )

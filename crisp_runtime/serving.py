@@ -16,7 +16,9 @@ auxiliary, ``0 < r < w``    ``r`` if ``aux_narrower`` is RESIDENT (no copy), or 
                             wants it narrower than its dominant width; else ``wanted``
 auxiliary, ``r == 0``       ``wanted`` if ``aux_missing`` is LOAD, none (skip) if SKIP
 dominant, ``r == 0``        ``floor = min(wanted, ceil(dominant_floor * full))``: a missed
-                            dominant loads only the floor prefix, never less
+                            dominant loads only the floor prefix, never less (``dominant_floor`` is a
+                            fraction of the *neurons*: on a pack with a 2-bit tail, whose widths count
+                            storage rows, :func:`floor_in_rows` restates it in rows)
 dominant, ``0 < r < w``     ``max(r, floor)`` if ``dominant_widen`` is NEVER or AHEAD (no demand
                             copy beyond the floor), ``wanted`` if it is HIT (rows ``r..wanted``
                             copied on demand)
@@ -41,6 +43,7 @@ dominant at a 75% prefix was +29% tokens/s for ~0.8 point of loss (62.5% passed 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -236,6 +239,21 @@ def resident_policy(floor: float, aux_narrower: AuxNarrower = AuxNarrower.RESIDE
     if name in SERVING_POLICIES:
         return SERVING_POLICIES[name]
     return ServingPolicy(name, HitWidth.RESIDENT, aux_narrower, AuxMissing.LOAD, floor, aux_skipped=aux_skipped)
+
+
+def floor_in_rows(policy: ServingPolicy, neurons: int, rows: int, rows_for: Callable[[int], int]) -> ServingPolicy:
+    """``policy`` with its dominant floor, a fraction of an expert's ``neurons``, restated as a fraction of its
+    ``rows`` storage rows (a 2-bit tail pack: ``rows_for(n)`` rows hold the first n neurons), so that
+    :meth:`ServingPolicy.floor_width` on rows gives ``rows_for(ceil(dominant_floor * neurons))`` exactly. The
+    runtime applies it to a tail pack and the simulator's tail mapping to its mapped rows (one rule for both:
+    before session 15 the runtime took the floor as a fraction of the rows, 140 of a 2g128@0.25 expert's 160
+    rows = 216 of 256 neurons at 87.5%, while the simulator took 224 neurons). Unchanged at floor 1 and
+    without a tail (rows == neurons)."""
+    if policy.dominant_floor >= 1.0 or rows == neurons:
+        return policy
+    want = max(1, rows_for(math.ceil(policy.dominant_floor * neurons)))
+    # half a row below: ceil(fraction * rows) == want whatever the float rounding of the product
+    return dataclasses.replace(policy, dominant_floor=min(1.0, (want - 0.5) / rows) if want < rows else 1.0)
 
 
 def serving_by_name(name: str) -> ServingPolicy:

@@ -415,3 +415,26 @@ def test_cuda_prefetch_and_serving_async_match_sync():
     torch.cuda.synchronize()
     s_async, s_sync = (runtimes[m].stats.as_dict() for m in ("async", "sync"))
     assert s_async == s_sync and s_async["prefetches"] > 0
+
+
+@pytest.mark.parametrize("tail_start", [None, 0, 64, 100, 255])
+@pytest.mark.parametrize("floor", [1.0, 0.999, 0.875, 0.5, 0.3, 1 / 256, 1e-6])
+def test_floor_in_rows_restates_a_floor_of_neurons_exactly(floor, tail_start):
+    """floor_width on storage rows == the rows holding ceil(floor * neurons) neurons, at every wanted width."""
+    import math
+
+    from crisp_kernels.format import rows_for_neurons
+    from crisp_runtime.serving import floor_in_rows, resident_policy
+
+    neurons = 256
+    rows = rows_for_neurons(neurons, tail_start)
+    policy = resident_policy(floor)
+    mapped = floor_in_rows(policy, neurons, rows, lambda n: rows_for_neurons(n, tail_start))
+    want = max(1, rows_for_neurons(math.ceil(floor * neurons), tail_start))
+    assert mapped.floor_width(rows, rows) == want
+    for wanted in (1, want - 1, want, want + 1, rows):
+        if 1 <= wanted <= rows:
+            assert mapped.floor_width(wanted, rows) == min(wanted, want)
+    assert mapped.name == policy.name and mapped.aux_narrower is policy.aux_narrower
+    if rows == neurons or floor == 1.0:
+        assert mapped is policy  # nothing to restate

@@ -30,7 +30,7 @@ from crisp_kernels.tail_layout import (
     parse_tail_layout,
 )
 from crisp_runtime.plan import CrispPlan, TierWidths
-from crisp_runtime.serving import SERVING_POLICIES
+from crisp_runtime.serving import SERVING_POLICIES, resident_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY, TINY_PACK = ROOT / "models" / "tiny-mixtral", ROOT / "models" / "tiny-mixtral-crisp"
@@ -113,8 +113,10 @@ def test_mapping_counts_the_layouts_bytes():
     assert plan.tier_widths == TierWidths(mapping.full, 40 * 56, 16 * 56)  # the head is 4-bit: one row per neuron
     uni = mapping.mapped_plan(CrispPlan.uniform(8, 2, 256, trace.layer_ids, 128))
     assert uni.uniform_width == mapping.rows(128) == math.ceil(3584 + 3584 * 5184 / 6720)  # 4-bit + 3-bit rows
-    assert mapping.mapped_floor(1.0) == 1.0
-    assert mapping.mapped_floor(0.75) == pytest.approx(mapping.rows(192) / mapping.full)
+    resident = SERVING_POLICIES["resident"]
+    assert mapping.mapped_serving(resident) is resident  # floor 1: nothing to restate
+    floored = mapping.mapped_serving(resident_policy(0.75))
+    assert floored.floor_width(mapping.full, mapping.full) == mapping.rows(192)  # 75% of the neurons, in rows
     assert mapping.mapped_shape().intermediate_size == mapping.full
 
 

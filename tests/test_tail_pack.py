@@ -212,3 +212,25 @@ def test_load_model_serves_a_tail_pack_with_its_plan_in_neurons(tail):
         handle.runtime.close()  # load_model keeps no original experts to restore
     assert torch.isfinite(logits[0]).all()
     assert torch.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("floor", [0.875, 0.625, 0.375, 0.25, 0.1])
+def test_a_dominant_floor_counts_neurons_on_a_tail_pack(tail, floor):
+    """The floor is a fraction of the neurons on a tail pack too (the simulator's mapping): 87.5% of 256 neurons is
+    224 = 64 4-bit rows + 80 rows of two 2-bit neurons, 144 of 160 rows (the runtime took 140 rows before
+    session 15). A missed dominant loads exactly those rows."""
+    import math
+
+    from crisp_runtime.hf import load_model
+    from crisp_runtime.serving import resident_policy
+
+    model, handle = load_model(TINY, tail, gpu_budget=200_000, serving=resident_policy(floor))
+    runtime = handle.runtime
+    try:
+        want = rows_for_neurons(math.ceil(floor * 256), 64)
+        assert runtime.serving.dominant_floor == floor  # reported as configured
+        assert runtime.step_serving.floor_width(160, 160) == want
+        served, _ = runtime.plan_served(0, torch.tensor([[3, 5]]), torch.tensor([[0.7, 0.3]]))
+        assert served.slot_widths.values()[0] == want  # the dominant, missed: its floor in rows
+    finally:
+        runtime.close()
