@@ -47,12 +47,12 @@ from dataclasses import dataclass, field
 import torch
 
 from crisp_kernels import Backend, PackedLayer
-from crisp_kernels.format import rows_for_neurons
 from crisp_kernels.expert_mlp import (
     expert_mlp_accumulate_unchecked_,
     experts_mlp_accumulate_unchecked_,
     resolve_backend,
 )
+from crisp_kernels.format import rows_for_neurons
 
 from .copy_window import CopyClock, admit_requests, hybrid_jobs
 from .cpu_experts import CpuExperts, CpuExpertsConfig

@@ -69,10 +69,17 @@ class ServingRecord:
         return RuntimeConfig(serving=self.policy, prefetch=self.prefetch, eviction=self.eviction, **overrides)
 
     def budget_bytes(self, layers: Mapping) -> int:
-        """The stored budget in bytes for these packed layers (a fraction of all their experts at full width)."""
-        total = sum(layer.num_experts * layer.intermediate_size * layer.fmt.neuron_nbytes(layer.hidden_size)
-                    for layer in layers.values())
-        return int(self.gpu_budget_fraction * total)
+        """The stored budget in bytes for these packed layers (a fraction of :func:`budget_base_bytes`)."""
+        return int(self.gpu_budget_fraction * budget_base_bytes(layers))
+
+
+def budget_base_bytes(layers: Mapping) -> int:
+    """What a GPU budget fraction is a fraction of: every expert of ``layers`` at full width in 4-bit rows. For a
+    pack with a 2-bit tail (``crisp_tools.tail_pack``) that is its 4-bit source's bytes, not its own: a fraction
+    means the same GPU memory on both packs (the simulator's and crisp-eval's rule; before session 15 a stored
+    choice on a tail pack was a fraction of the tail pack's own, smaller, bytes)."""
+    return sum(layer.num_experts * getattr(layer, "num_neurons", layer.intermediate_size)
+               * layer.fmt.neuron_nbytes(layer.hidden_size) for layer in layers.values())
 
 
 def serving_record(info: Mapping, *, where: str = "pack.json") -> ServingRecord | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from crisp_bench import cli as bench_cli
-from crisp_tools import evaluate, evidence, make_corpus, tail_emulation, tail_pack, train_tiny_moe
+from crisp_tools import evaluate, evidence, make_corpus, plan_throughput, tail_emulation, tail_pack, train_tiny_moe
 from crisp_tools import profiler as prof
 
 POS_INT = ["0", "-1", "-3", "1.5", "abc", "", "nan", "1e3", "0x10"]
@@ -103,6 +103,12 @@ TAIL_PACK = _cases("tail-pack", {
     "--model": [""], "--crisp": [""], "--out": [""], "--layout": TAIL_LAYOUTS_BAD,
     "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"],
     "--aux-full-weight": AUX_WEIGHT_BAD, "--aux-skip-weight": AUX_WEIGHT_BAD})
+PLAN_THROUGHPUT = _cases("plan-throughput", {
+    "--model": [""], "--crisp": [""], "--data": [""], "--out": [""], "--budget": HALF_OPEN_UNIT,
+    "--max-accuracy-loss": UNIT, "--hardware-profile": ["abacus", "", "missing.json"], "--throughput-windows": POS_INT,
+    "--throughput-seq-len": SEQ_LEN, "--throughput-accuracy-windows": POS_INT,
+    "--accuracy-confidence": ["0.4", "1", "1.5", "nan", "abc", ""], "--holdout-fraction": OPEN_UNIT, "--seed": SEED,
+    "--threads": THREADS})
 CORPUS = _cases("corpus", {"--cap-bytes": POS_INT})
 TRAIN = _cases("train", {
     "--steps": POS_INT, "--seed": SEED, "--batch-size": POS_INT, "--seq-len": SEQ_LEN,
@@ -114,13 +120,13 @@ TRAIN = _cases("train", {
     "--family": ["gpt2", "", "Mixtral"], "--moe-intermediate-size": POS_INT, "--shared-experts": POS_INT,
     "--dense-layers": POS_INT,
 })
-ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL_PACK
+ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL_PACK + PLAN_THROUGHPUT
 # The size of the campaign when it was written; shrinking a table must be a decision, not an accident.
 # 660: the 22 cases of `python -m crisp_bench.kernels`'s own --shapes/--widths/--tokens/--json went with
 # that second command line (its other options moved to `crisp-bench kernels`, their cases with them).
 # 860 (session 9): the tables had grown past 660 without a bump; tail-pack's 18 cases included;
-# 866: kernels --tail-start.
-RECORDED_CASES = 866
+# 866: kernels --tail-start. 981 (session 15): plan-throughput's 71, and earlier growth.
+RECORDED_CASES = 981
 
 
 def _prog_argv(tool: str, tmp_path):
@@ -147,6 +153,9 @@ def _prog_argv(tool: str, tmp_path):
     if tool == "tail-pack":
         return tail_pack.main, ["--model", model, "--crisp", pack, "--layout", "2g128@0.25", "--out",
                                 str(tmp_path / "tailed"), "--tier-widths", "256,64,32", "--quiet"]
+    if tool == "plan-throughput":
+        return plan_throughput.main, ["--model", model, "--crisp", pack, "--data", data, "--out",
+                                      str(tmp_path / "planned"), "--budget", "0.25", "--quiet"]
     raise AssertionError(tool)
 
 
@@ -217,7 +226,7 @@ def test_case_count():
     counts = {name: len(t) for name, t in (("crisp-profile", PROFILE), ("crisp-eval", EVAL), ("evidence", EVIDENCE),
                                             ("crisp-bench", BENCH), ("make_corpus", CORPUS),
                                             ("train_tiny_moe", TRAIN), ("tail_emulation", TAIL_EMULATION),
-                                            ("tail_pack", TAIL_PACK))}
+                                            ("tail_pack", TAIL_PACK), ("plan_throughput", PLAN_THROUGHPUT))}
     print(f"\nCLI fuzz: {len(ALL)} cases over {len({(t, o) for t, o, _ in ALL})} options: {counts}")
     assert len(ALL) >= RECORDED_CASES
 
@@ -237,7 +246,7 @@ def test_every_option_of_the_main_tools_is_in_the_tables():
     covered = {(t, o) for t, o, _ in ALL}
     parsers = {"profile": prof.build_parser(), "eval": evaluate.build_parser(), "evidence": evidence.build_parser(),
                "bench": bench_cli.build_parser(), "tail-emulation": tail_emulation.build_parser(),
-               "tail-pack": tail_pack.build_parser()}
+               "tail-pack": tail_pack.build_parser(), "plan-throughput": plan_throughput.build_parser()}
     sub = next(a for a in parsers["bench"]._actions if isinstance(a, argparse._SubParsersAction))
     parsers.update({f"bench {name}": p for name, p in sub.choices.items()})
     missing = sorted((tool, opt) for tool, p in parsers.items() for opt in _options(p) if (tool, opt) not in covered)

@@ -25,10 +25,12 @@ MODEL, PACK, TEXT = ROOT / "models/tiny-mixtral", ROOT / "models/tiny-mixtral-cr
 
 def test_candidates_are_the_stated_space():
     cands = tp.candidates()
-    assert len(cands) == 14 * len(tp.SEARCH_AUX_WEIGHTS) and len({c.label for c in cands}) == len(cands)
+    per_weight = 2 + 4 * (len(tp.SEARCH_FLOORS) - 1)  # floor 1: without / with plan prefetch; below: 4 each
+    assert len(cands) == per_weight * len(tp.SEARCH_AUX_WEIGHTS) and len({c.label for c in cands}) == len(cands)
     assert {c.dominant_floor for c in cands} == set(tp.SEARCH_FLOORS)
     assert {c.aux_full_weight for c in cands} == set(tp.SEARCH_AUX_WEIGHTS) and None in tp.SEARCH_AUX_WEIGHTS
-    assert len(tp.candidates(aux_full_weights=(None,))) == 14
+    assert len(tp.candidates(aux_full_weights=(None,))) == per_weight
+    assert not any(c.exact for c in cands)  # no neurons given: no plan knobs, no exact candidates
     # AHEAD only with serving-width prefetch (its second phase needs it), never at full width
     for c in cands:
         if c.widen is DominantWiden.AHEAD:
@@ -38,6 +40,26 @@ def test_candidates_are_the_stated_space():
     assert tp.Candidate(0.75).plan_for(plan) is plan
     assert tp.Candidate(0.75, aux_full_weight=0.3).plan_for(plan) == plan.promoted(0.3)
     assert tp.Candidate(0.75, aux_full_weight=0.3).label == "floor0.75-aux0.3"
+    # at the plan's widths: every band x cap, plan-width prefetch, the plan's own serving
+    full = tp.candidates(intermediate_size=256)
+    exact = [c for c in full if c.exact]
+    assert len(exact) == len(tp.SEARCH_EXACT_BANDS) * len(tp.SEARCH_CAPS) and len({c.label for c in full}) == len(full)
+    assert {c.width_cap for c in exact} == {None, 224, 192}
+    assert {(c.aux_skip_weight, c.aux_full_weight) for c in exact} == set(tp.SEARCH_EXACT_BANDS)
+    for c in exact:
+        assert c.prefetch is PrefetchWidth.PLAN and c.serving() == SERVING_POLICIES["plan"] and c.dominant_floor == 1.0
+        assert c.plan_for(plan).aux_skip_weight == c.aux_skip_weight and c.plan_for(plan).width_cap == c.width_cap
+    band = tp.Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=0.4, aux_skip_weight=0.25, width_cap=192,
+                        kind=tp.CandidateServing.PLAN)
+    assert band.label == "plan-aux0.4-skip0.25-cap192+prefetch-plan"
+    assert band.plan_for(plan) == plan.promoted(0.4).skipping(0.25).capped(192)
+    # the search owns the knobs: a pack plan's own skip weight (over the candidate's W) is replaced, not kept
+    three_band = plan.promoted(0.45).skipping(0.35)
+    assert band.plan_for(three_band) == band.plan_for(plan)
+    assert tp.Candidate(0.75).plan_for(three_band) == plan
+    for bad in ({"dominant_floor": 0.75}, {"widen": DominantWiden.AHEAD}, {"prefetch": PrefetchWidth.SERVING}):
+        with pytest.raises(ValueError, match="plan's widths"):
+            tp.Candidate(kind=tp.CandidateServing.PLAN, **bad)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -254,15 +276,19 @@ def test_profile_stores_the_throughput_choice(tmp_path):
     record = serving_record(pack.info)
     assert record is not None and record.gpu_budget_fraction == 0.5
     search = record.search
-    assert len(search["candidates"]) == len(tp.candidates()) and search["windows"] == [2, 12]
+    space = tp.candidates(intermediate_size=pack.plan.intermediate_size)  # a CRISP plan: its knobs searched too
+    assert len(search["candidates"]) == len(space) and search["windows"] == [2, 12]
     assert search["accuracy_windows"] == [3, 12]
     assert "held-out calibration" in search["accuracy_text"]
     # a bound of 1.0 admits anything: the fastest simulated candidate is the one stored
     fastest = max(search["candidates"], key=lambda r: r["tokens_per_s"])
     assert search["chosen"]["candidate"] == fastest["candidate"]
-    chosen = next(c for c in tp.candidates() if c.label == fastest["candidate"])
+    chosen = next(c for c in space if c.label == fastest["candidate"])
     assert record.policy == chosen.serving()
-    assert pack.plan.aux_full_weight == chosen.aux_full_weight  # the pack's plan is the one the choice serves
+    # the pack's plan is the one the choice serves
+    assert (pack.plan.aux_full_weight, pack.plan.aux_skip_weight, pack.plan.width_cap) == (
+        chosen.aux_full_weight, chosen.aux_skip_weight, chosen.width_cap)
+    assert search["chosen"]["accuracy_mode"] == ("batch" if chosen.exact else "decode")
 
 
 def test_profile_refuses_a_bad_hardware_profile_before_any_work(tmp_path, capsys):
@@ -336,3 +362,148 @@ def test_simulate_matrix_stored_times_the_choice_as_the_search_did(tmp_path, cap
     assert "stores no serving choice" in capsys.readouterr().err
     assert bench(["simulate", "--trace", str(trace_path), "--plan", "auto", "--matrix", "stored"]) == 2
     assert "--plan PACK_FOLDER" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- session 15: plan knobs, exact scoring
+
+
+def test_exact_candidates_are_scored_in_batch_and_resident_ones_decoded(tiny, monkeypatch):
+    """Fastest first across both kinds: a candidate served at the plan's widths is scored by score_plan (its plan,
+    paired with the full width's batch score), one served from what is resident by run_case (paired with the full
+    width's decode); neither reference is computed before a candidate of its kind needs it. Scripted: everything
+    but the slowest loses 8 of 38 predictions; the bound admits only 2."""
+    model, layers, plan, windows = tiny
+    exact = tp.Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=0.4, aux_skip_weight=0.2, width_cap=192,
+                         kind=tp.CandidateServing.PLAN)
+    cands = [tp.Candidate(0.5, prefetch=PrefetchWidth.SERVING), exact, tp.Candidate(1.0, aux_full_weight=0.3)]
+    calls = []
+
+    def scores(windows, lose):
+        n = windows.shape[1] - 1
+        correct = torch.ones(windows.shape[0], n, dtype=torch.bool)
+        correct.view(-1)[:lose] = False
+        return TokenScores(torch.zeros(windows.shape[0], n), correct)
+
+    def fake_score_plan(model, pack, p, windows, batch_size=16):
+        full = p.policy.value == "full"
+        calls.append(("batch", "full" if full else p))
+        return scores(windows, 0 if full else lose[len([c for c in calls if c[1] != "full"]) - 1])
+
+    def fake_run_case(model, pack, p, windows, budget_bytes, case, *, stop=None):
+        full = case.plan == "full"
+        calls.append(("decode", "full" if full else case.name))
+        return scores(windows, 0 if full else lose[len([c for c in calls if c[1] != "full"]) - 1]), {}
+
+    monkeypatch.setattr(tp, "score_plan", fake_score_plan)
+    monkeypatch.setattr(tp, "run_case", fake_run_case)
+    goal = tp.ThroughputGoal(0.25, max_accuracy_loss=3 / 38, confidence=0.5)
+    by_speed = None
+
+    def run():
+        nonlocal by_speed
+        calls.clear()
+        record, chosen = tp.search_throughput(model, layers, plan, windows, goal, cands=cands)
+        by_speed = sorted(record.search["candidates"], key=lambda r: -r["tokens_per_s"])
+        return record, chosen
+
+    lose = [8, 8, 2]
+    record, chosen = run()
+    order = [r["candidate"] for r in by_speed]
+    want = []
+    for label in order:
+        c = next(c for c in cands if c.label == label)
+        kind = "batch" if c.exact else "decode"
+        if (kind, "full") not in want:
+            want.append((kind, "full"))
+        want.append((kind, c.plan_for(plan) if c.exact else f"crisp-{label}"))
+    assert calls == want  # each reference once, just before the first candidate of its kind
+    assert record.search["chosen"]["candidate"] == order[2]
+    modes = {r["candidate"]: r["accuracy_mode"] for r in by_speed}
+    assert modes[exact.label] == "batch" and modes["floor0.5+prefetch-serving"] == "decode"
+    # the exact candidate chosen: the stored serving is the plan's own, the stored plan carries its knobs
+    lose = [2, 2, 2]
+    monkeypatch.setattr(tp, "simulate_candidates", lambda *a, **k: (1.0, [
+        {"candidate": c.label, "tokens_per_s": 3.0 - i, "x_full_lru": 3.0 - i, "bytes_per_token": 1.0, "hit_rate": 1.0}
+        for i, c in enumerate([exact, *cands[:1], *cands[2:]])]))
+    record, chosen = run()
+    assert record.search["chosen"]["candidate"] == exact.label and record.policy == SERVING_POLICIES["plan"]
+    assert record.prefetch.width is PrefetchWidth.PLAN
+    assert (chosen.aux_full_weight, chosen.aux_skip_weight, chosen.width_cap) == (0.4, 0.2, 192)
+    assert "skipped" in chosen.description and "192 neurons" in chosen.description
+    assert calls == [("batch", "full"), ("batch", exact.plan_for(plan))]  # no decode at all
+
+
+def test_score_plan_equals_the_decode_of_an_exact_candidate(tiny):
+    """What makes batch scoring honest: at the plan's widths (a three-band capped plan, plan-width prefetch, a
+    budget that evicts), the runtime's decode predicts exactly what one batch forward does."""
+    from crisp_tools.serving_eval import ServingCase, run_case, score_plan, total_expert_bytes
+
+    from crisp_runtime.pack import CrispPack
+
+    model, layers, plan, _ = tiny
+    windows = contiguous_windows(read_texts([TEXT]), 3, 24)
+    cand = tp.Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=0.4, aux_skip_weight=0.2, width_cap=192,
+                        kind=tp.CandidateServing.PLAN)
+    p = cand.plan_for(plan)
+    pack = CrispPack(layers, plan)
+    batch = score_plan(model, pack, p, windows)
+    case = ServingCase("exact", "crisp", cand.serving(), cand.prefetch_policy())
+    decoded, stats = run_case(model, pack, p, windows, int(0.25 * total_expert_bytes(layers)), case)
+    assert stats["evictions"] > 0  # the cache was under pressure, and the outputs did not care
+    assert torch.equal(batch.correct, decoded.correct)
+    assert torch.allclose(batch.nll, decoded.nll, atol=1e-4)
+
+
+def test_the_budget_of_a_tail_pack_is_a_fraction_of_its_4bit_bytes(tmp_path):
+    """Equal GPU memory: a stored budget fraction on a 2-bit tail pack is of its 4-bit source's bytes, as the
+    simulator and crisp-eval count it (the tail pack's own bytes are 62.5% of them here)."""
+    from crisp_tools import tail_pack
+
+    from crisp_runtime.serving_record import budget_base_bytes
+
+    out = tmp_path / "t"
+    assert tail_pack.main(["--model", str(MODEL), "--crisp", str(PACK), "--layout", "2g128@0.25", "--out", str(out),
+                           "--quiet"]) == 0
+    src, tail = load_pack(PACK).layers, load_pack(out).layers
+    four_bit = sum(x.num_experts * x.intermediate_size * x.fmt.neuron_nbytes(x.hidden_size) for x in src.values())
+    own = sum(x.num_experts * x.intermediate_size * x.fmt.neuron_nbytes(x.hidden_size) for x in tail.values())
+    assert own == 0.625 * four_bit and budget_base_bytes(tail) == budget_base_bytes(src) == four_bit
+    assert ServingRecord(SERVING_POLICIES["resident"], None, "lru", 0.25).budget_bytes(tail) == int(0.25 * four_bit)
+
+
+def test_the_search_simulates_a_tail_pack_as_crisp_bench_simulate_does(tmp_path):
+    """One implementation: a stored choice on a 2-bit tail pack, timed by `crisp-bench simulate --matrix stored
+    --tail-layout`, gives the tokens/s and bytes the search's own simulation gave that candidate (its layout's
+    bytes, the floor in neurons, the 4-bit full-width LRU as the baseline, the same budget in bytes)."""
+    from crisp_bench.cli import main as bench
+    from crisp_bench.shapes import TARGETS
+    from crisp_bench.traces import Trace
+    from crisp_tools import tail_pack
+
+    from crisp_kernels.tail_layout import parse_tail_layout
+
+    tail = tmp_path / "t"
+    assert tail_pack.main(["--model", str(MODEL), "--crisp", str(PACK), "--layout", "2g128@0.25", "--out", str(tail),
+                           "--tier-widths", "256,64,32", "--quiet"]) == 0
+    layers, plan, info = load_pack_dir(tail)
+    cand = tp.Candidate(0.875, DominantWiden.AHEAD, PrefetchWidth.SERVING, aux_full_weight=0.4)
+    record = ServingRecord(cand.serving(), cand.prefetch_policy(), "next_use", 0.25)
+    info = {k: v for k, v in info.items() if k not in ("format", "version", "quant", "files")}
+    stored = save_pack(tmp_path / "stored", layers, plan=cand.plan_for(plan),
+                       info={**info, "serving": record.to_dict()})
+    trace_path = ROOT / "docs/bench-trace-heldout-predicted.npz"
+    out = tmp_path / "sim.json"
+    assert bench(["simulate", "--trace", str(trace_path), "--plan", str(stored), "--tail-layout", "2g128@0.25",
+                  "--matrix", "stored", "--tokens", "40", "--warmup", "8", "--json", str(out)]) == 0
+    got = {(r["label"], r["order"]): r for r in json.loads(out.read_text())["records"]}
+    crisp = got[("crisp/resident-floor0.875-ahead/next_use+prefetch-serving@2g128at0.25", "widest_first")]
+    trace = Trace.load(trace_path).head(40)
+    base_tps, sims = tp.simulate_candidates(trace, plan, tp.ThroughputGoal(0.25, target="mixtral-8x7b"),
+                                            TARGETS["mixtral-8x7b"], [cand], warmup=8,
+                                            layout=parse_tail_layout("2g128@0.25"))
+    assert crisp["tokens_per_s"] == pytest.approx(sims[0]["tokens_per_s"], rel=1e-12)
+    assert crisp["bytes_per_token"] == pytest.approx(sims[0]["bytes_per_token"], rel=1e-12)
+    assert got[("full/plan/lru", "router")]["tokens_per_s"] == pytest.approx(base_tps, rel=1e-12)
+    plain_tps, plain = tp.simulate_candidates(trace, plan, tp.ThroughputGoal(0.25, target="mixtral-8x7b"),
+                                              TARGETS["mixtral-8x7b"], [cand], warmup=8)
+    assert plain_tps == base_tps and plain[0]["bytes_per_token"] > sims[0]["bytes_per_token"]  # 2-bit rows: fewer

@@ -32,8 +32,9 @@ from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import PrefetchPolicy
 from crisp_runtime.runtime import RuntimeConfig, plan_for_layers
 from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy, make_serving
+from crisp_runtime.serving_record import budget_base_bytes
 
-from .calibration import TokenScores, dump_json
+from .calibration import TokenScores, dump_json, score_windows
 from .loss_estimate import finite_or_none, relative_loss
 
 SERVING_EVAL_FORMAT = "crisp-eval-serving"
@@ -69,9 +70,9 @@ def decode_windows(model, windows: torch.Tensor, progress: Callable | None = Non
 
 
 def total_expert_bytes(layers: Mapping) -> int:
-    """Bytes of every expert of a pack at full width (what a budget fraction is a fraction of)."""
-    return sum(layer.num_experts * layer.intermediate_size * layer.fmt.neuron_nbytes(layer.hidden_size)
-               for layer in layers.values())
+    """Bytes of every expert of a pack at full width in 4-bit rows (what a budget fraction is a fraction of:
+    ``crisp_runtime.serving_record.budget_base_bytes``)."""
+    return budget_base_bytes(layers)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,18 @@ def run_case(model, pack, plan: CrispPlan, windows: torch.Tensor, budget_bytes: 
     with applied(model, pack, plan, budget_bytes, case) as handle:
         scores = decode_windows(model, windows, stop=stop)
         return scores, handle.stats()
+
+
+def score_plan(model, pack, plan: CrispPlan, windows: torch.Tensor, batch_size: int = 16) -> TokenScores:
+    """``windows`` scored by batch forwards through CRISP serving ``plan`` at its own widths (the default serving
+    policy, every expert resident): what decoding them under a serving policy that follows the plan gives, at any
+    budget, with or without a prefetch at the plan's widths (outputs independent of the cache; tests/
+    test_evaluate.py checks batch = decode), at a fraction of a decode's cost (one forward per window)."""
+    handle = apply(model, pack, plan=plan)
+    try:
+        return score_windows(model, windows, batch_size)
+    finally:
+        handle.restore()
 
 
 def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int | None, scores: TokenScores,

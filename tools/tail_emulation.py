@@ -215,10 +215,16 @@ def source_model(args, layers, info):
 
 
 def derived_info(info: dict, drop=()) -> tuple[dict, object]:
-    """(the source pack's info without what save_pack writes itself, its experts file record)."""
+    """(the source pack's info without what save_pack writes itself and without its stored serving choice, its
+    experts file record). A serving choice (``crisp_runtime.serving_record``) belongs to the plan and bytes it was
+    searched on: a derived pack has other bytes or another plan (before session 15 a tail pack kept its source's
+    choice, searched on 4-bit rows)."""
+    from crisp_runtime.serving_record import SERVING_KEY
+
     files = info.get("files")
     digest = files.get("experts.safetensors") if isinstance(files, dict) else None
-    return {k: v for k, v in info.items() if k not in ("format", "version", "quant", "files", *drop)}, digest
+    return {k: v for k, v in info.items() if k not in ("format", "version", "quant", "files", SERVING_KEY, *drop)}, \
+        digest
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from .config import (
     ProfileConfig,
 )
 from .pipeline import Profiler
+from .throughput import add_search_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,29 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "0,0.0625 also tries 1/16)")
     p.add_argument("--plan-for-throughput", dest="throughput_budget", type=ca.float_in(0.0, 1.0, low_open=True),
                    default=None, metavar="BUDGET",
-                   help="also choose the serving policy / prefetch (and whether auxiliaries of routing weight >= 0.3 "
-                        "or 0.4 run at full width) with the most simulated tokens/s at this GPU budget "
-                        "(fraction of all expert bytes) on --hardware-profile, within --max-accuracy-loss measured by "
-                        "decoding held-out calibration windows through the runtime; stored in pack.json 'serving' "
-                        "(crisp_runtime.serving_record) and the pack's plan (aux_full_weight)")
-    p.add_argument("--max-accuracy-loss", type=ca.float_in(0.0, 1.0), default=0.02, metavar="FRACTION",
-                   help="with --plan-for-throughput: the largest relative next-token accuracy loss allowed")
-    p.add_argument("--hardware-profile", default="rtx4090-pcie4",
-                   help="with --plan-for-throughput: a crisp-bench profile (rtx4090-pcie4, rtx4090-pcie4-ddr5, ...)")
-    p.add_argument("--throughput-windows", type=ca.positive_int, default=16,
-                   help="with --plan-for-throughput: held-out calibration windows the routing trace (the speed) is "
-                        "recorded on; candidates are decoded in looks of this many windows")
-    p.add_argument("--throughput-accuracy-windows", type=ca.positive_int, default=None, metavar="N",
-                   help="with --plan-for-throughput: held-out calibration windows decoded before a candidate is "
-                        "accepted (default max(128, --throughput-windows); the first --throughput-windows of them "
-                        "are the traced ones)")
-    p.add_argument("--accuracy-confidence", type=ca.float_in(0.5, 1.0, high_open=True), default=0.95,
-                   metavar="FRACTION",
-                   help="with --plan-for-throughput: a candidate is accepted when its loss is within "
-                        "--max-accuracy-loss at this one-sided confidence (loss + z standard errors, clustered by "
-                        "window; 0.5: the point estimate) and stopped early once it is over at it")
-    p.add_argument("--throughput-seq-len", type=ca.int_in(2), default=128,
-                   help="with --plan-for-throughput: tokens per decoded window")
+                   help="also choose the serving policy / prefetch and the plan's auxiliary weight, skip weight and "
+                        "width cap with the most simulated tokens/s at this GPU budget (fraction of all expert bytes) "
+                        "on --hardware-profile, within --max-accuracy-loss measured on held-out calibration windows "
+                        "(decoded through the runtime, or one batch forward where the serving follows the plan); "
+                        "stored in pack.json 'serving' (crisp_runtime.serving_record) and the pack's plan")
+    add_search_options(p, "with --plan-for-throughput: ")
     p.add_argument("--placement", default="resident", choices=PLACEMENT_CHOICES,
                    help="resident: the whole model on --device; stream: the non-expert weights on --device, each "
                         "layer's experts read from the checkpoint (safetensors) per forward, one layer in memory")

@@ -37,6 +37,7 @@ from ..workdir import WorkFolder
 from .config import DOMINANCE_RULES, IMPORTANCE_KINDS, ProfileConfig
 from .output import check_out_dir, check_out_files
 from .statistics import STATS_FILE
+from .throughput import accuracy_windows_of
 
 
 class ProgressLog:
@@ -203,11 +204,8 @@ def _prepare_loaded(cfg: ProfileConfig, out: Path, work_root: Path, cutoffs: Tie
     throughput_windows = None
     if cfg.throughput_budget is not None:
         count = cfg.accuracy_window_count
-        throughput_windows = random_windows(
-            holdout_texts, count, cfg.throughput_seq_len, cfg.seed + 3,
-            f"--data (held-out calibration part, last {cfg.holdout_fraction:.0%}; --throughput-accuracy-windows "
-            f"{count} x --throughput-seq-len {cfg.throughput_seq_len})",
-        )
+        throughput_windows = accuracy_windows_of(holdout_texts, count, cfg.throughput_seq_len, cfg.seed,
+                                                 cfg.holdout_fraction)
     check_vocab(model, windows)
 
     # The checkpoint belongs to one model, data and set of settings that change the statistics.

@@ -40,6 +40,7 @@ simulator's library, which imports only ``crisp_runtime`` and ``crisp_kernels``)
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from statistics import NormalDist
@@ -48,27 +49,28 @@ import torch
 from crisp_bench.profiles import get_profile
 from crisp_bench.shapes import TARGETS, ModelShape
 from crisp_bench.simulate import SimPolicy, simulate_decode, target_window
+from crisp_bench.tail_sim import TailMapping, mapped_target
 from crisp_bench.traces import record_trace
 
+from crisp_kernels.tail_layout import PLAIN, TailLayout
+from crisp_runtime import cli_args as ca
 from crisp_runtime.baselines import full_plan
 from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
 from crisp_runtime.pack import CrispPack
-from crisp_runtime.plan import CrispPlan, PolicyKind
+from crisp_runtime.plan import CrispPlan, PlanError, PolicyKind
 from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
 from crisp_runtime.serving_record import SERVING_KEY, ServingRecord
 
-from ..calibration import CliError
+from ..calibration import CliError, TokenScores, random_windows
 from ..loss_estimate import finite_or_none, relative_loss
-from ..serving_eval import ServingCase, run_case, total_expert_bytes
+from ..serving_eval import ServingCase, run_case, score_plan, total_expert_bytes
+from .config import DEFAULT_ACCURACY_WINDOWS
 
-__all__ = ["SERVING_KEY", "Candidate", "ThroughputGoal", "candidates", "goal_from_config", "plan_serving",
-           "search_throughput", "simulate_candidates", "target_shape"]
+__all__ = ["SERVING_KEY", "Candidate", "CandidateServing", "ThroughputGoal", "candidates", "default_candidates",
+           "goal_from_config", "plan_serving", "search_throughput", "simulate_candidates", "target_shape"]
 
-SEARCH_FLOORS = (1.0, 0.75, 0.625, 0.5)
-# None: the tiers alone; the weights: two of the frontier's (crisp_bench.sim_policies.PROMOTE_WEIGHTS), which
-# lost 0.78% / 1.06% at 48% / 45% of the 4-bit bytes on the Warm 64 / Cold 32 tail pack (plan widths, session 11)
-SEARCH_AUX_WEIGHTS = (None, 0.3, 0.4)
+SEARCH_FLOORS = (1.0, 0.875, 0.75, 0.625, 0.5)
 
 
 @dataclass(frozen=True)
@@ -109,27 +111,75 @@ class ThroughputGoal:
         get_profile(self.profile)  # a clear error for an unknown profile, before any work
 
 
+# The tiers alone, and heavy auxiliaries whole from 0.3 / 0.4 (session 11: on the tiny Mixtral's held-out text the
+# weight picked the auxiliaries that matter better than the pair tiers below 1% loss). Served from what is
+# resident, each is decoded: kept few.
+SEARCH_AUX_WEIGHTS = (None, 0.3, 0.4)
+# Plans served at their own widths (exact: one batch forward scores each, so the grid can be wider): the tiers,
+# heavy auxiliaries whole, skip-auxiliary at 0.3 / 0.4 (S = W) and the three-band points of session 14's frontier
+# (docs/sim-s14-three-band-check.txt: S 0.15 / W 0.3 at 0.68%, S 0.25 / W 0.4 at 1.18%, S 0.35 / W 0.45 at 1.96% on
+# the tail pack), each uncapped and capped at 7/8 and 3/4 of the width (session 14's capped points: 192 of 256).
+SEARCH_EXACT_BANDS = ((None, None), (None, 0.3), (None, 0.4), (0.3, 0.3), (0.4, 0.4), (0.15, 0.3), (0.2, 0.4),
+                      (0.25, 0.4), (0.3, 0.4), (0.35, 0.45))
+SEARCH_CAPS = (None, 0.875, 0.75)
+
+
+class CandidateServing(enum.Enum):
+    """How a candidate serves its plan."""
+
+    PLAN = "plan"  # the plan's widths whatever is resident: outputs independent of the cache, scored in batch
+    RESIDENT = "resident"  # from what is resident (a dominant floor, wider / narrower auxiliaries): decoded
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """One serving configuration of the search space."""
+    """One configuration of the search space: how the plan is served, and the plan knobs it sets."""
 
-    dominant_floor: float
+    dominant_floor: float = 1.0
     widen: DominantWiden = DominantWiden.NEVER
     prefetch: PrefetchWidth | None = None
-    aux_full_weight: float | None = None  # the plan's CrispPlan.aux_full_weight (None: the tiers alone)
+    aux_full_weight: float | None = None  # the plan's CrispPlan.aux_full_weight (None: unset)
+    aux_skip_weight: float | None = None  # the plan's CrispPlan.aux_skip_weight (None: unset)
+    width_cap: int | None = None  # the plan's CrispPlan.width_cap in neurons (None: uncapped)
+    kind: CandidateServing = CandidateServing.RESIDENT
+
+    def __post_init__(self) -> None:
+        if self.kind is CandidateServing.PLAN and (self.dominant_floor != 1.0 or self.widen is not DominantWiden.NEVER
+                                                   or self.prefetch not in (None, PrefetchWidth.PLAN)):
+            raise ValueError(f"Candidate: serving at the plan's widths has no dominant floor, widening or "
+                             f"serving-width prefetch, got floor {self.dominant_floor}, widen {self.widen.value}, "
+                             f"prefetch {self.prefetch}")
+
+    @property
+    def exact(self) -> bool:
+        """Outputs independent of the cache: a batch forward scores it as its decode would."""
+        return self.kind is CandidateServing.PLAN
 
     @property
     def label(self) -> str:
         pf = "" if self.prefetch is None else f"+prefetch-{self.prefetch.value}"
         widen = "" if self.widen is DominantWiden.NEVER else f"-{self.widen.value}"
         aux = "" if self.aux_full_weight is None else f"-aux{self.aux_full_weight:g}"
-        return f"floor{self.dominant_floor:g}{widen}{aux}{pf}"
+        skip = "" if self.aux_skip_weight is None else f"-skip{self.aux_skip_weight:g}"
+        cap = "" if self.width_cap is None else f"-cap{self.width_cap}"
+        head = "plan" if self.exact else f"floor{self.dominant_floor:g}{widen}"
+        return f"{head}{aux}{skip}{cap}{pf}"
 
     def plan_for(self, plan: CrispPlan) -> CrispPlan:
-        """The plan this candidate serves: ``plan`` with its auxiliary weight (``plan`` itself without one)."""
-        return plan if self.aux_full_weight is None else plan.promoted(self.aux_full_weight)
+        """The plan this candidate serves: ``plan`` with the candidate's weights and cap (``plan`` itself when
+        they are its own)."""
+        if plan.policy is not PolicyKind.CRISP:
+            if (self.aux_full_weight, self.aux_skip_weight, self.width_cap) != (None, None, None):
+                raise ValueError(f"Candidate {self.label}: plan knobs apply to CRISP plans only, not "
+                                 f"{plan.policy.value!r}")
+            return plan
+        out = dataclasses.replace(plan, aux_full_weight=self.aux_full_weight, aux_skip_weight=self.aux_skip_weight,
+                                  width_cap=self.width_cap)  # at once: a pack plan's own skip weight may exceed W
+        return plan if out == plan else out
 
     def serving(self) -> ServingPolicy:
+        if self.exact:
+            return SERVING_POLICIES["plan"]
         return replace(SERVING_POLICIES["resident"], name=f"resident-floor{self.dominant_floor:g}"
                        + ("" if self.widen is DominantWiden.NEVER else f"-{self.widen.value}"),
                        dominant_floor=self.dominant_floor, dominant_widen=self.widen)
@@ -139,10 +189,15 @@ class Candidate:
 
 
 def candidates(floors: Sequence[float] = SEARCH_FLOORS,
-               aux_full_weights: Sequence[float | None] = SEARCH_AUX_WEIGHTS) -> list[Candidate]:
-    """The search space (module docstring): per auxiliary weight and floor, no prefetch, PLAN prefetch, and
-    below full width SERVING prefetch without and with AHEAD widening (at full width those equal PLAN): 14 per
-    weight, 42 by default."""
+               aux_full_weights: Sequence[float | None] = SEARCH_AUX_WEIGHTS, *,
+               exact_bands: Sequence[tuple[float | None, float | None]] = SEARCH_EXACT_BANDS,
+               caps: Sequence[float | None] = SEARCH_CAPS, intermediate_size: int | None = None) -> list[Candidate]:
+    """The search space (module docstring). Served from what is resident, per auxiliary weight and floor: no
+    prefetch, PLAN prefetch, and below full width SERVING prefetch without and with AHEAD widening (at full width
+    those equal PLAN): 18 per weight. At the plan's widths (``intermediate_size`` given: a CRISP plan's neurons),
+    per (skip weight, auxiliary weight) band of ``exact_bands`` and cap of ``caps``: PLAN prefetch (a prefetch at
+    the plan's widths never delays a demanded copy, and at floor 1 it was 1.89x full-width LRU against 1.72x
+    without in session 13's search)."""
     out = []
     for w in aux_full_weights:
         for f in floors:
@@ -150,6 +205,12 @@ def candidates(floors: Sequence[float] = SEARCH_FLOORS,
             if f < 1.0:
                 out += [Candidate(f, prefetch=PrefetchWidth.SERVING, aux_full_weight=w),
                         Candidate(f, DominantWiden.AHEAD, PrefetchWidth.SERVING, aux_full_weight=w)]
+    if intermediate_size is not None:
+        for s, w in exact_bands:
+            for cap in caps:
+                neurons = None if cap is None else max(1, round(cap * intermediate_size))
+                out.append(Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=w, aux_skip_weight=s,
+                                     width_cap=neurons, kind=CandidateServing.PLAN))
     return out
 
 
@@ -176,20 +237,29 @@ def _auto_target(trace) -> ModelShape | None:
 
 
 def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: ModelShape, cands: Sequence[Candidate],
-                        *, warmup: int, log: Callable[[str], None] = lambda msg: None) -> tuple[float, list[dict]]:
+                        *, warmup: int, layout: TailLayout = PLAIN,
+                        log: Callable[[str], None] = lambda msg: None) -> tuple[float, list[dict]]:
     """(full-width LRU tokens/s in router order, one record per candidate) on ``trace`` at ``goal.budget``;
-    ``log`` gets one line per candidate as it is simulated (42 by default: minutes on a small CPU)."""
+    ``log`` gets one line per candidate as it is simulated (~5 s each for 2,048 tokens mapped onto Mixtral on a
+    small CPU). ``layout``: the pack's tail layout (``crisp_kernels.tail_layout``; a 2-bit tail pack's): the
+    candidates are simulated on its bytes (``crisp_bench.tail_sim.TailMapping``, as ``crisp-bench simulate
+    --tail-layout``), the baseline on the 4-bit rows, at the same budget in bytes (a fraction of the 4-bit
+    experts': equal GPU memory)."""
     profile = get_profile(goal.profile)
     budget = int(goal.budget * shape.total_expert_nbytes)
     predicted = trace.predicted
     base = simulate_decode(trace, SimPolicy("full", full_plan(plan)), profile, shape, budget, orders=["router"],
                            warmup=warmup)
     base_tps = base.tokens_per_s("router")
+    mapping = None if layout.is_plain else TailMapping(layout, trace, shape)
+    sim_trace, sim_shape = (trace, shape) if mapping is None else (mapping.mapped_trace(), mapping.mapped_shape())
     out = []
     for c in cands:
         sim = SimPolicy("crisp", c.plan_for(plan), c.serving(), goal.eviction, c.prefetch is not None,
                         c.prefetch or PrefetchWidth.PLAN)
-        res = simulate_decode(trace, sim, profile, shape, budget, orders=["widest_first"], warmup=warmup,
+        if mapping is not None:
+            sim = mapping.mapped_policy(sim)
+        res = simulate_decode(sim_trace, sim, profile, sim_shape, budget, orders=["widest_first"], warmup=warmup,
                               predicted=predicted if c.prefetch is not None else None)
         s = res.summary("widest_first")
         out.append({"candidate": c.label, "tokens_per_s": s["tokens_per_s"], "x_full_lru": s["tokens_per_s"] / base_tps,
@@ -199,27 +269,37 @@ def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: Mod
     return base_tps, out
 
 
+def default_candidates(plan: CrispPlan) -> list[Candidate]:
+    """:func:`candidates` for ``plan``: a CRISP plan's knobs at its neurons; other plans' serving alone."""
+    if plan.policy is not PolicyKind.CRISP:
+        return candidates(aux_full_weights=(None,))
+    return candidates(intermediate_size=plan.intermediate_size)
+
+
 def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goal: ThroughputGoal, *,
                       accuracy_windows: torch.Tensor | None = None, cands: Sequence[Candidate] | None = None,
-                      source: str = "held-out calibration windows",
+                      source: str = "held-out calibration windows", layout: TailLayout = PLAIN,
                       log: Callable[[str], None] = lambda msg: None) -> tuple[ServingRecord, CrispPlan]:
     """The fastest candidate within the accuracy bound (see the module docstring): its :class:`ServingRecord`
-    and the plan it serves (``plan``, or ``plan`` with the candidate's auxiliary weight: the pack stores that).
+    and the plan it serves (``plan`` with the candidate's knobs: the pack stores that).
 
     windows: (N, L) held-out calibration token windows the routing trace is recorded on (the speed).
-    accuracy_windows: (M, L) windows decoded for the accuracy (default ``windows``), their first N
-    ``windows`` themselves when the profiler draws them (``plan_serving``). A candidate is decoded in looks of
-    N windows; it is accepted when, over all M, its loss + z standard errors <= ``goal.max_accuracy_loss``
-    (z of ``goal.confidence``, one-sided; :mod:`crisp_tools.loss_estimate`), and stopped at a look where its
-    loss - z standard errors is already over the bound. Raises ValueError when no candidate is accepted.
+    accuracy_windows: (M, L) windows scored for the accuracy (default ``windows``), their first N
+    ``windows`` themselves when the profiler draws them (``plan_serving``). Candidates are taken fastest first. One
+    served at the plan's widths (outputs independent of the cache) is scored by one batch forward over all M
+    windows, paired with the full width's batch forward; one served from what is resident is decoded in looks of
+    N windows, paired with the full width's decode, and stopped at a look where its loss - z standard errors is
+    already over the bound. A candidate is accepted when, over all M, its loss + z standard errors <=
+    ``goal.max_accuracy_loss`` (z of ``goal.confidence``, one-sided; :mod:`crisp_tools.loss_estimate`).
+    layout: the pack's tail layout (:func:`simulate_candidates`); the decodes' budget is the same fraction of the
+    4-bit expert bytes (``crisp_runtime.serving_record.budget_base_bytes``). Raises ValueError when no candidate
+    is accepted.
     """
-    if cands is None:  # the auxiliary weight is a CRISP plan's knob: other plans search the serving alone
-        weights = SEARCH_AUX_WEIGHTS if plan.policy is PolicyKind.CRISP else (None,)
-        skip = plan.aux_skip_weight  # a three-band plan: only weights >= its skip weight (below: refused)
-        cands = candidates(aux_full_weights=[w for w in weights if w is None or skip is None or w >= skip])
-    cands = list(cands)
+    cands = list(default_candidates(plan) if cands is None else cands)
     if not cands:
         raise ValueError("search_throughput: no candidates")
+    if len({c.label for c in cands}) != len(cands):
+        raise ValueError("search_throughput: candidates must be distinct")
     if windows.dim() != 2 or windows.shape[1] < 2:
         raise ValueError(f"search_throughput: windows must be (N, L >= 2) token ids, got {tuple(windows.shape)}")
     if accuracy_windows is None:
@@ -227,40 +307,62 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     if accuracy_windows.dim() != 2 or accuracy_windows.shape[1] < 2:
         raise ValueError(f"search_throughput: accuracy_windows must be (M, L >= 2) token ids, got "
                          f"{tuple(accuracy_windows.shape)}")
+    for c in cands:  # a knob the plan refuses (a skip weight over its auxiliary weight), before minutes of work
+        try:
+            c.plan_for(plan)
+        except (PlanError, ValueError) as exc:
+            raise ValueError(f"search_throughput: candidate {c.label}: {exc}") from None
     trace = record_trace(model, windows, source=source)
     first = next(iter(layers.values()))
     shape = target_shape(goal, trace, first.hidden_size)
     warmup = min(32, trace.num_tokens // 4)
-    base_tps, sims = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup, log=log)
+    base_tps, sims = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup, layout=layout, log=log)
     pack = CrispPack(layers, plan)
     budget_bytes = int(goal.budget * total_expert_bytes(layers))
-    full, _ = run_case(model, pack, full_plan(plan), accuracy_windows, budget_bytes, ServingCase("full-exact", "full"))
-    window = target_window(get_profile(goal.profile), shape, first.intermediate_size)
+    # per storage row of the pack (a tail pack's rows map onto the layout's target rows)
+    window = target_window(get_profile(goal.profile), shape if layout.is_plain else mapped_target(layout, shape),
+                           first.intermediate_size)
     z = goal.z
     look = windows.shape[0]
     total = accuracy_windows.shape[0]
+    references: dict[str, TokenScores] = {}
+
+    def reference(mode: str) -> TokenScores:  # the 4-bit-pack full width, scored as the candidates are
+        if mode not in references:
+            if mode == "batch":
+                references[mode] = score_plan(model, pack, full_plan(plan), accuracy_windows)
+            else:
+                references[mode], _ = run_case(model, pack, full_plan(plan), accuracy_windows, budget_bytes,
+                                               ServingCase("full-exact", "full"))
+        return references[mode]
 
     def over_bound(scores) -> bool:  # asked after each decoded window; answers at the looks only
         n = scores.correct.shape[0]
         return n % look == 0 and \
-            relative_loss(full.correct[:n], scores.correct).lower(z) > goal.max_accuracy_loss
+            relative_loss(reference("decode").correct[:n], scores.correct).lower(z) > goal.max_accuracy_loss
 
     by_label = {c.label: c for c in cands}
     chosen = None
     for r in sorted(sims, key=lambda r: -r["tokens_per_s"]):
         c = by_label[r["candidate"]]
-        prefetch = c.prefetch_policy()
-        case = ServingCase(f"crisp-{c.label}", "crisp", c.serving(),
-                           None if prefetch is None else replace(prefetch, window=window), eviction=goal.eviction)
-        scores, _ = run_case(model, pack, c.plan_for(plan), accuracy_windows, budget_bytes, case, stop=over_bound)
+        mode = "batch" if c.exact else "decode"
+        full = reference(mode)
+        if c.exact:
+            scores = score_plan(model, pack, c.plan_for(plan), accuracy_windows)
+        else:
+            prefetch = c.prefetch_policy()
+            case = ServingCase(f"crisp-{c.label}", "crisp", c.serving(),
+                               None if prefetch is None else replace(prefetch, window=window), eviction=goal.eviction)
+            scores, _ = run_case(model, pack, c.plan_for(plan), accuracy_windows, budget_bytes, case, stop=over_bound)
         est = relative_loss(full.correct[: scores.correct.shape[0]], scores.correct)
         accepted = est.windows == total and est.upper(z) <= goal.max_accuracy_loss
         r.update(accuracy_loss=est.loss, accuracy_loss_se=finite_or_none(est.standard_error),
-                 accuracy_loss_upper=finite_or_none(est.upper(z)), accuracy_windows=est.windows,
+                 accuracy_loss_upper=finite_or_none(est.upper(z)), accuracy_windows=est.windows, accuracy_mode=mode,
                  accuracy_decision="within" if accepted else "over" if est.lower(z) > goal.max_accuracy_loss
                  else "unresolved")
         log(f"throughput: {c.label}: accuracy loss {est.loss:.2%} +- {est.standard_error:.2%} over {est.windows}/"
-            f"{total} windows ({r['accuracy_decision']}; runtime in the loop)")
+            f"{total} windows ({r['accuracy_decision']}; "
+            f"{'batch: the plan widths' if c.exact else 'decoded, runtime in the loop'})")
         if accepted:
             chosen = (c, r)
             break
@@ -270,17 +372,61 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
                          "accuracy windows, or lower the confidence")
     c, r = chosen
     search = {"objective": "simulated tokens/s", "profile": goal.profile, "target": shape.name,
-              "max_accuracy_loss": goal.max_accuracy_loss, "confidence": goal.confidence, "z": z,
-              "accuracy_text": source, "accuracy_prefetch_window": window.name,
+              "tail_layout": layout.name, "max_accuracy_loss": goal.max_accuracy_loss, "confidence": goal.confidence,
+              "z": z, "accuracy_text": source, "accuracy_prefetch_window": window.name,
               "windows": list(windows.shape), "accuracy_windows": list(accuracy_windows.shape),
-              "full_width_accuracy": full.accuracy, "full_lru_tokens_per_s": base_tps, "chosen": r,
-              "candidates": sims}
-    chosen_plan = c.plan_for(plan)
+              "full_width_accuracy": next(iter(references.values())).accuracy, "full_lru_tokens_per_s": base_tps,
+              "chosen": r, "candidates": sims}
+    return (ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search),
+            _described(c, plan, c.plan_for(plan)))
+
+
+def _described(c: Candidate, plan: CrispPlan, chosen: CrispPlan) -> CrispPlan:
+    """``chosen`` with its knobs said in its description (the pack stores it)."""
+    if chosen is plan:
+        return plan
+    said = []
+    if c.aux_skip_weight is not None:
+        said.append(f"auxiliaries of routing weight < {c.aux_skip_weight:g} are skipped")
     if c.aux_full_weight is not None:
-        chosen_plan = dataclasses.replace(chosen_plan, description=(
-            f"{plan.description} Auxiliaries of routing weight >= {c.aux_full_weight:g} run at the dominant width "
-            f"(chosen by --plan-for-throughput for simulated tokens/s).").strip())
-    return ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search), chosen_plan
+        said.append(f"auxiliaries of routing weight >= {c.aux_full_weight:g} run at the dominant width")
+    if c.width_cap is not None:
+        said.append(f"no slot runs wider than {c.width_cap} neurons")
+    what = "; ".join(said) or "no auxiliary weight, skip weight or cap"
+    return dataclasses.replace(chosen, description=(
+        f"{plan.description} {what[0].upper()}{what[1:]} (chosen by the throughput search for simulated "
+        "tokens/s).").strip())
+
+
+def add_search_options(p, when: str) -> None:
+    """The search's options (``crisp-profile --plan-for-throughput`` and ``crisp_tools.plan_throughput`` share
+    them); ``when`` prefixes each help text (e.g. "with --plan-for-throughput: ")."""
+    p.add_argument("--max-accuracy-loss", type=ca.float_in(0.0, 1.0), default=0.02, metavar="FRACTION",
+                   help=f"{when}the largest relative next-token accuracy loss allowed")
+    p.add_argument("--hardware-profile", default="rtx4090-pcie4",
+                   help=f"{when}a crisp-bench profile (rtx4090-pcie4, rtx4090-pcie4-ddr5, ...)")
+    p.add_argument("--throughput-windows", type=ca.positive_int, default=16,
+                   help=f"{when}held-out calibration windows the routing trace (the speed) is recorded on; "
+                        "candidates served from what is resident are decoded in looks of this many windows")
+    p.add_argument("--throughput-accuracy-windows", type=ca.positive_int, default=None, metavar="N",
+                   help=f"{when}held-out calibration windows scored before a candidate is accepted (default "
+                        f"max({DEFAULT_ACCURACY_WINDOWS}, --throughput-windows); the first --throughput-windows of "
+                        "them are the traced ones)")
+    p.add_argument("--accuracy-confidence", type=ca.float_in(0.5, 1.0, high_open=True), default=0.95,
+                   metavar="FRACTION",
+                   help=f"{when}a candidate is accepted when its loss is within --max-accuracy-loss at this one-sided "
+                        "confidence (loss + z standard errors, clustered by window; 0.5: the point estimate) and "
+                        "a decode is stopped early once it is over at it")
+    p.add_argument("--throughput-seq-len", type=ca.int_in(2), default=128, help=f"{when}tokens per scored window")
+
+
+def accuracy_windows_of(holdout_texts, count: int, seq_len: int, seed: int, holdout_fraction: float) -> torch.Tensor:
+    """The search's (count, seq_len) windows drawn from the held-out calibration text (seed + 3: the profiler's
+    draw, so a profile and a later ``plan_throughput`` of its pack with the same --data and --seed score the
+    same windows)."""
+    return random_windows(holdout_texts, count, seq_len, seed + 3,
+                          f"--data (held-out calibration part, last {holdout_fraction:.0%}; --throughput-accuracy-"
+                          f"windows {count} x --throughput-seq-len {seq_len})")
 
 
 def goal_from_config(cfg) -> ThroughputGoal | None:

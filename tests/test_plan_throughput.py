@@ -1,0 +1,109 @@
+"""python -m crisp_tools.plan_throughput: the throughput search on an existing pack (a 4-bit pack or a 2-bit tail
+pack), written as a new pack; what it refuses before any work; derived packs never inherit a stored choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from crisp_tools import plan_throughput as pt
+from crisp_tools import tail_emulation, tail_pack
+from crisp_tools.profiler import throughput as tp
+
+from crisp_runtime.pack import load_pack
+from crisp_runtime.prefetch import PrefetchWidth
+from crisp_runtime.serving import SERVING_POLICIES
+from crisp_runtime.serving_record import serving_record
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY, TINY_PACK = ROOT / "models" / "tiny-mixtral", ROOT / "models" / "tiny-mixtral-crisp"
+CALIB = str(ROOT / "data" / "stdlib-calib.txt")
+SMALL = ["--throughput-windows", "2", "--throughput-accuracy-windows", "3", "--throughput-seq-len", "12", "--quiet"]
+# a small space (the default one, 84 candidates, is the profiler test's): one of each kind, with plan knobs
+SPACE = [tp.Candidate(0.75, prefetch=PrefetchWidth.SERVING),
+         tp.Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=0.4, aux_skip_weight=0.2, width_cap=224,
+                      kind=tp.CandidateServing.PLAN),
+         tp.Candidate(1.0, aux_full_weight=0.3)]
+
+
+@pytest.fixture(scope="module")
+def tail(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plantp") / "t"
+    assert tail_pack.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "2g128@0.25", "--out", str(out),
+                           "--tier-widths", "256,64,32", "--quiet"]) == 0
+    return out
+
+
+def _run(src, out, *extra):
+    return pt.main(["--model", str(TINY), "--crisp", str(src), "--data", CALIB, "--out", str(out), "--budget", "0.25",
+                    *SMALL, *extra])
+
+
+def test_a_tail_pack_is_planned_on_its_own_bytes_and_written_as_a_new_pack(tail, tmp_path, monkeypatch):
+    monkeypatch.setattr(tp, "default_candidates", lambda plan: list(SPACE))
+    out = tmp_path / "planned"
+    assert _run(tail, out, "--max-accuracy-loss", "1.0") == 0  # a bound of 1 admits the fastest
+    pack, src = load_pack(out), load_pack(tail)
+    record = serving_record(pack.info)
+    search = record.search
+    assert search["tail_layout"] == "2g128at0.25" and record.gpu_budget_fraction == 0.25
+    assert "held-out calibration windows (3 x 12" in search["accuracy_text"]
+    fastest = max(search["candidates"], key=lambda r: r["tokens_per_s"])
+    chosen = next(c for c in SPACE if c.label == fastest["candidate"])
+    assert search["chosen"]["candidate"] == chosen.label and record.policy == chosen.serving()
+    assert pack.plan == tp._described(chosen, src.plan, chosen.plan_for(src.plan))  # the plan the choice serves
+    info = pack.info["planned_for_throughput"]
+    assert info["source_pack"] == str(tail) and info["source_plan_widths_sha256"] == src.plan.widths_digest()
+    assert pack.info["tail_start"] == src.info["tail_start"] and pack.info["tail_layout"] == src.info["tail_layout"]
+    for lid, layer in src.layers.items():  # the same experts, bit for bit
+        assert (pack.layers[lid].qweight == layer.qweight).all() and (pack.layers[lid].scales == layer.scales).all()
+    # planning the planned pack again replaces its choice (never two), and a 4-bit pack is planned on 4-bit rows
+    again = tmp_path / "again"
+    assert _run(out, again, "--max-accuracy-loss", "1.0") == 0
+    assert serving_record(load_pack(again).info).search["tail_layout"] == "2g128at0.25"
+    plain = tmp_path / "plain"
+    assert _run(TINY_PACK, plain, "--max-accuracy-loss", "1.0") == 0
+    assert serving_record(load_pack(plain).info).search["tail_layout"] == "q4"
+
+
+def test_refusals_come_before_any_work(tail, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tp, "search_throughput", lambda *a, **k: pytest.fail("searched"))
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    (existing / "mine.txt").write_text("keep")
+    assert _run(tail, existing) == 2
+    assert "already exists" in capsys.readouterr().err and (existing / "mine.txt").read_text() == "keep"
+    assert _run(tail, tmp_path / "o", "--throughput-windows", "8", "--throughput-accuracy-windows", "4") == 2
+    assert "--throughput-accuracy-windows (4)" in capsys.readouterr().err
+    emulated = tmp_path / "emulated"
+    assert tail_emulation.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "m432", "--out",
+                                str(emulated), "--quiet"]) == 0
+    assert _run(emulated, tmp_path / "o") == 2
+    assert "emulated tail layout" in capsys.readouterr().err
+    assert _run(tmp_path / "nowhere", tmp_path / "o") == 2
+    assert "--crisp" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_no_candidate_within_the_bound_writes_nothing(tail, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tp, "default_candidates", lambda plan: list(SPACE))
+    out = tmp_path / "o"
+    assert _run(tail, out, "--max-accuracy-loss", "0") == 2
+    err = capsys.readouterr().err
+    assert "--budget 0.25" in err and "no candidate" in err and not out.exists()
+
+
+def test_a_derived_pack_never_inherits_a_stored_choice(tmp_path, monkeypatch):
+    """A tail pack (or an emulated one) of a pack that stores a serving choice does not store it: the choice was
+    searched on the source's bytes and plan."""
+    monkeypatch.setattr(tp, "default_candidates", lambda plan: [SPACE[1]])
+    planned = tmp_path / "planned"
+    assert _run(TINY_PACK, planned, "--max-accuracy-loss", "1.0") == 0
+    assert serving_record(load_pack(planned).info).policy == SERVING_POLICIES["plan"]
+    for tool, layout in ((tail_pack, "2g128@0.25"), (tail_emulation, "m432")):
+        out = tmp_path / f"derived-{layout}"
+        assert tool.main(["--model", str(TINY), "--crisp", str(planned), "--layout", layout, "--out", str(out),
+                          "--quiet"]) == 0
+        info = json.loads((out / "pack.json").read_text())
+        assert "serving" not in info and serving_record(load_pack(out).info) is None

@@ -1,0 +1,144 @@
+"""Plan an existing CRISP pack for throughput at a GPU budget: ``crisp-profile --plan-for-throughput`` on a pack
+folder, without profiling again (a 4-bit pack, or a 2-bit tail pack of ``crisp_tools.tail_pack``).
+
+    python -m crisp_tools.tail_pack --model models/tiny-mixtral --crisp models/tiny-mixtral-crisp \\
+        --layout 2g128@0.25 --tier-widths 256,64,32 --out /tmp/pack-64-32
+    python -m crisp_tools.plan_throughput --model models/tiny-mixtral --crisp /tmp/pack-64-32 \\
+        --data data/stdlib-calib.txt --budget 0.25 --out /tmp/pack-64-32-at25
+    crisp-eval --model models/tiny-mixtral --crisp /tmp/pack-64-32-at25 --reference-crisp models/tiny-mixtral-crisp \\
+        --data data/stdlib-heldout.txt --mode decode --stored-serving --prefetch-window rtx4090-pcie4/mixtral-8x7b
+
+The search (``crisp_tools.profiler.throughput``) chooses the serving policy, the prefetch and the plan's auxiliary
+weight, skip weight and width cap with the most simulated tokens/s at ``--budget`` (a fraction of the 4-bit
+expert bytes: on a tail pack the same GPU memory as on its 4-bit source) on ``--hardware-profile``, within
+``--max-accuracy-loss`` on windows of the held-out calibration part of ``--data`` (the last
+``--holdout-fraction``, the profiler's split and draw: give the calibration text, never the evaluation text).
+The result is a new pack folder (written atomically, never over an existing path): the same experts, the chosen
+plan, and the choice in pack.json ``serving`` (``crisp_runtime.serving_record``; a serving choice the source
+pack stored is replaced) with ``planned_for_throughput`` naming the source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from crisp_runtime import cli_args as ca
+from crisp_runtime.outputs import OutputPathError
+
+from .calibration import CliError, check_vocab, load_texts, log, split_texts, threads
+from .profiler.config import DEFAULT_ACCURACY_WINDOWS
+from .profiler.throughput import (
+    SERVING_KEY,
+    ThroughputGoal,
+    accuracy_windows_of,
+    add_search_options,
+    search_throughput,
+)
+from .tail_emulation import INFO_EMULATION, INFO_LAYOUT, derived_info, emulation_of, new_out, source_model
+
+INFO_PLANNED = "planned_for_throughput"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ca.Parser(prog="python -m crisp_tools.plan_throughput", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, type=ca.nonempty_path, help="the transformers checkpoint of the pack")
+    p.add_argument("--crisp", required=True, type=ca.nonempty_path,
+                   help="the CRISP pack folder to plan (4-bit, or a 2-bit tail pack of crisp_tools.tail_pack)")
+    p.add_argument("--data", required=True, nargs="+", type=ca.nonempty_path,
+                   help="calibration text (files, or a saved datasets folder): the search scores its held-out part")
+    p.add_argument("--out", required=True, type=ca.nonempty_path, help="new pack folder (must not exist)")
+    p.add_argument("--budget", required=True, type=ca.float_in(0.0, 1.0, low_open=True), metavar="FRACTION",
+                   help="the GPU budget: a fraction of all expert bytes at full width in 4-bit rows")
+    add_search_options(p, "")
+    p.add_argument("--holdout-fraction", type=ca.float_in(0.0, 1.0, low_open=True, high_open=True), default=0.1,
+                   help="last share of --data the windows are drawn from (crisp-profile's split)")
+    p.add_argument("--seed", type=ca.seed_int, default=0, help="seed of the window draw (crisp-profile's --seed)")
+    p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def stored_layout(info: dict, where: str):
+    """The tail layout a pack stores (``crisp_kernels.tail_layout.PLAIN`` for a 4-bit pack); CliError for an
+    emulated layout (4-bit bytes carrying another layout's values: simulated as what it emulates, it would put
+    the wrong bytes on the accuracy) or an unreadable record."""
+    from crisp_kernels.tail_layout import PLAIN
+
+    if INFO_EMULATION in info:
+        raise CliError(f"--crisp {where}: an emulated tail layout (crisp_tools.tail_emulation): its bytes are 4-bit "
+                       "rows; plan the 4-bit pack, or a stored tail pack (crisp_tools.tail_pack)")
+    if info.get("tail_start") is None:
+        return PLAIN
+    try:
+        layout = emulation_of(info)  # the layout record a stored tail pack keeps too
+        if layout is None:
+            raise ValueError("missing")
+        return layout
+    except (TypeError, ValueError) as exc:
+        raise CliError(f"--crisp {where}: pack.json {INFO_LAYOUT!r} is not a readable tail layout ({exc})") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t0 = time.time()
+
+    def progress(msg: str) -> None:
+        log(f"[plan-throughput {time.time() - t0:6.1f}s] {msg}", quiet=args.quiet)
+
+    try:
+        out = new_out(args)
+        try:
+            goal = ThroughputGoal(args.budget, args.max_accuracy_loss, args.hardware_profile,
+                                  confidence=args.accuracy_confidence)
+        except (ValueError, OSError) as exc:
+            raise CliError(f"--budget / --hardware-profile: {exc}") from None
+        count = args.throughput_accuracy_windows or max(DEFAULT_ACCURACY_WINDOWS, args.throughput_windows)
+        if count < args.throughput_windows:
+            raise CliError(f"--throughput-accuracy-windows ({count}) must be at least --throughput-windows "
+                           f"({args.throughput_windows}): the traced windows are scored too")
+        from .calibration import load_pack_dir
+
+        layers, plan, info = load_pack_dir(args.crisp)
+        if plan is None:
+            raise CliError(f"--crisp {args.crisp}: the pack has no plan (plan.json); run crisp-profile")
+        layout = stored_layout(info, args.crisp)
+        texts = load_texts(args.data)
+        _, holdout = split_texts(texts, args.holdout_fraction)
+        windows = accuracy_windows_of(holdout, count, args.throughput_seq_len, args.seed, args.holdout_fraction)
+        model, _ = source_model(args, layers, info)
+        check_vocab(model, windows)
+        source = (f"held-out calibration windows ({count} x {args.throughput_seq_len} tokens of the last "
+                  f"{args.holdout_fraction:.0%} of --data; the first {args.throughput_windows} traced)")
+        progress(f"{args.crisp} ({layout.name}): searching at {args.budget:.0%} of the 4-bit expert bytes on "
+                 f"{args.hardware_profile}, loss <= {args.max_accuracy_loss:.2%} at {args.accuracy_confidence:.0%}")
+        with threads(args.threads):
+            try:
+                record, chosen = search_throughput(model, layers, plan, windows[: args.throughput_windows], goal,
+                                                   accuracy_windows=windows, source=source, layout=layout,
+                                                   log=progress)
+            except ValueError as exc:
+                raise CliError(f"--budget {args.budget:g}: {exc}") from None
+        new_info, digest = derived_info(info, drop=(INFO_PLANNED,))
+        new_info[SERVING_KEY] = record.to_dict()
+        new_info[INFO_PLANNED] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
+                                  "source_plan_widths_sha256": plan.widths_digest(), "data": list(args.data),
+                                  "holdout_fraction": args.holdout_fraction, "seed": args.seed}
+        from crisp_runtime.pack import save_pack
+
+        save_pack(out, layers, plan=chosen, info=new_info)
+    except (CliError, OutputPathError) as exc:
+        print(f"plan-throughput: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return ca.interrupted("plan-throughput", resumable=False)
+    r = record.search["chosen"]
+    progress(f"chose {r['candidate']}: {r['x_full_lru']:.2f}x full-width LRU, accuracy loss {r['accuracy_loss']:.2%} "
+             f"+- {r['accuracy_loss_se'] or 0:.2%} ({r['accuracy_mode']}); wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
