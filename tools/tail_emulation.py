@@ -30,6 +30,7 @@ Hot / Warm / Cold pairs), e.g. to evaluate a Cold auxiliary kept at a few neuron
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -198,6 +199,13 @@ def source_pack(args):
             plan = plan.skipping(args.aux_skip_weight)
         except ValueError as exc:
             raise CliError(f"--aux-skip-weight: {exc}") from None
+    said = [f"{opt} {value}" for opt, value in (
+        ("--tier-widths", None if args.tier_widths is None else
+         f"{args.tier_widths.hot},{args.tier_widths.warm},{args.tier_widths.cold}"),
+        ("--aux-full-weight", args.aux_full_weight), ("--aux-skip-weight", args.aux_skip_weight)) if value is not None]
+    if said:  # the source's description names its own widths: say what replaced them
+        plan = dataclasses.replace(plan, description=f"{plan.description} Then {', '.join(said)} "
+                                   "(crisp_tools.tail_pack / tail_emulation).".strip())
     return layers, plan, info
 
 
