@@ -46,6 +46,7 @@ PROFILE = _cases("profile", {
     "--hardware-profile": ["abacus", "", "missing.json"], "--throughput-windows": POS_INT,
     "--throughput-seq-len": SEQ_LEN, "--throughput-accuracy-windows": POS_INT,
     "--accuracy-confidence": ["0.4", "1", "1.5", "nan", "abc", ""],
+    "--simulation-workers": ["0", "-1", "257", "abc", ""],
     "--placement": ["everywhere", "", "device-map"], "--device-map": ["everywhere", "", '{"m": "gpu7"}', "[1]", "{}"],
     "--max-memory": ['{"cpu": "lots"}', "[1]", ""], "--offload-folder": [""],
 })
@@ -108,7 +109,7 @@ PLAN_THROUGHPUT = _cases("plan-throughput", {
     "--max-accuracy-loss": UNIT, "--hardware-profile": ["abacus", "", "missing.json"], "--throughput-windows": POS_INT,
     "--throughput-seq-len": SEQ_LEN, "--throughput-accuracy-windows": POS_INT,
     "--accuracy-confidence": ["0.4", "1", "1.5", "nan", "abc", ""], "--holdout-fraction": OPEN_UNIT, "--seed": SEED,
-    "--threads": THREADS})
+    "--threads": THREADS, "--simulation-workers": ["0", "-1", "257", "abc", ""]})
 CORPUS = _cases("corpus", {"--cap-bytes": POS_INT})
 TRAIN = _cases("train", {
     "--steps": POS_INT, "--seed": SEED, "--batch-size": POS_INT, "--seq-len": SEQ_LEN,
@@ -125,8 +126,8 @@ ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL
 # 660: the 22 cases of `python -m crisp_bench.kernels`'s own --shapes/--widths/--tokens/--json went with
 # that second command line (its other options moved to `crisp-bench kernels`, their cases with them).
 # 860 (session 9): the tables had grown past 660 without a bump; tail-pack's 18 cases included;
-# 866: kernels --tail-start. 981 (session 15): plan-throughput's 71, and earlier growth.
-RECORDED_CASES = 981
+# 866: kernels --tail-start. 991 (session 15): plan-throughput's 76, --simulation-workers, earlier growth.
+RECORDED_CASES = 991
 
 
 def _prog_argv(tool: str, tmp_path):

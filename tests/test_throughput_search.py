@@ -507,3 +507,24 @@ def test_the_search_simulates_a_tail_pack_as_crisp_bench_simulate_does(tmp_path)
     plain_tps, plain = tp.simulate_candidates(trace, plan, tp.ThroughputGoal(0.25, target="mixtral-8x7b"),
                                               TARGETS["mixtral-8x7b"], [cand], warmup=8)
     assert plain_tps == base_tps and plain[0]["bytes_per_token"] > sims[0]["bytes_per_token"]  # 2-bit rows: fewer
+
+
+def test_simulating_in_worker_processes_gives_the_same_records():
+    """workers > 1 spawns processes; each record is the one process's, in the candidates' order."""
+    from crisp_bench.shapes import TARGETS
+    from crisp_bench.traces import Trace
+
+    _, plan, _ = load_pack_dir(PACK)
+    trace = Trace.load(ROOT / "docs/bench-trace-heldout-predicted.npz").head(24)
+    cands = [tp.Candidate(0.75, prefetch=PrefetchWidth.SERVING), tp.Candidate(1.0, aux_full_weight=0.3),
+             tp.Candidate(prefetch=PrefetchWidth.PLAN, aux_skip_weight=0.2, aux_full_weight=0.4,
+                          kind=tp.CandidateServing.PLAN)]
+    goal = tp.ThroughputGoal(0.25, target="mixtral-8x7b")
+    lines = []
+    serial = tp.simulate_candidates(trace, plan, goal, TARGETS["mixtral-8x7b"], cands, warmup=4)
+    pooled = tp.simulate_candidates(trace, plan, goal, TARGETS["mixtral-8x7b"], cands, warmup=4, workers=2,
+                                    log=lines.append)
+    assert pooled == serial and [r["candidate"] for r in pooled[1]] == [c.label for c in cands]
+    assert [ln.split(" ")[2] for ln in lines] == ["1/3", "2/3", "3/3"]
+    with pytest.raises(ValueError, match="workers"):
+        tp.simulate_candidates(trace, plan, goal, TARGETS["mixtral-8x7b"], cands, warmup=4, workers=0)

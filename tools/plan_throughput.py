@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 record, chosen = search_throughput(model, layers, plan, windows[: args.throughput_windows], goal,
                                                    accuracy_windows=windows, source=source, layout=layout,
-                                                   log=progress)
+                                                   workers=args.simulation_workers, log=progress)
             except ValueError as exc:
                 raise CliError(f"--budget {args.budget:g}: {exc}") from None
         new_info, digest = derived_info(info, drop=(INFO_PLANNED,))

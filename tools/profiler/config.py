@@ -71,6 +71,7 @@ class ProfileConfig:
     throughput_accuracy_windows: int | None = None
     throughput_seq_len: int = 128  # their length (a decode is one forward per token)
     accuracy_confidence: float = 0.95  # one-sided confidence that the loss is within max_accuracy_loss
+    simulation_workers: int = 1  # processes simulating the candidates (the CLI's default: throughput.default_workers)
     work_dir: str | None = None
     keep_work: bool = False
     threads: int | None = None

@@ -39,9 +39,14 @@ simulator's library, which imports only ``crisp_runtime`` and ``crisp_kernels``)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import functools
+import multiprocessing
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from statistics import NormalDist
 
@@ -236,15 +241,30 @@ def _auto_target(trace) -> ModelShape | None:
     return None
 
 
+def default_workers() -> int:
+    """Simulation processes by default: every CPU but one, at most 8 (1 on a 2-core machine: no pool)."""
+    return max(1, min(8, (os.cpu_count() or 1) - 1))
+
+
+def _simulate_one(trace, sim: SimPolicy, profile, shape: ModelShape, budget: int, warmup: int, predicted) -> dict:
+    """One candidate's widest-first summary (a module function: what a worker process runs)."""
+    res = simulate_decode(trace, sim, profile, shape, budget, orders=["widest_first"], warmup=warmup,
+                          predicted=predicted if sim.prefetch else None)
+    return res.summary("widest_first")
+
+
 def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: ModelShape, cands: Sequence[Candidate],
-                        *, warmup: int, layout: TailLayout = PLAIN,
+                        *, warmup: int, layout: TailLayout = PLAIN, workers: int = 1,
                         log: Callable[[str], None] = lambda msg: None) -> tuple[float, list[dict]]:
     """(full-width LRU tokens/s in router order, one record per candidate) on ``trace`` at ``goal.budget``;
     ``log`` gets one line per candidate as it is simulated (~5 s each for 2,048 tokens mapped onto Mixtral on a
     small CPU). ``layout``: the pack's tail layout (``crisp_kernels.tail_layout``; a 2-bit tail pack's): the
     candidates are simulated on its bytes (``crisp_bench.tail_sim.TailMapping``, as ``crisp-bench simulate
     --tail-layout``), the baseline on the 4-bit rows, at the same budget in bytes (a fraction of the 4-bit
-    experts': equal GPU memory)."""
+    experts': equal GPU memory). ``workers`` > 1: the candidates are simulated in that many processes (spawned:
+    nothing is shared but the arguments); the records are the same as in one process, in the same order."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"simulate_candidates: workers must be a positive integer, got {workers!r}")
     profile = get_profile(goal.profile)
     budget = int(goal.budget * shape.total_expert_nbytes)
     predicted = trace.predicted
@@ -253,19 +273,26 @@ def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: Mod
     base_tps = base.tokens_per_s("router")
     mapping = None if layout.is_plain else TailMapping(layout, trace, shape)
     sim_trace, sim_shape = (trace, shape) if mapping is None else (mapping.mapped_trace(), mapping.mapped_shape())
+    sims = [SimPolicy("crisp", c.plan_for(plan), c.serving(), goal.eviction, c.prefetch is not None,
+                      c.prefetch or PrefetchWidth.PLAN) for c in cands]
+    if mapping is not None:
+        sims = [mapping.mapped_policy(sim) for sim in sims]
+    one = functools.partial(_simulate_one, profile=profile, shape=sim_shape, budget=budget, warmup=warmup,
+                            predicted=predicted)
     out = []
-    for c in cands:
-        sim = SimPolicy("crisp", c.plan_for(plan), c.serving(), goal.eviction, c.prefetch is not None,
-                        c.prefetch or PrefetchWidth.PLAN)
-        if mapping is not None:
-            sim = mapping.mapped_policy(sim)
-        res = simulate_decode(sim_trace, sim, profile, sim_shape, budget, orders=["widest_first"], warmup=warmup,
-                              predicted=predicted if c.prefetch is not None else None)
-        s = res.summary("widest_first")
-        out.append({"candidate": c.label, "tokens_per_s": s["tokens_per_s"], "x_full_lru": s["tokens_per_s"] / base_tps,
-                    "bytes_per_token": s["bytes_per_token"], "hit_rate": s["hit_rate"]})
-        log(f"throughput: simulated {len(out)}/{len(cands)} {c.label}: {s['tokens_per_s']:.2f} tok/s "
-            f"({s['tokens_per_s'] / base_tps:.2f}x full-width LRU)")
+    with contextlib.ExitStack() as stack:
+        if workers > 1 and len(sims) > 1:
+            pool = stack.enter_context(ProcessPoolExecutor(min(workers, len(sims)),
+                                                           mp_context=multiprocessing.get_context("spawn")))
+            summaries = pool.map(one, [sim_trace] * len(sims), sims)
+        else:
+            summaries = (one(sim_trace, sim) for sim in sims)
+        for c, s in zip(cands, summaries, strict=True):
+            out.append({"candidate": c.label, "tokens_per_s": s["tokens_per_s"],
+                        "x_full_lru": s["tokens_per_s"] / base_tps, "bytes_per_token": s["bytes_per_token"],
+                        "hit_rate": s["hit_rate"]})
+            log(f"throughput: simulated {len(out)}/{len(cands)} {c.label}: {s['tokens_per_s']:.2f} tok/s "
+                f"({s['tokens_per_s'] / base_tps:.2f}x full-width LRU)")
     return base_tps, out
 
 
@@ -278,7 +305,7 @@ def default_candidates(plan: CrispPlan) -> list[Candidate]:
 
 def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goal: ThroughputGoal, *,
                       accuracy_windows: torch.Tensor | None = None, cands: Sequence[Candidate] | None = None,
-                      source: str = "held-out calibration windows", layout: TailLayout = PLAIN,
+                      source: str = "held-out calibration windows", layout: TailLayout = PLAIN, workers: int = 1,
                       log: Callable[[str], None] = lambda msg: None) -> tuple[ServingRecord, CrispPlan]:
     """The fastest candidate within the accuracy bound (see the module docstring): its :class:`ServingRecord`
     and the plan it serves (``plan`` with the candidate's knobs: the pack stores that).
@@ -292,8 +319,8 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     already over the bound. A candidate is accepted when, over all M, its loss + z standard errors <=
     ``goal.max_accuracy_loss`` (z of ``goal.confidence``, one-sided; :mod:`crisp_tools.loss_estimate`).
     layout: the pack's tail layout (:func:`simulate_candidates`); the decodes' budget is the same fraction of the
-    4-bit expert bytes (``crisp_runtime.serving_record.budget_base_bytes``). Raises ValueError when no candidate
-    is accepted.
+    4-bit expert bytes (``crisp_runtime.serving_record.budget_base_bytes``). workers: simulation processes
+    (:func:`simulate_candidates`). Raises ValueError when no candidate is accepted.
     """
     cands = list(default_candidates(plan) if cands is None else cands)
     if not cands:
@@ -316,7 +343,8 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     first = next(iter(layers.values()))
     shape = target_shape(goal, trace, first.hidden_size)
     warmup = min(32, trace.num_tokens // 4)
-    base_tps, sims = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup, layout=layout, log=log)
+    base_tps, sims = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup, layout=layout,
+                                         workers=workers, log=log)
     pack = CrispPack(layers, plan)
     budget_bytes = int(goal.budget * total_expert_bytes(layers))
     # per storage row of the pack (a tail pack's rows map onto the layout's target rows)
@@ -418,6 +446,9 @@ def add_search_options(p, when: str) -> None:
                         "confidence (loss + z standard errors, clustered by window; 0.5: the point estimate) and "
                         "a decode is stopped early once it is over at it")
     p.add_argument("--throughput-seq-len", type=ca.int_in(2), default=128, help=f"{when}tokens per scored window")
+    p.add_argument("--simulation-workers", type=ca.int_in(1, 256), default=default_workers(), metavar="N",
+                   help=f"{when}processes simulating the candidates (default: every CPU but one, at most 8; the "
+                        "records do not depend on it)")
 
 
 def accuracy_windows_of(holdout_texts, count: int, seq_len: int, seed: int, holdout_fraction: float) -> torch.Tensor:
@@ -458,6 +489,6 @@ def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Cal
               f"the last {cfg.holdout_fraction:.0%} of --data; the first {windows.shape[0]} traced)")
     try:
         return search_throughput(inputs.model, packed, plan, windows, goal, accuracy_windows=accuracy_windows,
-                                 source=source, log=log)
+                                 source=source, workers=cfg.simulation_workers, log=log)
     except ValueError as exc:
         raise CliError(f"--plan-for-throughput: {exc}") from None
