@@ -279,8 +279,11 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
             notes.append(f"accuracy: {path} was evaluated with another CRISP plan than the one simulated "
                          f"(plan_widths_sha256 {digest[:12]}...): not used")
             continue
-        used = 0
+        used = stale = 0
         for r in records:
+            if layout != PLAIN.name and isinstance(r, dict) and _rows_floor(r):
+                stale += 1
+                continue
             if layout != PLAIN.name and isinstance(r, dict):
                 # crisp-eval on a tail layout: "full" is the 4-bit reference, "full_layout" the layout's full width
                 # (batch records; "full-exact" / "full_layout-exact" in --mode decode, whose family is "plan")
@@ -293,7 +296,18 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
                 rows.append({**row, "source": str(path), "tail_layout": layout})
                 used += 1
         notes.append(f"accuracy: {used} evaluated configurations from {path}")
+        if stale:
+            notes.append(f"accuracy: {stale} decodes in {path} ran a dominant floor below 1 on a tail layout before "
+                         "session 15, as a fraction of its storage rows (a narrower floor than the simulation's, "
+                         "which counts neurons): not attached")
     return rows, notes
+
+
+def _rows_floor(r: dict) -> bool:
+    """A decode record of a floor below 1 written before floors counted neurons on tail packs (no floor_unit)."""
+    serving = r.get("serving")
+    floor = serving.get("dominant_floor", 1.0) if isinstance(serving, dict) else 1.0
+    return isinstance(floor, (int, float)) and floor < 1.0 and r.get("floor_unit") != "neurons"
 
 
 def _digests(plan: CrispPlan) -> set[str]:

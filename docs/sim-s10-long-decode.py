@@ -58,7 +58,11 @@ def main() -> int:
     p.add_argument("out", type=Path)
     p.add_argument("pack")
     p.add_argument("budget", type=float)
-    p.add_argument("floors", nargs="+", type=float)
+    p.add_argument("floors", nargs="*", type=float)
+    p.add_argument("--stored-serving", action="store_true",
+                   help="decode the serving choice PACK stores (crisp_tools.plan_throughput / --plan-for-throughput: "
+                        "its policy, prefetch and eviction; what crisp-eval --mode decode --stored-serving runs) "
+                        "instead of FLOORs")
     p.add_argument("--cap", type=int, default=None)
     p.add_argument("--aux-full-weight", type=float, default=None)
     p.add_argument("--aux-skip-weight", type=float, default=None)
@@ -81,7 +85,17 @@ def main() -> int:
         pack_plan = pack_plan.skipping(args.aux_skip_weight)
     plan = plan_for_layers(pack_plan, ev.layers)  # in the pack's storage rows
     window = ev.prefetch_window(get_profile("rtx4090-pcie4"), "mixtral-8x7b")
-    cases = serving_eval.with_window([case(f, args.narrow_only, args.revive) for f in args.floors], window)
+    if args.stored_serving:
+        from crisp_tools.evaluate import stored_case
+
+        stored, rec = stored_case(ev.info, str(Path(pack_dir) / "pack.json"))
+        if rec.gpu_budget_fraction != budget:
+            sys.exit(f"error: the pack's stored choice is at {rec.gpu_budget_fraction:g}, not {budget:g}")
+        cases = serving_eval.with_window([stored], window)
+    elif not args.floors:
+        sys.exit("error: give FLOOR(s) or --stored-serving")
+    else:
+        cases = serving_eval.with_window([case(f, args.narrow_only, args.revive) for f in args.floors], window)
     with ev._runtime_runner(*ev.reference) as run:  # the 4-bit full width, batch (= its decode: exact serving)
         full, _ = run(ev._plan("full", next(iter(ev.reference[0].values())).intermediate_size))
     print(f"4-bit full width (batch): acc {full.accuracy:.4f} ({time.time() - t0:.0f} s)", flush=True)

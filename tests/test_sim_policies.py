@@ -207,3 +207,27 @@ def test_from_json_reattaches_accuracy_without_simulating(tmp_path):
     again = json.loads((tmp_path / "b.json").read_text())["records"]
     assert [r["tokens_per_s"] for r in again] == [r["tokens_per_s"] for r in first]
     assert {r["label"]: r["accuracy_loss"] for r in again} == {"full/plan/lru": None, "crisp/plan/lru": 0.01}
+
+
+@pytest.mark.parametrize("layout, floor_unit, attached", [
+    ("2g128at0.25", None, False),  # a tail pack's floor decoded before session 15: storage rows, not attached
+    ("2g128at0.25", "neurons", True),
+    (None, None, True),  # a 4-bit pack: rows are neurons, every record is what it says
+])
+def test_a_tail_pack_floor_decoded_as_storage_rows_is_not_attached(plans, tmp_path, layout, floor_unit, attached):
+    rec = {"policy": "crisp-resident-floor0.75+prefetch", "plan": "crisp", "budget_fraction": 0.25,
+           "serving": {"name": "resident-floor0.75", "hit_width": "resident", "aux_narrower": "resident",
+                       "aux_missing": "load", "dominant_floor": 0.75, "exact": False},
+           "prefetch": {"extra_experts": 0}, "plan_detail": {}, "accuracy_loss": 0.015}
+    exact = {**rec, "policy": "crisp-exact", "serving": {**rec["serving"], "dominant_floor": 1.0, "exact": True}}
+    if floor_unit is not None:
+        rec["floor_unit"] = floor_unit
+    doc = {"format": "crisp-eval-serving", "model": "models/synthetic", "records": [rec, exact]}
+    if layout is not None:
+        doc["tail_layout"] = layout
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps(doc))
+    evaluated, notes = read_accuracy([path], "models/synthetic")
+    floors = [r for r in evaluated if r["serving"] is not None]
+    assert len(floors) == int(attached) and len(evaluated) == 1 + int(attached)  # the floor-1 record always
+    assert any("before session 15" in n for n in notes) != attached

@@ -39,6 +39,7 @@ from .loss_estimate import finite_or_none, relative_loss
 
 SERVING_EVAL_FORMAT = "crisp-eval-serving"
 SERVING_EVAL_VERSION = 1
+FLOOR_UNIT = "neurons"
 
 
 @torch.no_grad()
@@ -200,6 +201,9 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         "budget_fraction": budget_fraction,
         "budget_bytes": budget_bytes,
         "serving": _serving_dict(case.serving),
+        # the dominant floor counts neurons on a tail pack too (crisp_runtime.serving.floor_in_rows; before
+        # session 15 the runtime counted storage rows there: bench.sim_policies.read_accuracy skips such records)
+        "floor_unit": FLOOR_UNIT,
         "prefetch": None if case.prefetch is None else case.prefetch.to_dict(),
         "accuracy": scores.accuracy,
         "perplexity": scores.perplexity,
