@@ -253,7 +253,7 @@ def floor_in_rows(policy: ServingPolicy, neurons: int, rows: int, rows_for: Call
         return policy
     want = max(1, rows_for(math.ceil(policy.dominant_floor * neurons)))
     # half a row below: ceil(fraction * rows) == want whatever the float rounding of the product
-    return dataclasses.replace(policy, dominant_floor=min(1.0, (want - 0.5) / rows) if want < rows else 1.0)
+    return dataclasses.replace(policy, dominant_floor=(want - 0.5) / rows if want < rows else 1.0)
 
 
 def serving_by_name(name: str) -> ServingPolicy:

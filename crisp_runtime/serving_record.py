@@ -78,8 +78,8 @@ def budget_base_bytes(layers: Mapping) -> int:
     pack with a 2-bit tail (``crisp_tools.tail_pack``) that is its 4-bit source's bytes, not its own: a fraction
     means the same GPU memory on both packs (the simulator's and crisp-eval's rule; before session 15 a stored
     choice on a tail pack was a fraction of the tail pack's own, smaller, bytes)."""
-    return sum(layer.num_experts * getattr(layer, "num_neurons", layer.intermediate_size)
-               * layer.fmt.neuron_nbytes(layer.hidden_size) for layer in layers.values())
+    return sum(layer.num_experts * layer.num_neurons * layer.fmt.neuron_nbytes(layer.hidden_size)
+               for layer in layers.values())
 
 
 def serving_record(info: Mapping, *, where: str = "pack.json") -> ServingRecord | None:

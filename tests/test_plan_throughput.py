@@ -52,7 +52,7 @@ def test_a_tail_pack_is_planned_on_its_own_bytes_and_written_as_a_new_pack(tail,
     fastest = max(search["candidates"], key=lambda r: r["tokens_per_s"])
     chosen = next(c for c in SPACE if c.label == fastest["candidate"])
     assert search["chosen"]["candidate"] == chosen.label and record.policy == chosen.serving()
-    assert pack.plan == tp._described(chosen, src.plan, chosen.plan_for(src.plan))  # the plan the choice serves
+    assert pack.plan == tp._described(chosen, src.plan)  # the plan the choice serves
     info = pack.info["planned_for_throughput"]
     assert info["source_pack"] == str(tail) and info["source_plan_widths_sha256"] == src.plan.widths_digest()
     assert pack.info["tail_start"] == src.info["tail_start"] and pack.info["tail_layout"] == src.info["tail_layout"]

@@ -27,8 +27,8 @@ import time
 from crisp_runtime import cli_args as ca
 from crisp_runtime.outputs import OutputPathError
 
-from .calibration import CliError, check_vocab, load_texts, log, split_texts, threads
-from .profiler.config import DEFAULT_ACCURACY_WINDOWS
+from .calibration import CliError, check_vocab, load_pack_dir, load_texts, log, split_texts, threads
+from .profiler.config import accuracy_window_count
 from .profiler.throughput import (
     SERVING_KEY,
     ThroughputGoal,
@@ -74,11 +74,11 @@ def stored_layout(info: dict, where: str):
         return PLAIN
     try:
         layout = emulation_of(info)  # the layout record a stored tail pack keeps too
-        if layout is None:
-            raise ValueError("missing")
-        return layout
     except (TypeError, ValueError) as exc:
         raise CliError(f"--crisp {where}: pack.json {INFO_LAYOUT!r} is not a readable tail layout ({exc})") from None
+    if layout is None:
+        raise CliError(f"--crisp {where}: pack.json has a 2-bit tail (tail_start) but no {INFO_LAYOUT!r} record")
+    return layout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,12 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                                   confidence=args.accuracy_confidence)
         except (ValueError, OSError) as exc:
             raise CliError(f"--budget / --hardware-profile: {exc}") from None
-        count = args.throughput_accuracy_windows or max(DEFAULT_ACCURACY_WINDOWS, args.throughput_windows)
-        if count < args.throughput_windows:
-            raise CliError(f"--throughput-accuracy-windows ({count}) must be at least --throughput-windows "
-                           f"({args.throughput_windows}): the traced windows are scored too")
-        from .calibration import load_pack_dir
-
+        try:
+            count = accuracy_window_count(args.throughput_windows, args.throughput_accuracy_windows)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
         layers, plan, info = load_pack_dir(args.crisp)
         if plan is None:
             raise CliError(f"--crisp {args.crisp}: the pack has no plan (plan.json); run crisp-profile")

@@ -31,6 +31,15 @@ IMPORTANCE_KINDS = ("weighted", "mean-abs")
 DEFAULT_ACCURACY_WINDOWS = 128
 
 
+def accuracy_window_count(traced: int, given: int | None) -> int:
+    """The throughput search's scored windows: --throughput-accuracy-windows, else max(128, traced); ValueError
+    when fewer than the traced windows (they are scored too)."""
+    if given is not None and given < traced:
+        raise ValueError(f"--throughput-accuracy-windows ({given}) must be at least --throughput-windows "
+                         f"({traced}): the traced windows are scored too")
+    return given or max(DEFAULT_ACCURACY_WINDOWS, traced)
+
+
 @dataclass
 class ProfileConfig:
     model: str
@@ -85,8 +94,8 @@ class ProfileConfig:
 
     @property
     def accuracy_window_count(self) -> int:
-        """--plan-for-throughput's decoded windows: --throughput-accuracy-windows, else max(128, traced)."""
-        return self.throughput_accuracy_windows or max(DEFAULT_ACCURACY_WINDOWS, self.throughput_windows)
+        """--plan-for-throughput's scored windows (:func:`accuracy_window_count`)."""
+        return accuracy_window_count(self.throughput_windows, self.throughput_accuracy_windows)
 
     def candidate_rules(self) -> list[str]:
         """The dominance rules this run compares ("auto": the measured labels first, then routing weight)."""

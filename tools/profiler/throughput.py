@@ -70,7 +70,7 @@ from crisp_runtime.serving_record import SERVING_KEY, ServingRecord
 from ..calibration import CliError, TokenScores, random_windows
 from ..loss_estimate import finite_or_none, relative_loss
 from ..serving_eval import ServingCase, run_case, score_plan, total_expert_bytes
-from .config import DEFAULT_ACCURACY_WINDOWS
+from .config import DEFAULT_ACCURACY_WINDOWS, accuracy_window_count
 
 __all__ = ["SERVING_KEY", "Candidate", "CandidateServing", "ThroughputGoal", "candidates", "default_candidates",
            "goal_from_config", "plan_serving", "search_throughput", "simulate_candidates", "target_shape"]
@@ -406,11 +406,12 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
               "full_width_accuracy": next(iter(references.values())).accuracy, "full_lru_tokens_per_s": base_tps,
               "chosen": r, "candidates": sims}
     return (ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search),
-            _described(c, plan, c.plan_for(plan)))
+            _described(c, plan))
 
 
-def _described(c: Candidate, plan: CrispPlan, chosen: CrispPlan) -> CrispPlan:
-    """``chosen`` with its knobs said in its description (the pack stores it)."""
+def _described(c: Candidate, plan: CrispPlan) -> CrispPlan:
+    """The plan ``c`` serves, its knobs said in its description (the pack stores it)."""
+    chosen = c.plan_for(plan)
     if chosen is plan:
         return plan
     said = []
@@ -467,9 +468,7 @@ def goal_from_config(cfg) -> ThroughputGoal | None:
         get_profile(cfg.hardware_profile)
         if cfg.throughput_budget is None:
             return None
-        if cfg.throughput_accuracy_windows is not None and cfg.throughput_accuracy_windows < cfg.throughput_windows:
-            raise ValueError(f"--throughput-accuracy-windows ({cfg.throughput_accuracy_windows}) must be at least "
-                             f"--throughput-windows ({cfg.throughput_windows}): the traced windows are decoded too")
+        accuracy_window_count(cfg.throughput_windows, cfg.throughput_accuracy_windows)
         return ThroughputGoal(cfg.throughput_budget, cfg.max_accuracy_loss, cfg.hardware_profile,
                               confidence=cfg.accuracy_confidence)
     except (ValueError, OSError) as exc:
