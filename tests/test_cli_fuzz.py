@@ -30,6 +30,9 @@ TAIL_LAYOUTS_BAD = ["", "m999", "5g64@0.1", "2g32@0.5", "2g64@1.0", "2g64@0.5,3g
                     "3g64@0.25,"]
 
 
+TIER_WIDTHS_BAD = ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"]
+
+
 def _cases(tool, options: dict[str, list[str]]):
     return [(tool, opt, bad) for opt, values in options.items() for bad in values]
 
@@ -46,7 +49,7 @@ PROFILE = _cases("profile", {
     "--hardware-profile": ["abacus", "", "missing.json"], "--throughput-windows": POS_INT,
     "--throughput-seq-len": SEQ_LEN, "--throughput-accuracy-windows": POS_INT,
     "--accuracy-confidence": ["0.4", "1", "1.5", "nan", "abc", ""],
-    "--simulation-workers": ["0", "-1", "257", "abc", ""],
+    "--simulation-workers": ["0", "-1", "257", "abc", ""], "--search-tier-widths": TIER_WIDTHS_BAD,
     "--placement": ["everywhere", "", "device-map"], "--device-map": ["everywhere", "", '{"m": "gpu7"}', "[1]", "{}"],
     "--max-memory": ['{"cpu": "lots"}', "[1]", ""], "--offload-folder": [""],
 })
@@ -98,18 +101,20 @@ BENCH = (
 AUX_WEIGHT_BAD = ["", "-0.1", "1.5", "nan", "inf", "abc"]
 TAIL_EMULATION = _cases("tail-emulation", {
     "--model": [""], "--crisp": [""], "--out": [""], "--layout": TAIL_LAYOUTS_BAD,
-    "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"],
+    "--tier-widths": TIER_WIDTHS_BAD,
     "--aux-full-weight": AUX_WEIGHT_BAD, "--aux-skip-weight": AUX_WEIGHT_BAD})
 TAIL_PACK = _cases("tail-pack", {
     "--model": [""], "--crisp": [""], "--out": [""], "--layout": TAIL_LAYOUTS_BAD,
-    "--tier-widths": ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"],
+    "--tier-widths": TIER_WIDTHS_BAD,
     "--aux-full-weight": AUX_WEIGHT_BAD, "--aux-skip-weight": AUX_WEIGHT_BAD})
 PLAN_THROUGHPUT = _cases("plan-throughput", {
     "--model": [""], "--crisp": [""], "--data": [""], "--out": [""], "--budget": HALF_OPEN_UNIT,
-    "--max-accuracy-loss": UNIT, "--hardware-profile": ["abacus", "", "missing.json"], "--throughput-windows": POS_INT,
+    "--reference-crisp": [""], "--max-accuracy-loss": UNIT, "--hardware-profile": ["abacus", "", "missing.json"],
+    "--throughput-windows": POS_INT,
     "--throughput-seq-len": SEQ_LEN, "--throughput-accuracy-windows": POS_INT,
     "--accuracy-confidence": ["0.4", "1", "1.5", "nan", "abc", ""], "--holdout-fraction": OPEN_UNIT, "--seed": SEED,
-    "--threads": THREADS, "--simulation-workers": ["0", "-1", "257", "abc", ""]})
+    "--threads": THREADS, "--simulation-workers": ["0", "-1", "257", "abc", ""],
+    "--search-tier-widths": TIER_WIDTHS_BAD})
 CORPUS = _cases("corpus", {"--cap-bytes": POS_INT})
 TRAIN = _cases("train", {
     "--steps": POS_INT, "--seed": SEED, "--batch-size": POS_INT, "--seq-len": SEQ_LEN,
@@ -127,7 +132,8 @@ ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL
 # that second command line (its other options moved to `crisp-bench kernels`, their cases with them).
 # 860 (session 9): the tables had grown past 660 without a bump; tail-pack's 18 cases included;
 # 866: kernels --tail-start. 991 (session 15): plan-throughput's 76, --simulation-workers, earlier growth.
-RECORDED_CASES = 991
+# 1004 (session 16): --search-tier-widths of crisp-profile and plan-throughput, plan-throughput --reference-crisp.
+RECORDED_CASES = 1004
 
 
 def _prog_argv(tool: str, tmp_path):

@@ -9,9 +9,13 @@ from pathlib import Path
 import pytest
 from crisp_tools import plan_throughput as pt
 from crisp_tools import tail_emulation, tail_pack
+from crisp_tools.calibration import load_model, load_texts, split_texts
 from crisp_tools.profiler import throughput as tp
+from crisp_tools.serving_eval import score_plan
 
+from crisp_runtime.baselines import full_plan
 from crisp_runtime.pack import load_pack
+from crisp_runtime.plan import TierWidths
 from crisp_runtime.prefetch import PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES
 from crisp_runtime.serving_record import serving_record
@@ -35,13 +39,14 @@ def tail(tmp_path_factory):
     return out
 
 
-def _run(src, out, *extra):
+def _run(src, out, *extra, reference=TINY_PACK):
+    ref = [] if reference is None else ["--reference-crisp", str(reference)]
     return pt.main(["--model", str(TINY), "--crisp", str(src), "--data", CALIB, "--out", str(out), "--budget", "0.25",
-                    *SMALL, *extra])
+                    *SMALL, *ref, *extra])
 
 
 def test_a_tail_pack_is_planned_on_its_own_bytes_and_written_as_a_new_pack(tail, tmp_path, monkeypatch):
-    monkeypatch.setattr(tp, "default_candidates", lambda plan: list(SPACE))
+    monkeypatch.setattr(pt, "default_candidates", lambda plan, tier_widths=(): list(SPACE))
     out = tmp_path / "planned"
     assert _run(tail, out, "--max-accuracy-loss", "1.0") == 0  # a bound of 1 admits the fastest
     pack, src = load_pack(out), load_pack(tail)
@@ -63,8 +68,17 @@ def test_a_tail_pack_is_planned_on_its_own_bytes_and_written_as_a_new_pack(tail,
     assert _run(out, again, "--max-accuracy-loss", "1.0") == 0
     assert serving_record(load_pack(again).info).search["tail_layout"] == "2g128at0.25"
     plain = tmp_path / "plain"
-    assert _run(TINY_PACK, plain, "--max-accuracy-loss", "1.0") == 0
+    assert _run(TINY_PACK, plain, "--max-accuracy-loss", "1.0", reference=None) == 0  # its own full width
     assert serving_record(load_pack(plain).info).search["tail_layout"] == "q4"
+    # every loss is relative to the 4-bit full width (the reference pack's), not the tail pack's own
+    model, _ = load_model(TINY)
+    windows = tp.accuracy_windows_of(split_texts(load_texts([CALIB]), 0.1)[1], 3, 12, 0, 0.1)
+    four_bit = score_plan(model, load_pack(TINY_PACK), full_plan(src.plan), windows)
+    own = score_plan(model, src, full_plan(src.plan), windows)
+    assert four_bit.accuracy != own.accuracy  # these windows tell the two apart
+    assert search["full_width_accuracy"] == four_bit.accuracy
+    assert search["accuracy_reference"] == "4-bit full width (the reference pack)"
+    assert pack.info["planned_for_throughput"]["reference_crisp"] == str(TINY_PACK)
 
 
 def test_refusals_come_before_any_work(tail, tmp_path, capsys, monkeypatch):
@@ -83,11 +97,17 @@ def test_refusals_come_before_any_work(tail, tmp_path, capsys, monkeypatch):
     assert "emulated tail layout" in capsys.readouterr().err
     assert _run(tmp_path / "nowhere", tmp_path / "o") == 2
     assert "--crisp" in capsys.readouterr().err
+    # a tail pack's loss is relative to the 4-bit full width: never silently to its own
+    assert _run(tail, tmp_path / "o", reference=None) == 2
+    err = capsys.readouterr().err
+    assert "pass --reference-crisp (e.g. " in err and str(TINY_PACK.relative_to(ROOT)) in err
+    assert _run(tail, tmp_path / "o", reference=tail) == 2
+    assert "a tail layout itself" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
 def test_no_candidate_within_the_bound_writes_nothing(tail, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(tp, "default_candidates", lambda plan: list(SPACE))
+    monkeypatch.setattr(pt, "default_candidates", lambda plan, tier_widths=(): list(SPACE))
     out = tmp_path / "o"
     assert _run(tail, out, "--max-accuracy-loss", "0") == 2
     err = capsys.readouterr().err
@@ -97,7 +117,7 @@ def test_no_candidate_within_the_bound_writes_nothing(tail, tmp_path, capsys, mo
 def test_a_derived_pack_never_inherits_a_stored_choice(tmp_path, monkeypatch):
     """A tail pack (or an emulated one) of a pack that stores a serving choice does not store it: the choice was
     searched on the source's bytes and plan."""
-    monkeypatch.setattr(tp, "default_candidates", lambda plan: [SPACE[1]])
+    monkeypatch.setattr(pt, "default_candidates", lambda plan, tier_widths=(): [SPACE[1]])
     planned = tmp_path / "planned"
     assert _run(TINY_PACK, planned, "--max-accuracy-loss", "1.0") == 0
     assert serving_record(load_pack(planned).info).policy == SERVING_POLICIES["plan"]
@@ -107,3 +127,30 @@ def test_a_derived_pack_never_inherits_a_stored_choice(tmp_path, monkeypatch):
                           "--quiet"]) == 0
         info = json.loads((out / "pack.json").read_text())
         assert "serving" not in info and serving_record(load_pack(out).info) is None
+
+
+def test_other_tier_widths_are_searched_and_the_chosen_ones_stored(tail, tmp_path, monkeypatch):
+    """--search-tier-widths: the real default_candidates over a small space (one plan-width candidate per tier
+    widths); the fastest within a bound of 1 is chosen and its tier widths are the new pack's plan's."""
+    def small(intermediate_size=None, tier_widths=(None,)):
+        return [tp.Candidate(prefetch=PrefetchWidth.PLAN, kind=tp.CandidateServing.PLAN, tier_widths=tw)
+                for tw in tier_widths]
+
+    monkeypatch.setattr(tp, "candidates", small)
+    out = tmp_path / "planned"
+    assert _run(tail, out, "--max-accuracy-loss", "1.0", "--search-tier-widths", "256,32,0", "256,64,32") == 0
+    pack, src = load_pack(out), load_pack(tail)
+    search = serving_record(pack.info).search
+    labels = [r["candidate"] for r in search["candidates"]]
+    assert labels == ["plan+prefetch-plan", "plan-tiers256.32.0+prefetch-plan"]  # 256,64,32 is the pack's own
+    fastest = max(search["candidates"], key=lambda r: r["tokens_per_s"])
+    assert search["chosen"]["candidate"] == fastest["candidate"] == labels[1]  # half the auxiliary bytes
+    assert pack.plan.tier_widths == TierWidths(256, 32, 0) and pack.plan.layers == src.plan.layers
+    assert "256 / 32 / 0 neurons" in pack.plan.description
+
+
+def test_tier_widths_outside_the_experts_are_refused_before_any_work(tail, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tp, "search_throughput", lambda *a, **k: pytest.fail("searched"))
+    assert _run(tail, tmp_path / "o", "--search-tier-widths", "256,300,0") == 2
+    err = capsys.readouterr().err
+    assert "--search-tier-widths 256,300,0" in err and "[0, 256]" in err and not (tmp_path / "o").exists()

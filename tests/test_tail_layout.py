@@ -326,7 +326,7 @@ def test_eval_of_an_emulation_needs_its_4bit_reference(emulated, tmp_path, capsy
     assert evaluate.main([*base, "--reference-crisp", str(TINY_PACK), "--mode", "decode"]) == 2
     assert "only for a 2-bit tail pack" in capsys.readouterr().err
     assert evaluate.main([*base, "--reference-crisp", str(emulated)]) == 2
-    assert "a tail emulation itself" in capsys.readouterr().err
+    assert "a tail layout itself" in capsys.readouterr().err
     path = tmp_path / "m432.json"
     assert evaluate.main([*base, "--reference-crisp", str(TINY_PACK), "--json", str(path)]) == 0
     doc = json.loads(path.read_text())

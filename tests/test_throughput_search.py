@@ -5,6 +5,7 @@ evaluated fastest first and no further, the record round-trips through a pack an
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,34 @@ def test_candidates_are_the_stated_space():
     for bad in ({"dominant_floor": 0.75}, {"widen": DominantWiden.AHEAD}, {"prefetch": PrefetchWidth.SERVING}):
         with pytest.raises(ValueError, match="plan's widths"):
             tp.Candidate(kind=tp.CandidateServing.PLAN, **bad)
+
+
+def test_other_tier_widths_repeat_the_whole_space_once_each():
+    from crisp_runtime.plan import TierWidths
+
+    _, plan, _ = load_pack_dir(PACK)
+    own, wide = plan.tier_widths, TierWidths(256, 128, 64)
+    base = tp.default_candidates(plan)
+    cands = tp.default_candidates(plan, [wide, own, wide])  # the plan's own and a repeat are searched once
+    assert len(cands) == 2 * len(base) and len({c.label for c in cands}) == len(cands)
+    assert cands[: len(base)] == base and {c.tier_widths for c in cands[len(base):]} == {wide}
+    for c, b in zip(cands[len(base):], base, strict=True):  # the same knobs at the other widths
+        assert c == tp.dataclasses.replace(b, tier_widths=wide) and c.label.count("-tiers256.128.64") == 1
+        served = c.plan_for(plan)
+        assert served.tier_widths == wide and served.layers == plan.layers and served.width_cap == c.width_cap
+        assert served == tp.dataclasses.replace(b.plan_for(plan), tier_widths=wide)
+    assert tp.default_candidates(plan, [own]) == base
+    band = tp.Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=0.4, kind=tp.CandidateServing.PLAN,
+                        tier_widths=TierWidths(256, 96, 48))
+    assert band.label == "plan-tiers256.96.48-aux0.4+prefetch-plan"
+    described = tp._described(band, plan)
+    assert described.tier_widths == TierWidths(256, 96, 48) and "256 / 96 / 48 neurons" in described.description
+    with pytest.raises(ValueError, match=r"--search-tier-widths 256,257,0: .*\[0, 256\]"):
+        tp.default_candidates(plan, [TierWidths(256, 257, 0)])
+    with pytest.raises(ValueError, match="CRISP plans only"):
+        tp.default_candidates(tp.full_plan(plan), [wide])
+    with pytest.raises(ValueError, match="CRISP plans only"):
+        tp.Candidate(tier_widths=wide).plan_for(tp.full_plan(plan))
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -313,6 +342,22 @@ def test_profile_refuses_fewer_accuracy_windows_than_traced_before_any_work(tmp_
     assert not out.exists()
 
 
+@pytest.mark.parametrize("extra, match", [
+    (["--search-tier-widths", "256,128,64"], "only with --plan-for-throughput"),
+    (["--plan-for-throughput", "0.25", "--search-tier-widths", "256,128,64", "256,300,0"],
+     r"--search-tier-widths 256,300,0: .*\[0, 256\]"),
+])
+def test_profile_refuses_bad_searched_tier_widths_before_any_work(tmp_path, capsys, extra, match, monkeypatch):
+    from crisp_tools import profiler as prof
+    from crisp_tools.profiler import pipeline
+    from profile_helpers import PROFILE_ARGS
+
+    monkeypatch.setattr(pipeline, "resume_or_start", lambda *a, **k: pytest.fail("profiled"))
+    out = tmp_path / "pack"
+    rc = prof.main(["--model", str(MODEL), "--data", str(TEXT), "--out", str(out), *PROFILE_ARGS, *extra])
+    assert rc == 2 and re.search(match, capsys.readouterr().err) and not out.exists()
+
+
 # ---------------------------------------------------------------------------- the stored choice, simulated
 
 
@@ -469,6 +514,16 @@ def test_the_budget_of_a_tail_pack_is_a_fraction_of_its_4bit_bytes(tmp_path):
     own = sum(x.num_experts * x.intermediate_size * x.fmt.neuron_nbytes(x.hidden_size) for x in tail.values())
     assert own == 0.625 * four_bit and budget_base_bytes(tail) == budget_base_bytes(src) == four_bit
     assert ServingRecord(SERVING_POLICIES["resident"], None, "lru", 0.25).budget_bytes(tail) == int(0.25 * four_bit)
+
+
+def test_a_tail_pack_search_needs_its_4bit_reference_before_any_work(monkeypatch):
+    from crisp_kernels.tail_layout import parse_tail_layout
+
+    monkeypatch.setattr(tp, "record_trace", lambda *a, **k: pytest.fail("traced"))
+    layers, plan, _ = load_pack_dir(PACK)
+    with pytest.raises(ValueError, match="relative to the 4-bit full width: give reference_layers"):
+        tp.search_throughput(None, layers, plan, torch.zeros(2, 8, dtype=torch.long), tp.ThroughputGoal(0.25),
+                             layout=parse_tail_layout("2g128@0.25"))
 
 
 def test_the_search_simulates_a_tail_pack_as_crisp_bench_simulate_does(tmp_path):

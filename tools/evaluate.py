@@ -56,7 +56,7 @@ from .calibration import (
     stored_weights,
     threads,
 )
-from .tail_emulation import INFO_EMULATION, emulation_of
+from .tail_emulation import INFO_EMULATION, emulation_of, reference_pack
 
 DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: issue 10's three
 
@@ -86,8 +86,7 @@ class Evaluator:
             raise CliError(f"--crisp {pack_dir}: the pack was made from other weights than --model {model_dir}")
         if self.plan is None or self.plan.policy is not PolicyKind.CRISP:
             raise CliError(f"--crisp {pack_dir}: the pack has no CRISP plan (plan.json); run crisp-profile")
-        self.tail_layout, self.reference = self._reference(pack_dir, reference_dir, check_layers_fit_model,
-                                                           PackMismatchError)
+        self.tail_layout, self.reference = self._reference(pack_dir, reference_dir)
         self.windows = contiguous_windows(texts, samples, seq_len)
         check_vocab(self.model, self.windows)
         first = next(iter(self.layers.values()))
@@ -111,7 +110,7 @@ class Evaluator:
     def log(self, msg):
         log(f"[crisp-eval {time.time() - self.t0:6.1f}s] {msg}", quiet=self.quiet)
 
-    def _reference(self, pack_dir, reference_dir, fits, mismatch):
+    def _reference(self, pack_dir, reference_dir):
         """(the pack's tail layout name, reference (layers, info) or None). A tail-emulated pack
         (crisp_tools.tail_emulation) is measured against the 4-bit pack it came from, never against its
         own full width: without ``--reference-crisp`` that would be a silently wrong reference."""
@@ -125,17 +124,7 @@ class Evaluator:
                                f"the 4-bit pack it came from: pass --reference-crisp (e.g. "
                                f"{self.info.get(INFO_EMULATION, {}).get('source_pack', 'the source pack')})")
             return PLAIN.name, None
-        ref_layers, _, ref_info = load_pack_dir(reference_dir)
-        if emulation_of(ref_info) is not None:
-            raise CliError(f"--reference-crisp {reference_dir}: a tail emulation itself; give a 4-bit pack")
-        try:
-            fits(ref_layers, self.model, info=ref_info)
-        except mismatch as exc:
-            raise CliError(f"--reference-crisp {reference_dir}: {exc}") from exc
-        for lid, lay in self.layers.items():
-            if not torch.equal(ref_layers[lid].neuron_order, lay.neuron_order):
-                raise CliError(f"--reference-crisp {reference_dir}: layer {lid}'s neuron order differs from --crisp "
-                               f"{pack_dir}'s (another profile of the model)")
+        ref_layers, ref_info = reference_pack(reference_dir, self.layers, self.model, pack_dir)
         return (PLAIN.name if layout is None else layout.name), (ref_layers, ref_info)
 
     def run_decode(self, budgets, window=None, cases=None) -> tuple[list[dict], dict]:

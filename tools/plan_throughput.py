@@ -4,15 +4,18 @@ folder, without profiling again (a 4-bit pack, or a 2-bit tail pack of ``crisp_t
     python -m crisp_tools.tail_pack --model models/tiny-mixtral --crisp models/tiny-mixtral-crisp \\
         --layout 2g128@0.25 --tier-widths 256,64,32 --out /tmp/pack-64-32
     python -m crisp_tools.plan_throughput --model models/tiny-mixtral --crisp /tmp/pack-64-32 \\
-        --data data/stdlib-calib.txt --budget 0.25 --out /tmp/pack-64-32-at25
+        --reference-crisp models/tiny-mixtral-crisp --data data/stdlib-calib.txt --budget 0.25 \\
+        --out /tmp/pack-64-32-at25
     crisp-eval --model models/tiny-mixtral --crisp /tmp/pack-64-32-at25 --reference-crisp models/tiny-mixtral-crisp \\
         --data data/stdlib-heldout.txt --mode decode --stored-serving --prefetch-window rtx4090-pcie4/mixtral-8x7b
 
 The search (``crisp_tools.profiler.throughput``) chooses the serving policy, the prefetch and the plan's auxiliary
-weight, skip weight and width cap with the most simulated tokens/s at ``--budget`` (a fraction of the 4-bit
-expert bytes: on a tail pack the same GPU memory as on its 4-bit source) on ``--hardware-profile``, within
+weight, skip weight and width cap (and its tier widths among ``--search-tier-widths``) with the most simulated
+tokens/s at ``--budget`` (a fraction of the 4-bit expert bytes: on a tail pack the same GPU memory as on its 4-bit
+source) on ``--hardware-profile``, within
 ``--max-accuracy-loss`` on windows of the held-out calibration part of ``--data`` (the last
-``--holdout-fraction``, the profiler's split and draw: give the calibration text, never the evaluation text).
+``--holdout-fraction``, the profiler's split and draw: give the calibration text, never the evaluation text),
+relative to the 4-bit full width (a tail pack's ``--reference-crisp``, as crisp-eval's).
 The result is a new pack folder (written atomically, never over an existing path): the same experts, the chosen
 plan, and the choice in pack.json ``serving`` (``crisp_runtime.serving_record``; a serving choice the source
 pack stored is replaced) with ``planned_for_throughput`` naming the source.
@@ -34,9 +37,18 @@ from .profiler.throughput import (
     ThroughputGoal,
     accuracy_windows_of,
     add_search_options,
+    default_candidates,
     search_throughput,
 )
-from .tail_emulation import INFO_EMULATION, INFO_LAYOUT, derived_info, emulation_of, new_out, source_model
+from .tail_emulation import (
+    INFO_EMULATION,
+    INFO_LAYOUT,
+    derived_info,
+    emulation_of,
+    new_out,
+    reference_pack,
+    source_model,
+)
 
 INFO_PLANNED = "planned_for_throughput"
 
@@ -49,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the CRISP pack folder to plan (4-bit, or a 2-bit tail pack of crisp_tools.tail_pack)")
     p.add_argument("--data", required=True, nargs="+", type=ca.nonempty_path,
                    help="calibration text (files, or a saved datasets folder): the search scores its held-out part")
+    p.add_argument("--reference-crisp", default=None, metavar="PACK", type=ca.nonempty_path,
+                   help="the 4-bit pack whose full width every loss is relative to (required for a tail pack: the "
+                        "4-bit pack it was made from, same neuron order; default for a 4-bit pack: --crisp itself)")
     p.add_argument("--out", required=True, type=ca.nonempty_path, help="new pack folder (must not exist)")
     p.add_argument("--budget", required=True, type=ca.float_in(0.0, 1.0, low_open=True), metavar="FRACTION",
                    help="the GPU budget: a fraction of all expert bytes at full width in 4-bit rows")
@@ -103,10 +118,20 @@ def main(argv: list[str] | None = None) -> int:
         if plan is None:
             raise CliError(f"--crisp {args.crisp}: the pack has no plan (plan.json); run crisp-profile")
         layout = stored_layout(info, args.crisp)
+        try:
+            cands = default_candidates(plan, args.search_tier_widths)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        if not layout.is_plain and args.reference_crisp is None:
+            source = (info.get("tail_pack") or {}).get("source_pack") or "the 4-bit pack it was made from"
+            raise CliError(f"--crisp {args.crisp}: a {layout.name} tail pack; its loss is relative to the 4-bit full "
+                           f"width: pass --reference-crisp (e.g. {source})")
         texts = load_texts(args.data)
         _, holdout = split_texts(texts, args.holdout_fraction)
         windows = accuracy_windows_of(holdout, count, args.throughput_seq_len, args.seed, args.holdout_fraction)
         model, _ = source_model(args, layers, info)
+        reference = None if args.reference_crisp is None else \
+            reference_pack(args.reference_crisp, layers, model, args.crisp)[0]
         check_vocab(model, windows)
         source = (f"held-out calibration windows ({count} x {args.throughput_seq_len} tokens of the last "
                   f"{args.holdout_fraction:.0%} of --data; the first {args.throughput_windows} traced)")
@@ -115,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         with threads(args.threads):
             try:
                 record, chosen = search_throughput(model, layers, plan, windows[: args.throughput_windows], goal,
-                                                   accuracy_windows=windows, source=source, layout=layout,
-                                                   workers=args.simulation_workers, log=progress)
+                                                   accuracy_windows=windows, cands=cands, source=source,
+                                                   layout=layout, workers=args.simulation_workers,
+                                                   reference_layers=reference, log=progress)
             except ValueError as exc:
                 raise CliError(f"--budget {args.budget:g}: {exc}") from None
         new_info, digest = derived_info(info, drop=(INFO_PLANNED,))
         new_info[SERVING_KEY] = record.to_dict()
         new_info[INFO_PLANNED] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
+                                  "reference_crisp": args.reference_crisp and str(args.reference_crisp),
                                   "source_plan_widths_sha256": plan.widths_digest(), "data": list(args.data),
                                   "holdout_fraction": args.holdout_fraction, "seed": args.seed}
         from crisp_runtime.pack import save_pack

@@ -222,6 +222,27 @@ def source_model(args, layers, info):
     return model, refs
 
 
+def reference_pack(reference_dir, layers, model, pack_dir) -> tuple[dict, dict]:
+    """(layers, info) of ``--reference-crisp``: the 4-bit pack whose full width is the reference of every relative
+    loss of ``--crisp`` ``pack_dir`` (its ``layers``). CliError for a tail layout (emulated or stored), a pack of
+    other weights than ``model``, or another neuron order than ``layers`` (another profile of the model)."""
+    from crisp_runtime.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint
+
+    ref_layers, _, ref_info = load_pack_dir(reference_dir)
+    if emulation_of(ref_info) is not None or next(iter(ref_layers.values())).tail_start is not None:
+        raise CliError(f"--reference-crisp {reference_dir}: a tail layout itself; give a 4-bit pack")
+    try:
+        check_layers_fit_model(ref_layers, model, info=ref_info)
+        check_weights_fingerprint(ref_info, model)
+    except PackMismatchError as exc:
+        raise CliError(f"--reference-crisp {reference_dir}: {exc}") from exc
+    for lid, lay in layers.items():
+        if lid not in ref_layers or not torch.equal(ref_layers[lid].neuron_order, lay.neuron_order):
+            raise CliError(f"--reference-crisp {reference_dir}: layer {lid}'s neuron order differs from --crisp "
+                           f"{pack_dir}'s (another profile of the model)")
+    return ref_layers, ref_info
+
+
 def derived_info(info: dict, drop=()) -> tuple[dict, object]:
     """(the source pack's info without what save_pack writes itself and without its stored serving choice, its
     experts file record). A serving choice (``crisp_runtime.serving_record``) belongs to the plan and bytes it was

@@ -81,6 +81,8 @@ class ProfileConfig:
     throughput_seq_len: int = 128  # their length (a decode is one forward per token)
     accuracy_confidence: float = 0.95  # one-sided confidence that the loss is within max_accuracy_loss
     simulation_workers: int = 1  # processes simulating the candidates (the CLI's default: throughput.default_workers)
+    # other Hot / Warm / Cold widths (neurons, crisp_runtime.plan.TierWidths) the throughput search also tries
+    search_tier_widths: tuple = ()
     work_dir: str | None = None
     keep_work: bool = False
     threads: int | None = None

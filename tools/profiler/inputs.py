@@ -37,7 +37,7 @@ from ..workdir import WorkFolder
 from .config import DOMINANCE_RULES, IMPORTANCE_KINDS, ProfileConfig
 from .output import check_out_dir, check_out_files
 from .statistics import STATS_FILE
-from .throughput import accuracy_windows_of
+from .throughput import accuracy_windows_of, check_tier_widths
 
 
 class ProgressLog:
@@ -122,6 +122,8 @@ def _check_settings(cfg: ProfileConfig) -> tuple[TierCutoffs, QuantFormat]:
         raise CliError(f"--search-cold-widths: fractions of full width in [0, 1), got {list(cold)}")
     if cold != (0.0,) and cfg.search_target_bytes is None:
         raise CliError("--search-cold-widths: only with --search-target-bytes (the widths are searched candidates)")
+    if cfg.search_tier_widths and cfg.throughput_budget is None:
+        raise CliError("--search-tier-widths: only with --plan-for-throughput (the widths are searched candidates)")
     if cfg.importance not in IMPORTANCE_KINDS:
         raise CliError(f"--importance must be 'weighted' or 'mean-abs', got {cfg.importance!r}")
     try:
@@ -202,6 +204,11 @@ def _prepare_loaded(cfg: ProfileConfig, out: Path, work_root: Path, cutoffs: Tie
             f"--data (held-out calibration part, last {cfg.holdout_fraction:.0%})",
         )
     throughput_windows = None
+    if cfg.search_tier_widths:
+        try:
+            check_tier_widths(cfg.search_tier_widths, layers[0].intermediate_size)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     if cfg.throughput_budget is not None:
         count = cfg.accuracy_window_count
         throughput_windows = accuracy_windows_of(holdout_texts, count, cfg.throughput_seq_len, cfg.seed,

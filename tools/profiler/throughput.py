@@ -1,8 +1,8 @@
 """Plan for throughput: the serving configuration with the most simulated tokens/s at a GPU budget on a
 hardware profile whose accuracy loss, measured with the runtime in the loop, stays within a bound.
 
-The plan's widths (tiers, Warm width) are chosen before, by bytes (``search.py``); this search chooses
-how the pack is *served* at a budget, from a small stated space (:func:`candidates`):
+The plan's tiers and widths are chosen before, by bytes (``search.py``); this search chooses how the pack is
+*served* at a budget, and the plan knobs that serving depends on, from a small stated space (:func:`candidates`):
 
 - the dominant floor (``ServingPolicy.dominant_floor``): 1.0, 0.75, 0.625, 0.5 of the full width;
 - prefetch of the next layer's predicted experts: none, at the plan's widths (PLAN), or at the
@@ -15,7 +15,12 @@ how the pack is *served* at a budget, from a small stated space (:func:`candidat
 - the one plan knob: auxiliaries of routing weight >= w at the dominant width
   (``CrispPlan.aux_full_weight``), none or w in :data:`SEARCH_AUX_WEIGHTS` (issue 10, session 11: on the
   tiny Mixtral's held-out text the weight picked the auxiliaries that matter better than the pair tiers
-  below 1% loss). The chosen weight is stored in the pack's plan.
+  below 1% loss). The chosen weight is stored in the pack's plan;
+- at the plan's widths: the skip / auxiliary weight bands and the width cap of :data:`SEARCH_EXACT_BANDS` and
+  :data:`SEARCH_CAPS`;
+- with ``tier_widths`` given (``--search-tier-widths``), the whole space again at each other Hot / Warm / Cold
+  width of the non-dominant expert (the tiers and dominant labels stay the plan's): a wider Warm width costs bytes
+  but buys the accuracy a lower dominant floor spends (issue 10, session 16).
 
 Speed: each candidate replays a routing trace recorded on the held-out calibration windows (with
 the next layer's predictions) through the simulator's library API (``crisp_bench.simulate``, the
@@ -62,7 +67,7 @@ from crisp_runtime import cli_args as ca
 from crisp_runtime.baselines import full_plan
 from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
 from crisp_runtime.pack import CrispPack
-from crisp_runtime.plan import CrispPlan, PlanError, PolicyKind
+from crisp_runtime.plan import CrispPlan, PlanError, PolicyKind, TierWidths
 from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
 from crisp_runtime.serving_record import SERVING_KEY, ServingRecord
@@ -70,10 +75,12 @@ from crisp_runtime.serving_record import SERVING_KEY, ServingRecord
 from ..calibration import CliError, TokenScores, random_windows
 from ..loss_estimate import finite_or_none, relative_loss
 from ..serving_eval import ServingCase, run_case, score_plan, total_expert_bytes
+from ..tail_emulation import tier_widths_arg
 from .config import DEFAULT_ACCURACY_WINDOWS, accuracy_window_count
 
-__all__ = ["SERVING_KEY", "Candidate", "CandidateServing", "ThroughputGoal", "candidates", "default_candidates",
-           "goal_from_config", "plan_serving", "search_throughput", "simulate_candidates", "target_shape"]
+__all__ = ["SERVING_KEY", "Candidate", "CandidateServing", "ThroughputGoal", "candidates", "check_tier_widths",
+           "default_candidates", "goal_from_config", "plan_serving", "search_throughput", "simulate_candidates",
+           "target_shape"]
 
 SEARCH_FLOORS = (1.0, 0.875, 0.75, 0.625, 0.5)
 
@@ -147,6 +154,7 @@ class Candidate:
     aux_skip_weight: float | None = None  # the plan's CrispPlan.aux_skip_weight (None: unset)
     width_cap: int | None = None  # the plan's CrispPlan.width_cap in neurons (None: uncapped)
     kind: CandidateServing = CandidateServing.RESIDENT
+    tier_widths: TierWidths | None = None  # the plan's CrispPlan.tier_widths in neurons (None: the plan's own)
 
     def __post_init__(self) -> None:
         if self.kind is CandidateServing.PLAN and (self.dominant_floor != 1.0 or self.widen is not DominantWiden.NEVER
@@ -167,19 +175,22 @@ class Candidate:
         aux = "" if self.aux_full_weight is None else f"-aux{self.aux_full_weight:g}"
         skip = "" if self.aux_skip_weight is None else f"-skip{self.aux_skip_weight:g}"
         cap = "" if self.width_cap is None else f"-cap{self.width_cap}"
+        tw = self.tier_widths
+        tiers = "" if tw is None else f"-tiers{tw.hot}.{tw.warm}.{tw.cold}"
         head = "plan" if self.exact else f"floor{self.dominant_floor:g}{widen}"
-        return f"{head}{aux}{skip}{cap}{pf}"
+        return f"{head}{tiers}{aux}{skip}{cap}{pf}"
 
     def plan_for(self, plan: CrispPlan) -> CrispPlan:
-        """The plan this candidate serves: ``plan`` with the candidate's weights and cap (``plan`` itself when
-        they are its own)."""
+        """The plan this candidate serves: ``plan`` with the candidate's weights, cap and tier widths (``plan``
+        itself when they are its own)."""
         if plan.policy is not PolicyKind.CRISP:
-            if (self.aux_full_weight, self.aux_skip_weight, self.width_cap) != (None, None, None):
+            if (self.aux_full_weight, self.aux_skip_weight, self.width_cap, self.tier_widths) != (None,) * 4:
                 raise ValueError(f"Candidate {self.label}: plan knobs apply to CRISP plans only, not "
                                  f"{plan.policy.value!r}")
             return plan
         out = dataclasses.replace(plan, aux_full_weight=self.aux_full_weight, aux_skip_weight=self.aux_skip_weight,
-                                  width_cap=self.width_cap)  # at once: a pack plan's own skip weight may exceed W
+                                  width_cap=self.width_cap,  # at once: a pack plan's own skip weight may exceed W
+                                  tier_widths=plan.tier_widths if self.tier_widths is None else self.tier_widths)
         return plan if out == plan else out
 
     def serving(self) -> ServingPolicy:
@@ -196,26 +207,30 @@ class Candidate:
 def candidates(floors: Sequence[float] = SEARCH_FLOORS,
                aux_full_weights: Sequence[float | None] = SEARCH_AUX_WEIGHTS, *,
                exact_bands: Sequence[tuple[float | None, float | None]] = SEARCH_EXACT_BANDS,
-               caps: Sequence[float | None] = SEARCH_CAPS, intermediate_size: int | None = None) -> list[Candidate]:
+               caps: Sequence[float | None] = SEARCH_CAPS, intermediate_size: int | None = None,
+               tier_widths: Sequence[TierWidths | None] = (None,)) -> list[Candidate]:
     """The search space (module docstring). Served from what is resident, per auxiliary weight and floor: no
     prefetch, PLAN prefetch, and below full width SERVING prefetch without and with AHEAD widening (at full width
     those equal PLAN): 18 per weight. At the plan's widths (``intermediate_size`` given: a CRISP plan's neurons),
     per (skip weight, auxiliary weight) band of ``exact_bands`` and cap of ``caps``: PLAN prefetch (a prefetch at
     the plan's widths never delays a demanded copy, and at floor 1 it was 1.89x full-width LRU against 1.72x
-    without in session 13's search)."""
+    without in session 13's search). All of it once per entry of ``tier_widths`` (None: the plan's own)."""
     out = []
-    for w in aux_full_weights:
-        for f in floors:
-            out += [Candidate(f, aux_full_weight=w), Candidate(f, prefetch=PrefetchWidth.PLAN, aux_full_weight=w)]
-            if f < 1.0:
-                out += [Candidate(f, prefetch=PrefetchWidth.SERVING, aux_full_weight=w),
-                        Candidate(f, DominantWiden.AHEAD, PrefetchWidth.SERVING, aux_full_weight=w)]
-    if intermediate_size is not None:
-        for s, w in exact_bands:
-            for cap in caps:
-                neurons = None if cap is None else max(1, round(cap * intermediate_size))
-                out.append(Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=w, aux_skip_weight=s,
-                                     width_cap=neurons, kind=CandidateServing.PLAN))
+    for tw in tier_widths:
+        for w in aux_full_weights:
+            for f in floors:
+                out += [Candidate(f, aux_full_weight=w, tier_widths=tw),
+                        Candidate(f, prefetch=PrefetchWidth.PLAN, aux_full_weight=w, tier_widths=tw)]
+                if f < 1.0:
+                    out += [Candidate(f, prefetch=PrefetchWidth.SERVING, aux_full_weight=w, tier_widths=tw),
+                            Candidate(f, DominantWiden.AHEAD, PrefetchWidth.SERVING, aux_full_weight=w,
+                                      tier_widths=tw)]
+        if intermediate_size is not None:
+            for s, w in exact_bands:
+                for cap in caps:
+                    neurons = None if cap is None else max(1, round(cap * intermediate_size))
+                    out.append(Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=w, aux_skip_weight=s,
+                                         width_cap=neurons, kind=CandidateServing.PLAN, tier_widths=tw))
     return out
 
 
@@ -296,17 +311,32 @@ def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: Mod
     return base_tps, out
 
 
-def default_candidates(plan: CrispPlan) -> list[Candidate]:
-    """:func:`candidates` for ``plan``: a CRISP plan's knobs at its neurons; other plans' serving alone."""
+def default_candidates(plan: CrispPlan, tier_widths: Sequence[TierWidths] = ()) -> list[Candidate]:
+    """:func:`candidates` for ``plan``: a CRISP plan's knobs at its neurons, at its own tier widths and at each of
+    ``tier_widths`` (``--search-tier-widths``; those equal to its own or repeated are tried once); other plans'
+    serving alone (ValueError with ``tier_widths``)."""
     if plan.policy is not PolicyKind.CRISP:
+        if tier_widths:
+            raise ValueError(f"--search-tier-widths: tier widths apply to CRISP plans only, not {plan.policy.value!r}")
         return candidates(aux_full_weights=(None,))
-    return candidates(intermediate_size=plan.intermediate_size)
+    check_tier_widths(tier_widths, plan.intermediate_size)
+    others = [tw for tw in dict.fromkeys(tier_widths) if tw != plan.tier_widths]
+    return candidates(intermediate_size=plan.intermediate_size, tier_widths=(None, *others))
+
+
+def check_tier_widths(tier_widths: Sequence[TierWidths], intermediate_size: int) -> None:
+    """ValueError naming ``--search-tier-widths`` for a width outside [0, intermediate_size] (before any work)."""
+    for tw in tier_widths:
+        if not all(0 <= w <= intermediate_size for w in (tw.hot, tw.warm, tw.cold)):
+            raise ValueError(f"--search-tier-widths {tw.hot},{tw.warm},{tw.cold}: each width must lie in "
+                             f"[0, {intermediate_size}] neurons (the experts' intermediate size)")
 
 
 def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goal: ThroughputGoal, *,
                       accuracy_windows: torch.Tensor | None = None, cands: Sequence[Candidate] | None = None,
                       source: str = "held-out calibration windows", layout: TailLayout = PLAIN, workers: int = 1,
-                      log: Callable[[str], None] = lambda msg: None) -> tuple[ServingRecord, CrispPlan]:
+                      reference_layers=None, log: Callable[[str], None] = lambda msg: None
+                      ) -> tuple[ServingRecord, CrispPlan]:
     """The fastest candidate within the accuracy bound (see the module docstring): its :class:`ServingRecord`
     and the plan it serves (``plan`` with the candidate's knobs: the pack stores that).
 
@@ -320,7 +350,10 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     ``goal.max_accuracy_loss`` (z of ``goal.confidence``, one-sided; :mod:`crisp_tools.loss_estimate`).
     layout: the pack's tail layout (:func:`simulate_candidates`); the decodes' budget is the same fraction of the
     4-bit expert bytes (``crisp_runtime.serving_record.budget_base_bytes``). workers: simulation processes
-    (:func:`simulate_candidates`). Raises ValueError when no candidate is accepted.
+    (:func:`simulate_candidates`). reference_layers: the 4-bit pack (same neuron order) whose full width every loss
+    is relative to, required for a tail pack (its own full width lost 0.56% on the tiny Mixtral's held-out text,
+    session 9: a loss against it would be understated by that much; before session 16 it was); None: ``layers``.
+    Raises ValueError when no candidate is accepted.
     """
     cands = list(default_candidates(plan) if cands is None else cands)
     if not cands:
@@ -334,6 +367,9 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     if accuracy_windows.dim() != 2 or accuracy_windows.shape[1] < 2:
         raise ValueError(f"search_throughput: accuracy_windows must be (M, L >= 2) token ids, got "
                          f"{tuple(accuracy_windows.shape)}")
+    if reference_layers is None and not layout.is_plain:
+        raise ValueError(f"search_throughput: a {layout.name} tail pack's loss is relative to the 4-bit full width: "
+                         "give reference_layers (the 4-bit pack it was made from)")
     for c in cands:  # a knob the plan refuses (a skip weight over its auxiliary weight), before minutes of work
         try:
             c.plan_for(plan)
@@ -346,6 +382,7 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     base_tps, sims = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup, layout=layout,
                                          workers=workers, log=log)
     pack = CrispPack(layers, plan)
+    reference_pack = pack if reference_layers is None else CrispPack(reference_layers, full_plan(plan))
     budget_bytes = int(goal.budget * total_expert_bytes(layers))
     # per storage row of the pack (a tail pack's rows map onto the layout's target rows)
     window = target_window(get_profile(goal.profile), shape if layout.is_plain else mapped_target(layout, shape),
@@ -355,12 +392,12 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     total = accuracy_windows.shape[0]
     references: dict[str, TokenScores] = {}
 
-    def reference(mode: str) -> TokenScores:  # the 4-bit-pack full width, scored as the candidates are
+    def reference(mode: str) -> TokenScores:  # the 4-bit full width, scored as the candidates are
         if mode not in references:
             if mode == "batch":
-                references[mode] = score_plan(model, pack, full_plan(plan), accuracy_windows)
+                references[mode] = score_plan(model, reference_pack, full_plan(plan), accuracy_windows)
             else:
-                references[mode], _ = run_case(model, pack, full_plan(plan), accuracy_windows, budget_bytes,
+                references[mode], _ = run_case(model, reference_pack, full_plan(plan), accuracy_windows, budget_bytes,
                                                ServingCase("full-exact", "full"))
         return references[mode]
 
@@ -400,7 +437,9 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
                          "accuracy windows, or lower the confidence")
     c, r = chosen
     search = {"objective": "simulated tokens/s", "profile": goal.profile, "target": shape.name,
-              "tail_layout": layout.name, "max_accuracy_loss": goal.max_accuracy_loss, "confidence": goal.confidence,
+              "tail_layout": layout.name, "accuracy_reference": "4-bit full width" + (
+                  "" if reference_layers is None else " (the reference pack)"),
+              "max_accuracy_loss": goal.max_accuracy_loss, "confidence": goal.confidence,
               "z": z, "accuracy_text": source, "accuracy_prefetch_window": window.name,
               "windows": list(windows.shape), "accuracy_windows": list(accuracy_windows.shape),
               "full_width_accuracy": next(iter(references.values())).accuracy, "full_lru_tokens_per_s": base_tps,
@@ -415,6 +454,9 @@ def _described(c: Candidate, plan: CrispPlan) -> CrispPlan:
     if chosen is plan:
         return plan
     said = []
+    if c.tier_widths is not None:
+        said.append(f"the non-dominant expert of a Hot / Warm / Cold combination runs at {c.tier_widths.hot} / "
+                    f"{c.tier_widths.warm} / {c.tier_widths.cold} neurons")
     if c.aux_skip_weight is not None:
         said.append(f"auxiliaries of routing weight < {c.aux_skip_weight:g} are skipped")
     if c.aux_full_weight is not None:
@@ -447,6 +489,9 @@ def add_search_options(p, when: str) -> None:
                         "confidence (loss + z standard errors, clustered by window; 0.5: the point estimate) and "
                         "a decode is stopped early once it is over at it")
     p.add_argument("--throughput-seq-len", type=ca.int_in(2), default=128, help=f"{when}tokens per scored window")
+    p.add_argument("--search-tier-widths", type=tier_widths_arg, nargs="+", default=(), metavar="HOT,WARM,COLD",
+                   help=f"{when}also search the whole space at these tier widths of the non-dominant expert "
+                        "(neurons, e.g. 256,128,64 256,96,48; the plan's own are always searched)")
     p.add_argument("--simulation-workers", type=ca.int_in(1, 256), default=default_workers(), metavar="N",
                    help=f"{when}processes simulating the candidates (default: every CPU but one, at most 8; the "
                         "records do not depend on it)")
@@ -488,6 +533,7 @@ def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Cal
               f"the last {cfg.holdout_fraction:.0%} of --data; the first {windows.shape[0]} traced)")
     try:
         return search_throughput(inputs.model, packed, plan, windows, goal, accuracy_windows=accuracy_windows,
-                                 source=source, workers=cfg.simulation_workers, log=log)
+                                 cands=default_candidates(plan, cfg.search_tier_widths), source=source,
+                                 workers=cfg.simulation_workers, log=log)
     except ValueError as exc:
         raise CliError(f"--plan-for-throughput: {exc}") from None
