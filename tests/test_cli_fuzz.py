@@ -109,7 +109,8 @@ TAIL_PACK = _cases("tail-pack", {
     "--aux-full-weight": AUX_WEIGHT_BAD, "--aux-skip-weight": AUX_WEIGHT_BAD})
 PLAN_THROUGHPUT = _cases("plan-throughput", {
     "--model": [""], "--crisp": [""], "--data": [""], "--out": [""], "--budget": HALF_OPEN_UNIT,
-    "--reference-crisp": [""], "--max-accuracy-loss": UNIT, "--hardware-profile": ["abacus", "", "missing.json"],
+    "--reference-crisp": [""], "--tail-layouts": TAIL_LAYOUTS_BAD, "--max-accuracy-loss": UNIT,
+    "--hardware-profile": ["abacus", "", "missing.json"],
     "--throughput-windows": POS_INT,
     "--throughput-seq-len": SEQ_LEN, "--throughput-accuracy-windows": POS_INT,
     "--accuracy-confidence": ["0.4", "1", "1.5", "nan", "abc", ""], "--holdout-fraction": OPEN_UNIT, "--seed": SEED,
@@ -132,8 +133,9 @@ ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL
 # that second command line (its other options moved to `crisp-bench kernels`, their cases with them).
 # 860 (session 9): the tables had grown past 660 without a bump; tail-pack's 18 cases included;
 # 866: kernels --tail-start. 991 (session 15): plan-throughput's 76, --simulation-workers, earlier growth.
-# 1004 (session 16): --search-tier-widths of crisp-profile and plan-throughput, plan-throughput --reference-crisp.
-RECORDED_CASES = 1004
+# 1013 (session 16): --search-tier-widths of crisp-profile and plan-throughput, plan-throughput --reference-crisp and
+# --tail-layouts.
+RECORDED_CASES = 1013
 
 
 def _prog_argv(tool: str, tmp_path):

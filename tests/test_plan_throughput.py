@@ -154,3 +154,45 @@ def test_tier_widths_outside_the_experts_are_refused_before_any_work(tail, tmp_p
     assert _run(tail, tmp_path / "o", "--search-tier-widths", "256,300,0") == 2
     err = capsys.readouterr().err
     assert "--search-tier-widths 256,300,0" in err and "[0, 256]" in err and not (tmp_path / "o").exists()
+
+
+def test_tail_layouts_are_searched_and_the_chosen_layout_written(tmp_path, monkeypatch):
+    """--tail-layouts on a 4-bit pack: every candidate on the pack's own bytes and on each layout built from the
+    model's weights (the bytes crisp_tools.tail_pack stores); the fastest within a bound of 1 is written with its
+    layout's bytes and records, and every loss is relative to the 4-bit full width."""
+    monkeypatch.setattr(pt, "default_candidates", lambda plan, tier_widths=(): [SPACE[1]])
+    out = tmp_path / "planned"
+    assert _run(TINY_PACK, out, "--max-accuracy-loss", "1.0", "--tail-layouts", "2g128@0.25", "q4", "2g128@0.5",
+                "2g128@0.25", reference=None) == 0
+    pack = load_pack(out)
+    search = serving_record(pack.info).search
+    assert search["tail_layouts"] == ["q4", "2g128at0.25", "2g128at0.5"]  # the pack's own first, each once
+    assert [r["tail_layout"] for r in search["candidates"]] == search["tail_layouts"]
+    by_layout = {r["tail_layout"]: r for r in search["candidates"]}
+    assert by_layout["2g128at0.25"]["bytes_per_token"] < by_layout["2g128at0.5"]["bytes_per_token"] < \
+        by_layout["q4"]["bytes_per_token"]
+    fastest = max(search["candidates"], key=lambda r: r["tokens_per_s"])
+    assert search["chosen"] == fastest and search["tail_layout"] == fastest["tail_layout"] == "2g128at0.25"
+    assert search["accuracy_reference"] == "4-bit full width"
+    # the written pack is the tail pack crisp_tools.tail_pack builds, with the search's plan and choice
+    built = tmp_path / "built"
+    assert tail_pack.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "2g128@0.25", "--out",
+                           str(built), "--quiet"]) == 0
+    ref = load_pack(built)
+    assert pack.info["tail_start"] == ref.info["tail_start"] and pack.info["tail_layout"] == ref.info["tail_layout"]
+    assert pack.info["tail_pack"] == ref.info["tail_pack"]
+    for lid, layer in ref.layers.items():
+        assert (pack.layers[lid].qweight == layer.qweight).all() and (pack.layers[lid].scales == layer.scales).all()
+    assert pack.plan == tp._described(SPACE[1], load_pack(TINY_PACK).plan)
+
+
+def test_bad_tail_layouts_are_refused_before_any_work(tail, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(pt, "search_variants", lambda *a, **k: pytest.fail("searched"))
+    monkeypatch.setattr(pt, "tail_layers", lambda *a, **k: pytest.fail("built"))
+    assert _run(tail, tmp_path / "o", "--tail-layouts", "2g128@0.5") == 2
+    assert "already" in capsys.readouterr().err
+    for bad, said in (("2g64@0.25", "stores 2g128@F"), ("m432", "simulated and emulated only")):
+        assert _run(TINY_PACK, tmp_path / "o", "--tail-layouts", bad, reference=None) == 2
+        err = capsys.readouterr().err
+        assert "--tail-layouts" in err and said in err, err
+    assert not (tmp_path / "o").exists()

@@ -12,13 +12,16 @@ folder, without profiling again (a 4-bit pack, or a 2-bit tail pack of ``crisp_t
 The search (``crisp_tools.profiler.throughput``) chooses the serving policy, the prefetch and the plan's auxiliary
 weight, skip weight and width cap (and its tier widths among ``--search-tier-widths``) with the most simulated
 tokens/s at ``--budget`` (a fraction of the 4-bit expert bytes: on a tail pack the same GPU memory as on its 4-bit
-source) on ``--hardware-profile``, within
-``--max-accuracy-loss`` on windows of the held-out calibration part of ``--data`` (the last
-``--holdout-fraction``, the profiler's split and draw: give the calibration text, never the evaluation text),
-relative to the 4-bit full width (a tail pack's ``--reference-crisp``, as crisp-eval's).
-The result is a new pack folder (written atomically, never over an existing path): the same experts, the chosen
-plan, and the choice in pack.json ``serving`` (``crisp_runtime.serving_record``; a serving choice the source
-pack stored is replaced) with ``planned_for_throughput`` naming the source.
+source) on ``--hardware-profile``, within ``--max-accuracy-loss`` on windows of the held-out calibration part of
+``--data`` (the last ``--holdout-fraction``, the profiler's split and draw: give the calibration text, never the
+evaluation text), relative to the 4-bit full width (a tail pack's ``--reference-crisp``, as crisp-eval's).
+With ``--tail-layouts`` on a 4-bit pack it also searches those 2-bit tail layouts of it (built in memory from
+``--model``'s weights, as ``crisp_tools.tail_pack`` builds them), every candidate on each layout's own bytes, and
+chooses the layout too.
+The result is a new pack folder (written atomically, never over an existing path): the same experts (or the chosen
+tail layout's, recorded as ``tail_pack`` records them), the chosen plan, and the choice in pack.json ``serving``
+(``crisp_runtime.serving_record``; a serving choice the source pack stored is replaced) with
+``planned_for_throughput`` naming the source.
 """
 
 from __future__ import annotations
@@ -34,21 +37,24 @@ from .calibration import CliError, check_vocab, load_pack_dir, load_texts, log, 
 from .profiler.config import accuracy_window_count
 from .profiler.throughput import (
     SERVING_KEY,
+    PackVariant,
     ThroughputGoal,
     accuracy_windows_of,
     add_search_options,
     default_candidates,
-    search_throughput,
+    search_variants,
 )
 from .tail_emulation import (
     INFO_EMULATION,
     INFO_LAYOUT,
     derived_info,
     emulation_of,
+    layout_arg,
     new_out,
     reference_pack,
     source_model,
 )
+from .tail_pack import checked_tail_start, tail_layers, tail_pack_info
 
 INFO_PLANNED = "planned_for_throughput"
 
@@ -64,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-crisp", default=None, metavar="PACK", type=ca.nonempty_path,
                    help="the 4-bit pack whose full width every loss is relative to (required for a tail pack: the "
                         "4-bit pack it was made from, same neuron order; default for a 4-bit pack: --crisp itself)")
+    p.add_argument("--tail-layouts", nargs="+", type=layout_arg, default=(), metavar="LAYOUT",
+                   help="also search these 2-bit tail layouts of a 4-bit --crisp (2gG@F, G = 2 x the pack's group, "
+                        "e.g. 2g128@0.25 2g128@0.5), each built from --model's weights as crisp_tools.tail_pack "
+                        "builds it; the pack written has the chosen layout's bytes")
     p.add_argument("--out", required=True, type=ca.nonempty_path, help="new pack folder (must not exist)")
     p.add_argument("--budget", required=True, type=ca.float_in(0.0, 1.0, low_open=True), metavar="FRACTION",
                    help="the GPU budget: a fraction of all expert bytes at full width in 4-bit rows")
@@ -122,6 +132,16 @@ def main(argv: list[str] | None = None) -> int:
             cands = default_candidates(plan, args.search_tier_widths)
         except ValueError as exc:
             raise CliError(str(exc)) from None
+        tails = list(dict.fromkeys(t for t in args.tail_layouts if not t.is_plain))  # the pack's own is searched
+        if tails and not layout.is_plain:
+            raise CliError(f"--tail-layouts: --crisp {args.crisp} is a {layout.name} tail pack already; give the "
+                           "4-bit pack it was made from")
+        starts = {}
+        for t in tails:
+            try:
+                starts[t.name] = checked_tail_start(t, next(iter(layers.values())))
+            except ValueError as exc:
+                raise CliError(f"--tail-layouts {t.name}: {exc}") from None
         if not layout.is_plain and args.reference_crisp is None:
             source = (info.get("tail_pack") or {}).get("source_pack") or "the 4-bit pack it was made from"
             raise CliError(f"--crisp {args.crisp}: a {layout.name} tail pack; its loss is relative to the 4-bit full "
@@ -129,23 +149,33 @@ def main(argv: list[str] | None = None) -> int:
         texts = load_texts(args.data)
         _, holdout = split_texts(texts, args.holdout_fraction)
         windows = accuracy_windows_of(holdout, count, args.throughput_seq_len, args.seed, args.holdout_fraction)
-        model, _ = source_model(args, layers, info)
+        model, refs = source_model(args, layers, info)
         reference = None if args.reference_crisp is None else \
             reference_pack(args.reference_crisp, layers, model, args.crisp)[0]
         check_vocab(model, windows)
+        variants = [PackVariant(layers, layout)]
+        for t in tails:
+            progress(f"building the {t.name} tail layout from --model's weights")
+            variants.append(PackVariant(tail_layers(layers, refs, starts[t.name]), t))
+        if tails and reference is None:
+            reference = layers  # the 4-bit pack itself
         source = (f"held-out calibration windows ({count} x {args.throughput_seq_len} tokens of the last "
                   f"{args.holdout_fraction:.0%} of --data; the first {args.throughput_windows} traced)")
-        progress(f"{args.crisp} ({layout.name}): searching at {args.budget:.0%} of the 4-bit expert bytes on "
-                 f"{args.hardware_profile}, loss <= {args.max_accuracy_loss:.2%} at {args.accuracy_confidence:.0%}")
+        progress(f"{args.crisp} ({', '.join(v.layout.name for v in variants)}): searching at {args.budget:.0%} of "
+                 f"the 4-bit expert bytes on {args.hardware_profile}, loss <= {args.max_accuracy_loss:.2%} at "
+                 f"{args.accuracy_confidence:.0%}")
         with threads(args.threads):
             try:
-                record, chosen = search_throughput(model, layers, plan, windows[: args.throughput_windows], goal,
-                                                   accuracy_windows=windows, cands=cands, source=source,
-                                                   layout=layout, workers=args.simulation_workers,
-                                                   reference_layers=reference, log=progress)
+                record, chosen, variant = search_variants(
+                    model, variants, plan, windows[: args.throughput_windows], goal, accuracy_windows=windows,
+                    cands=cands, source=source, workers=args.simulation_workers, reference_layers=reference,
+                    log=progress)
             except ValueError as exc:
                 raise CliError(f"--budget {args.budget:g}: {exc}") from None
         new_info, digest = derived_info(info, drop=(INFO_PLANNED,))
+        if variant.layout != layout:  # a tail layout built here: the pack's bytes are its, recorded as tail_pack does
+            new_info = tail_pack_info(info, variant.layout, starts[variant.layout.name], args.crisp, tier_widths=None,
+                                      aux_full_weight=None)  # the plan's knobs are the search's, in its plan
         new_info[SERVING_KEY] = record.to_dict()
         new_info[INFO_PLANNED] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
                                   "reference_crisp": args.reference_crisp and str(args.reference_crisp),
@@ -153,15 +183,15 @@ def main(argv: list[str] | None = None) -> int:
                                   "holdout_fraction": args.holdout_fraction, "seed": args.seed}
         from crisp_runtime.pack import save_pack
 
-        save_pack(out, layers, plan=chosen, info=new_info)
+        save_pack(out, variant.layers, plan=chosen, info=new_info)
     except (CliError, OutputPathError) as exc:
         print(f"plan-throughput: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return ca.interrupted("plan-throughput", resumable=False)
     r = record.search["chosen"]
-    progress(f"chose {r['candidate']}: {r['x_full_lru']:.2f}x full-width LRU, accuracy loss {r['accuracy_loss']:.2%} "
-             f"+- {r['accuracy_loss_se'] or 0:.2%} ({r['accuracy_mode']}); wrote {out}")
+    progress(f"chose {r['candidate']} ({variant.layout.name}): {r['x_full_lru']:.2f}x full-width LRU, accuracy loss "
+             f"{r['accuracy_loss']:.2%} +- {r['accuracy_loss_se'] or 0:.2%} ({r['accuracy_mode']}); wrote {out}")
     return 0
 
 

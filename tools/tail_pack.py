@@ -65,6 +65,43 @@ def storable_tail_start(layout: TailLayout, group_size: int, intermediate_size: 
     return start
 
 
+def checked_tail_start(layout: TailLayout, first) -> int:
+    """:func:`storable_tail_start` for a pack whose first layer is ``first``, with what a 2-bit tail needs of the
+    pack (asymmetric, no biases, groups dividing H); ValueError naming what is missing."""
+    start = storable_tail_start(layout, first.fmt.group_size, first.intermediate_size)
+    if first.zeros is None or first.bias is not None:
+        raise ValueError("2-bit tails need an asymmetric pack without biases (this one is "
+                         f"{'symmetric' if first.zeros is None else 'a model with biases'})")
+    if first.hidden_size % tail_group_size(first.fmt):
+        raise ValueError(f"the tail's groups of {tail_group_size(first.fmt)} must divide H={first.hidden_size}")
+    return start
+
+
+def tail_layers(layers, refs, start: int, log=lambda msg: None) -> dict:
+    """The pack's ``layers`` with neurons from ``start`` (of :func:`checked_tail_start`) stored at 2 bits, quantized
+    from the model's weights (``refs``: its MoE layers, the pack's source); ``log`` gets a line per layer."""
+    new = {}
+    for n, ref in enumerate(refs, 1):
+        layer = layers[ref.layer_id]
+        rows = stored_order_rows(ref.module.gate_up_proj.detach(), ref.module.down_proj.detach(), layer.neuron_order)
+        new[ref.layer_id] = with_tail(layer, rows, start)
+        log(f"layer {ref.layer_id}: {n}/{len(refs)}")
+    return new
+
+
+def tail_pack_info(info: dict, layout: TailLayout, start: int, source_pack, **plan_knobs) -> dict:
+    """The pack.json info of a tail pack of ``info``'s 4-bit pack (from folder ``source_pack``): the source's info
+    without what no longer holds, the layout record and the :data:`INFO_TAIL_PACK` record (``plan_knobs``: what the
+    tool changed in the plan, recorded as given)."""
+    # the layers' summary (rows, not neurons, for intermediate_size) is written by save_pack itself
+    out, digest = derived_info(info, drop=(INFO_EMULATION, "intermediate_size", "tail_start", "num_neurons"))
+    out[INFO_LAYOUT] = layout.to_dict()
+    out[INFO_TAIL_PACK] = {"source_pack": str(source_pack), "source_experts_sha256": digest,
+                           "tail_start_neuron": start, **plan_knobs,
+                           "note": "neurons from tail_start_neuron stored at 2 bits (crisp_tools.tail_pack)"}
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     return tail_tool_parser("python -m crisp_tools.tail_pack", __doc__, "start from",
                             "2gG@F: neurons from fraction F of I stored at 2 bits, groups of G = 2 x the pack's "
@@ -77,36 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = new_out(args)
         layers, plan, info = source_pack(args)
-        first = next(iter(layers.values()))
         try:
-            start = storable_tail_start(args.layout, first.fmt.group_size, first.intermediate_size)
-            if first.zeros is None or first.bias is not None:
-                raise ValueError("2-bit tails need an asymmetric pack without biases (this one is "
-                                 f"{'symmetric' if first.zeros is None else 'a model with biases'})")
-            if first.hidden_size % tail_group_size(first.fmt):
-                raise ValueError(f"the tail's groups of {tail_group_size(first.fmt)} must divide "
-                                 f"H={first.hidden_size}")
+            start = checked_tail_start(args.layout, next(iter(layers.values())))
         except ValueError as exc:
             raise CliError(f"--layout {args.layout.name}: {exc}") from None
         _, refs = source_model(args, layers, info)
         from crisp_runtime.pack import save_pack
 
-        new = {}
-        for n, ref in enumerate(refs, 1):
-            layer = layers[ref.layer_id]
-            rows = stored_order_rows(ref.module.gate_up_proj.detach(), ref.module.down_proj.detach(),
-                                     layer.neuron_order)
-            new[ref.layer_id] = with_tail(layer, rows, start)
-            log(f"[tail-pack {time.time() - t0:5.1f}s] layer {ref.layer_id}: {n}/{len(refs)}", quiet=args.quiet)
-        # the layers' summary (rows, not neurons, for intermediate_size) is written by save_pack itself
-        info, digest = derived_info(info, drop=(INFO_EMULATION, "intermediate_size", "tail_start", "num_neurons"))
-        info[INFO_LAYOUT] = args.layout.to_dict()
-        info[INFO_TAIL_PACK] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
-                                "tail_start_neuron": start,
-                                "tier_widths": None if args.tier_widths is None else vars(args.tier_widths),
-                                "aux_full_weight": args.aux_full_weight,
-                                **({} if args.aux_skip_weight is None else {"aux_skip_weight": args.aux_skip_weight}),
-                                "note": "neurons from tail_start_neuron stored at 2 bits (crisp_tools.tail_pack)"}
+        new = tail_layers(layers, refs, start,
+                          lambda msg: log(f"[tail-pack {time.time() - t0:5.1f}s] {msg}", quiet=args.quiet))
+        info = tail_pack_info(info, args.layout, start, args.crisp,
+                              tier_widths=None if args.tier_widths is None else vars(args.tier_widths),
+                              aux_full_weight=args.aux_full_weight,
+                              **({} if args.aux_skip_weight is None else {"aux_skip_weight": args.aux_skip_weight}))
         save_pack(out, new, plan=plan, info=info)
     except (CliError, OutputPathError) as exc:
         print(f"tail-pack: error: {exc}", file=sys.stderr)

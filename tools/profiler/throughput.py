@@ -50,7 +50,7 @@ import enum
 import functools
 import multiprocessing
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from statistics import NormalDist
@@ -78,9 +78,9 @@ from ..serving_eval import ServingCase, run_case, score_plan, total_expert_bytes
 from ..tail_emulation import tier_widths_arg
 from .config import DEFAULT_ACCURACY_WINDOWS, accuracy_window_count
 
-__all__ = ["SERVING_KEY", "Candidate", "CandidateServing", "ThroughputGoal", "candidates", "check_tier_widths",
-           "default_candidates", "goal_from_config", "plan_serving", "search_throughput", "simulate_candidates",
-           "target_shape"]
+__all__ = ["SERVING_KEY", "Candidate", "CandidateServing", "PackVariant", "ThroughputGoal", "candidates",
+           "check_tier_widths", "default_candidates", "goal_from_config", "plan_serving", "search_throughput",
+           "search_variants", "simulate_candidates", "target_shape"]
 
 SEARCH_FLOORS = (1.0, 0.875, 0.75, 0.625, 0.5)
 
@@ -332,29 +332,57 @@ def check_tier_widths(tier_widths: Sequence[TierWidths], intermediate_size: int)
                              f"[0, {intermediate_size}] neurons (the experts' intermediate size)")
 
 
-def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goal: ThroughputGoal, *,
-                      accuracy_windows: torch.Tensor | None = None, cands: Sequence[Candidate] | None = None,
-                      source: str = "held-out calibration windows", layout: TailLayout = PLAIN, workers: int = 1,
-                      reference_layers=None, log: Callable[[str], None] = lambda msg: None
-                      ) -> tuple[ServingRecord, CrispPlan]:
-    """The fastest candidate within the accuracy bound (see the module docstring): its :class:`ServingRecord`
-    and the plan it serves (``plan`` with the candidate's knobs: the pack stores that).
+@dataclass(frozen=True)
+class PackVariant:
+    """One stored form of the pack the search may choose (``search_variants``): its layers and their tail layout
+    (``crisp_kernels.tail_layout``; PLAIN: 4-bit rows)."""
 
+    layers: Mapping
+    layout: TailLayout = PLAIN
+
+
+def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goal: ThroughputGoal, *,
+                      layout: TailLayout = PLAIN, **options) -> tuple[ServingRecord, CrispPlan]:
+    """The fastest candidate within the accuracy bound on one pack (``layers`` of ``layout``): its
+    :class:`ServingRecord` and the plan it serves (``plan`` with the candidate's knobs: the pack stores that).
+    ``options``: :func:`search_variants`'s."""
+    record, chosen, _ = search_variants(model, [PackVariant(layers, layout)], plan, windows, goal, **options)
+    return record, chosen
+
+
+def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, windows: torch.Tensor,
+                    goal: ThroughputGoal, *, accuracy_windows: torch.Tensor | None = None,
+                    cands: Sequence[Candidate] | None = None, source: str = "held-out calibration windows",
+                    workers: int = 1, reference_layers=None, log: Callable[[str], None] = lambda msg: None
+                    ) -> tuple[ServingRecord, CrispPlan, PackVariant]:
+    """The fastest (candidate, pack variant) within the accuracy bound (see the module docstring): its
+    :class:`ServingRecord`, the plan it serves and the variant (its layers are what the pack stores).
+
+    variants: the stored forms of one profiled pack (the same neuron order and plan): the 4-bit rows and 2-bit
+    tail layouts of them (``crisp_tools.tail_pack``); every candidate is simulated on each, on its own bytes.
     windows: (N, L) held-out calibration token windows the routing trace is recorded on (the speed).
     accuracy_windows: (M, L) windows scored for the accuracy (default ``windows``), their first N
-    ``windows`` themselves when the profiler draws them (``plan_serving``). Candidates are taken fastest first. One
-    served at the plan's widths (outputs independent of the cache) is scored by one batch forward over all M
-    windows, paired with the full width's batch forward; one served from what is resident is decoded in looks of
-    N windows, paired with the full width's decode, and stopped at a look where its loss - z standard errors is
-    already over the bound. A candidate is accepted when, over all M, its loss + z standard errors <=
-    ``goal.max_accuracy_loss`` (z of ``goal.confidence``, one-sided; :mod:`crisp_tools.loss_estimate`).
-    layout: the pack's tail layout (:func:`simulate_candidates`); the decodes' budget is the same fraction of the
-    4-bit expert bytes (``crisp_runtime.serving_record.budget_base_bytes``). workers: simulation processes
-    (:func:`simulate_candidates`). reference_layers: the 4-bit pack (same neuron order) whose full width every loss
-    is relative to, required for a tail pack (its own full width lost 0.56% on the tiny Mixtral's held-out text,
-    session 9: a loss against it would be understated by that much; before session 16 it was); None: ``layers``.
-    Raises ValueError when no candidate is accepted.
+    ``windows`` themselves when the profiler draws them (``plan_serving``). (Candidate, variant) pairs are taken
+    fastest first. One served at the plan's widths (outputs independent of the cache) is scored by one batch
+    forward over all M windows, paired with the full width's batch forward; one served from what is resident is
+    decoded in looks of N windows, paired with the full width's decode, and stopped at a look where its loss - z
+    standard errors is already over the bound. A candidate is accepted when, over all M, its loss + z standard
+    errors <= ``goal.max_accuracy_loss`` (z of ``goal.confidence``, one-sided; :mod:`crisp_tools.loss_estimate`).
+    The decodes' budget is the same fraction of the 4-bit expert bytes on every variant
+    (``crisp_runtime.serving_record.budget_base_bytes``). workers: simulation processes
+    (:func:`simulate_candidates`). reference_layers: the 4-bit pack (same neuron order) whose full width every
+    loss is relative to, required when a variant has a tail (a tail pack's own full width lost 0.56% on the tiny
+    Mixtral's held-out text, session 9: a loss against it would be understated by that much; before session 16 it
+    was); None: the one variant's 4-bit layers. Raises ValueError when no candidate is accepted.
     """
+    variants = list(variants)
+    if not variants or len({v.layout.name for v in variants}) != len(variants):
+        raise ValueError("search_throughput: give one or more pack variants of distinct tail layouts")
+    if reference_layers is None:
+        if len(variants) > 1 or not variants[0].layout.is_plain:
+            raise ValueError(f"search_throughput: a {variants[-1].layout.name} tail pack's loss is relative to the "
+                             "4-bit full width: give reference_layers (the 4-bit pack it was made from)")
+        reference_layers = variants[0].layers
     cands = list(default_candidates(plan) if cands is None else cands)
     if not cands:
         raise ValueError("search_throughput: no candidates")
@@ -367,26 +395,29 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
     if accuracy_windows.dim() != 2 or accuracy_windows.shape[1] < 2:
         raise ValueError(f"search_throughput: accuracy_windows must be (M, L >= 2) token ids, got "
                          f"{tuple(accuracy_windows.shape)}")
-    if reference_layers is None and not layout.is_plain:
-        raise ValueError(f"search_throughput: a {layout.name} tail pack's loss is relative to the 4-bit full width: "
-                         "give reference_layers (the 4-bit pack it was made from)")
     for c in cands:  # a knob the plan refuses (a skip weight over its auxiliary weight), before minutes of work
         try:
             c.plan_for(plan)
         except (PlanError, ValueError) as exc:
             raise ValueError(f"search_throughput: candidate {c.label}: {exc}") from None
     trace = record_trace(model, windows, source=source)
-    first = next(iter(layers.values()))
+    first = next(iter(reference_layers.values()))
     shape = target_shape(goal, trace, first.hidden_size)
     warmup = min(32, trace.num_tokens // 4)
-    base_tps, sims = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup, layout=layout,
-                                         workers=workers, log=log)
-    pack = CrispPack(layers, plan)
-    reference_pack = pack if reference_layers is None else CrispPack(reference_layers, full_plan(plan))
-    budget_bytes = int(goal.budget * total_expert_bytes(layers))
-    # per storage row of the pack (a tail pack's rows map onto the layout's target rows)
-    window = target_window(get_profile(goal.profile), shape if layout.is_plain else mapped_target(layout, shape),
-                           first.intermediate_size)
+    several = len(variants) > 1
+    sims: list[dict] = []
+    variant_of: dict[int, PackVariant] = {}  # id(record) -> its variant
+    for v in variants:
+        at = "" if not several else f" ({v.layout.name})"
+        base_tps, got = simulate_candidates(trace, plan, goal, shape, cands, warmup=warmup, layout=v.layout,
+                                            workers=workers, log=lambda msg, at=at: log(msg + at))
+        for r in got:
+            if several:
+                r["tail_layout"] = v.layout.name
+            variant_of[id(r)] = v
+        sims += got
+    reference_pack = CrispPack(reference_layers, full_plan(plan))
+    budget_bytes = int(goal.budget * total_expert_bytes(reference_layers))
     z = goal.z
     look = windows.shape[0]
     total = accuracy_windows.shape[0]
@@ -406,18 +437,24 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
         return n % look == 0 and \
             relative_loss(reference("decode").correct[:n], scores.correct).lower(z) > goal.max_accuracy_loss
 
+    def window_of(v: PackVariant):  # per storage row of the variant (a tail's rows map onto the layout's rows)
+        return target_window(get_profile(goal.profile), shape if v.layout.is_plain else mapped_target(v.layout, shape),
+                             next(iter(v.layers.values())).intermediate_size)
+
     by_label = {c.label: c for c in cands}
+    packs: dict[str, CrispPack] = {}
     chosen = None
     for r in sorted(sims, key=lambda r: -r["tokens_per_s"]):
-        c = by_label[r["candidate"]]
+        c, v = by_label[r["candidate"]], variant_of[id(r)]
+        pack = packs.setdefault(v.layout.name, CrispPack(v.layers, plan))
         mode = "batch" if c.exact else "decode"
         full = reference(mode)
         if c.exact:
             scores = score_plan(model, pack, c.plan_for(plan), accuracy_windows)
         else:
             prefetch = c.prefetch_policy()
-            case = ServingCase(f"crisp-{c.label}", "crisp", c.serving(),
-                               None if prefetch is None else replace(prefetch, window=window), eviction=goal.eviction)
+            case = ServingCase(f"crisp-{c.label}", "crisp", c.serving(), None if prefetch is None
+                               else replace(prefetch, window=window_of(v)), eviction=goal.eviction)
             scores, _ = run_case(model, pack, c.plan_for(plan), accuracy_windows, budget_bytes, case, stop=over_bound)
         est = relative_loss(full.correct[: scores.correct.shape[0]], scores.correct)
         accepted = est.windows == total and est.upper(z) <= goal.max_accuracy_loss
@@ -425,27 +462,28 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
                  accuracy_loss_upper=finite_or_none(est.upper(z)), accuracy_windows=est.windows, accuracy_mode=mode,
                  accuracy_decision="within" if accepted else "over" if est.lower(z) > goal.max_accuracy_loss
                  else "unresolved")
-        log(f"throughput: {c.label}: accuracy loss {est.loss:.2%} +- {est.standard_error:.2%} over {est.windows}/"
-            f"{total} windows ({r['accuracy_decision']}; "
+        log(f"throughput: {c.label}{f' ({v.layout.name})' if several else ''}: accuracy loss {est.loss:.2%} +- "
+            f"{est.standard_error:.2%} over {est.windows}/{total} windows ({r['accuracy_decision']}; "
             f"{'batch: the plan widths' if c.exact else 'decoded, runtime in the loop'})")
         if accepted:
-            chosen = (c, r)
+            chosen = (c, r, v)
             break
     if chosen is None:
         raise ValueError(f"search_throughput: no candidate loses <= {goal.max_accuracy_loss:.2%} at "
                          f"{goal.confidence:.0%} confidence on the {source}; raise the bound, the budget or the "
                          "accuracy windows, or lower the confidence")
-    c, r = chosen
+    c, r, v = chosen
     search = {"objective": "simulated tokens/s", "profile": goal.profile, "target": shape.name,
-              "tail_layout": layout.name, "accuracy_reference": "4-bit full width" + (
-                  "" if reference_layers is None else " (the reference pack)"),
+              "tail_layout": v.layout.name, **({"tail_layouts": [x.layout.name for x in variants]} if several else {}),
+              "accuracy_reference": "4-bit full width" + ("" if reference_layers is variants[0].layers
+                                                          else " (the reference pack)"),
               "max_accuracy_loss": goal.max_accuracy_loss, "confidence": goal.confidence,
-              "z": z, "accuracy_text": source, "accuracy_prefetch_window": window.name,
+              "z": z, "accuracy_text": source, "accuracy_prefetch_window": window_of(v).name,
               "windows": list(windows.shape), "accuracy_windows": list(accuracy_windows.shape),
               "full_width_accuracy": next(iter(references.values())).accuracy, "full_lru_tokens_per_s": base_tps,
               "chosen": r, "candidates": sims}
     return (ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search),
-            _described(c, plan))
+            _described(c, plan), v)
 
 
 def _described(c: Candidate, plan: CrispPlan) -> CrispPlan:
