@@ -4,7 +4,7 @@ hardware profile whose accuracy loss, measured with the runtime in the loop, sta
 The plan's tiers and widths are chosen before, by bytes (``search.py``); this search chooses how the pack is
 *served* at a budget, and the plan knobs that serving depends on, from a small stated space (:func:`candidates`):
 
-- the dominant floor (``ServingPolicy.dominant_floor``): 1.0, 0.75, 0.625, 0.5 of the full width;
+- the dominant floor (``ServingPolicy.dominant_floor``): 1.0, 0.875, 0.75, 0.625, 0.5 of the full width;
 - prefetch of the next layer's predicted experts: none, at the plan's widths (PLAN), or at the
   serving policy's widths (SERVING: a missed dominant at its floor);
 - widening a floor-loaded dominant (``ServingPolicy.dominant_widen``): never, or ahead of demand
