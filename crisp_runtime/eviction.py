@@ -369,10 +369,11 @@ POLICIES = {"lru": LRUPolicy, "frequency": FrequencyPolicy, "tier": TierAwarePol
 
 
 def make_policy(spec, plan=None) -> EvictionPolicy:
-    """A policy from a name ("lru", "frequency", "tier"), a class, or an instance (returned as is)."""
+    """A policy from a name ("lru", "frequency", "tier", "next_use"), a class, or an instance (itself); told
+    ``plan`` when one is given, an instance too (a TierAwarePolicy() made by the caller had no tiers before)."""
     if isinstance(spec, EvictionPolicy):
-        return spec
-    if isinstance(spec, type) and issubclass(spec, EvictionPolicy):
+        policy = spec
+    elif isinstance(spec, type) and issubclass(spec, EvictionPolicy):
         policy = spec()
     elif isinstance(spec, str) and spec in POLICIES:
         policy = POLICIES[spec]()

@@ -143,6 +143,18 @@ def test_tier_policy_keeps_hot_experts():
     assert p.victim({(0, 4), (0, 2)}) == (0, 0)  # then LRU among hot
 
 
+def test_a_policy_instance_is_told_the_plan_as_a_named_one_is():
+    """RuntimeConfig(eviction=TierAwarePolicy()) goes through make_policy(spec, plan): the instance must get the
+    plan's tiers, as make_policy("tier", plan) does (before, an instance was returned untold: no tiers, LRU)."""
+    from crisp_runtime import CrispPlan, TierWidths
+
+    lp = LayerPlan({(0, 1): Tier.HOT, (2, 3): Tier.WARM}, {(0, 1): 0, (2, 3): 2})
+    plan = CrispPlan.crisp(5, 2, 12, {0: lp}, TierWidths(12, 6, 0))
+    mine = TierAwarePolicy()
+    assert make_policy(mine, plan) is mine
+    assert mine.priority == make_policy("tier", plan).priority == {(0, 0): 2, (0, 1): 2, (0, 2): 1, (0, 3): 1}
+
+
 def test_make_policy():
     assert isinstance(make_policy("frequency"), FrequencyPolicy)
     assert isinstance(make_policy(LRUPolicy), LRUPolicy)
