@@ -37,6 +37,7 @@ from .sim_policies import (
     with_prefetch_widths,
 )
 from .simulate import EVICTIONS as SIM_EVICTIONS
+from .simulate import ONLINE_EVICTIONS, PIN_SHARE, check_eviction
 from .tail_sim import TailMapping
 
 SERVING_NAMES = tuple(SERVING_POLICIES)
@@ -60,6 +61,20 @@ def _serving_list(text: str) -> list[str]:
     for item in items:
         try:
             serving_by_name(item)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return items
+
+
+def _eviction_list(text: str) -> list[str]:
+    """--eviction: comma-separated names ``bench.simulate.check_eviction`` takes."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected eviction names, got {text!r}; choose from "
+                                         f"{', '.join(SIM_EVICTIONS)}")
+    for item in items:
+        try:
+            check_eviction(item)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return items
@@ -144,9 +159,12 @@ def add_parser(subparsers) -> None:
                    help=f"serving policies (crisp_runtime.serving), comma separated: {', '.join(SERVING_NAMES)}, "
                    "or resident-floorP[-narrow-aux][-revive] (a missed dominant at P%% of the full width; "
                    "serving.serving_by_name) (default plan: the plan's widths whatever is resident)")
-    p.add_argument("--eviction", type=_csv(SIM_EVICTIONS), default=["lru"],
-                   help=f"eviction policies, comma separated: {', '.join(SIM_EVICTIONS)} (belady: offline "
-                   "furthest next use, the reference). The full-width LRU baseline is always simulated")
+    p.add_argument("--eviction", type=_eviction_list, default=["lru"],
+                   help=f"eviction policies, comma separated: {', '.join(SIM_EVICTIONS)} (tier: the plan's Hot "
+                   f"experts kept over Warm over the rest; NAME+pinned for {', '.join(ONLINE_EVICTIONS)}: the "
+                   f"trace's most used experts pinned, up to {100 * PIN_SHARE:g}%% of the budget; belady: offline "
+                   "furthest next use, the reference, never pinned). The full-width LRU baseline is simulated whenever "
+                   "--policies has full (the default), whatever the others use")
     p.add_argument("--prefetch", choices=("none", "trace"), default="none",
                    help="trace: also prefetch the next layer's experts the trace predicts (recorded by "
                    "crisp_runtime.prefetch); none (default)")

@@ -1,11 +1,16 @@
 """The decoding simulator against hand-computed timelines (exact float equality: all times are dyadic),
 driven through the runtime's plan, serving, scheduler and residency ledger."""
 
+import re
+
 import numpy as np
 import pytest
+from crisp_bench import cli as bench_cli
 from crisp_bench.profiles import HardwareProfile, ProfileError, get_profile
 from crisp_bench.shapes import MIXTRAL_8X7B, ModelShape
 from crisp_bench.simulate import (
+    EVICTIONS,
+    PIN_SHARE,
     BudgetTooSmall,
     Job,
     SimPolicy,
@@ -14,9 +19,11 @@ from crisp_bench.simulate import (
     simulate_decode,
     simulate_policies,
 )
-from crisp_bench.traces import Trace, synthetic_trace
+from crisp_bench.traces import Trace, plan_from_trace, synthetic_trace, token_widths
 
+from crisp_runtime.eviction import POLICIES as ONLINE
 from crisp_runtime.plan import CrispPlan, LayerPlan, PolicyKind, Tier, TierWidths
+from crisp_runtime.residency import ResidencyLedger
 from crisp_runtime.serving import SERVING_POLICIES
 
 
@@ -175,6 +182,96 @@ def test_belady_bounds_the_online_policies_on_a_synthetic_trace(budget):
     hits = {r["eviction"]: r["hit_rate"] for r in recs}
     assert hits["belady"] >= hits["lru"] and hits["belady"] >= hits["next_use"]  # equal sizes: MIN is optimal
     assert {r["label"] for r in recs} == {"full/plan/lru", "full/plan/next_use", "full/plan/belady"}
+
+
+SYN_SHAPE = ModelShape("syn", num_layers=8, num_experts=8, top_k=2, hidden_size=64, intermediate_size=16)
+
+
+@pytest.mark.parametrize("budget", [0.15, 0.3])
+def test_belady_misses_bound_every_online_eviction_at_equal_widths(budget):
+    """Every slot at the full width (a CRISP plan whose tiers all run whole, so that tier eviction has real
+    tiers): Belady's MIN is optimal, no online policy (tier and the pinned ones included) misses less."""
+    trace = synthetic_trace(num_layers=4, num_tokens=96, intermediate_size=16, seed=1)
+    plan = plan_from_trace(trace).with_tiers(TierWidths(16, 16, 16))
+    assert (token_widths(trace, plan) == 16).all()
+    budget_bytes = int(budget * SYN_SHAPE.total_expert_nbytes)
+    misses = {}
+    for e in EVICTIONS:
+        c = simulate_decode(trace, SimPolicy("crisp", plan, eviction=e), PROFILE, SYN_SHAPE, budget_bytes,
+                            orders=["router"]).counters
+        assert c.widenings == 0
+        misses[e] = c.misses
+    assert set(misses) >= {"tier", "lru+pinned", "tier+pinned", "next_use+pinned"}
+    online = {e: m for e, m in misses.items() if e != "belady"}
+    assert all(misses["belady"] <= m for m in online.values()), misses
+    assert misses["belady"] < min(online.values())  # a bound, not a tie: the cache is under pressure
+    assert misses["tier"] != misses["lru"] and misses["lru+pinned"] != misses["lru"]  # tiers and pins act
+
+
+@pytest.fixture
+def pinned_evictions(monkeypatch):
+    """Spies on every ResidencyLedger eviction: counts the evictions of keys outside ``pinned_keys`` (the ledger
+    policy's pinned set, once there is one) and lists, per evicted pinned key, the resident keys that were
+    neither pinned nor protected by the request under way (those the policy should have evicted first)."""
+    log = {"pinned": [], "unpinned": 0, "pinned_keys": frozenset()}
+    protected_now: set = set()
+    request, evict = ResidencyLedger.request, ResidencyLedger.evict
+
+    def spy_request(self, layer_id, expert, width, protected=(), **kw):
+        protected_now.clear()
+        protected_now.update(protected)
+        protected_now.add((layer_id, expert))
+        return request(self, layer_id, expert, width, protected=protected, **kw)
+
+    def spy_evict(self, key):
+        pinned = log["pinned_keys"] = getattr(self.policy, "pinned", log["pinned_keys"])
+        if key in pinned:
+            log["pinned"].append((key, [k for k in self.resident() if k not in pinned and k not in protected_now]))
+        else:
+            log["unpinned"] += 1
+        return evict(self, key)
+
+    monkeypatch.setattr(ResidencyLedger, "request", spy_request)
+    monkeypatch.setattr(ResidencyLedger, "evict", spy_evict)
+    return log
+
+
+@pytest.mark.parametrize("inner", list(ONLINE))
+def test_pinned_keys_outlive_every_unpinned_evictable_key(pinned_evictions, inner):
+    """``<inner>+pinned``: the trace's most used experts up to PIN_SHARE of the budget are never evicted while
+    an unpinned key outside the step could go; the same keys are evicted under plain ``inner``."""
+    trace = synthetic_trace(num_layers=4, num_tokens=96, intermediate_size=16, seed=2)
+    plan = plan_from_trace(trace)
+    budget = int(0.3 * SYN_SHAPE.total_expert_nbytes)
+    simulate_decode(trace, SimPolicy("crisp", plan, eviction=f"{inner}+pinned"), PROFILE, SYN_SHAPE, budget,
+                    orders=["router"])
+    pinned = pinned_evictions["pinned_keys"]
+    assert len(pinned) == int(PIN_SHARE * budget) // SYN_SHAPE.expert_nbytes  # full-width experts in the share
+    widths = token_widths(trace, plan)
+    counts = {(layer, e): int(((trace.index[layer % 4] == e) & (widths[layer % 4] > 0)).sum())
+              for layer in range(SYN_SHAPE.num_layers) for e in range(8)}
+    assert min(counts[k] for k in pinned) >= max(c for k, c in counts.items() if k not in pinned)  # the most used
+    assert pinned_evictions["unpinned"] > 0 and pinned_evictions["pinned"] == []
+    pinned_evictions["unpinned"] = 0
+    pinned_evictions["pinned_keys"] = pinned  # plain ``inner`` has no pinned set: count the same keys
+    simulate_decode(trace, SimPolicy("crisp", plan, eviction=inner), PROFILE, SYN_SHAPE, budget, orders=["router"])
+    assert pinned_evictions["pinned"]
+
+
+def test_unknown_and_pinned_belady_evictions_are_refused(capsys):
+    plan = CrispPlan.full(8, 2, 4, (0,))
+    with pytest.raises(ValueError, match="Belady is offline and cannot be pinned"):
+        SimPolicy("full", plan, eviction="belady+pinned")
+    for bad in ("random", "fifo+pinned", "lru+pinned+pinned", "LRU"):
+        with pytest.raises(ValueError, match=re.escape(f"eviction '{bad}': choose one of lru, frequency, tier, "
+                                                       "next_use, lru+pinned")):
+            SimPolicy("full", plan, eviction=bad)
+    for arg, words in (("lru,belady+pinned", ("offline", "next_use+pinned")), ("fifo", ("'fifo'", "tier+pinned"))):
+        with pytest.raises(SystemExit) as exc:
+            bench_cli.main(["simulate", "--eviction", arg])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--eviction" in err and all(w in err for w in words), err
+    assert all(f"{name}+pinned" in EVICTIONS for name in ONLINE) and "belady+pinned" not in EVICTIONS
 
 
 def test_prefetch_never_delays_a_demanded_copy_and_respects_the_budget():

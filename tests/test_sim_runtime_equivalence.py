@@ -8,11 +8,13 @@ import pytest
 import torch
 from crisp_bench.profiles import HardwareProfile
 from crisp_bench.shapes import ModelShape
-from crisp_bench.simulate import SimPolicy, prefetch_requests, simulate_decode, target_window
-from crisp_bench.traces import plan_from_trace, synthetic_trace
+from crisp_bench.simulate import PIN_SHARE, SimPolicy, pinned_set, prefetch_requests, simulate_decode, target_window
+from crisp_bench.traces import Trace, plan_from_trace, synthetic_trace, token_widths
 from runtime_helpers import decode_trace, random_layers
 
 from crisp_runtime import CrispRuntime, RuntimeConfig
+from crisp_runtime.eviction import NextUsePolicy, PinnedPolicy, TierAwarePolicy
+from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import Prefetcher, PrefetchPolicy, PrefetchWidth
 from crisp_runtime.residency import ResidencyLedger
 from crisp_runtime.scheduler import CostModel
@@ -57,7 +59,7 @@ def decisions_and_prefetches(decisions, monkeypatch):
 
 @pytest.mark.parametrize("serving", ["plan", "resident", "resident-floor75", "resident-floor75-widen",
                                      "resident-narrow-aux", "resident-narrow-aux-revive"])
-@pytest.mark.parametrize(("eviction", "budget_experts"), [("lru", 4), ("next_use", 6)])
+@pytest.mark.parametrize(("eviction", "budget_experts"), [("lru", 4), ("next_use", 6), ("tier", 5)])
 def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, eviction, budget_experts):
     trace = synthetic_trace(num_layers=LAYERS, num_tokens=24, num_experts=EXPERTS, intermediate_size=INTER, seed=3)
     plan = plan_from_trace(trace)  # hot / warm (50%) / cold tiers: widenings and skips happen
@@ -88,6 +90,62 @@ def test_runtime_and_simulator_make_the_same_decisions(decisions, serving, evict
     c = res.counters
     assert (c.hits, c.misses, c.widenings, c.evictions, c.bytes_copied) == (
         stats["hits"], stats["misses"], stats["widenings"], stats["evictions"], stats["bytes_h2d"])
+
+
+TRACED_IDS = (2, 5, 7)  # the traced model's layer ids: not the target's 0..5, so a mix-up cannot pass
+MAPPED_BUDGET = 12  # full experts of the 48 (6 layers x 8): evictions happen, and PIN_SHARE of it pins 3
+
+
+def _mapped_case():
+    """A 3-layer trace (layer ids ``TRACED_IDS``) and its plan, replayed on a 6-layer target; and what the runtime
+    runs for the same decode: the trace tiled twice (target layer l = traced layer l mod 3) with the plan's
+    tiers of traced layer ``TRACED_IDS[l mod 3]`` on layer l."""
+    syn = synthetic_trace(num_layers=3, num_tokens=24, num_experts=EXPERTS, intermediate_size=INTER, seed=7)
+    traced = Trace(syn.index, syn.weights, list(TRACED_IDS), dict(syn.meta))
+    plan = plan_from_trace(traced)
+    target_layers = 2 * traced.num_layers
+    tiled = Trace(np.concatenate([syn.index, syn.index]), np.concatenate([syn.weights, syn.weights]),
+                  list(range(target_layers)), dict(syn.meta))
+    tiled_plan = CrispPlan.crisp(EXPERTS, 2, INTER, {layer: plan.layers[TRACED_IDS[layer % 3]]
+                                                     for layer in range(target_layers)}, plan.tier_widths)
+    layers = random_layers(layer_ids=tuple(range(target_layers)), num_experts=EXPERTS, inter=INTER, hidden=HIDDEN)
+    nb = layers[0].fmt.neuron_nbytes(HIDDEN)
+    shape = ModelShape("toy6", target_layers, EXPERTS, 2, HIDDEN, INTER)
+    return traced, plan, tiled, tiled_plan, layers, shape, MAPPED_BUDGET * INTER * nb
+
+
+@pytest.mark.parametrize("eviction", ["tier", "tier+pinned", "next_use+pinned"])
+def test_tier_and_pinned_eviction_map_the_traced_layers_onto_the_target(decisions, eviction):
+    """The simulator replays a 3-layer trace on 6 target layers: its TierAwarePolicy gives target layer l the
+    tiers of the traced layer it replays, and its pinned set (bench.simulate.pinned_set) is a runtime
+    PinnedPolicy's; the runtime decoding the tiled trace with the tiled plan makes the same decisions."""
+    traced, plan, tiled, tiled_plan, layers, shape, budget = _mapped_case()
+    inner = eviction.removesuffix("+pinned")
+    policy = TierAwarePolicy(tiled_plan) if inner == "tier" else NextUsePolicy()
+    if eviction.endswith("+pinned"):
+        widths = token_widths(traced, plan)
+        routed = [torch.from_numpy(traced.index[li]) for li in range(traced.num_layers)]
+        wanted = [torch.from_numpy(widths[li]) for li in range(traced.num_layers)]
+        pinned = pinned_set(routed, wanted, budget, shape.num_layers, "global", shape.neuron_nbytes, INTER)
+        assert len(pinned) == int(PIN_SHARE * MAPPED_BUDGET) and {layer for layer, _ in pinned} <= set(range(6))
+        policy = PinnedPolicy(policy, pinned)
+    runtime = CrispRuntime(layers, tiled_plan, device="cpu", gpu_budget=budget,
+                           config=RuntimeConfig(eviction=policy, cost=COST))
+    decode_trace(runtime, tiled, HIDDEN)
+    by_runtime = list(decisions)
+    decisions.clear()
+    res = simulate_decode(traced, SimPolicy("crisp", plan, eviction=eviction), PROFILE, shape, budget,
+                          orders=["widest_first"])
+    assert decisions == by_runtime
+    stats = runtime.stats.as_dict()
+    c = res.counters
+    assert (c.hits, c.misses, c.widenings, c.evictions, c.bytes_copied) == (
+        stats["hits"], stats["misses"], stats["widenings"], stats["evictions"], stats["bytes_h2d"])
+    # not vacuous: the tiers (or the pinned set) change the decisions against the plain LRU / next-use policy
+    decisions.clear()
+    simulate_decode(traced, SimPolicy("crisp", plan, eviction="lru" if eviction == "tier" else inner), PROFILE,
+                    shape, budget, orders=["widest_first"])
+    assert decisions != by_runtime
 
 
 class _TracePredictor:
