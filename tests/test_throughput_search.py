@@ -63,6 +63,22 @@ def test_candidates_are_the_stated_space():
             tp.Candidate(kind=tp.CandidateServing.PLAN, **bad)
 
 
+def test_the_search_scores_windows_of_crisp_eval_s_length_by_default():
+    """The search bounds the loss that crisp-eval then reports, and the loss depends on the window length (a
+    tail pack's full width lost ~1.5x as much at positions 0-126 as at 127-254: calibration.EVAL_SEQ_LEN), so
+    crisp-profile's and plan_throughput's windows default to crisp-eval's length."""
+    from crisp_tools.calibration import EVAL_SEQ_LEN
+    from crisp_tools.evaluate import build_parser as eval_parser
+    from crisp_tools.plan_throughput import build_parser as plan_parser
+    from crisp_tools.profiler.cli import build_parser as profile_parser
+    from crisp_tools.profiler.config import ProfileConfig
+
+    assert eval_parser().get_default("seq_len") == EVAL_SEQ_LEN
+    assert plan_parser().get_default("throughput_seq_len") == EVAL_SEQ_LEN
+    assert profile_parser().get_default("throughput_seq_len") == EVAL_SEQ_LEN
+    assert ProfileConfig(model="m", data=["d"], out="o").throughput_seq_len == EVAL_SEQ_LEN
+
+
 def test_other_tier_widths_repeat_the_whole_space_once_each():
     from crisp_runtime.plan import TierWidths
 

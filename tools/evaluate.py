@@ -40,6 +40,7 @@ from crisp_runtime.runtime import plan_for_layers
 from . import serving_eval
 from .calibration import (
     DTYPES,
+    EVAL_SEQ_LEN,
     CliError,
     MaskedExperts,
     check_seq_len,
@@ -62,7 +63,7 @@ DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: issue 
 
 
 class Evaluator:
-    def __init__(self, model_dir, pack_dir, data, *, samples=None, seq_len=256, batch_size=16, device="cpu",
+    def __init__(self, model_dir, pack_dir, data, *, samples=None, seq_len=EVAL_SEQ_LEN, batch_size=16, device="cpu",
                  engine="runtime", quiet=False, dtype="auto", reference_dir=None):
         self.t0 = time.time()
         self.quiet = quiet
@@ -363,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluation text (.txt, .jsonl, .jsonl.gz, .json.gz)")
     p.add_argument("--samples", type=ca.positive_int, default=None,
                    help="non-overlapping windows spread over the text (default: all that fit)")
-    p.add_argument("--seq-len", type=ca.int_in(2), default=256, help="tokens per window")
+    p.add_argument("--seq-len", type=ca.int_in(2), default=EVAL_SEQ_LEN, help="tokens per window")
     p.add_argument("--batch-size", type=ca.positive_int, default=16, help="windows per forward pass")
     p.add_argument("--device", type=ca.device_name, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", choices=tuple(DTYPES),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..calibration import EVAL_SEQ_LEN
+
 # Defaults of the tier cut-offs and the Warm width. The paper does not state its values; these are
 # set by arithmetic for the target, <= 55% of full-width expert bytes per token at top-2.
 # A token of a Hot pair reads 2 full experts, Warm 1 + warm_width, Cold 1, so the bytes fraction is
@@ -78,7 +80,9 @@ class ProfileConfig:
     # windows decoded per accepted candidate (None: max(128, throughput_windows)); 16 x 128 held a standard
     # error of ~1.4 points near 2% loss (tools/loss_estimate.py), 128 x 128 about a third of that
     throughput_accuracy_windows: int | None = None
-    throughput_seq_len: int = 128  # their length (a decode is one forward per token)
+    # their length: crisp-eval's, so the search bounds the loss crisp-eval reports (why: calibration.EVAL_SEQ_LEN;
+    # 128 until session 17). A decode is one forward per token, so a look costs twice what it did at 128.
+    throughput_seq_len: int = EVAL_SEQ_LEN
     accuracy_confidence: float = 0.95  # one-sided confidence that the loss is within max_accuracy_loss
     simulation_workers: int = 1  # processes simulating the candidates (the CLI's default: throughput.default_workers)
     # other Hot / Warm / Cold widths (neurons, crisp_runtime.plan.TierWidths) the throughput search also tries

@@ -72,7 +72,7 @@ from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
 from crisp_runtime.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
 from crisp_runtime.serving_record import SERVING_KEY, ServingRecord
 
-from ..calibration import CliError, TokenScores, random_windows
+from ..calibration import EVAL_SEQ_LEN, CliError, TokenScores, random_windows
 from ..loss_estimate import finite_or_none, relative_loss
 from ..serving_eval import ServingCase, run_case, score_plan, total_expert_bytes
 from ..tail_emulation import tier_widths_arg
@@ -526,7 +526,9 @@ def add_search_options(p, when: str) -> None:
                    help=f"{when}a candidate is accepted when its loss is within --max-accuracy-loss at this one-sided "
                         "confidence (loss + z standard errors, clustered by window; 0.5: the point estimate) and "
                         "a decode is stopped early once it is over at it")
-    p.add_argument("--throughput-seq-len", type=ca.int_in(2), default=128, help=f"{when}tokens per scored window")
+    p.add_argument("--throughput-seq-len", type=ca.int_in(2), default=EVAL_SEQ_LEN,
+                   help=f"{when}tokens per scored and traced window (default: crisp-eval's --seq-len, so the bound "
+                        "holds for the loss crisp-eval measures; shorter windows judge a loss larger)")
     p.add_argument("--search-tier-widths", type=tier_widths_arg, nargs="+", default=(), metavar="HOT,WARM,COLD",
                    help=f"{when}also search the whole space at these tier widths of the non-dominant expert "
                         "(neurons, e.g. 256,128,64 256,96,48; the plan's own are always searched)")
