@@ -53,31 +53,24 @@ _csv, _fraction, _fractions, _int_list, _positive_int = (
 _outputs, _model_args, _rel, _emit = common.add_outputs, common.add_model_args, common.rel, common.emit
 
 
-def _serving_list(text: str) -> list[str]:
-    """--serving: comma-separated names ``crisp_runtime.serving.serving_by_name`` takes."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"expected policy names, got {text!r}")
-    for item in items:
-        try:
-            serving_by_name(item)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return items
+def _checked_list(check, what: str, choices: str = ""):
+    """An argparse type: comma-separated names, each passed to ``check`` (a ValueError names what is wrong)."""
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected {what} names, got {text!r}{choices}")
+        for item in items:
+            try:
+                check(item)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+        return items
+    return parse
 
 
-def _eviction_list(text: str) -> list[str]:
-    """--eviction: comma-separated names ``bench.simulate.check_eviction`` takes."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"expected eviction names, got {text!r}; choose from "
-                                         f"{', '.join(SIM_EVICTIONS)}")
-    for item in items:
-        try:
-            check_eviction(item)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return items
+# --serving: names crisp_runtime.serving.serving_by_name takes; --eviction: names bench.simulate.check_eviction takes
+_serving_list = _checked_list(serving_by_name, "policy")
+_eviction_list = _checked_list(check_eviction, "eviction", f"; choose from {', '.join(SIM_EVICTIONS)}")
 
 
 SIMULATE_EPILOG = """\
