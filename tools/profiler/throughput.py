@@ -528,7 +528,7 @@ def add_search_options(p, when: str) -> None:
                         "a decode is stopped early once it is over at it")
     p.add_argument("--throughput-seq-len", type=ca.int_in(2), default=EVAL_SEQ_LEN,
                    help=f"{when}tokens per scored and traced window (default: crisp-eval's --seq-len, so the bound "
-                        "holds for the loss crisp-eval measures; shorter windows judge a loss larger)")
+                        "holds for the loss crisp-eval measures; shorter windows judge a 2-bit tail's loss larger)")
     p.add_argument("--search-tier-widths", type=tier_widths_arg, nargs="+", default=(), metavar="HOT,WARM,COLD",
                    help=f"{when}also search the whole space at these tier widths of the non-dominant expert "
                         "(neurons, e.g. 256,128,64 256,96,48; the plan's own are always searched)")
