@@ -39,7 +39,7 @@ Paths (``select_tail_plan``):
   4K-16K elements, the 4-bit ``DECODE_CONFIGS`` sizing, whose registers were checked there).
 - **prefill** (T > 16): ``tl.dot`` tiles (every block >= 16), operands in the x dtype (fp32
   accumulate; fp32 activations use IEEE fp32 dots). Under Triton's CPU interpreter the dot
-  operands are cast to fp32 (its bf16 dot is wrong): ``_dot_dtype``.
+  operands are cast to fp32 (its bf16 dot is wrong): ``triton_shared.operand_dtype``.
 
 Stage 2 is split over neurons (fp32 atomics) until the grid covers the GPU about twice, in chunks
 of at least ``_MIN_SPLIT_NEURONS`` neurons. The blocks are fixed, untuned: not yet timed on a GPU.
@@ -54,8 +54,8 @@ import torch
 
 from ._triton import tl, triton
 from .checks import ACTIVATION_DTYPES, INDEX_DTYPES, check_token_vector
-from .expert_mlp_triton import _dot, _dot_dtype, _num_sms, _token_rows
 from .format import TAIL_BITS, unpack_crumbs
+from .triton_shared import dot_acc, num_sms, operand_dtype, token_rows
 
 # ----------------------------------------------------------------------------- constants
 
@@ -126,7 +126,7 @@ def select_tail_plan(num_tokens: int, hidden_size: int, width: int, device: torc
     """The path, blocks and stage-2 split for one call (plain Python, no device work)."""
     cfg = select_tail_config(num_tokens)
     programs = triton.cdiv(num_tokens, cfg.block_t) * triton.cdiv(hidden_size // TAIL_CODES_PER_BYTE, cfg.block_h)
-    want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), programs)
+    want = triton.cdiv(_PROGRAMS_PER_SM * num_sms(device), programs)
     return make_tail_plan(cfg, width, max(1, min(want, width // _MIN_SPLIT_NEURONS)))
 
 
@@ -185,7 +185,7 @@ def _tail_gate_up_decode_kernel(
     pid_n = tl.program_id(0)
     offs_t = tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
-    x_row = _token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_xt
+    x_row = token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_xt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < width  # never read past the prefix
     q_row = offs_n.to(tl.int64) * (3 * HQ)  # gate row; the up row follows at + HQ
@@ -232,7 +232,7 @@ def _tail_gate_up_prefill_kernel(
     pid_n = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
-    x_row = _token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_xt
+    x_row = token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_xt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < width
     q_col = offs_n.to(tl.int64) * (3 * HQ)
@@ -254,15 +254,15 @@ def _tail_gate_up_prefill_kernel(
             g_off = s_col[None, :] + (offs_b // GB)[:, None]
             g_mask = w_mask
         w0, w1, w2, w3 = _load_crumbs(q_ptr, q_off, w_mask, s_ptr, z_ptr, g_off, g_mask)
-        acc_g = _dot(x0, w0, acc_g, DOT_DTYPE)
-        acc_g = _dot(x1, w1, acc_g, DOT_DTYPE)
-        acc_g = _dot(x2, w2, acc_g, DOT_DTYPE)
-        acc_g = _dot(x3, w3, acc_g, DOT_DTYPE)
+        acc_g = dot_acc(x0, w0, acc_g, DOT_DTYPE)
+        acc_g = dot_acc(x1, w1, acc_g, DOT_DTYPE)
+        acc_g = dot_acc(x2, w2, acc_g, DOT_DTYPE)
+        acc_g = dot_acc(x3, w3, acc_g, DOT_DTYPE)
         w0, w1, w2, w3 = _load_crumbs(q_ptr, q_off + HQ, w_mask, s_ptr, z_ptr, g_off + G, g_mask)
-        acc_u = _dot(x0, w0, acc_u, DOT_DTYPE)
-        acc_u = _dot(x1, w1, acc_u, DOT_DTYPE)
-        acc_u = _dot(x2, w2, acc_u, DOT_DTYPE)
-        acc_u = _dot(x3, w3, acc_u, DOT_DTYPE)
+        acc_u = dot_acc(x0, w0, acc_u, DOT_DTYPE)
+        acc_u = dot_acc(x1, w1, acc_u, DOT_DTYPE)
+        acc_u = dot_acc(x2, w2, acc_u, DOT_DTYPE)
+        acc_u = dot_acc(x3, w3, acc_u, DOT_DTYPE)
     h = _silu_glu_masked(acc_g, acc_u, offs_t, t_mask, offs_n, tw_ptr, HAS_TW)
     h_off = offs_t.to(tl.int64)[:, None] * width + offs_n[None, :]
     tl.store(h_ptr + h_off, h, mask=t_mask[:, None] & n_mask[None, :])
@@ -297,7 +297,7 @@ def _tail_add_out(out_ptr, rows_ptr, w_ptr, acc0, acc1, acc2, acc3, offs_t, t_ma
         acc1 = acc1 * wt
         acc2 = acc2 * wt
         acc3 = acc3 * wt
-    o_off = (_token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_ot)[:, None] + 4 * offs_b[None, :]
+    o_off = (token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_ot)[:, None] + 4 * offs_b[None, :]
     o_mask = t_mask[:, None] & b_mask[None, :]
     tl.atomic_add(out_ptr + o_off, acc0, mask=o_mask, sem="relaxed")
     tl.atomic_add(out_ptr + o_off + 1, acc1, mask=o_mask, sem="relaxed")
@@ -365,10 +365,10 @@ def _tail_down_prefill_kernel(
     for j0 in range(j_lo, j_hi, BLOCK_J):
         hv, w0, w1, w2, w3 = _tail_down_tile(h_ptr, q_ptr, s_ptr, z_ptr, offs_t, t_mask, j0, j_hi, width, offs_b,
                                              b_mask, grp, HQ, G, BLOCK_J)  # fmt: skip
-        acc0 = _dot(hv, w0, acc0, DOT_DTYPE)
-        acc1 = _dot(hv, w1, acc1, DOT_DTYPE)
-        acc2 = _dot(hv, w2, acc2, DOT_DTYPE)
-        acc3 = _dot(hv, w3, acc3, DOT_DTYPE)
+        acc0 = dot_acc(hv, w0, acc0, DOT_DTYPE)
+        acc1 = dot_acc(hv, w1, acc1, DOT_DTYPE)
+        acc2 = dot_acc(hv, w2, acc2, DOT_DTYPE)
+        acc3 = dot_acc(hv, w3, acc3, DOT_DTYPE)
     _tail_add_out(out_ptr, rows_ptr, w_ptr, acc0, acc1, acc2, acc3, offs_t, t_mask, offs_b, b_mask, stride_ot,
                   HAS_ROWS, HAS_WEIGHTS)  # fmt: skip
 
@@ -496,7 +496,7 @@ def tail_mlp_accumulate_triton_(
             _tail_down_decode_kernel[(n_h_blocks, plan.split)](*down_args, **down_flags)
         else:
             n_t = triton.cdiv(num_tokens, cfg.block_t)
-            dot_dtype = _dot_dtype(x)
+            dot_dtype = operand_dtype(x)
             _tail_gate_up_prefill_kernel[(n_t, n_neuron_blocks)](*gate_up_args, DOT_DTYPE=dot_dtype, **gate_up_flags)
             _tail_down_prefill_kernel[(n_t, n_h_blocks, plan.split)](*down_args, DOT_DTYPE=dot_dtype, **down_flags)
 

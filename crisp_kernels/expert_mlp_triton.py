@@ -46,13 +46,13 @@ What has been checked and run where, and the open tuning questions: docs/kernel-
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from ._triton import interpreter_enabled, tl, triton
 from .format import SYMMETRIC_ZERO, ActivationKind, PackedExpert, tail_group_size
+from .triton_shared import dot_acc, num_sms, operand_dtype, token_rows
 
 # ----------------------------------------------------------------------------- constants
 
@@ -62,8 +62,6 @@ _PROGRAMS_PER_SM = 2
 # ... but never into chunks of fewer neurons than this (each program must stream enough bytes
 # to pay for its atomic epilogue).
 _MIN_SPLIT_NEURONS = 64
-# Stand-in SM count under the interpreter: small, so that tests exercise split > 1.
-_INTERPRETER_SMS = 2
 _SYM_ZERO = tl.constexpr(SYMMETRIC_ZERO)  # the zero point of the symmetric format
 _ACT_CODES = {ActivationKind.SILU_GLU: 0, ActivationKind.GPT_OSS_CLAMPED_SWIGLU: 1}  # the kernels' ACT constexpr
 
@@ -117,18 +115,11 @@ def select_config(num_tokens: int) -> KernelConfig:
     return PREFILL_CONFIGS[32 if num_tokens <= 32 else 64]
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _INTERPRETER_SMS
-
-
 def select_plan(num_tokens: int, hidden_size: int, width: int, device: torch.device) -> LaunchPlan:
     """The path, blocks and stage-2 split for one call (plain Python, no device work)."""
     cfg = select_config(num_tokens)
     programs = triton.cdiv(num_tokens, cfg.block_t) * triton.cdiv(hidden_size // 2, cfg.block_h)
-    want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), programs)
+    want = triton.cdiv(_PROGRAMS_PER_SM * num_sms(device), programs)
     split = max(1, min(want, width // _MIN_SPLIT_NEURONS))
     return make_plan(cfg, width, split)
 
@@ -159,25 +150,6 @@ def _load_group_params(s_ptr, z_ptr, offs, mask, SYMMETRIC: tl.constexpr):
     else:
         z = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32)
     return s, z
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_DTYPE: tl.constexpr):
-    """``acc + a @ b`` with both operands in ``DOT_DTYPE``; fp32 means IEEE fp32, not TF32."""
-    if DOT_DTYPE == tl.float32:  # noqa: SIM300 (a compile-time branch)
-        r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        r = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
-    return r
-
-
-@triton.jit
-def _token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS: tl.constexpr):
-    if HAS_ROWS:  # noqa: SIM108 (a compile-time branch)
-        r = tl.load(rows_ptr + offs_t, mask=t_mask, other=0).to(tl.int64)
-    else:
-        r = offs_t.to(tl.int64)
-    return r
 
 
 @triton.jit
@@ -216,7 +188,7 @@ def _gate_up_decode_kernel(
     pid_n = tl.program_id(0)
     offs_t = tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
-    x_row = _token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_xt
+    x_row = token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_xt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < k  # never read past the prefix
     q_row = offs_n.to(tl.int64) * (3 * HB)  # gate row; the up row follows at + HB
@@ -266,7 +238,7 @@ def _gate_up_prefill_kernel(
     pid_n = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
-    x_row = _token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_xt
+    x_row = token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_xt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < k
     q_col = offs_n.to(tl.int64) * (3 * HB)
@@ -291,12 +263,12 @@ def _gate_up_prefill_kernel(
             g_mask = w_mask
         s, z = _load_group_params(s_ptr, z_ptr, g_off, g_mask, SYMMETRIC)
         lo, hi = _dequant_pair(tl.load(q_ptr + q_off, mask=w_mask, other=0), s, z)
-        acc_g = _dot(xe, lo, acc_g, DOT_DTYPE)
-        acc_g = _dot(xo, hi, acc_g, DOT_DTYPE)
+        acc_g = dot_acc(xe, lo, acc_g, DOT_DTYPE)
+        acc_g = dot_acc(xo, hi, acc_g, DOT_DTYPE)
         s, z = _load_group_params(s_ptr, z_ptr, g_off + G, g_mask, SYMMETRIC)
         lo, hi = _dequant_pair(tl.load(q_ptr + q_off + HB, mask=w_mask, other=0), s, z)
-        acc_u = _dot(xe, lo, acc_u, DOT_DTYPE)
-        acc_u = _dot(xo, hi, acc_u, DOT_DTYPE)
+        acc_u = dot_acc(xe, lo, acc_u, DOT_DTYPE)
+        acc_u = dot_acc(xo, hi, acc_u, DOT_DTYPE)
     h = _activate_masked(acc_g, acc_u, offs_t, t_mask, offs_n, n_mask, tw_ptr, b_ptr, HAS_TW, HAS_BIAS, ACT, ALPHA,
                          LIMIT)
     tl.store(h_ptr + offs_t.to(tl.int64)[:, None] * k + offs_n[None, :], h, mask=t_mask[:, None] & n_mask[None, :])
@@ -322,7 +294,7 @@ def _write_out(out_ptr, rows_ptr, w_ptr, tw_ptr, db_ptr, pid_s, acc_e, acc_o, of
         wt = tl.load(w_ptr + offs_t, mask=t_mask, other=0.0)[:, None]
         acc_e = acc_e * wt
         acc_o = acc_o * wt
-    o_off = (_token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_ot)[:, None] + 2 * offs_b[None, :]
+    o_off = (token_rows(rows_ptr, offs_t, t_mask, HAS_ROWS) * stride_ot)[:, None] + 2 * offs_b[None, :]
     o_mask = t_mask[:, None] & b_mask[None, :]
     if ATOMIC:  # fp32 out: several splits (or a running sum over experts) add into it
         tl.atomic_add(out_ptr + o_off, acc_e, mask=o_mask, sem="relaxed")
@@ -409,20 +381,13 @@ def _down_prefill_kernel(
     for j0 in range(j_lo, j_hi, BLOCK_J):
         hv, lo, hi = _down_tile(h_ptr, q_ptr, s_ptr, z_ptr, offs_t, t_mask, j0, j_hi, k, offs_b, b_mask, grp,
                                 HB, G, SYMMETRIC, BLOCK_J)  # fmt: skip
-        acc_e = _dot(hv, lo, acc_e, DOT_DTYPE)
-        acc_o = _dot(hv, hi, acc_o, DOT_DTYPE)
+        acc_e = dot_acc(hv, lo, acc_e, DOT_DTYPE)
+        acc_o = dot_acc(hv, hi, acc_o, DOT_DTYPE)
     _write_out(out_ptr, rows_ptr, w_ptr, tw_ptr, db_ptr, pid_s, acc_e, acc_o, offs_t, t_mask, offs_b, b_mask,
                stride_ot, HAS_ROWS, HAS_WEIGHTS, ATOMIC, HAS_TW, HAS_DOWN_BIAS)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launchers
-
-
-def _dot_dtype(x: torch.Tensor):
-    # The interpreter's bf16 dot is wrong, so it gets fp32 operands (exact products).
-    if interpreter_enabled() or x.dtype == torch.float32:
-        return tl.float32
-    return tl.float16 if x.dtype == torch.float16 else tl.bfloat16
 
 
 def _launch(
@@ -476,7 +441,7 @@ def _launch(
             _down_decode_kernel[(n_h_blocks, plan.split)](*down_args, **down_flags)
         else:
             n_t = triton.cdiv(num_tokens, cfg.block_t)
-            dot_dtype = _dot_dtype(x)
+            dot_dtype = operand_dtype(x)
             _gate_up_prefill_kernel[(n_t, n_neuron_blocks)](*gate_up_args, DOT_DTYPE=dot_dtype, **gate_up_flags)
             _down_prefill_kernel[(n_t, n_h_blocks, plan.split)](*down_args, DOT_DTYPE=dot_dtype, **down_flags)
 

@@ -30,9 +30,9 @@ an uninterrupted run.
 """
 
 from .cli import build_parser, config_from_args, main
-from .config import ProfileConfig
+from .config import STATS_FILE, ProfileConfig
 from .pipeline import Profiler
-from .statistics import STATS_FILE, ProfileInterrupted, Stats
+from .statistics import ProfileInterrupted, Stats
 
 __all__ = ["STATS_FILE", "ProfileConfig", "ProfileInterrupted", "Profiler", "Stats", "build_parser",
            "config_from_args", "main"]

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from ..calibration import EVAL_SEQ_LEN
 
+# The calibration statistics checkpoint inside a run's work folder (resumed after an interruption).
+STATS_FILE = "stats.safetensors"
+
 # Defaults of the tier cut-offs and the Warm width. The paper does not state its values; these are
 # set by arithmetic for the target, <= 55% of full-width expert bytes per token at top-2.
 # A token of a Hot pair reads 2 full experts, Warm 1 + warm_width, Cold 1, so the bytes fraction is

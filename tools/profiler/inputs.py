@@ -34,9 +34,8 @@ from ..calibration import (
 )
 from ..placement import ExpertSource, PlacedModel, load_placed, loading_from_options
 from ..workdir import WorkFolder
-from .config import DOMINANCE_RULES, IMPORTANCE_KINDS, ProfileConfig
-from .output import check_out_dir, check_out_files
-from .statistics import STATS_FILE
+from .config import DOMINANCE_RULES, IMPORTANCE_KINDS, STATS_FILE, ProfileConfig
+from .out_folder import check_out_dir, check_out_files
 from .throughput import accuracy_windows_of, check_tier_widths
 
 

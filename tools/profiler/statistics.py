@@ -34,7 +34,6 @@ from ..calibration import MaskedExperts
 if TYPE_CHECKING:
     from .inputs import ProfileInputs
 
-STATS_FILE = "stats.safetensors"
 PROFILE_VERSION = 1
 
 
