@@ -518,12 +518,13 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
 
     # ---- the packed layers
     def check_pack(pack: CrispPack) -> None:
-        pack.check_model(model)
+        pack.check_model(model, refs=refs)
         if not allow_weights_mismatch:
-            check_pack_weights(pack, model)
+            check_pack_weights(pack, model, refs=refs)
 
-    layers, pack_plan = layers_from_source(source, fmt, pack=lambda f: pack_model(model, f), check_pack=check_pack,
-                                           check_layers=lambda ls: check_layers_fit_model(ls, model))
+    layers, pack_plan = layers_from_source(source, fmt, pack=lambda f: pack_model(model, f, refs=refs),
+                                           check_pack=check_pack,
+                                           check_layers=lambda ls: check_layers_fit_model(ls, model, refs=refs))
     first = layers[refs[0].layer_id]
     plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
     config, cpu_decision = decide_cpu(cpu_mode, config=config, budget=budget, device=torch.device(device),
@@ -561,7 +562,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     return handle
 
 
-def check_pack_weights(pack: CrispPack, model) -> None:
+def check_pack_weights(pack: CrispPack, model, *, refs=None) -> None:
     """Refuse a pack whose recorded weights fingerprint is not ``model``'s (PackMismatchError).
 
     A pack without a recorded fingerprint (``save_pack`` without one) is accepted; a model whose
@@ -569,7 +570,7 @@ def check_pack_weights(pack: CrispPack, model) -> None:
     ``allow_weights_mismatch=True`` when it knows the pack is right.
     """
     try:
-        status = check_weights_fingerprint(pack, model)
+        status = check_weights_fingerprint(pack, model, refs=refs)
     except PackMismatchError as exc:
         raise PackMismatchError("this CRISP pack was made from other weights than this model (the weights "
                                 "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to use it "

@@ -55,7 +55,7 @@ from crisp_kernels.io import (
     save_packed,
 )
 
-from .moe_layers import find_moe_layers, model_top_k
+from .moe_layers import MoeLayerRef, find_moe_layers, model_top_k
 from .plan import CrispPlan, PlanError
 from .serving_record import serving_record
 
@@ -89,14 +89,15 @@ class CrispPack:
     info: Mapping = field(default_factory=dict)
     digests: DigestStatus = DigestStatus.NOT_CHECKED  # the per-tensor sha256 check at load
 
-    def check_model(self, model) -> None:
-        """Raise PackMismatchError unless this pack was made for ``model``'s architecture."""
-        check_layers_fit_model(self.layers, model, info=self.info)
+    def check_model(self, model, *, refs: Sequence[MoeLayerRef] | None = None) -> None:
+        """Raise PackMismatchError unless this pack was made for ``model``'s architecture (``refs``: its MoE
+        layers when the caller has found them already)."""
+        check_layers_fit_model(self.layers, model, info=self.info, refs=refs)
 
 
-def model_info(model) -> dict:
-    """What pack.json records about the model a pack is made from."""
-    refs = find_moe_layers(model)
+def model_info(model, *, refs: Sequence[MoeLayerRef] | None = None) -> dict:
+    """What pack.json records about the model a pack is made from (``refs``: its MoE layers, if found already)."""
+    refs = find_moe_layers(model) if refs is None else refs
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     return {
@@ -110,8 +111,8 @@ def model_info(model) -> dict:
     }
 
 
-def pack_model(model, fmt: QuantFormat | None = None, neuron_orders: Mapping[int, object] | None = None
-               ) -> dict[int, PackedLayer]:
+def pack_model(model, fmt: QuantFormat | None = None, neuron_orders: Mapping[int, object] | None = None, *,
+               refs: Sequence[MoeLayerRef] | None = None) -> dict[int, PackedLayer]:
     """Quantize the model's current expert weights, ``{layer_id: PackedLayer}`` (CPU tensors).
 
     neuron_orders: optional ``{layer_id: (E, I) permutation}`` (most important neuron first); the
@@ -119,7 +120,7 @@ def pack_model(model, fmt: QuantFormat | None = None, neuron_orders: Mapping[int
     """
     fmt = QuantFormat() if fmt is None else fmt
     out = {}
-    for ref in find_moe_layers(model):
+    for ref in find_moe_layers(model) if refs is None else refs:
         if ref.module.gate_up_proj.is_meta or ref.module.down_proj.is_meta:
             raise ValueError(f"{ref.name}: the expert weights are not loaded (meta tensors); nothing to pack")
         w = ref.weights()  # the v5 layout (gpt-oss's de-interleaved, with its biases and activation)
@@ -175,8 +176,8 @@ def recorded_model(directory: str | os.PathLike) -> dict | None:
     return None
 
 
-def check_weights_fingerprint(pack: CrispPack | Mapping, model, *, allow_mismatch: bool = False
-                              ) -> FingerprintStatus:
+def check_weights_fingerprint(pack: CrispPack | Mapping, model, *, allow_mismatch: bool = False,
+                              refs: Sequence[MoeLayerRef] | None = None) -> FingerprintStatus:
     """Check that ``pack`` (a CrispPack or its pack.json ``info``) was made from ``model``'s weights.
 
     A pack made from other weights of the same architecture has the right shapes and would run,
@@ -189,7 +190,7 @@ def check_weights_fingerprint(pack: CrispPack | Mapping, model, *, allow_mismatc
     recorded = recorded_weights_sha256(info)
     if recorded is None:
         return FingerprintStatus.NOT_RECORDED
-    refs = find_moe_layers(model)
+    refs = find_moe_layers(model) if refs is None else refs
     if any(r.module.gate_up_proj.is_meta or r.module.down_proj.is_meta for r in refs):
         return FingerprintStatus.UNAVAILABLE
     if weights_sha256(refs) == recorded:
@@ -527,9 +528,11 @@ def verify_pack(directory: str | os.PathLike) -> PackVerification:
     return PackVerification(Path(directory), pack.digests, bound, len(pack.layers), pack.plan is not None)
 
 
-def check_layers_fit_model(layers: Mapping[int, PackedLayer], model, *, info: Mapping | None = None) -> None:
-    """Raise PackMismatchError unless ``layers`` (and ``info``) describe ``model``'s MoE layers."""
-    refs = find_moe_layers(model)
+def check_layers_fit_model(layers: Mapping[int, PackedLayer], model, *, info: Mapping | None = None,
+                           refs: Sequence[MoeLayerRef] | None = None) -> None:
+    """Raise PackMismatchError unless ``layers`` (and ``info``) describe ``model``'s MoE layers (``refs``, when the
+    caller has found them already)."""
+    refs = find_moe_layers(model) if refs is None else refs
     problems = []
     model_ids = sorted(r.layer_id for r in refs)
     pack_ids = sorted(int(i) for i in layers)
@@ -548,7 +551,7 @@ def check_layers_fit_model(layers: Mapping[int, PackedLayer], model, *, info: Ma
             problems.append(f"layer {ref.layer_id}: activation {layer.activation} (biases: {layer.bias is not None}) "
                             f"in the pack, {ref.activation} (biases: {ref.has_bias}) in the model")
     if info:
-        mi = model_info(model)
+        mi = model_info(model, refs=refs)
         for key in ("model_type", "num_hidden_layers", "top_k"):
             if info.get(key) is not None and mi.get(key) is not None and info[key] != mi[key]:
                 problems.append(f"{key} {info[key]!r} in the pack, {mi[key]!r} in the model")
