@@ -28,12 +28,13 @@ The rule (:func:`choose_serving`), for a call with ``serving=None`` and ``config
    plan's widths, LRU (1.45% loss at 25% on the tiny Mixtral's held-out text, 3.02x GPU-only full-width LRU on
    the rtx4090-pcie4-ddr5 profile). A stored choice whose placement is the GPU's gets the neuron split as its
    hybrid form, its widths kept.
-3. **Explicit arguments win.** ``serving=...`` or ``config=...`` run as given (``cpu`` still defaults to
-   ``auto``); ``serving="paper"`` is the paper's configuration exactly: the plan's widths, no prefetch, LRU
-   eviction, ``cpu="off"`` (the baseline every figure is compared with).
+3. **Explicit arguments win.** ``serving=...`` or ``config=...`` run as given, with ``cpu="off"`` unless
+   ``cpu`` is given too (the placement the configuration names: every expert knob in ``RuntimeConfig`` /
+   ``ServingPolicy``); ``serving="paper"`` is the paper's configuration exactly: the plan's widths, no prefetch,
+   LRU eviction, ``cpu="off"`` (the baseline every figure is compared with).
 
-``cpu`` defaults to ``"auto"`` everywhere: on a machine without a GPU the experts run on the CPU already and
-``auto`` decides nothing more (``stats()["cpu"]`` says no GPU was found).
+``cpu`` defaults to ``"auto"`` for the default and the stored choices: on a machine without a GPU the experts run
+on the CPU already and ``auto`` decides nothing more (``stats()["cpu"]`` says no GPU was found).
 """
 
 from __future__ import annotations
@@ -190,13 +191,14 @@ def choose_serving(info: Mapping, facts: PackFacts, budget_fraction: float | Non
         cfg = replace(cfg, serving=SERVING_POLICIES["plan"])
         return ServingChoice(cfg, None, mode, ChoiceSource.PAPER, "serving='paper': the plan's widths, no prefetch, "
                              "LRU eviction, cpu off unless given (the paper's configuration)", budget_fraction)
-    mode = CpuMode.AUTO if cpu is None else parse_cpu_mode(cpu)
     if serving is not None or config is not None:
+        mode = CpuMode.OFF if cpu is None else parse_cpu_mode(cpu)  # as given: the placement the config names
         cfg = RuntimeConfig() if config is None else config
         if serving is not None:
             cfg = replace(cfg, serving=make_serving(serving))
         given = " and ".join(n for n, v in (("serving", serving), ("config", config)) if v is not None)
         return ServingChoice(cfg, None, mode, ChoiceSource.EXPLICIT, f"{given} given: run as given", budget_fraction)
+    mode = CpuMode.AUTO if cpu is None else parse_cpu_mode(cpu)
     choices = serving_choices(info)
     stored = None
     if choices is not None:

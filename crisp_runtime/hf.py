@@ -534,10 +534,10 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     (the plan's widths, no prefetch, LRU, cpu off); otherwise a ServingPolicy, a name ("plan", "resident",
     "resident-floor75", ...) or its dict, and/or a RuntimeConfig (every expert knob), run as given.
     ``stats()["serving"]`` says what ran and why (also logged once, logger ``crisp_runtime``).
-    cpu: None (default) = "auto" ("off" with serving="paper"): offloaded experts computed on the host CPU when
-    the measured bandwidths say it pays (on a CPU-only machine: nothing to split, reported); "on" (whenever the
-    per-step split says it is faster than copying them) or "off" (as configured); ``stats()["cpu"]`` says what
-    was decided (``crisp_runtime.cpu_knob``).
+    cpu: None (default) = "auto" for the default and stored choices ("off" when serving or config is given):
+    offloaded experts computed on the host CPU when the measured bandwidths say it pays (on a CPU-only machine:
+    nothing to split, reported); "on" (whenever the per-step split says it is faster than copying them) or "off"
+    (as configured); ``stats()["cpu"]`` says what was decided (``crisp_runtime.cpu_knob``).
     """
     from .cpu_knob import decide_cpu
 
