@@ -43,11 +43,13 @@ configuration, else it is None. Two kinds of file are read:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from crisp_kernels.tail_layout import PLAIN
+from crisp_runtime.cpu_knob import CpuMode, cpu_pays
+from crisp_runtime.defaults import ServingChoice, choose_serving, pack_facts
 from crisp_runtime.plan import CrispPlan
 from crisp_runtime.prefetch import PrefetchWidth
 from crisp_runtime.scheduler import Placement
@@ -489,3 +491,42 @@ def plot_configurations(path, records: Sequence[dict], *, title: str, note: str)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- the product's default
+
+DEFAULT_POLICY = "crisp-default"  # the records of what crisp_runtime.apply runs by default (crisp_runtime.defaults)
+
+
+def default_configuration(plan: CrispPlan, info: Mapping, top_k: int, budget_fraction: float,
+                          profile) -> tuple[SimPolicy, ServingChoice, bool]:
+    """What ``crisp_runtime.apply(model, pack, gpu_budget=B)`` runs with no other argument, as a simulated
+    configuration: ``crisp_runtime.defaults.choose_serving`` on the pack's info at this budget, and ``cpu="auto"``'s
+    rule (``crisp_runtime.cpu_knob.cpu_pays``) on the profile's CPU and copy bandwidths: (the configuration, the
+    choice, whether the CPU is used). The runtime measures its bandwidths; the simulator takes the profile's."""
+    choice = choose_serving(info, pack_facts(info, plan, top_k), budget_fraction)
+    cpu = profile.cpu_bytes_per_s
+    uses_cpu = (choice.cpu is not CpuMode.OFF and cpu is not None and choice.hybrid is not None
+                and cpu_pays(cpu, profile.h2d_bytes_per_s))
+    cfg = choice.hybrid if uses_cpu else choice.config
+    pf = cfg.prefetch
+    if pf is not None and pf.extra_experts:
+        raise ValueError(f"{DEFAULT_POLICY}: the choice prefetches {pf.extra_experts} extra experts per token, which "
+                         "the simulator does not model")
+    eviction = cfg.eviction if isinstance(cfg.eviction, str) else getattr(cfg.eviction, "name", "")
+    sim = SimPolicy(DEFAULT_POLICY, plan, cfg.serving, eviction, pf is not None,
+                    PrefetchWidth.PLAN if pf is None else pf.width)
+    return sim, choice, uses_cpu
+
+
+def default_accuracy(record: dict, choice: ServingChoice, evaluated: Sequence[dict]) -> tuple[float | None, str | None]:
+    """A ``crisp-default`` record's loss: the held-out loss the pack stores with its choice (measured when the
+    pack was made: ``crisp-profile --gpu-budget``), else an evaluation of the same configuration
+    (:func:`accuracy_for` as the ``crisp`` family), else (None, None)."""
+    stored = choice.stored
+    if stored is not None and record["serving_policy"].get("placement", "gpu") == "gpu":
+        loss = stored.search.get("accuracy_loss_heldout")
+        if loss is not None:
+            how = stored.search.get("accuracy_heldout_source", "held-out decode")
+            return float(loss), f"pack.json serving choice for {stored.gpu_budget_fraction:.0%}: {how}"
+    return accuracy_for({**record, "policy": "crisp"}, evaluated)

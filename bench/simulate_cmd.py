@@ -25,10 +25,12 @@ from . import traces as tr
 from .common import ORDERS, POLICIES, REPO_ROOT, CliError, find_plan_file, load_model_for_bench
 from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, PAPER_LAYER_MS, get_profile
 from .shapes import TARGETS, ModelShape
-from .sim_policies import MATRICES as SIM_MATRICES
 from .sim_policies import (
+    DEFAULT_POLICY,
     accuracy_for,
     configurations,
+    default_accuracy,
+    default_configuration,
     frontier,
     knobs,
     plot_configurations,
@@ -36,8 +38,9 @@ from .sim_policies import (
     read_accuracy,
     with_prefetch_widths,
 )
+from .sim_policies import MATRICES as SIM_MATRICES
 from .simulate import EVICTIONS as SIM_EVICTIONS
-from .simulate import ONLINE_EVICTIONS, PIN_SHARE, check_eviction
+from .simulate import ONLINE_EVICTIONS, PIN_SHARE, SimPolicy, check_eviction
 from .tail_sim import TailMapping
 
 SERVING_NAMES = tuple(SERVING_POLICIES)
@@ -178,6 +181,10 @@ def add_parser(subparsers) -> None:
                    "25%% of I at 3 bits, from 50%% at 2 bits). Every configuration runs on the layout's bytes; the "
                    "full-width LRU baseline stays 4-bit; accuracy is attached only from evaluations of the same "
                    "layout (crisp-eval on a crisp_tools.tail_emulation pack)")
+    p.add_argument("--no-default", dest="default", action="store_false",
+                   help=f"leave out the {DEFAULT_POLICY} records (default matrix: what crisp_runtime.apply runs with "
+                        "only a gpu_budget at each budget, from the --plan / --pack folder's pack.json: its stored "
+                        "serving choice or the default rule, and cpu=auto's decision on the profile's bandwidths)")
     p.add_argument("--warmup", type=ca.nonnegative_int, default=None,
                    help="tokens that fill the cache first, not counted (default: min(32, a quarter of the trace))")
     _outputs(p)
@@ -220,7 +227,7 @@ def _check_pack_layout(args) -> None:
 def run(args) -> int:
     t0 = time.perf_counter()
     _check_pack_layout(args)
-    profile, shape, trace, plans, notes, stored = _simulation_inputs(args)
+    profile, shape, trace, plans, notes, stored, pack_info = _simulation_inputs(args)
     layout = args.tail_layout
     print(f"simulate: profile {profile.name} ({profile.description or profile.source})")
     if args.budget is None:  # the stored choice's budget with --matrix stored, else 25%
@@ -257,6 +264,9 @@ def run(args) -> int:
                                  ([True] if args.prefetch == "trace" else [False]), stored=stored)
     except KeyError as exc:
         raise CliError(f"--matrix {args.matrix} needs policy {exc} in --policies") from None
+    defaults = _default_configurations(args, plans, pack_info, trace, profile, budgets, notes)
+    if profile.cpu_bytes_per_s is not None and defaults and args.matrix == "product" and "full" in plans:
+        configs.append(SimPolicy("full", plans["full"], SERVING_POLICIES["static_hybrid"]))  # the hybrid's baseline
     if args.prefetch_width != ["plan"]:
         if args.matrix == "frontier":
             raise CliError("--prefetch-width: the frontier matrix prefetches at the plan's widths only (plan)")
@@ -288,6 +298,8 @@ def run(args) -> int:
                 records += sim.simulate_policies(trace, configs, profile, shape, b, orders=args.orders,
                                                  warmup=args.warmup, cache_scope=args.cache_scope,
                                                  predicted=predicted, progress=step)
+                if b in defaults:  # the product's default at this budget (crisp_runtime.defaults)
+                    records += _default_records(trace, defaults[b], profile, shape, b, args, predicted)
                 continue
             # the baseline (mixtral-offloading's 4-bit full-width LRU) unmapped, then every configuration on the
             # layout's bytes at the same GPU budget in bytes
@@ -305,13 +317,19 @@ def run(args) -> int:
         for r in records:
             r["profile"] = profile.name
             r["target"] = shape.name
+            if r["policy"] == DEFAULT_POLICY:
+                continue  # its knobs and choice were set with it (_default_records)
             r.update(knobs(by_label[r["label"]]))
             r.update(meta.get(r["label"], {}))
             r.setdefault("tail_layout", PLAIN.name)
             if r["tail_layout"] != PLAIN.name:
                 r["label"] = f"{r['label']}@{r['tail_layout']}"
     for r in records:
-        r["accuracy_loss"], r["accuracy_source"] = accuracy_for(r, evaluated)
+        if r["policy"] == DEFAULT_POLICY and r["budget_fraction"] in defaults:
+            r["accuracy_loss"], r["accuracy_source"] = default_accuracy(r, defaults[r["budget_fraction"]][1],
+                                                                        evaluated)
+        else:
+            r["accuracy_loss"], r["accuracy_source"] = accuracy_for(r, evaluated)
     _print_simulation(records, budgets, args, shape)
     headline = _headline(records, budgets)
     for line in headline["lines"]:
@@ -390,7 +408,59 @@ def _simulation_inputs(args):
         raise CliError(f"the traced model's I={trace.intermediate_size} does not divide {shape.name}'s "
                        f"I={shape.intermediate_size}: widths cannot be mapped exactly (use --target native)")
     stored = _stored_serving(args, pack_dir, plans, notes) if args.matrix == "stored" else None
-    return profile, shape, trace, plans, notes, stored
+    return profile, shape, trace, plans, notes, stored, _pack_info(args, pack_dir)
+
+
+def _default_configurations(args, plans, pack_info, trace, profile, budgets, notes) -> dict:
+    """{budget: (SimPolicy, ServingChoice, CPU used)} of the product's default (``crisp-default``: what
+    ``crisp_runtime.apply(model, pack, gpu_budget=B)`` runs with no other argument) in the default matrix
+    (``product``) with a CRISP plan and its pack.json; {} otherwise (a note says why when it is left out)."""
+    if args.matrix != "product" or "crisp" not in plans or args.tail_layout != PLAIN or args.from_json:
+        return {}
+    if not args.default:
+        return {}
+    if pack_info is None:
+        notes.append(f"{DEFAULT_POLICY}: left out (no pack.json beside the CRISP plan: give --plan PACK_FOLDER)")
+        return {}
+    out = {}
+    for b in budgets:
+        try:
+            sim_policy, choice, uses_cpu = default_configuration(plans["crisp"], pack_info, trace.top_k, b, profile)
+        except ValueError as exc:
+            notes.append(f"{DEFAULT_POLICY}: left out ({exc})")
+            return {}
+        if sim_policy.prefetch and getattr(trace, "predicted", None) is None:
+            notes.append(f"{DEFAULT_POLICY}: left out (it prefetches, and the trace holds no next-layer predictions)")
+            return {}
+        out[b] = (sim_policy, choice, uses_cpu)
+        cpu = "CPU used (cpu=auto: the profile's CPU pays)" if uses_cpu else "GPU only (cpu=auto)"
+        notes.append(f"{DEFAULT_POLICY} at {b:.0%}: {sim_policy.label}, {cpu}; {choice.source.value}: {choice.reason}")
+    return out
+
+
+def _default_records(trace, default, profile, shape, budget, args, predicted) -> list[dict]:
+    """The records of the product's default at one budget, with its knobs and where its choice came from."""
+    sim_policy, choice, uses_cpu = default
+    records = sim.simulate_policies(trace, [sim_policy], profile, shape, budget, orders=args.orders,
+                                    warmup=args.warmup, cache_scope=args.cache_scope, predicted=predicted)
+    for r in records:
+        r.update(knobs(sim_policy))
+        r["default_choice"] = {**choice.to_dict(), "cpu_used": uses_cpu}
+    return records
+
+
+def _pack_info(args, pack_dir) -> dict | None:
+    """pack.json of the --plan folder (else the --pack folder): what the product's default reads; None without one."""
+    from crisp_runtime.cli_args import read_json
+
+    folder = args.plan if args.plan not in (None, "auto") and Path(args.plan).is_dir() else pack_dir
+    if folder is None or not (Path(folder) / "pack.json").is_file():
+        return None
+    try:
+        info = read_json(Path(folder) / "pack.json", "--plan" if folder == args.plan else "--pack")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    return info if isinstance(info, dict) else None
 
 
 def _stored_serving(args, pack_dir, plans, notes):
@@ -405,12 +475,14 @@ def _stored_serving(args, pack_dir, plans, notes):
                        f"got {option} {folder})")
     where = Path(folder) / "pack.json"
     try:
-        record = serving_record(read_json(where, option), where=str(where))
+        # several stored budgets: the choice for --budget (crisp_runtime.defaults' rule for budgets in between)
+        record = serving_record(read_json(where, option), where=str(where), budget_fraction=args.budget)
     except (ValueError, PackFormatError) as exc:
-        raise CliError(f"--matrix stored: {exc}") from None
+        raise CliError(f"--matrix stored: {exc}" + ("; give --budget" if args.budget is None else "")) from None
     if record is None:
-        raise CliError(f"--matrix stored: {where} stores no serving choice (crisp-profile --plan-for-throughput "
-                       "stores one)")
+        raise CliError(f"--matrix stored: {where} stores no serving choice" + (
+            "" if args.budget is None else f" for a budget at or below {args.budget:g}")
+            + " (crisp-profile --gpu-budget / --plan-for-throughput stores them)")
     if record.prefetch is not None and record.prefetch.extra_experts:
         raise CliError(f"--matrix stored: {where} prefetches {record.prefetch.extra_experts} extra experts per token, "
                        "which the simulator does not model (the trace holds the predicted top-k only)")

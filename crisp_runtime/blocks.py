@@ -45,8 +45,17 @@ from torch import nn
 from crisp_kernels import PackedLayer, QuantFormat, pack_layer
 from crisp_kernels.experts_module import without_backward
 
-from .cpu_knob import decide_cpu, parse_cpu_mode
-from .hf import CrispHandle, _check_device, parse_budget, plan_and_budget_checked, runtime_config_checked
+from .cpu_knob import decide_cpu
+from .hf import (
+    CrispHandle,
+    _check_device,
+    check_serving_arguments,
+    loaded_source,
+    log_choice,
+    parse_budget,
+    plan_and_budget_checked,
+    serving_choice_for,
+)
 from .moe_layers import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
 from .pack import CrispPack, PackMismatchError, layers_from_source, recorded_weights_sha256, weights_sha256
 from .plan import CrispPlan
@@ -420,13 +429,12 @@ def _detach_expert_weights(ref: MoeBlockRef) -> list:
 def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
                  fmt: QuantFormat | None = None, config: RuntimeConfig | None = None,
                  allow_weights_mismatch: bool = False, serving=None,
-                 shapes: Sequence[BlockShape] = BLOCK_SHAPES, cpu="off"):
-    """CRISP on ``model``'s per-expert MoE blocks (arguments as :func:`crisp_runtime.apply`, ``cpu`` and
-    ``config.prefetch`` included); returns a handle with the same surface as ``CrispHandle`` (stats,
-    set_plan, restore, context manager)."""
-    cpu_mode = parse_cpu_mode(cpu)
-    config = runtime_config_checked(config, serving)
-    if not config.keep_original:
+                 shapes: Sequence[BlockShape] = BLOCK_SHAPES, cpu=None):
+    """CRISP on ``model``'s per-expert MoE blocks (arguments as :func:`crisp_runtime.apply`, ``cpu``,
+    ``config.prefetch`` and the default serving choice included); returns a handle with the same surface as
+    ``CrispHandle`` (stats, set_plan, restore, context manager)."""
+    check_serving_arguments(config, serving, cpu)
+    if config is not None and not config.keep_original:
         raise ValueError("config.keep_original=False: per-expert blocks always keep their original weights "
                          "(restore() puts the same Parameter objects back)")
     if fmt is not None and not isinstance(fmt, QuantFormat):
@@ -443,7 +451,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
         if _BLOCK_STATE in ref.module.__dict__:
             raise RuntimeError(f"CRISP is already applied to {ref.name}; call handle.restore() first")
     budget = parse_budget(gpu_budget)
-    if config.device is not None:
+    if config is not None and config.device is not None:
         device = _check_device(config.device, "config.device")
     else:
         expert_ids = {id(p.weight) for r in refs for e in range(r.num_experts) for p in r.projections(e)}
@@ -459,18 +467,26 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
                                     "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to "
                                     "use it anyway")
 
+    source = loaded_source(source)
     layers, pack_plan = layers_from_source(source, fmt, pack=lambda f: pack_blocks(refs, f), check_pack=check_pack,
                                            check_layers=lambda ls: check_layers_fit_blocks(ls, refs))
     first = layers[refs[0].layer_id]
     plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
+    choice = serving_choice_for(source, plan, layers, top_k, budget, serving=serving, config=config, cpu=cpu)
+    config = choice.config
     predictor = None
     if config.prefetch is not None:  # checked before anything is measured or built
         predictor = BlockRoutePredictor(refs, top_k=top_k,
                                         experts=min(first.num_experts, top_k + config.prefetch.extra_experts))
-    config, cpu_decision = decide_cpu(cpu_mode, config=config, budget=budget, device=torch.device(device),
-                                      layers=layers)
+    config, cpu_decision = decide_cpu(choice.cpu, config=config, budget=budget, device=torch.device(device),
+                                      layers=layers, hybrid_config=choice.hybrid)
+    if config.prefetch is not None and predictor is None:  # the hybrid form prefetches where the GPU form did not
+        predictor = BlockRoutePredictor(refs, top_k=top_k,
+                                        experts=min(first.num_experts, top_k + config.prefetch.extra_experts))
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
     runtime.cpu_decision = cpu_decision
+    runtime.serving_choice = choice
+    log_choice(choice, cpu_decision)
     prefetcher = None if predictor is None else Prefetcher(predictor, runtime, config.prefetch)
 
     # ---- only now modify the model

@@ -1,7 +1,7 @@
-"""The user's knob for hybrid execution: ``apply(..., cpu="off"|"on"|"auto")`` (issue 11).
+"""The user's knob for hybrid execution: ``apply(..., cpu="off"|"on"|"auto")``.
 
-- ``off`` (default): the configuration as given (GPU-only placement unless the serving policy
-  says otherwise): today's behaviour exactly.
+- ``off``: the configuration as given (GPU-only placement unless the serving policy says otherwise;
+  ``serving="paper"``'s default).
 - ``on``: the serving policy's placement becomes ``hybrid`` (per step, the GPU / CPU split of
   minimal makespan, ``scheduler.split_step``); the cost model gets the CPU's bandwidth measured
   here (one expert at full width, batch 1, best of 3, on a worker thread set up as the runtime's:
@@ -10,9 +10,10 @@
   ``join_s`` is 0 (the default), the worker's handoff measured here (``CpuWorker.handoff_s``: a step
   with CPU experts waits for it once; 20-260 us on a 2-core VM), so that a step whose CPU share saves
   less than that stays on the GPU.
-- ``auto``: ``on`` when it can pay, from the measured bandwidths: experts offloaded
-  (``gpu_budget`` set), a GPU to offload from (on a CPU-only machine the experts already run on
-  the CPU: nothing to split), and a CPU streaming prefix bytes at >= 1/4 of the copy rate
+- ``auto`` (the default of ``apply``): ``on`` when it can pay, from the measured bandwidths: experts
+  offloaded (``gpu_budget`` set), a GPU to offload from (on a CPU-only machine the experts already run
+  on the CPU: nothing to split, nothing measured, and the decision says no GPU was found), and a CPU
+  streaming prefix bytes at >= 1/4 of the copy rate (:func:`cpu_pays`)
   (below that the CPU finishes one full expert in the time of four copies, and the overlap it adds
   is within the planner's own overhead); ``off`` otherwise.
 
@@ -137,8 +138,17 @@ def _measure_h2d_bytes_per_s(layer, device: torch.device) -> float:  # GPU-only
     return host.numel() * host.element_size() / (time.perf_counter() - t0)
 
 
-def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers) -> tuple[object, CpuDecision]:
-    """The configuration to run and what was decided (``layers``: the packed layers, for measuring)."""
+def cpu_pays(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> bool:
+    """``auto``'s rule: the CPU streams prefix bytes at >= ``AUTO_MIN_CPU_TO_H2D`` of the copy rate (module
+    docstring). The runtime applies it to the bandwidths measured here, the simulator to a profile's."""
+    return cpu_bytes_per_s >= AUTO_MIN_CPU_TO_H2D * h2d_bytes_per_s
+
+
+def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers,
+               hybrid_config=None) -> tuple[object, CpuDecision]:
+    """The configuration to run and what was decided (``layers``: the packed layers, for measuring).
+    hybrid_config: what runs when the CPU is used (``crisp_runtime.defaults``: the default's hybrid family);
+    None: ``config`` with its GPU placement made ``hybrid``."""
     mode = parse_cpu_mode(cpu)
     placement = config.serving.placement
     if mode is CpuMode.OFF:
@@ -147,6 +157,9 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers)
         if mode is CpuMode.ON:
             raise ValueError("cpu='on' computes offloaded experts on the CPU: it needs a gpu_budget")
         return config, CpuDecision(mode, placement, "no gpu_budget: every expert resident on the device")
+    if mode is CpuMode.AUTO and device.type != "cuda":  # nothing measured: there is nothing to split
+        return config, CpuDecision(mode, placement, f"no GPU found: the experts run on {device.type} already, "
+                                   "nothing to split")
     first = layers[min(layers)]
     cost = config.cost
     if cost.has_cpu:  # the configuration's CPU figures, its ridge included
@@ -157,13 +170,12 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers)
     if device.type == "cuda":  # GPU-only
         h2d_bps = _measure_h2d_bytes_per_s(first, device)
     name = config.cpu_experts.impl.value
-    if mode is CpuMode.AUTO:
-        if device.type != "cuda":
-            return config, CpuDecision(mode, placement, f"the experts run on {device.type}: no GPU to split with",
-                                       cpu_bps, None, name)
-        if cpu_bps < AUTO_MIN_CPU_TO_H2D * h2d_bps:
-            return config, CpuDecision(mode, placement, f"CPU {cpu_bps / 1e9:.1f} GB/s < {AUTO_MIN_CPU_TO_H2D} x H2D "
-                                       f"{h2d_bps / 1e9:.1f} GB/s", cpu_bps, h2d_bps, name)
+    if mode is CpuMode.AUTO and not cpu_pays(cpu_bps, h2d_bps):  # GPU-only from here (device is cuda)
+        return config, CpuDecision(mode, placement, f"CPU {cpu_bps / 1e9:.1f} GB/s < {AUTO_MIN_CPU_TO_H2D} x H2D "
+                                   f"{h2d_bps / 1e9:.1f} GB/s", cpu_bps, h2d_bps, name)
+    if hybrid_config is not None:
+        config, placement = hybrid_config, hybrid_config.serving.placement
+        cost = config.cost
     new_placement = Placement.HYBRID if placement is Placement.GPU else placement
     serving = replace(config.serving, placement=new_placement,
                       name=config.serving.name if placement is not Placement.GPU else

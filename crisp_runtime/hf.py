@@ -210,13 +210,48 @@ def parse_budget(budget) -> int | None:
     return value
 
 
-def runtime_config_checked(config: RuntimeConfig | None, serving) -> RuntimeConfig:
-    """``config`` (default ``RuntimeConfig()``) with ``serving`` applied when given: the same argument rule
-    for :func:`apply` and :func:`crisp_runtime.blocks.apply_blocks`."""
-    config = RuntimeConfig() if config is None else config
-    if not isinstance(config, RuntimeConfig):
+def check_serving_arguments(config, serving, cpu) -> None:
+    """apply's ``config`` / ``serving`` / ``cpu`` checked before any work (their errors name them)."""
+    from .cpu_knob import parse_cpu_mode
+    from .defaults import PAPER
+
+    if config is not None and not isinstance(config, RuntimeConfig):
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
-    return config if serving is None else replace(config, serving=make_serving(serving))
+    if serving is not None and not (isinstance(serving, str) and serving == PAPER):
+        make_serving(serving)
+    if cpu is not None:
+        parse_cpu_mode(cpu)
+
+
+def loaded_source(source):
+    """``apply``'s ``source`` with a pack folder loaded (a CrispPack: its pack.json is read once, for the layers
+    and for the serving choice it stores)."""
+    if isinstance(source, (str, os.PathLike)):
+        return load_pack(Path(source))
+    return source
+
+
+def serving_choice_for(source, plan: CrispPlan, layers, top_k: int, budget: int | None, *, serving, config, cpu):
+    """What runs (``crisp_runtime.defaults.choose_serving``) for this source, plan, budget and the call's
+    arguments: one rule for the v5 drop-in and the per-expert blocks."""
+    from .defaults import budget_fraction_of, choose_serving, pack_facts
+    from .serving_record import budget_base_bytes
+
+    info = source.info if isinstance(source, CrispPack) else {}
+    facts = pack_facts(info, plan, top_k)
+    fraction = budget_fraction_of(budget, budget_base_bytes(layers))
+    return choose_serving(info, facts, fraction, serving=serving, config=config, cpu=cpu)
+
+
+def log_choice(choice, cpu_decision) -> None:
+    """The one log line of what runs and why (logger ``crisp_runtime``, INFO): the serving choice and the CPU
+    decision with the bandwidths it used."""
+    from .defaults import LOG
+
+    bw = "" if cpu_decision.cpu_bytes_per_s is None else f", CPU {cpu_decision.cpu_bytes_per_s / 1e9:.2f} GB/s"
+    if cpu_decision.h2d_bytes_per_s is not None:
+        bw += f", H2D {cpu_decision.h2d_bytes_per_s / 1e9:.2f} GB/s"
+    LOG.info("%s; cpu decision: %s (%s%s)", choice.log_line(), cpu_decision.placement.value, cpu_decision.reason, bw)
 
 
 def plan_and_budget_checked(plan: CrispPlan | None, layers, first: PackedLayer, top_k: int, budget: int | None,
@@ -316,6 +351,7 @@ class CrispHandle:
         out["cache"] = {"budget_bytes": getattr(cache, "budget", None), "used_bytes": cache.used,
                         "peak_bytes": cache.peak, "policy": self.plan.policy.value}
         out["cpu"] = self.runtime.cpu_stats()  # apply(cpu=...)'s decision, and how the CPU's experts run
+        out["serving"] = serving_stats(self.runtime)
         return out
 
     def reset_stats(self) -> None:
@@ -364,6 +400,20 @@ class CrispHandle:
     def __repr__(self) -> str:
         return (f"CrispHandle(layers={list(self.runtime.layer_ids)}, policy={self.plan.policy.value}, "
                 f"budget={self.gpu_budget}, active={self.active})")
+
+
+def serving_stats(runtime: CrispRuntime) -> dict:
+    """``stats()["serving"]``: the configuration that runs, where it came from and why
+    (``crisp_runtime.defaults.ServingChoice``), with the serving policy, prefetch and eviction after the CPU
+    decision."""
+    choice = getattr(runtime, "serving_choice", None)
+    out = {} if choice is None else choice.to_dict()
+    cfg = runtime.config
+    out["running"] = {"serving": cfg.serving.name, "placement": cfg.serving.placement.value,
+                      "prefetch": None if cfg.prefetch is None else cfg.prefetch.to_dict(),
+                      "eviction": cfg.eviction if isinstance(cfg.eviction, str) else
+                      getattr(cfg.eviction, "name", type(cfg.eviction).__name__)}
+    return out
 
 
 def _reorder_parameters(module, entries) -> None:
@@ -462,7 +512,7 @@ def _clear_attention_mask(tokens: _TokenMask, module, args, kwargs, output=None)
 
 def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None, fmt: QuantFormat | None = None,
           config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False, serving=None,
-          shapes=None, cpu="off") -> CrispHandle:
+          shapes=None, cpu=None) -> CrispHandle:
     """Run ``model``'s MoE experts through CRISP; returns a :class:`CrispHandle`.
 
     A model without v5 experts modules but with per-expert MoE blocks (DeepSeek-MoE remote code,
@@ -478,18 +528,20 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     allow_weights_mismatch: use a pack whose recorded weights fingerprint differs from the
     model's expert weights (or cannot be checked because they are not loaded). By default that
     is refused: the same architecture with other weights would run without a word, wrongly.
-    serving: how routed experts are served from what the cache holds (``crisp_runtime.serving``):
-    a ServingPolicy, a name ("plan", "resident", "resident-floor75") or its dict; None = the
-    config's (default "plan": every slot at the plan's width, outputs independent of the cache).
-    cpu: "off" (default: as configured), "on" (offloaded experts computed on the host CPU when the
-    per-step split says it is faster than copying them: hybrid placement, issue 11) or "auto"
-    (on when the measured bandwidths say it pays); ``stats()["cpu"]`` says what was decided
-    (``crisp_runtime.cpu_knob``).
+    serving / config: None for both (the default) = what the pack stores for this budget, else the default
+    rule from the pack's statistics (``crisp_runtime.defaults``: residency-aware serving, next-layer prefetch,
+    next-use eviction; the neuron split when the CPU pays); ``serving="paper"`` = the paper's configuration
+    (the plan's widths, no prefetch, LRU, cpu off); otherwise a ServingPolicy, a name ("plan", "resident",
+    "resident-floor75", ...) or its dict, and/or a RuntimeConfig (every expert knob), run as given.
+    ``stats()["serving"]`` says what ran and why (also logged once, logger ``crisp_runtime``).
+    cpu: None (default) = "auto" for the default and stored choices ("off" when serving or config is given):
+    offloaded experts computed on the host CPU when the measured bandwidths say it pays (on a CPU-only machine:
+    nothing to split, reported); "on" (whenever the per-step split says it is faster than copying them) or "off"
+    (as configured); ``stats()["cpu"]`` says what was decided (``crisp_runtime.cpu_knob``).
     """
-    from .cpu_knob import decide_cpu, parse_cpu_mode
+    from .cpu_knob import decide_cpu
 
-    cpu_mode = parse_cpu_mode(cpu)
-    config = runtime_config_checked(config, serving)
+    check_serving_arguments(config, serving, cpu)
     if fmt is not None and not isinstance(fmt, QuantFormat):
         raise TypeError(f"fmt: expected a QuantFormat (e.g. QuantFormat(group_size=64, symmetric=False)), got "
                         f"{type(fmt).__name__} {fmt!r}")
@@ -502,7 +554,8 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     shapes = blocks.BLOCK_SHAPES if shapes is None else tuple(shapes)
     if isinstance(model, torch.nn.Module) and blocks.uses_per_expert_blocks(model, shapes):
         return blocks.apply_blocks(model, source, plan=plan, gpu_budget=gpu_budget, fmt=fmt, config=config,
-                                   allow_weights_mismatch=allow_weights_mismatch, shapes=shapes, cpu=cpu_mode)
+                                   allow_weights_mismatch=allow_weights_mismatch, serving=serving, shapes=shapes,
+                                   cpu=cpu)
     if not (hasattr(model, "set_experts_implementation") and hasattr(model, "get_experts_implementation")):
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers v5 PreTrainedModel with "
                                     "set_experts_implementation(), and has no per-expert MoE block of a registered "
@@ -512,9 +565,10 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
         if _STATE_ATTR in ref.module.__dict__:
             raise RuntimeError(f"CRISP is already applied to {ref.name}; call handle.restore() first")
     budget = parse_budget(gpu_budget)
-    device = (_check_device(config.device, "config.device") if config.device is not None
+    device = (_check_device(config.device, "config.device") if config is not None and config.device is not None
               else _model_device(model, refs))
     top_k = model_top_k(model)
+    source = loaded_source(source)
 
     # ---- the packed layers
     def check_pack(pack: CrispPack) -> None:
@@ -527,10 +581,13 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
                                            check_layers=lambda ls: check_layers_fit_model(ls, model, refs=refs))
     first = layers[refs[0].layer_id]
     plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
-    config, cpu_decision = decide_cpu(cpu_mode, config=config, budget=budget, device=torch.device(device),
-                                      layers=layers)
+    choice = serving_choice_for(source, plan, layers, top_k, budget, serving=serving, config=config, cpu=cpu)
+    config, cpu_decision = decide_cpu(choice.cpu, config=choice.config, budget=budget, device=torch.device(device),
+                                      layers=layers, hybrid_config=choice.hybrid)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
     runtime.cpu_decision = cpu_decision
+    runtime.serving_choice = choice
+    log_choice(choice, cpu_decision)
     resident = ResidentStep(runtime) if budget is None else None
     prefetcher = None
     if config.prefetch is not None:
@@ -633,7 +690,7 @@ def _check_dtype(dtype):
 
 def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: CrispPlan | None = None,
                gpu_budget=None, config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False,
-               serving=None):
+               serving=None, cpu=None):
     """Load a causal LM from a local checkpoint plus a CRISP pack: ``(model, handle)``.
 
     The checkpoint (safetensors) is read on the CPU one tensor at a time into a model built on the
@@ -642,14 +699,15 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     skips that). Then the model is moved to ``device`` and CRISP applied with the pack's experts.
     Full-precision experts never reach the GPU, nor host memory. Nothing is downloaded:
     ``checkpoint_dir`` must be a local folder.
-    serving: as in :func:`apply`.
+    serving, config, cpu: as in :func:`apply` (None for all: the pack's stored choice for the budget, else the
+    default rule; ``crisp_runtime.defaults``).
     """
     path = _local_checkpoint(checkpoint_dir)  # before importing transformers: a wrong name fails at once
     if config is not None and not isinstance(config, RuntimeConfig):
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
     if plan is not None and not isinstance(plan, CrispPlan):
         raise TypeError(f"plan: expected CrispPlan (e.g. CrispPlan.load(path)), got {type(plan).__name__}")
-    serving = None if serving is None else make_serving(serving)  # a bad policy fails before the checkpoint loads
+    check_serving_arguments(config, serving, cpu)  # a bad policy fails before the checkpoint loads
     device = _check_device(device, "device")
     dtype = _check_dtype(dtype)
     if not isinstance(allow_weights_mismatch, bool):
@@ -671,7 +729,8 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
                                 "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to use it "
                                 "anyway")
     model.to(device)
-    config = RuntimeConfig() if config is None else config
-    handle = apply(model, pack, plan=plan, gpu_budget=budget, config=replace(config, keep_original=False),
-                   allow_weights_mismatch=True, serving=serving)  # weights checked above, while they were there
+    # The experts are placeholders already (never read): there is nothing to keep whether or not config says so.
+    config = None if config is None else replace(config, keep_original=False)
+    handle = apply(model, pack, plan=plan, gpu_budget=budget, config=config, allow_weights_mismatch=True,
+                   serving=serving, cpu=cpu)  # weights checked above, while they were there
     return model, handle

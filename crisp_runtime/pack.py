@@ -57,7 +57,7 @@ from crisp_kernels.io import (
 
 from .moe_layers import MoeLayerRef, find_moe_layers, model_top_k
 from .plan import CrispPlan, PlanError
-from .serving_record import serving_record
+from .serving_record import serving_choices
 
 PACK_FORMAT = "crisp-pack"
 PACK_VERSION = 1
@@ -425,7 +425,7 @@ def _check_info_fields(info_path: Path, info: Mapping, summary: Mapping) -> None
         if value is not None and (type(value) not in kinds or (kinds == (int,) and value < 1)):
             raise PackFormatError(f"{info_path}: field {key} is {value!r}, expected "
                                   f"{'a positive integer' if kinds == (int,) else 'a string'} or null")
-    serving_record(info, where=str(info_path))  # the optional stored serving choice, strictly
+    serving_choices(info, where=str(info_path))  # the optional stored serving choices, strictly
 
 
 def _files_record(info_path: Path, info: Mapping) -> dict | None:

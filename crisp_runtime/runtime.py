@@ -202,6 +202,7 @@ class CrispRuntime:
         self._gpu_placement = not self.serving.placement.uses_cpu  # read per step (the enum property: ~0.8 us)
         self._copy_stream = None  # GPU-only, created on first use
         self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu_knob.CpuDecision), for stats()
+        self.serving_choice = None  # what ran and why (crisp_runtime.defaults.ServingChoice), for stats()
         if self.serving.placement.uses_cpu:
             if first.tail_start is not None:
                 raise ValueError(f"serving placement {self.serving.placement.value!r} computes experts on the CPU, "

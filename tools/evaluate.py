@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CliError("--stored-serving: only with --mode decode (a serving choice depends on the cache)")
         info = _pack_info_or_none(args.crisp) if args.stored_serving else None
         if info is not None:  # before loading the model: a pack that stores none fails at once
-            stored_case(info, str(Path(args.crisp) / "pack.json"))
+            stored_cases(info, str(Path(args.crisp) / "pack.json"))
         if args.budgets is not None and args.mode != "decode":
             raise CliError("--budgets: only with --mode decode (batch mode has no cache budget)")
         if args.frontier and args.mode == "decode":
@@ -494,22 +494,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
 
 
-def stored_case(info, where: str):
-    """(the decode case of a pack's stored serving choice, the stored ``ServingRecord``); a CliError when the pack
-    stores none (``crisp_runtime.serving_record``)."""
+def stored_cases(info, where: str) -> list:
+    """[(the decode case of a stored serving choice, the stored ``ServingRecord``)], one per stored budget; a
+    CliError when the pack stores none (``crisp_runtime.serving_record``)."""
     from crisp_kernels import PackFormatError
-    from crisp_runtime.serving_record import serving_record
+    from crisp_runtime.serving_record import serving_choices
 
     try:
-        rec = serving_record(info, where=where)
+        choices = serving_choices(info, where=where)
     except PackFormatError as exc:
         raise CliError(f"--stored-serving: {exc}") from None
-    if rec is None:
-        raise CliError(f"--stored-serving: {where} stores no serving choice (crisp-profile --plan-for-throughput "
-                       "stores one)")
+    if choices is None:
+        raise CliError(f"--stored-serving: {where} stores no serving choice (crisp-profile --gpu-budget / "
+                       "--plan-for-throughput stores them)")
+    return [(_case_of(rec), rec) for rec in choices.choices]
+
+
+def stored_case(info, where: str):
+    """(the decode case, the ``ServingRecord``) of a pack's only stored serving choice (:func:`stored_cases`)."""
+    cases = stored_cases(info, where)
+    if len(cases) > 1:
+        raise CliError(f"--stored-serving: {where} stores choices for "
+                       f"{', '.join(f'{r.gpu_budget_fraction:g}' for _, r in cases)}")
+    return cases[0]
+
+
+def _case_of(rec):
     name = f"crisp-stored-{rec.policy.name}" + ("" if rec.prefetch is None else "+prefetch")
-    case = serving_eval.ServingCase(name, "crisp", rec.policy, rec.prefetch, eviction=rec.eviction)
-    return case, rec
+    return serving_eval.ServingCase(name, "crisp", rec.policy, rec.prefetch, eviction=rec.eviction)
 
 
 def _pack_info_or_none(pack_dir) -> dict | None:
@@ -523,14 +535,27 @@ def _pack_info_or_none(pack_dir) -> dict | None:
 
 def _decode_main(ev: Evaluator, args, window=None) -> int:
     cases, budgets = None, args.budgets or list(DECODE_BUDGETS)
-    if args.stored_serving:
-        case, rec = stored_case(ev.info, str(Path(args.crisp) / "pack.json"))
-        cases, budgets = [case], args.budgets or [rec.gpu_budget_fraction]
-        searched = rec.search.get("accuracy_prefetch_window")
+    if args.stored_serving:  # each stored choice at its own budget (with --budgets: the choice for each)
+        from crisp_runtime.serving_record import serving_choices
+
+        stored = stored_cases(ev.info, str(Path(args.crisp) / "pack.json"))
+        choices = serving_choices(ev.info)
+        runs = [(b, choices.for_fraction(b)) for b in args.budgets] if args.budgets else [
+            (rec.gpu_budget_fraction, rec) for _, rec in stored]
+        missing = [b for b, rec in runs if rec is None]
+        if missing:
+            raise CliError(f"--budgets {' '.join(map(str, missing))}: below every stored budget "
+                           f"({', '.join(f'{f:g}' for f in choices.fractions)})")
+        searched = stored[0][1].search.get("accuracy_prefetch_window")
         if searched and window is None:
             ev.log(f"note: the search measured its accuracy with the prefetch window {searched}; without "
                    "--prefetch-window every prefetch completes here")
-    records, meta = ev.run_decode(budgets, window, cases)
+        records, meta = [], {}
+        for b, rec in runs:
+            got, meta = ev.run_decode([b], window, [_case_of(rec)])
+            records += got
+    else:
+        records, meta = ev.run_decode(budgets, window, cases)
     print(serving_eval.format_table(records))
     if args.json:
         serving_eval.write_serving_json(args.json, records, {"model": args.model, "crisp": args.crisp,
