@@ -24,10 +24,10 @@ import torch
 
 from crisp_kernels import PackFormatError
 from crisp_runtime import cli_args as ca
-from crisp_runtime.moe_layers import UnsupportedModelError
-from crisp_runtime.outputs import check_outputs
-from crisp_runtime.pack import PackMismatchError
-from crisp_runtime.plan import PlanError
+from crisp_runtime.hf.moe_layers import UnsupportedModelError
+from crisp_runtime.planning.plan import PlanError
+from crisp_runtime.storage.outputs import check_outputs
+from crisp_runtime.storage.pack import PackMismatchError
 
 from . import cpu, e2e, kernels, layer, report, simulate_cmd, transfer
 from .common import CliError, pack_dir_for
@@ -90,7 +90,7 @@ def _where(exc: BaseException) -> str:
 
 
 def _check_paths(args) -> None:
-    """Every output option checked before any work (``crisp_runtime.outputs``): writable, not a folder,
+    """Every output option checked before any work (``crisp_runtime.storage.outputs``): writable, not a folder,
     not an input, not inside an input folder (model, pack) nor inside any CRISP pack."""
     outputs = {f"--{n.replace('_', '-')}": getattr(args, n, None)
                for n in ("json", "plot", "record_trace", "profile_out")}

@@ -16,7 +16,7 @@ import torch
 
 from crisp_runtime import cli_args as ca
 from crisp_runtime.cli_args import CliError  # re-exported: the one error base of every CLI
-from crisp_runtime.pack import INFO_FILE, PLAN_FILE
+from crisp_runtime.storage.pack import INFO_FILE, PLAN_FILE
 
 from . import report
 

@@ -40,7 +40,7 @@ from crisp_kernels.cpu_expert import (
 )
 from crisp_kernels.format import PackedExpert, QuantFormat, dequantize_rows, unpack_nibbles
 from crisp_runtime import cli_args as ca
-from crisp_runtime.cpu_experts import EXACT, CpuExpertsConfig
+from crisp_runtime.cpu.experts import EXACT, CpuExpertsConfig
 
 from . import common, report
 from .common import CliError

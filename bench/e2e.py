@@ -20,7 +20,7 @@ the unquantized model: an oracle, as in the simulator) resident at full width wi
 Each record of a CPU placement carries the check of every MoE layer step against the float64
 reference at the widths that step served (:class:`StepCheck`: ``steps_checked``,
 ``max_err_over_bound``, ``within_tolerance``; the bound is each expert's tolerance times its
-contribution's norm, summed: the CPU's precision contract, ``crisp_runtime.cpu_experts``, for its
+contribution's norm, summed: the CPU's precision contract, ``crisp_runtime.cpu.experts``, for its
 experts, the kernels' for the GPU's), and ``max_logit_diff_vs_gpu``: the largest difference of its
 logits from the same plan under the GPU placement (information: with ``--cpu-precision fp32``
 they differ only by float32 summation order, with bf16 by the bf16 path's rounding). On a
@@ -41,15 +41,15 @@ from crisp_tools.text import read_texts, sample_sequences
 from crisp_kernels.cpu_expert import Precision
 from crisp_kernels.expert_mlp import expert_mlp_ref
 from crisp_runtime import cli_args as ca
-from crisp_runtime.cpu_experts import EXACT, TOLERANCE, CpuExpertsConfig, CpuKernel
-from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
-from crisp_runtime.hf import apply
-from crisp_runtime.moe_layers import max_positions, record_routing
-from crisp_runtime.pack import load_pack
-from crisp_runtime.residency import pin_most_used
-from crisp_runtime.runtime import RuntimeConfig
-from crisp_runtime.scheduler import CostModel, Placement
-from crisp_runtime.serving import ServingPolicy
+from crisp_runtime.cpu.experts import EXACT, TOLERANCE, CpuExpertsConfig, CpuKernel
+from crisp_runtime.cpu.knob import measure_cpu_bytes_per_s
+from crisp_runtime.execution.runtime import RuntimeConfig
+from crisp_runtime.hf.dropin import apply
+from crisp_runtime.hf.moe_layers import max_positions, record_routing
+from crisp_runtime.planning.serving import ServingPolicy
+from crisp_runtime.residency.ledger import pin_most_used
+from crisp_runtime.scheduling.scheduler import CostModel, Placement
+from crisp_runtime.storage.pack import load_pack
 
 from . import common, report
 from . import traces as tr
@@ -328,7 +328,7 @@ def run(args) -> int:
 def _placement_config(placement: str, pack, cpu_experts: CpuExpertsConfig):
     """The runtime configuration of one ``--placements`` entry: GPU (default) or a CPU placement computing its
     experts as ``cpu_experts`` says, whose cost model has the CPU's bandwidth measured here that way
-    (``crisp_runtime.cpu_knob``)."""
+    (``crisp_runtime.cpu.knob``)."""
     if placement == "gpu":
         return None
     first = pack.layers[min(pack.layers)]
@@ -338,7 +338,7 @@ def _placement_config(placement: str, pack, cpu_experts: CpuExpertsConfig):
 
 
 def _pin_hot_experts(runtime, trace) -> None:
-    """The static hot set (``crisp_runtime.residency.pin_most_used``) of the trace's routed slots: the most
+    """The static hot set (``crisp_runtime.residency.ledger.pin_most_used``) of the trace's routed slots: the most
     used (layer, expert) pairs resident at full width while they fit in the runtime's cache."""
     counts: dict[tuple[int, int], int] = {}
     for li, layer_id in enumerate(trace.layer_ids):

@@ -43,12 +43,12 @@ import numpy as np
 import torch
 
 from crisp_runtime import CrispPlan, RuntimeConfig, apply
-from crisp_runtime.cpu_experts import EXACT
-from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
-from crisp_runtime.outputs import write_json
-from crisp_runtime.prefetch import PrefetchPolicy
-from crisp_runtime.scheduler import CostModel
-from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy, make_serving
+from crisp_runtime.cpu.experts import EXACT
+from crisp_runtime.planning.serving import SERVING_POLICIES, ServingPolicy, make_serving
+from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy
+from crisp_runtime.scheduling.scheduler import CostModel
+from crisp_runtime.storage.outputs import write_json
 
 from . import traces as tr
 from .common import CliError

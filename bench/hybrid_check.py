@@ -33,10 +33,10 @@ from types import SimpleNamespace
 import torch
 
 from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig
-from crisp_runtime.copy_window import CopyClock
-from crisp_runtime.cpu_experts import CpuExpertsConfig
-from crisp_runtime.cpu_knob import measure_cpu_bytes_per_s
-from crisp_runtime.residency import LedgerCounters, ResidencyLedger
+from crisp_runtime.cpu.experts import CpuExpertsConfig
+from crisp_runtime.cpu.knob import measure_cpu_bytes_per_s
+from crisp_runtime.residency.ledger import LedgerCounters, ResidencyLedger
+from crisp_runtime.scheduling.copy_window import CopyClock
 
 from .common import sync
 from .profiles import HardwareProfile

@@ -31,8 +31,8 @@ import torch
 from crisp_tools.text import read_texts, sample_sequences
 
 from crisp_runtime import CrispRuntime, RuntimeConfig, TaskOrder, flow_shop_makespan, johnson_order
-from crisp_runtime.moe_layers import find_moe_layers
-from crisp_runtime.pack import load_pack
+from crisp_runtime.hf.moe_layers import find_moe_layers
+from crisp_runtime.storage.pack import load_pack
 
 from . import common, report
 from . import runtime as rt

@@ -47,7 +47,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from crisp_runtime.copy_window import ExpertTiming
+from crisp_runtime.scheduling.copy_window import ExpertTiming
 
 from .common import CliError
 from .shapes import MIXTRAL_8X7B
@@ -103,18 +103,18 @@ class HardwareProfile(ExpertTiming):
 
     def cost_model(self):
         """The runtime scheduler's cost model with this profile's bandwidths (its split decisions)."""
-        from crisp_runtime.scheduler import CostModel
+        from crisp_runtime.scheduling.scheduler import CostModel
 
         return CostModel(h2d_bytes_per_s=self.h2d_bytes_per_s, device_bytes_per_s=self.compute_bytes_per_s,
                          cpu_bytes_per_s=self.cpu_bytes_per_s, cpu_latency_s=self.cpu_latency_s,
                          h2d_bytes_per_s_cpu_busy=self.h2d_bytes_per_s_cpu_busy, join_s=self.join_s)
 
     def prefetch_window(self, row_nbytes: int, name: str = ""):
-        """This machine's timing as ``crisp_runtime.copy_window.PrefetchWindow`` for neuron rows of ``row_nbytes``
+        """This machine's timing as ``scheduling.copy_window.PrefetchWindow`` for neuron rows of ``row_nbytes``
         bytes (lead = other + router; the CPU's timing for steps under a CPU placement): the modeled clock that
         cuts prefetches in the simulator and, through ``PrefetchPolicy.window``, in the runtime
         (``bench.simulate.target_window`` maps a model onto a target)."""
-        from crisp_runtime.copy_window import PrefetchWindow
+        from crisp_runtime.scheduling.copy_window import PrefetchWindow
 
         return PrefetchWindow(row_nbytes=int(row_nbytes), h2d_bytes_per_s=self.h2d_bytes_per_s,
                               copy_latency_s=self.copy_latency_s, compute_bytes_per_s=self.compute_bytes_per_s,
@@ -152,7 +152,7 @@ class HardwareProfile(ExpertTiming):
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the profile as JSON, atomically."""
-        from crisp_runtime.outputs import write_json
+        from crisp_runtime.storage.outputs import write_json
 
         write_json(path, self.to_dict())
 

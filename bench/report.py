@@ -9,11 +9,11 @@ import platform
 import sys
 from collections.abc import Sequence
 
-from crisp_runtime.outputs import (
+from crisp_runtime.storage.outputs import (
     OutputPathError,  # noqa: F401 - re-exported: crisp_bench's callers catch it
     write_atomic,
 )
-from crisp_runtime.outputs import write_json as _write_json
+from crisp_runtime.storage.outputs import write_json as _write_json
 
 JSON_FORMAT = "crisp-bench"
 JSON_VERSION = 1

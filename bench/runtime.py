@@ -86,7 +86,7 @@ def measure_planner_overhead(
 
     configs: (num_experts, top_k) pairs. The cache is warm and holds about half the experts,
     so resident lookups, misses and widenings all occur. Routing tensors are fresh per step.
-    servings: serving policies (``crisp_runtime.serving`` names), each timed through
+    servings: serving policies (``crisp_runtime.planning.serving`` names), each timed through
     ``CrispRuntime.plan_served`` (plan widths and roles, serving, scheduler).
     """
     records = []
@@ -311,7 +311,7 @@ def measure_cpu_worker(
     from dataclasses import replace
 
     from crisp_kernels import PackedLayer
-    from crisp_runtime.scheduler import CostModel
+    from crisp_runtime.scheduling.scheduler import CostModel
 
     fmt = QuantFormat(group_size=64)
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """What one ``crisp-bench simulate`` run compares, and the accuracy each configuration is known to lose.
 
 A configuration (:class:`bench.simulate.SimPolicy`) is a width plan (full, uniform, skip_aux,
-crisp), a serving policy (``crisp_runtime.serving``), an eviction policy and prefetch on or off.
+crisp), a serving policy (``crisp_runtime.planning.serving``), an eviction policy and prefetch on or off.
 Three ways to choose them (``--matrix``):
 
 - ``product``: every plan x serving x eviction x prefetch given on the command line;
@@ -21,7 +21,7 @@ Three ways to choose them (``--matrix``):
   without the buffer, with a 62.5% dominant floor widened on the next use, and with an 87.5% floor);
 - ``stored``: full-width LRU and the serving choice a throughput search stored in the CRISP pack
   (``crisp-profile --plan-for-throughput``: its serving policy, eviction and prefetch width, with the pack's
-  plan; ``crisp_runtime.serving_record``), e.g. to time it on another trace or hardware profile;
+  plan; ``crisp_runtime.storage.serving_record``), e.g. to time it on another trace or hardware profile;
 - ``frontier``: each family swept over its knob (CRISP's dominant floor, uniform's width,
   skip-auxiliary's threshold) with next-use eviction and prefetch, for the tokens/s-against-
   accuracy plot (uniform and skip-auxiliary served at their plan's widths there, whose accuracy
@@ -48,12 +48,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from crisp_kernels.tail_layout import PLAIN
-from crisp_runtime.cpu_knob import CpuMode, cpu_pays
-from crisp_runtime.defaults import ServingChoice, choose_serving, pack_facts
-from crisp_runtime.plan import CrispPlan
-from crisp_runtime.prefetch import PrefetchWidth
-from crisp_runtime.scheduler import Placement
-from crisp_runtime.serving import (
+from crisp_runtime.cpu.knob import CpuMode, cpu_pays
+from crisp_runtime.planning.defaults import ServingChoice, choose_serving, pack_facts
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.planning.serving import (
     SERVING_POLICIES,
     AuxNarrower,
     DominantWiden,
@@ -61,7 +59,9 @@ from crisp_runtime.serving import (
     resident_policy,
     serving_by_name,
 )
-from crisp_runtime.serving_record import ServingRecord
+from crisp_runtime.scheduling.prefetch import PrefetchWidth
+from crisp_runtime.scheduling.scheduler import Placement
+from crisp_runtime.storage.serving_record import ServingRecord
 
 from .simulate import SimPolicy
 
@@ -156,7 +156,7 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
 
 
 def with_prefetch_widths(configs: Sequence[SimPolicy], widths: Sequence[str]) -> list[SimPolicy]:
-    """Each prefetching configuration once per prefetch width (``crisp_runtime.prefetch.PrefetchWidth``
+    """Each prefetching configuration once per prefetch width (``crisp_runtime.scheduling.prefetch.PrefetchWidth``
     values, in the order given); the others as they are."""
     return [replace(c, prefetch_width=w) if c.prefetch else c
             for c in configs for w in (widths if c.prefetch else [None])]
@@ -495,14 +495,14 @@ def plot_configurations(path, records: Sequence[dict], *, title: str, note: str)
 
 # ---------------------------------------------------------------------------- the product's default
 
-DEFAULT_POLICY = "crisp-default"  # the records of what crisp_runtime.apply runs by default (crisp_runtime.defaults)
+DEFAULT_POLICY = "crisp-default"  # the records of what crisp_runtime.apply runs by default (planning.defaults)
 
 
 def default_configuration(plan: CrispPlan, info: Mapping, top_k: int, budget_fraction: float,
                           profile) -> tuple[SimPolicy, ServingChoice, bool]:
     """What ``crisp_runtime.apply(model, pack, gpu_budget=B)`` runs with no other argument, as a simulated
-    configuration: ``crisp_runtime.defaults.choose_serving`` on the pack's info at this budget, and ``cpu="auto"``'s
-    rule (``crisp_runtime.cpu_knob.cpu_pays``) on the profile's CPU and copy bandwidths: (the configuration, the
+    configuration: ``planning.defaults.choose_serving`` on the pack's info at this budget, and ``cpu="auto"``'s
+    rule (``crisp_runtime.cpu.knob.cpu_pays``) on the profile's CPU and copy bandwidths: (the configuration, the
     choice, whether the CPU is used). The runtime measures its bandwidths; the simulator takes the profile's."""
     choice = choose_serving(info, pack_facts(info, plan, top_k), budget_fraction)
     cpu = profile.cpu_bytes_per_s

@@ -8,14 +8,14 @@ Per token, MoE layer after MoE layer (the next layer starts when the previous on
 The decisions are the runtime's own code, so the simulator and ``crisp_runtime`` cannot drift:
 
 - widths and roles: the plan (``CrispPlan.token_widths_and_roles``);
-- served widths: the serving policy (``crisp_runtime.serving.serve_slots``: the default follows
+- served widths: the serving policy (``crisp_runtime.planning.serving.serve_slots``: the default follows
   the plan; the residency-aware ones serve auxiliaries from what is resident and give a missed
   dominant a floor prefix);
-- grouping and issue order: ``crisp_runtime.scheduler.plan_step`` (Johnson's rule);
-- residency: one ``crisp_runtime.residency.ResidencyLedger`` per cache (hits, widenings,
+- grouping and issue order: ``crisp_runtime.scheduling.scheduler.plan_step`` (Johnson's rule);
+- residency: one ``crisp_runtime.residency.ledger.ResidencyLedger`` per cache (hits, widenings,
   misses, evictions, bytes; requests in issue order, each protecting the step's experts not yet
   run, so a budget below one step's experts streams as the runtime does);
-- eviction: ``crisp_runtime.eviction`` (LRU, frequency, tier-aware on the plan's tiers mapped onto the
+- eviction: ``crisp_runtime.residency.eviction`` (LRU, frequency, tier-aware on the plan's tiers mapped onto the
   target's layers (``target_plan``), next-use; each optionally pinned (``<name>+pinned``: ``PinnedPolicy``
   over the trace's most used experts up to ``PIN_SHARE`` of the budget); Belady given the future).
 
@@ -27,7 +27,7 @@ compute engine is free (a permutation schedule). Orders:
     serial        load expert, compute it, then the next: nothing overlaps (the paper's
                   layer breakdown adds up like this); router order
     router        overlapped, in router order (slot order of top_k_index)
-    widest_first  overlapped, Johnson's rule (``crisp_runtime.scheduler.johnson_order`` on the
+    widest_first  overlapped, Johnson's rule (``crisp_runtime.scheduling.scheduler.johnson_order`` on the
                   profile's times): the runtime's order, optimal for the two-stage flow shop
 
 The ledger sees the requests in the runtime's issue order whatever order is timed; the three
@@ -39,9 +39,9 @@ widths ``SimPolicy.prefetch_width`` gives them, the runtime's own rule; widest f
 ``ResidencyLedger.prefetch`` (same budget; never evicts the step's experts), but only rows that
 are copied before layer l+1's router ends, when its demanded copies may start: a prefetch never
 delays a demanded copy. The cut and the timeline that decides it are the runtime's
-(``crisp_runtime.copy_window``: ``CopyClock`` on ``HardwareProfile.prefetch_window``), which the
+(``crisp_runtime.scheduling.copy_window``: ``CopyClock`` on ``HardwareProfile.prefetch_window``), which the
 runtime in the loop applies through ``PrefetchPolicy.window`` (``target_window``). Predictions come
-with the trace (``predicted``, recorded by ``crisp_runtime.prefetch``); without them there is no prefetch.
+with the trace (``predicted``, recorded by ``crisp_runtime.scheduling.prefetch``); without them there is no prefetch.
 
 Hybrid placement (issue 11; ``ServingPolicy.placement`` other than GPU, the profile with a CPU,
 widest-first order only): the runtime's ``plan_step(placement=...)`` splits each step between the
@@ -61,7 +61,7 @@ in the free budget), as the runtime asks. Prefetch under a CPU placement (``_hyb
 next layer's predicted experts, from the end of the step's demanded copies (at the busy H2D rate while
 the step lasts, converted to full-rate time) to the next router's end (the CPU computes no expert in
 attention, so the rest runs at the full rate); nothing copied after that deadline. The step's times and
-that span are ``crisp_runtime.copy_window.CopyClock.hybrid_step``: the runtime's clock with
+that span are ``crisp_runtime.scheduling.copy_window.CopyClock.hybrid_step``: the runtime's clock with
 ``PrefetchPolicy.window`` under a CPU placement, so the runtime in the loop cuts the same prefetches.
 
 Everything here is plain Python and deterministic; times are seconds.
@@ -76,7 +76,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from crisp_runtime.copy_window import (
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.planning.serving import ServingPolicy, serve_slots
+from crisp_runtime.residency.eviction import POLICIES as ONLINE_EVICTIONS
+from crisp_runtime.residency.eviction import BeladyPolicy, EvictionPolicy, PinnedPolicy, make_policy
+from crisp_runtime.residency.ledger import TRANSIENT, LedgerCounters, ResidencyLedger, pin_most_used
+from crisp_runtime.scheduling.copy_window import (
     CopyClock,
     Job,
     PrefetchSpan,
@@ -86,10 +91,7 @@ from crisp_runtime.copy_window import (
     johnson_jobs,
     overlap_schedule,
 )
-from crisp_runtime.eviction import POLICIES as ONLINE_EVICTIONS
-from crisp_runtime.eviction import BeladyPolicy, EvictionPolicy, PinnedPolicy, make_policy
-from crisp_runtime.plan import CrispPlan
-from crisp_runtime.prefetch import (
+from crisp_runtime.scheduling.prefetch import (
     PrefetchPolicy,
     PrefetchWidth,
     merge_requests,
@@ -97,20 +99,18 @@ from crisp_runtime.prefetch import (
     topup_requests,
     widest_first,
 )
-from crisp_runtime.residency import TRANSIENT, LedgerCounters, ResidencyLedger, pin_most_used
-from crisp_runtime.scheduler import (
+from crisp_runtime.scheduling.scheduler import (
     SPLIT_GRANULE,
     CostModel,
     Placement,
     plan_step,
 )
-from crisp_runtime.serving import ServingPolicy, serve_slots
 
 from .common import ORDERS, CliError
 from .profiles import HardwareProfile
 from .shapes import ModelShape
 
-# Eviction of every cache: the runtime's online policies (crisp_runtime/eviction.py), each also with a pinned
+# Eviction of every cache: the runtime's online policies (crisp_runtime/residency/eviction.py), each also with a pinned
 # hot set ("<name>+pinned"), and Belady's offline furthest-next-use, the reference every online policy is
 # reported against.
 PINNED = "+pinned"
@@ -136,7 +136,7 @@ class SimPolicy:
     serving: ServingPolicy = field(default_factory=ServingPolicy)
     eviction: str = "lru"
     prefetch: bool = False
-    # The width each prefetched slot is asked at (``crisp_runtime.prefetch.PrefetchWidth``), when ``prefetch``.
+    # The width each prefetched slot is asked at (``scheduling.prefetch.PrefetchWidth``), when ``prefetch``.
     prefetch_width: PrefetchWidth = PrefetchWidth.PLAN
     variant: str = ""  # the plan's knob when one run sweeps it, e.g. "w96" (uniform width), "t0.3" (threshold)
 
@@ -183,7 +183,7 @@ def schedule(jobs: Sequence[Job], order: str, start: float = 0.0, copy_free: flo
 
     jobs: in router order. copy_free: when the copy engine is free (a prefetch may still be
     copying; the prefetch rule makes that <= ``start``). The overlapped orders are
-    ``crisp_runtime.copy_window.overlap_schedule`` (the runtime's modeled clock times steps with it).
+    ``crisp_runtime.scheduling.copy_window.overlap_schedule`` (the runtime's modeled clock times steps with it).
     """
     seq = order_jobs(jobs, order)
     if order != "serial":
@@ -384,7 +384,7 @@ def simulate_decode(
         requests = prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=policy.prefetch_width), serving)
         topups = prefetch_requests(plan, trace, predicted, PrefetchPolicy(width=policy.prefetch_width), serving,
                                    phase=2)
-    # widest-first with prefetch or a timeline: the modeled clock of crisp_runtime.copy_window (the runtime's, with
+    # widest-first with prefetch or a timeline: the modeled clock of scheduling.copy_window (the runtime's, with
     # PrefetchPolicy.window): each step's times, its prefetch span, the copy engine's spill into the next step
     # (a CPU placement's steps are timed by its hybrid_step, with or without prefetch)
     copy_clock = (CopyClock(profile.prefetch_window(nb)) if policy.prefetch or timeline is not None
@@ -453,7 +453,7 @@ def simulate_decode(
 
 def _pin_hot_experts(ledgers, routed, wanted, layers: int, nb: int, inter: int) -> None:
     """Make the trace's most used (layer, expert) pairs resident at full width, while they fit (no eviction):
-    ``crisp_runtime.residency.pin_most_used`` over the slots the plan runs (``_most_used``).
+    ``crisp_runtime.residency.ledger.pin_most_used`` over the slots the plan runs (``_most_used``).
 
     Weighting by the width wanted (the bytes the CPU would otherwise read) was tried: 10.28 against
     10.30 tok/s (rtx4090-pcie4-ddr5, 25%). ``nb`` is kept for the callers' signature: the ledgers know it."""
@@ -615,13 +615,13 @@ def _account(res: SimResult, jobs: list[Job], served, profile: HardwareProfile, 
 def prefetch_requests(plan: CrispPlan, trace, predicted, policy: PrefetchPolicy | None = None,
                       serving: ServingPolicy | None = None, *, phase: int = 1) -> list[list[list[tuple[int, int]]]]:
     """Per traced layer j and token: [(expert, width)] to prefetch for layer j + 1, as the runtime's
-    ``crisp_runtime.prefetch.Prefetcher`` asks (its ``slot_widths`` / ``merge_requests`` /
+    ``crisp_runtime.scheduling.prefetch.Prefetcher`` asks (its ``slot_widths`` / ``merge_requests`` /
     ``widest_first``; ``policy`` default ``PrefetchPolicy()``: the predicted top-k at the plan's
     widths; ``serving`` default the plan's): widest first. The trace keeps the predicted experts in
     the router's order but not its weights: the slots get decreasing stand-in weights, which keeps the
     plan's dominant (the heavier) and tier exact; a skip threshold sees the stand-ins. The trace has
     no predictions beyond the top-k: ``policy.extra_experts`` is not simulated (refused).
-    phase 2: the second phase, issued after the first (``crisp_runtime.prefetch.topup_requests``:
+    phase 2: the second phase, issued after the first (``crisp_runtime.scheduling.prefetch.topup_requests``:
     dominants widened ahead of demand under ``DominantWiden.AHEAD``; empty lists otherwise).
     """
     if phase not in (1, 2):
@@ -655,7 +655,7 @@ def _prefetch(led: ResidencyLedger, layer: int, wanted: list[tuple[int, int]], n
               start: float, deadline: float, step_keys: set) -> tuple[list[tuple[int, int, float, float]], bool]:
     """Prefetch ``wanted`` [(expert, width)] of ``layer`` in order, as ``CrispRuntime.prefetch`` does
     (protecting the step's keys and every requested key), but only rows that arrive before ``deadline``
-    (``crisp_runtime.copy_window.admit_requests``: a request that does not fit in the time left is cut
+    (``crisp_runtime.scheduling.copy_window.admit_requests``: a request that does not fit in the time left is cut
     to the rows that do, and nothing is issued after it).
 
     Returns ((expert, new width, copy start, copy end) per admitted prefetch, whether the time ran out).
@@ -673,7 +673,7 @@ def _prefetch_span(led: ResidencyLedger, layer: int, wanted: list[tuple[int, int
 
 
 def target_window(profile: HardwareProfile, shape: ModelShape, intermediate_size: int):
-    """The modeled copy clock (``crisp_runtime.copy_window.PrefetchWindow``) of ``profile`` running ``shape``,
+    """The modeled copy clock (``scheduling.copy_window.PrefetchWindow``) of ``profile`` running ``shape``,
     per neuron row of a model whose experts have ``intermediate_size`` neurons (each row stands for
     ``neuron_scale`` rows of the target, as the simulator maps a trace): what ``PrefetchPolicy.window``
     takes for the runtime in the loop to cut prefetches as ``simulate_decode`` does."""

@@ -14,10 +14,10 @@ from crisp_tools.text import read_texts, sample_sequences
 from crisp_kernels import PackFormatError
 from crisp_kernels.tail_layout import PLAIN, TailLayout, TailSegment, parse_tail_layout
 from crisp_runtime import cli_args as ca
-from crisp_runtime.moe_layers import max_positions
-from crisp_runtime.plan import CrispPlan
-from crisp_runtime.prefetch import PrefetchWidth
-from crisp_runtime.serving import SERVING_POLICIES, serving_by_name
+from crisp_runtime.hf.moe_layers import max_positions
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.planning.serving import SERVING_POLICIES, serving_by_name
+from crisp_runtime.scheduling.prefetch import PrefetchWidth
 
 from . import common, report
 from . import simulate as sim
@@ -71,7 +71,7 @@ def _checked_list(check, what: str, choices: str = ""):
     return parse
 
 
-# --serving: names crisp_runtime.serving.serving_by_name takes; --eviction: names bench.simulate.check_eviction takes
+# --serving: names planning.serving.serving_by_name takes; --eviction: names bench.simulate.check_eviction takes
 _serving_list = _checked_list(serving_by_name, "policy")
 _eviction_list = _checked_list(check_eviction, "eviction", f"; choose from {', '.join(SIM_EVICTIONS)}")
 
@@ -152,7 +152,7 @@ def add_parser(subparsers) -> None:
                    "serving choice (policy, eviction, prefetch width, budget) that crisp-profile --plan-for-throughput "
                    "stored in the --plan / --pack folder, with that pack's plan")
     p.add_argument("--serving", type=_serving_list, default=["plan"],
-                   help=f"serving policies (crisp_runtime.serving), comma separated: {', '.join(SERVING_NAMES)}, "
+                   help=f"serving policies (planning.serving), comma separated: {', '.join(SERVING_NAMES)}, "
                    "or resident-floorP[-narrow-aux][-revive] (a missed dominant at P%% of the full width; "
                    "serving.serving_by_name) (default plan: the plan's widths whatever is resident)")
     p.add_argument("--eviction", type=_eviction_list, default=["lru"],
@@ -163,12 +163,12 @@ def add_parser(subparsers) -> None:
                    "--policies has full (the default), whatever the others use")
     p.add_argument("--prefetch", choices=("none", "trace"), default="none",
                    help="trace: also prefetch the next layer's experts the trace predicts (recorded by "
-                   "crisp_runtime.prefetch); none (default)")
+                   "crisp_runtime.scheduling.prefetch); none (default)")
     p.add_argument("--prefetch-width", type=_csv(PREFETCH_WIDTHS), default=["plan"],
                    help="with --prefetch trace: the width each predicted slot is prefetched at, comma separated "
                    "(each prefetching configuration once per width): plan (default: the plan's widths), serving "
                    "(what the serving policy loads on a miss: a dominant's floor, an auxiliary at the plan's width or "
-                   "none if skipped), aux-none (dominants only, at the plan's width); crisp_runtime.prefetch")
+                   "none if skipped), aux-none (dominants only, at the plan's width); scheduling.prefetch")
     p.add_argument("--accuracy", metavar="EVAL.json", action="append", default=None, type=ca.nonempty_path,
                    help="evaluation JSON(s) giving accuracy_loss per configuration (crisp-eval --json; the "
                    "runtime-in-the-loop serving evaluation); default: those under docs/ for the traced model")
@@ -298,7 +298,7 @@ def run(args) -> int:
                 records += sim.simulate_policies(trace, configs, profile, shape, b, orders=args.orders,
                                                  warmup=args.warmup, cache_scope=args.cache_scope,
                                                  predicted=predicted, progress=step)
-                if b in defaults:  # the product's default at this budget (crisp_runtime.defaults)
+                if b in defaults:  # the product's default at this budget (crisp_runtime.planning.defaults)
                     records += _default_records(trace, defaults[b], profile, shape, b, args, predicted)
                 continue
             # the baseline (mixtral-offloading's 4-bit full-width LRU) unmapped, then every configuration on the
@@ -467,7 +467,7 @@ def _stored_serving(args, pack_dir, plans, notes):
     """--matrix stored: the serving choice stored in the --plan folder (else the --pack folder); refused when
     there is none, when it cannot be simulated, or without the full and crisp policies."""
     from crisp_runtime.cli_args import read_json
-    from crisp_runtime.serving_record import serving_record
+    from crisp_runtime.storage.serving_record import serving_record
 
     option, folder = ("--plan", args.plan) if args.plan is not None else ("--pack", pack_dir)
     if folder is None or folder == "auto" or not Path(folder).is_dir():
@@ -475,7 +475,7 @@ def _stored_serving(args, pack_dir, plans, notes):
                        f"got {option} {folder})")
     where = Path(folder) / "pack.json"
     try:
-        # several stored budgets: the choice for --budget (crisp_runtime.defaults' rule for budgets in between)
+        # several stored budgets: the choice for --budget (crisp_runtime.planning.defaults' rule for budgets in between)
         record = serving_record(read_json(where, option), where=str(where), budget_fraction=args.budget)
     except (ValueError, PackFormatError) as exc:
         raise CliError(f"--matrix stored: {exc}" + ("; give --budget" if args.budget is None else "")) from None

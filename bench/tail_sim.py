@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from crisp_kernels.tail_layout import TailLayout
-from crisp_runtime.plan import CrispPlan, PolicyKind, TierWidths
-from crisp_runtime.serving import ServingPolicy, floor_in_rows
+from crisp_runtime.planning.plan import CrispPlan, PolicyKind, TierWidths
+from crisp_runtime.planning.serving import ServingPolicy, floor_in_rows
 
 from .shapes import ModelShape
 from .simulate import SimPolicy, neuron_scale
@@ -74,7 +74,7 @@ class TailMapping:
 
     def mapped_serving(self, serving: ServingPolicy) -> ServingPolicy:
         """``serving`` with its dominant floor (a fraction of the neurons) as a fraction of the byte rows: the
-        runtime's rule for a tail pack's storage rows (``crisp_runtime.serving.floor_in_rows``)."""
+        runtime's rule for a tail pack's storage rows (``crisp_runtime.planning.serving.floor_in_rows``)."""
         return floor_in_rows(serving, self.trace.intermediate_size, self.full, self.rows)
 
     def mapped_policy(self, policy: SimPolicy) -> SimPolicy:

@@ -7,7 +7,7 @@ File format (``.npz``, read with ``allow_pickle=False``; no pickle anywhere):
     layer_ids (L,) int64        decoder-layer index of each MoE layer (plan keys)
     seq_starts (S,) int64       first token of each recorded sequence
     predicted (L, T, n) int16   optional: experts of the *next* MoE layer predicted per layer and token
-                                from this layer's MoE input (crisp_runtime.prefetch; router's top-k
+                                from this layer's MoE input (crisp_runtime.scheduling.prefetch; router's top-k
                                 first, then by router logit; the last layer's row is -1). Files
                                 without it load with ``predicted=None``.
     meta     0-d str            JSON: format "crisp-routing-trace", version, model, num_experts,
@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from crisp_runtime.baselines import equal_bytes_plans
-from crisp_runtime.pairs import counts_by_pair, leading_pairs, pair_counts
-from crisp_runtime.plan import CrispPlan, LayerPlan, TierCutoffs, TierWidths, assign_tiers, pair_key
+from crisp_runtime.planning.baselines import equal_bytes_plans
+from crisp_runtime.planning.pairs import counts_by_pair, leading_pairs, pair_counts
+from crisp_runtime.planning.plan import CrispPlan, LayerPlan, TierCutoffs, TierWidths, assign_tiers, pair_key
 
 from .common import CliError
 
@@ -128,7 +128,7 @@ class Trace:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the trace atomically (a reader of the old file, possibly memory-mapped, keeps it)."""
-        from crisp_runtime.outputs import write_atomic
+        from crisp_runtime.storage.outputs import write_atomic
 
         meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **self.meta}
         optional = {} if self.predicted is None else {"predicted": self.predicted.astype(np.int16)}
@@ -196,10 +196,10 @@ def record_trace(model, sequences: torch.Tensor, *, source: str = "", progress=N
     """Run ``model`` over each row of ``sequences`` (S, N) and record every MoE layer's routing.
 
     predict_extra: also record the next layer's experts predicted from each layer's MoE input
-    (``crisp_runtime.prefetch``), top_k + predict_extra per token; None records no prediction.
+    (``crisp_runtime.scheduling.prefetch``), top_k + predict_extra per token; None records no prediction.
     """
-    from crisp_runtime.moe_layers import find_moe_layers, model_top_k, record_routing
-    from crisp_runtime.prefetch import NextLayerPredictor, record_predictions
+    from crisp_runtime.hf.moe_layers import find_moe_layers, model_top_k, record_routing
+    from crisp_runtime.scheduling.prefetch import NextLayerPredictor, record_predictions
 
     layers = find_moe_layers(model)
     ref = layers[0]
@@ -230,7 +230,7 @@ def record_trace(model, sequences: torch.Tensor, *, source: str = "", progress=N
         meta["prediction"] = {
             "experts_per_token": predictor.experts,
             "rule": "next MoE layer's router applied to this layer's MoE input (after its post-attention norm); "
-                    "the router's top-k first, then by router logit; last layer -1 (crisp_runtime.prefetch)",
+                    "the router's top-k first, then by router logit; last layer -1 (crisp_runtime.scheduling.prefetch)",
         }
     n = sequences.shape[1]
     return Trace(index, weights, [r.layer_id for r in layers], meta, [i * n for i in range(len(sequences))],
@@ -292,7 +292,7 @@ def token_widths(trace: Trace, plan: CrispPlan) -> np.ndarray:
 
 
 def routing(trace: Trace) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """The trace as ``crisp_runtime.baselines.Routing``: {layer_id: ((T, k) index, (T, k) weights)}."""
+    """The trace as ``crisp_runtime.planning.baselines.Routing``: {layer_id: ((T, k) index, (T, k) weights)}."""
     return {layer_id: (torch.from_numpy(trace.index[li]), torch.from_numpy(trace.weights[li]))
             for li, layer_id in enumerate(trace.layer_ids)}
 
@@ -301,7 +301,7 @@ def policy_plans(trace: Trace, crisp: CrispPlan | None, uniform_width: int | Non
                  skip_threshold: float | None | str = "match") -> dict[str, CrispPlan]:
     """The four policies over the trace's model: full, uniform, skip_aux, crisp.
 
-    Defaults match crisp-eval (one implementation: ``crisp_runtime.baselines.equal_bytes_plans``):
+    Defaults match crisp-eval (one implementation: ``crisp_runtime.planning.baselines.equal_bytes_plans``):
     uniform at the width giving CRISP's bytes per token on this trace, skip_aux keeping CRISP's
     ``num_dominant`` experts full and the rest above the routing-weight threshold giving CRISP's bytes.
     Without a CRISP plan: uniform at half width, skip_aux skipping every non-leading expert.

@@ -20,7 +20,7 @@ import torch
 
 from crisp_kernels.format import QuantFormat
 from crisp_runtime import cli_args as ca
-from crisp_runtime.cpu_knob import measure_handoff_s
+from crisp_runtime.cpu.knob import measure_handoff_s
 
 from . import common, report
 from .common import (
@@ -268,12 +268,12 @@ def measure_layer_overheads(model_dir, device, expert_compute_s=None) -> tuple[f
         model, pack_dir = load_model_for_bench(model_dir or DEFAULT_MODEL, need_pack=False, device=device)
     except ModelInputError:
         return 0.0, 0.0
-    from crisp_runtime.moe_layers import find_moe_layers, model_top_k
+    from crisp_runtime.hf.moe_layers import find_moe_layers, model_top_k
 
     handle = None
     if pack_dir is not None and expert_compute_s is not None:
         from crisp_runtime import apply
-        from crisp_runtime.pack import load_pack
+        from crisp_runtime.storage.pack import load_pack
 
         pack = load_pack(pack_dir)
         layer = next(iter(pack.layers.values()))

@@ -3,12 +3,36 @@
 Importing this package touches no GPU and does not import transformers.
 """
 
-from .device_cache import PrefixCache, ResidentExperts
-from .eviction import EvictionPolicy, FrequencyPolicy, LRUPolicy, TierAwarePolicy, make_policy
-from .hf import CrispHandle, apply, load_model, parse_budget
-from .host_store import HostStore
-from .moe_layers import UnsupportedModelError
-from .pack import (
+from crisp_runtime.execution.runtime import CrispRuntime, RuntimeConfig, min_budget_bytes
+from crisp_runtime.execution.stats import LayerStats, RuntimeStats
+from crisp_runtime.hf.dropin import apply, load_model
+from crisp_runtime.hf.handle import CrispHandle, parse_budget
+from crisp_runtime.hf.moe_layers import UnsupportedModelError
+from crisp_runtime.planning.plan import (
+    CrispPlan,
+    LayerPlan,
+    PlanError,
+    PolicyKind,
+    Tier,
+    TierCutoffs,
+    TierWidths,
+    assign_tiers,
+)
+from crisp_runtime.planning.serving import SERVING_POLICIES, ServedSlots, ServingPolicy, make_serving, plan_served_step
+from crisp_runtime.residency.device_cache import PrefixCache, ResidentExperts
+from crisp_runtime.residency.eviction import EvictionPolicy, FrequencyPolicy, LRUPolicy, TierAwarePolicy, make_policy
+from crisp_runtime.residency.host_store import HostStore
+from crisp_runtime.residency.ledger import CacheBudgetError, Decision, LedgerCounters, ResidencyLedger
+from crisp_runtime.scheduling.scheduler import (
+    CostModel,
+    ExpertTask,
+    StepPlan,
+    TaskOrder,
+    flow_shop_makespan,
+    johnson_order,
+    plan_step,
+)
+from crisp_runtime.storage.pack import (
     CrispPack,
     PackMismatchError,
     check_weights_fingerprint,
@@ -18,12 +42,6 @@ from .pack import (
     save_pack,
     verify_pack,
 )
-from .plan import CrispPlan, LayerPlan, PlanError, PolicyKind, Tier, TierCutoffs, TierWidths, assign_tiers
-from .residency import CacheBudgetError, Decision, LedgerCounters, ResidencyLedger
-from .runtime import CrispRuntime, RuntimeConfig, min_budget_bytes
-from .scheduler import CostModel, ExpertTask, StepPlan, TaskOrder, flow_shop_makespan, johnson_order, plan_step
-from .serving import SERVING_POLICIES, ServedSlots, ServingPolicy, make_serving, plan_served_step
-from .stats import LayerStats, RuntimeStats
 
 __all__ = [
     "CacheBudgetError",

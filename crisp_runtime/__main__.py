@@ -1,7 +1,7 @@
-"""``python -m crisp_runtime verify DIR ...``: the ``crisp-pack`` command (crisp_runtime.pack.main)."""
+"""``python -m crisp_runtime verify DIR ...``: the ``crisp-pack`` command (crisp_runtime.storage.pack.main)."""
 
 import sys
 
-from .pack import main
+from crisp_runtime.storage.pack import main
 
 sys.exit(main())

@@ -68,8 +68,8 @@ def capture(root: str, path: str) -> None:
     from bench.shapes import TARGETS
     from bench.sim_policies import configurations
     from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier
-    from crisp_runtime.scheduler import CostModel, TaskOrder
-    from crisp_runtime.serving import SERVING_POLICIES, plan_served_step
+    from crisp_runtime.planning.serving import SERVING_POLICIES, plan_served_step
+    from crisp_runtime.scheduling.scheduler import CostModel, TaskOrder
 
     cpu_cost = CostModel(h2d_bytes_per_s=25e9, device_bytes_per_s=1e12, cpu_bytes_per_s=60e9, cpu_latency_s=2e-6,
                          h2d_bytes_per_s_cpu_busy=15e9, join_s=5e-6)

@@ -21,9 +21,9 @@ from pathlib import Path
 from crisp_bench import simulate as sim
 from crisp_bench import simulate_cmd as cmd
 
-from crisp_runtime.outputs import write_json
-from crisp_runtime.scheduler import Placement
-from crisp_runtime.serving import ServingPolicy
+from crisp_runtime.planning.serving import ServingPolicy
+from crisp_runtime.scheduling.scheduler import Placement
+from crisp_runtime.storage.outputs import write_json
 
 
 def main(argv: list[str]) -> int:

@@ -44,8 +44,8 @@ from crisp_tools.loss_estimate import relative_loss
 from crisp_tools.profiler.throughput import accuracy_windows_of
 from crisp_tools.serving_eval import score_plan
 
-from crisp_runtime.baselines import full_plan
-from crisp_runtime.pack import CrispPack
+from crisp_runtime.planning.baselines import full_plan
+from crisp_runtime.storage.pack import CrispPack
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLDOUT_FRACTION = 0.1  # crisp-profile's and plan_throughput's default split

@@ -33,10 +33,10 @@ from crisp_bench.profiles import get_profile
 from crisp_tools import serving_eval
 from crisp_tools.evaluate import Evaluator
 
-from crisp_runtime.pack import CrispPack
-from crisp_runtime.prefetch import PrefetchPolicy
-from crisp_runtime.runtime import plan_for_layers
-from crisp_runtime.serving import AuxNarrower, AuxSkipped, resident_policy
+from crisp_runtime.execution.runtime import plan_for_layers
+from crisp_runtime.planning.serving import AuxNarrower, AuxSkipped, resident_policy
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy
+from crisp_runtime.storage.pack import CrispPack
 
 MODEL, REFERENCE, HELDOUT = "models/tiny-mixtral", "models/tiny-mixtral-crisp", ["data/stdlib-heldout.txt"]
 SAMPLES, SEQ_LEN = 128, 256

@@ -79,7 +79,7 @@ def _frontier_check():
 
 
 def cmd_plans(args) -> int:
-    from crisp_runtime.plan import CrispPlan
+    from crisp_runtime.planning.plan import CrispPlan
 
     base = CrispPlan.load(Path(args.pack) / "plan.json")
     out = Path(args.out)
@@ -96,7 +96,7 @@ def cmd_batch(args) -> int:
     from crisp_tools.evaluate import Evaluator
     from crisp_tools.loss_estimate import relative_loss
 
-    from crisp_runtime.runtime import plan_for_layers
+    from crisp_runtime.execution.runtime import plan_for_layers
 
     out = Path(args.out)
     if out.exists():
@@ -134,7 +134,7 @@ def cmd_paired(args) -> int:
     from crisp_tools.evaluate import Evaluator
     from crisp_tools.loss_estimate import relative_loss
 
-    from crisp_runtime.runtime import plan_for_layers
+    from crisp_runtime.execution.runtime import plan_for_layers
 
     ev = Evaluator(MODEL, args.pack, args.data, samples=SAMPLES, seq_len=SEQ_LEN, quiet=True, reference_dir=REFERENCE)
     print(f"{args.data}: {tuple(ev.windows.shape)} windows; loss of A relative to B (B's hits as the reference)")
@@ -229,7 +229,7 @@ def _chosen_on_calibration(batch: str, calibration: str, merged: list[dict], ear
 
 def _write_new(out: Path, doc: dict) -> None:
     """``doc`` as JSON at ``out``, atomically; never over an existing file."""
-    from crisp_runtime.outputs import write_atomic
+    from crisp_runtime.storage.outputs import write_atomic
 
     if out.exists():
         sys.exit(f"error: {out} exists; refusing to overwrite it")

@@ -19,11 +19,11 @@ from crisp_bench.profiles import get_profile
 from crisp_bench.shapes import TARGETS
 from crisp_bench.traces import Trace
 
-import crisp_runtime.serving as sv
-from crisp_runtime.outputs import write_json
-from crisp_runtime.plan import CrispPlan
-from crisp_runtime.residency import MISS, WIDEN, CacheBudgetError, Decision, ResidencyLedger
-from crisp_runtime.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, DominantWiden
+import crisp_runtime.planning.serving as sv
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.planning.serving import SERVING_POLICIES, AuxMissing, AuxNarrower, DominantWiden
+from crisp_runtime.residency.ledger import MISS, WIDEN, CacheBudgetError, Decision, ResidencyLedger
+from crisp_runtime.storage.outputs import write_json
 
 torch.set_num_threads(1)
 TRACE = "docs/bench-trace-heldout-predicted.npz"

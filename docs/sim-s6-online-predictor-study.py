@@ -22,10 +22,10 @@ from crisp_bench.profiles import get_profile
 from crisp_bench.shapes import TARGETS
 from crisp_bench.traces import Trace
 
-from crisp_runtime.eviction import NextUsePolicy
-from crisp_runtime.plan import CrispPlan
-from crisp_runtime.residency import TRANSIENT, Decision, ResidencyLedger
-from crisp_runtime.serving import SERVING_POLICIES, DominantWiden
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden
+from crisp_runtime.residency.eviction import NextUsePolicy
+from crisp_runtime.residency.ledger import TRANSIENT, Decision, ResidencyLedger
 
 torch.set_num_threads(1)
 

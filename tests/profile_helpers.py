@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-# A frozen text: the first 8000 characters of crisp_runtime/plan.py as of commit 91bb60b. The tests used to
+# A frozen text: the first 8000 characters of crisp_runtime/planning/plan.py as of commit 91bb60b. The tests used to
 # read the live module, so any edit near its top changed the profiled plan and broke the tools' tests.
 TEXT_SOURCE = Path(__file__).resolve().parent / "data" / "profile-text.txt"
 

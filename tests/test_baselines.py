@@ -1,4 +1,4 @@
-"""Equal-bytes baselines (crisp_runtime.baselines) against brute force over every width / threshold."""
+"""Equal-bytes baselines (crisp_runtime.planning.baselines) against brute force over every width / threshold."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import itertools
 import pytest
 import torch
 
-from crisp_runtime.baselines import (
+from crisp_runtime.planning.baselines import (
     dominant_and_aux_weights,
     equal_bytes_plans,
     matched_skip_threshold,
     matched_uniform_width,
     neurons_per_token,
 )
-from crisp_runtime.plan import CrispPlan, LayerPlan, Tier, TierWidths, pair_key
+from crisp_runtime.planning.plan import CrispPlan, LayerPlan, Tier, TierWidths, pair_key
 
 E, INTER = 16, 24
 LAYERS = (1, 3)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 def tiny_model(tmp_path_factory):
     """A random 2-layer Mixtral (H 64, I 128, 8 experts, top-2), its pack and a plan from its own routing."""
     transformers = pytest.importorskip("transformers")
-    from crisp_runtime.pack import model_info, pack_model, save_pack
+    from crisp_runtime.storage.pack import model_info, pack_model, save_pack
 
     root = tmp_path_factory.mktemp("bench-model")
     torch.manual_seed(0)

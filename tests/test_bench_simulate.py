@@ -21,10 +21,10 @@ from crisp_bench.simulate import (
 )
 from crisp_bench.traces import Trace, plan_from_trace, synthetic_trace, token_widths
 
-from crisp_runtime.eviction import POLICIES as ONLINE
-from crisp_runtime.plan import CrispPlan, LayerPlan, PolicyKind, Tier, TierWidths
-from crisp_runtime.residency import ResidencyLedger
-from crisp_runtime.serving import SERVING_POLICIES
+from crisp_runtime.planning.plan import CrispPlan, LayerPlan, PolicyKind, Tier, TierWidths
+from crisp_runtime.planning.serving import SERVING_POLICIES
+from crisp_runtime.residency.eviction import POLICIES as ONLINE
+from crisp_runtime.residency.ledger import ResidencyLedger
 
 
 def ends(slots):

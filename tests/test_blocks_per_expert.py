@@ -1,4 +1,4 @@
-"""Per-expert MoE blocks (crisp_runtime.blocks) through the drop-in: DeepSeek-MoE remote code, v4 Mixtral, Qwen1.5-MoE.
+"""Per-expert MoE blocks (hf.blocks) through the drop-in: DeepSeek-MoE remote code, v4 Mixtral, Qwen1.5-MoE.
 
 The blocks below are faithful minimal copies of the published modeling code (their routing and expert
 arithmetic line by line; training-only branches dropped): DeepSeek-MoE's modeling_deepseek.py
@@ -21,7 +21,8 @@ from torch import nn
 
 from crisp_kernels import dequantize_layer
 from crisp_runtime import CrispPlan, PackMismatchError, PlanError, RuntimeConfig, UnsupportedModelError, apply
-from crisp_runtime.blocks import (
+from crisp_runtime.execution.runtime import min_budget_bytes
+from crisp_runtime.hf.blocks import (
     BLOCK_SHAPES,
     BlockShape,
     blocks_weights_sha256,
@@ -29,9 +30,8 @@ from crisp_runtime.blocks import (
     pack_blocks,
     route_softmax_topk,
 )
-from crisp_runtime.pack import save_pack
-from crisp_runtime.prefetch import PrefetchPolicy
-from crisp_runtime.runtime import min_budget_bytes
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy
+from crisp_runtime.storage.pack import save_pack
 
 HIDDEN, VOCAB = 64, 96
 
@@ -475,8 +475,8 @@ def test_cpu_knob_as_for_v5_models(family, cpu):
     and with the exact fp32 path the logits equal the dequantized eager model's (1e-5, as above)."""
     from crisp_bench.e2e import StepCheck
 
-    from crisp_runtime.cpu_experts import EXACT
-    from crisp_runtime.scheduler import CostModel
+    from crisp_runtime.cpu.experts import EXACT
+    from crisp_runtime.scheduling.scheduler import CostModel
 
     model = make_model(family)
     layers = pack_blocks(find_moe_blocks(model))
@@ -550,7 +550,7 @@ def test_prefetch_keeps_exact_outputs_and_the_budget(family, extra):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_prediction_is_the_next_blocks_routing(family):
-    from crisp_runtime.blocks import BlockRoutePredictor
+    from crisp_runtime.hf.blocks import BlockRoutePredictor
 
     model = make_model(family)
     refs = find_moe_blocks(model)

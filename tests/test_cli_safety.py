@@ -27,7 +27,7 @@ from crisp_tools.calibration import CliError  # noqa: E402
 from crisp_tools.workdir import MARKER, WorkFolder  # noqa: E402
 from profile_helpers import make_tiny_mixtral, write_text  # noqa: E402
 
-from crisp_runtime import outputs  # noqa: E402
+from crisp_runtime.storage import outputs  # noqa: E402
 
 # Fewer windows than tests/test_profile.py, no search: a run takes ~1 s on a 2-core CPU.
 FAST = ["--samples", "8", "--seq-len", "32", "--batch-size", "4", "--dominance-samples", "8",

@@ -1,4 +1,4 @@
-"""torch.compile of a patched model (crisp_runtime.resident_path, docs/clients.md).
+"""torch.compile of a patched model (crisp_runtime.execution.resident_path, docs/clients.md).
 
 - The all-resident step (no budget) computes the runtime's layer step on the device: its widths are
   the plan's for every policy, and its outputs equal ``CrispRuntime.forward``'s (fast, no compile).
@@ -21,11 +21,11 @@ pytest.importorskip("transformers")
 from runtime_helpers import random_layers  # noqa: E402
 
 from crisp_runtime import apply  # noqa: E402
-from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
-from crisp_runtime.plan import CrispPlan, LayerPlan, Tier, TierWidths  # noqa: E402
-from crisp_runtime.resident_path import ResidentStep  # noqa: E402
-from crisp_runtime.runtime import CrispRuntime  # noqa: E402
-from crisp_runtime.serving import ServingPolicy  # noqa: E402
+from crisp_runtime.execution.resident_path import ResidentStep  # noqa: E402
+from crisp_runtime.execution.runtime import CrispRuntime  # noqa: E402
+from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
+from crisp_runtime.planning.plan import CrispPlan, LayerPlan, Tier, TierWidths  # noqa: E402
+from crisp_runtime.planning.serving import ServingPolicy  # noqa: E402
 
 E, K, INTER, HIDDEN = 6, 2, 16, 64
 LAYER_IDS = (0, 1)
@@ -71,7 +71,7 @@ def test_device_token_widths_are_the_plans(plan_name, num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 9, 40])
 @pytest.mark.parametrize("plan_name", ["full", "skip_aux_threshold", "crisp", "crisp_cold_unseen"])
 def test_resident_step_equals_the_runtime_step(plan_name, num_tokens, serving):
-    from crisp_runtime.runtime import RuntimeConfig
+    from crisp_runtime.execution.runtime import RuntimeConfig
 
     runtime = CrispRuntime(random_layers(LAYER_IDS, num_experts=E, inter=INTER, hidden=HIDDEN), PLANS[plan_name],
                            device="cpu", gpu_budget=None, config=RuntimeConfig(serving=serving))

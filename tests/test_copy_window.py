@@ -1,4 +1,4 @@
-"""The modeled copy clock that cuts prefetches (crisp_runtime/copy_window.py): the rule on hand-made
+"""The modeled copy clock that cuts prefetches (crisp_runtime/scheduling/copy_window.py): the rule on hand-made
 steps, its invariants on random ones, and the window as the runtime takes it (PrefetchPolicy.window)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from crisp_bench.simulate import neuron_scale, target_window
 from runtime_helpers import random_layers
 
 from crisp_runtime import CrispRuntime, RuntimeConfig
-from crisp_runtime.copy_window import CopyClock, Job, PrefetchSpan, PrefetchWindow, admit_requests
-from crisp_runtime.plan import CrispPlan
-from crisp_runtime.prefetch import PrefetchPolicy
-from crisp_runtime.residency import ResidencyLedger
-from crisp_runtime.scheduler import CostModel
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.residency.ledger import ResidencyLedger
+from crisp_runtime.scheduling.copy_window import CopyClock, Job, PrefetchSpan, PrefetchWindow, admit_requests
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy
+from crisp_runtime.scheduling.scheduler import CostModel
 
 # One row copies in 1 s (no latency) and computes in 0.25 s; lead 1 s: times are easy to follow by hand.
 WINDOW = PrefetchWindow(row_nbytes=100, h2d_bytes_per_s=100.0, copy_latency_s=0.0, compute_bytes_per_s=400.0,

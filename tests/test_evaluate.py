@@ -15,7 +15,7 @@ from crisp_tools.calibration import contiguous_windows, load_model, score_window
 from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text  # noqa: E402
 
 from crisp_runtime import apply, load_pack  # noqa: E402
-from crisp_runtime.moe_layers import record_routing  # noqa: E402
+from crisp_runtime.hf.moe_layers import record_routing  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -280,10 +280,10 @@ def test_stored_serving_decodes_the_packs_choice_at_its_budget(setup, tmp_path, 
     from crisp_tools.calibration import load_pack_dir, load_texts
     from crisp_tools.serving_eval import ServingCase, run_case, total_expert_bytes
 
-    from crisp_runtime.pack import save_pack
-    from crisp_runtime.prefetch import PrefetchPolicy
-    from crisp_runtime.serving import SERVING_POLICIES
-    from crisp_runtime.serving_record import ServingRecord
+    from crisp_runtime.planning.serving import SERVING_POLICIES
+    from crisp_runtime.scheduling.prefetch import PrefetchPolicy
+    from crisp_runtime.storage.pack import save_pack
+    from crisp_runtime.storage.serving_record import ServingRecord
 
     root, model_dir, held, out = setup
     layers, plan, _ = load_pack_dir(out)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from crisp_runtime.eviction import LRUPolicy, NextUsePolicy, PinnedPolicy, make_policy
-from crisp_runtime.residency import ResidencyLedger
+from crisp_runtime.residency.eviction import LRUPolicy, NextUsePolicy, PinnedPolicy, make_policy
+from crisp_runtime.residency.ledger import ResidencyLedger
 
 WIDTH, NB = 4, 5
 

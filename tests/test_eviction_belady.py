@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from crisp_runtime.eviction import BeladyPolicy, LRUPolicy, NextUsePolicy
-from crisp_runtime.residency import ResidencyLedger
+from crisp_runtime.residency.eviction import BeladyPolicy, LRUPolicy, NextUsePolicy
+from crisp_runtime.residency.ledger import ResidencyLedger
 
 WIDTH = 4  # every prefix full width: equal sizes, where MIN is optimal
 NB = 3

@@ -27,7 +27,7 @@ from crisp_runtime import (  # noqa: E402
     pack_model,
     save_pack,
 )
-from crisp_runtime.moe_layers import ExpertsLayout, find_moe_layers  # noqa: E402
+from crisp_runtime.hf.moe_layers import ExpertsLayout, find_moe_layers  # noqa: E402
 
 TOKENS = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
 

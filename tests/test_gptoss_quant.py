@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from crisp_kernels import QuantFormat, layer_sqnr_db, pack_layer  # noqa: E402
 from crisp_kernels.format import sqnr_db  # noqa: E402
-from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
+from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
 from tools.expert_sqnr import main, measure_synthetic, mxfp4_encode  # noqa: E402
 
 

@@ -27,7 +27,7 @@ from crisp_runtime import (  # noqa: E402
     parse_budget,
     save_pack,
 )
-from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
+from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=64)
 

@@ -29,9 +29,9 @@ from crisp_runtime import (  # noqa: E402
     parse_budget,
     save_pack,
 )
-from crisp_runtime.hf import MAX_BUDGET_BYTES  # noqa: E402
-from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
-from crisp_runtime.pack import weights_sha256  # noqa: E402
+from crisp_runtime.hf.handle import MAX_BUDGET_BYTES  # noqa: E402
+from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
+from crisp_runtime.storage.pack import weights_sha256  # noqa: E402
 
 
 def fingerprinted_info(model) -> dict:

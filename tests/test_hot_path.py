@@ -20,11 +20,11 @@ from crisp_kernels import Backend, QuantFormat, pack_layer
 from crisp_kernels._triton import interpreter_enabled
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_, experts_mlp_accumulate_unchecked_
 from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths
-from crisp_runtime.device_cache import PrefixCache
-from crisp_runtime.host_store import HostStore
-from crisp_runtime.residency import Decision, ResidencyLedger
-from crisp_runtime.scheduler import TaskOrder, plan_step
-from crisp_runtime.serving import SERVING_POLICIES, plan_served_step, serve_slots
+from crisp_runtime.planning.serving import SERVING_POLICIES, plan_served_step, serve_slots
+from crisp_runtime.residency.device_cache import PrefixCache
+from crisp_runtime.residency.host_store import HostStore
+from crisp_runtime.residency.ledger import Decision, ResidencyLedger
+from crisp_runtime.scheduling.scheduler import TaskOrder, plan_step
 
 E, INTER, HIDDEN = 8, 16, 64
 
@@ -99,7 +99,7 @@ def test_list_rules_equal_the_vectorized_rules(k, tokens, case, index_dtype, wei
 @pytest.mark.parametrize(("tokens", "k"), [(1, 2), (1, 4), (3, 2), (8, 8)])
 @pytest.mark.parametrize("case", CASES)
 def test_step_planned_on_lists_equals_the_tensor_composition(serving, order, tokens, k, case):
-    from crisp_runtime.scheduler import CostModel
+    from crisp_runtime.scheduling.scheduler import CostModel
 
     policy = SERVING_POLICIES[serving]
     cost = CostModel(cpu_bytes_per_s=60e9, cpu_latency_s=2e-6, h2d_bytes_per_s_cpu_busy=15e9, join_s=5e-6)
@@ -272,7 +272,7 @@ def test_acquire_resident_refuses_a_missing_prefix_and_keeps_the_cache_consisten
 
 
 def _serving_cases():
-    from crisp_runtime.scheduler import CostModel
+    from crisp_runtime.scheduling.scheduler import CostModel
 
     cpu = CostModel(cpu_bytes_per_s=60e9, cpu_latency_s=2e-6, h2d_bytes_per_s_cpu_busy=15e9, join_s=5e-6)
     return [("plan", None, CostModel()), ("resident-floor75", None, CostModel()),
@@ -284,7 +284,7 @@ def test_steps_that_copy_nothing_run_as_the_general_loop_runs_them(monkeypatch, 
     """The executor's path for a step that copies nothing (one ``acquire_resident``, one grouped kernel entry)
     against its general loop (taken with ``record_timings``): the same outputs bit for bit, the same
     statistics and the same ledger requests in the same order, prefetch hits included."""
-    from crisp_runtime.cpu_experts import EXACT
+    from crisp_runtime.cpu.experts import EXACT
 
     log: dict[int, list] = {}
     for name in ("request", "request_transient"):
@@ -371,7 +371,7 @@ def test_the_step_boundary_refuses_bad_inputs(case, error, match):
 
 
 def _policy(name: str):
-    from crisp_runtime.eviction import POLICIES, PinnedPolicy
+    from crisp_runtime.residency.eviction import POLICIES, PinnedPolicy
     if name.endswith("+pinned"):
         return PinnedPolicy(POLICIES[name.split("+")[0]](), [(0, 1), (1, 3)])
     return POLICIES[name]()
@@ -402,7 +402,7 @@ def test_the_ledgers_use_hook_orders_keys_as_on_use(name):
 
 
 def test_use_hook_bypasses_only_the_base_on_use():
-    from crisp_runtime.eviction import FrequencyPolicy, LRUPolicy, PinnedPolicy
+    from crisp_runtime.residency.eviction import FrequencyPolicy, LRUPolicy, PinnedPolicy
     lru = LRUPolicy()
     assert lru.use_hook() == lru._recency.move_to_end  # no Python frame per hit
     assert PinnedPolicy(lru, []).use_hook() == lru._recency.move_to_end

@@ -14,8 +14,8 @@ from crisp_bench.common import CliError
 from crisp_bench.hybrid_accuracy import main, parse_case, scaled_cost
 from crisp_bench.profiles import get_profile
 
-from crisp_runtime.scheduler import Placement
-from crisp_runtime.serving import SERVING_POLICIES, DominantWiden
+from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden
+from crisp_runtime.scheduling.scheduler import Placement
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, PACK = ROOT / "models" / "tiny-mixtral", ROOT / "models" / "tiny-mixtral-crisp"

@@ -13,7 +13,7 @@ from crisp_bench import hybrid_check
 from crisp_bench.profiles import HardwareProfile
 
 from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig
-from crisp_runtime.scheduler import flow_shop_makespan, johnson_order
+from crisp_runtime.scheduling.scheduler import flow_shop_makespan, johnson_order
 
 
 def test_step_check_runs_on_the_cpu():

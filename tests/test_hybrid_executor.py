@@ -23,9 +23,9 @@ from crisp_kernels import Backend, dequantize_expert
 from crisp_kernels.cpu_expert import CpuExpert, Precision
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_
 from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig, min_budget_bytes
-from crisp_runtime.cpu_experts import EXACT, TOLERANCE, CpuExpertsConfig, CpuPrepare
-from crisp_runtime.scheduler import CostModel, Placement
-from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy
+from crisp_runtime.cpu.experts import EXACT, TOLERANCE, CpuExpertsConfig, CpuPrepare
+from crisp_runtime.planning.serving import SERVING_POLICIES, ServingPolicy
+from crisp_runtime.scheduling.scheduler import CostModel, Placement
 
 E, INTER, TOP_K, HIDDEN = 6, 16, 2, 64
 LAYER_IDS = (1, 2)
@@ -304,7 +304,7 @@ def _rows_reference(x, expert_deq, rows, weights, token_widths):
 def test_an_unsliceable_int4pack_layout_falls_back_to_the_exact_path(monkeypatch):
     """Where the probe finds no layout the fast path can slice (another torch build or CPU), the CPU
     experts run on the exact fp32 path, with a warning and in stats, and still equal the reference."""
-    import crisp_runtime.cpu_experts as cpu_experts
+    import crisp_runtime.cpu.experts as cpu_experts
     from crisp_kernels.cpu_expert import Int4PackUnsupported
 
     def unsupported():
@@ -329,7 +329,7 @@ def test_an_unsliceable_int4pack_layout_falls_back_to_the_exact_path(monkeypatch
 def test_without_the_native_kernel_auto_takes_torchs_and_native_is_refused(monkeypatch):
     """kernel='auto' where the C kernel cannot build (no compiler): torch's int4pack path, with a warning
     saying why; kernel='native' refuses to start. Outputs still equal the reference (bf16 contract)."""
-    import crisp_runtime.cpu_experts as cpu_experts
+    import crisp_runtime.cpu.experts as cpu_experts
     from crisp_kernels import cpu_native
 
     def unavailable():
@@ -432,7 +432,7 @@ def test_split_parts_of_a_biased_expert_sum_to_it(cut):
     [cut, width) without it == the whole expert, per-token widths included (fp32 on both sides: 1e-5)."""
     from test_gptoss_kernels import gpt_oss_layer
 
-    from crisp_runtime.cpu_experts import CpuExperts
+    from crisp_runtime.cpu.experts import CpuExperts
 
     _, layer = gpt_oss_layer(seed=3)
     cpu = CpuExperts({0: layer}, CpuExpertsConfig())
@@ -456,7 +456,7 @@ def test_a_single_slot_adds_into_its_row_in_place(cpu, row, start):
     """One slot (batch-1 decode) takes the in-place path: the kernel adds into partial's row, the other rows
     stay bitwise as they were, and the row gains the reference's contribution (rows [start, width) of the
     expert) within the CPU's precision contract."""
-    from crisp_runtime.cpu_experts import CpuExperts
+    from crisp_runtime.cpu.experts import CpuExperts
 
     config = CPU_CONFIGS[cpu]
     experts = CpuExperts(WIDE, config)
@@ -479,7 +479,7 @@ def test_a_single_slot_adds_into_its_row_in_place(cpu, row, start):
 def test_the_kept_expert_views_follow_a_replaced_layer():
     """CpuExperts keeps each expert's view of its host rows; a layer replaced in its layers dict (another
     tensor) is read afresh, not through the old view."""
-    from crisp_runtime.cpu_experts import CpuExperts
+    from crisp_runtime.cpu.experts import CpuExperts
 
     experts = CpuExperts(dict(WIDE), CpuExpertsConfig(kernel="native"))
     g = torch.Generator().manual_seed(12)
@@ -498,7 +498,7 @@ def test_the_kept_expert_views_follow_a_replaced_layer():
 
 def test_the_worker_handoff_is_measured_and_its_arguments_checked():
     """CpuWorker.handoff_s: an empty job's round trip, positive and far below a second; bad counts refused."""
-    from crisp_runtime.cpu_experts import CpuWorker
+    from crisp_runtime.cpu.experts import CpuWorker
 
     worker = CpuWorker(threads=1)
     try:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from crisp_runtime import apply
-from crisp_runtime.cpu_knob import AUTO_MIN_CPU_TO_H2D, CpuMode, decide_cpu, measure_cpu_bytes_per_s
-from crisp_runtime.runtime import RuntimeConfig
-from crisp_runtime.scheduler import CostModel, Placement
+from crisp_runtime.cpu.knob import AUTO_MIN_CPU_TO_H2D, CpuMode, decide_cpu, measure_cpu_bytes_per_s
+from crisp_runtime.execution.runtime import RuntimeConfig
+from crisp_runtime.scheduling.scheduler import CostModel, Placement
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,7 +61,7 @@ def test_on_needs_a_budget_and_bad_values():
 def test_auto_rule_and_measurement(monkeypatch):
     from runtime_helpers import random_layers
 
-    import crisp_runtime.cpu_knob as knob
+    import crisp_runtime.cpu.knob as knob
 
     layers = random_layers(layer_ids=(0,), num_experts=2, inter=64, hidden=256)
     assert measure_cpu_bytes_per_s(layers[0]) > 0

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from crisp_runtime.scheduler import (
+from crisp_runtime.scheduling.scheduler import (
     SPLIT_MAX_EXPERTS,
     CostModel,
     HybridJob,

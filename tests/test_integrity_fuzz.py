@@ -28,7 +28,7 @@ from runtime_helpers import random_layers
 from crisp_kernels import PackFormatError
 from crisp_kernels.io import read_packed
 from crisp_runtime import CrispPlan, PlanError, load_pack, save_pack, verify_pack
-from crisp_runtime.plan import LayerPlan, Tier, TierWidths
+from crisp_runtime.planning.plan import LayerPlan, Tier, TierWidths
 
 REFUSALS = (PackFormatError, PlanError)
 # Wrong values tried at every JSON field.

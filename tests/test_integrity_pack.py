@@ -12,11 +12,11 @@ import pytest
 import torch
 from runtime_helpers import random_layers
 
-import crisp_runtime.pack as pack_mod
+import crisp_runtime.storage.pack as pack_mod
 from crisp_kernels import PackFormatError, QuantFormat, pack_expert, pack_layer
 from crisp_kernels.io import DigestStatus, PackCheck, PackIntegrityError, read_packed, save_packed
 from crisp_runtime import CrispPlan, PlanError, check_weights_fingerprint, load_pack, save_pack, verify_pack
-from crisp_runtime.pack import FingerprintStatus, PackMismatchError, weights_sha256
+from crisp_runtime.storage.pack import FingerprintStatus, PackMismatchError, weights_sha256
 
 OLD_PACK = Path(__file__).resolve().parents[1] / "models" / "tiny-mixtral-crisp"  # written before digests
 
@@ -295,8 +295,8 @@ def tiny_model():
 
 
 def test_weights_fingerprint(tmp_path, tiny_model):
-    from crisp_runtime.moe_layers import find_moe_layers
-    from crisp_runtime.pack import pack_model
+    from crisp_runtime.hf.moe_layers import find_moe_layers
+    from crisp_runtime.storage.pack import pack_model
 
     refs = find_moe_layers(tiny_model)
     digest = weights_sha256(refs)
@@ -322,7 +322,7 @@ def test_weights_fingerprint(tmp_path, tiny_model):
 
 
 def test_weights_fingerprint_is_the_one_crisp_profile_records(tiny_model):
-    from crisp_runtime.moe_layers import find_moe_layers
+    from crisp_runtime.hf.moe_layers import find_moe_layers
     from tools.calibration import model_fingerprint
 
     refs = find_moe_layers(tiny_model)

@@ -5,7 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from crisp_runtime.moe_layers import UnsupportedModelError, find_moe_layers, model_top_k, record_routing  # noqa: E402
+from crisp_runtime.hf.moe_layers import UnsupportedModelError, find_moe_layers, model_top_k, record_routing  # noqa: E402
 
 
 def _tiny_mixtral(num_layers=3):

@@ -1,4 +1,4 @@
-"""Leading-pair codes, counts and skew (crisp_runtime.pairs) against plain-Python definitions."""
+"""Leading-pair codes, counts and skew (crisp_runtime.planning.pairs) against plain-Python definitions."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from crisp_runtime.pairs import counts_by_pair, leading_pairs, pair_codes, pair_counts, pair_skew
-from crisp_runtime.plan import CrispPlan, LayerPlan, Tier, TierWidths, pair_key
+from crisp_runtime.planning.pairs import counts_by_pair, leading_pairs, pair_codes, pair_counts, pair_skew
+from crisp_runtime.planning.plan import CrispPlan, LayerPlan, Tier, TierWidths, pair_key
 
 
 def _routing(tokens, num_experts, top_k, seed, ties=False):
@@ -83,11 +83,11 @@ def test_leading_pairs_refuses_top1():
 
 
 def test_trainer_skew_is_the_routed_set_skew_for_top2():
-    """tools/train_tiny_moe.pair_skew (now on crisp_runtime.pairs) = counting each token's routed top-2 set."""
+    """tools/train_tiny_moe.pair_skew (now on crisp_runtime.planning.pairs) = counting each token's routed top-2 set."""
     transformers = pytest.importorskip("transformers")
     from crisp_tools.train_tiny_moe import pair_skew as trainer_skew
 
-    from crisp_runtime.moe_layers import record_routing
+    from crisp_runtime.hf.moe_layers import record_routing
 
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=16, num_hidden_layers=2,

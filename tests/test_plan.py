@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from crisp_runtime.plan import (
+from crisp_runtime.planning.plan import (
     CrispPlan,
     LayerPlan,
     PlanError,

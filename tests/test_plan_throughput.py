@@ -13,12 +13,12 @@ from crisp_tools.calibration import load_model, load_texts, split_texts
 from crisp_tools.profiler import throughput as tp
 from crisp_tools.serving_eval import score_plan
 
-from crisp_runtime.baselines import full_plan
-from crisp_runtime.pack import load_pack
-from crisp_runtime.plan import TierWidths
-from crisp_runtime.prefetch import PrefetchWidth
-from crisp_runtime.serving import SERVING_POLICIES
-from crisp_runtime.serving_record import serving_record
+from crisp_runtime.planning.baselines import full_plan
+from crisp_runtime.planning.plan import TierWidths
+from crisp_runtime.planning.serving import SERVING_POLICIES
+from crisp_runtime.scheduling.prefetch import PrefetchWidth
+from crisp_runtime.storage.pack import load_pack
+from crisp_runtime.storage.serving_record import serving_record
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY, TINY_PACK = ROOT / "models" / "tiny-mixtral", ROOT / "models" / "tiny-mixtral-crisp"

@@ -1,4 +1,4 @@
-"""Next-layer expert prediction (crisp_runtime.prefetch) and its record in routing traces."""
+"""Next-layer expert prediction (crisp_runtime.scheduling.prefetch) and its record in routing traces."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from crisp_bench import traces as tr  # noqa: E402
 from crisp_tools.serving_eval import decode_windows  # noqa: E402
 
 from crisp_runtime import apply  # noqa: E402
-from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
-from crisp_runtime.plan import CrispPlan  # noqa: E402
-from crisp_runtime.prefetch import (  # noqa: E402
+from crisp_runtime.execution.runtime import RuntimeConfig  # noqa: E402
+from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
+from crisp_runtime.planning.plan import CrispPlan  # noqa: E402
+from crisp_runtime.scheduling.prefetch import (  # noqa: E402
     NextLayerPredictor,
     Prefetcher,
     PrefetchPolicy,
@@ -24,7 +25,6 @@ from crisp_runtime.prefetch import (  # noqa: E402
     prediction_accuracy,
     record_predictions,
 )
-from crisp_runtime.runtime import RuntimeConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The prefetch width option (crisp_runtime.prefetch.PrefetchWidth): the widths each option asks, its
+"""The prefetch width option (crisp_runtime.scheduling.prefetch.PrefetchWidth): the widths each option asks, its
 validation, and that evaluated accuracy is attached only to a simulation at the same prefetch width."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from crisp_bench.sim_policies import accuracy_for, configurations, knobs, read_accuracy, with_prefetch_widths
 from crisp_bench.traces import plan_from_trace, policy_plans, synthetic_trace
 
-from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth, slot_widths
-from crisp_runtime.serving import SERVING_POLICIES, AuxMissing
+from crisp_runtime.planning.serving import SERVING_POLICIES, AuxMissing
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy, PrefetchWidth, slot_widths
 
 INTER = 16
 SKIP_AUX = replace(SERVING_POLICIES["resident-floor75"], name="floor75-skip", aux_missing=AuxMissing.SKIP)

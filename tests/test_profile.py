@@ -15,8 +15,8 @@ from crisp_tools.calibration import load_model, reorder_expert_weights  # noqa: 
 from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text  # noqa: E402
 
 from crisp_kernels.format import dequantize_layer, pack_layer  # noqa: E402
-from crisp_runtime.pack import load_pack  # noqa: E402
-from crisp_runtime.plan import PolicyKind, Tier  # noqa: E402
+from crisp_runtime.planning.plan import PolicyKind, Tier  # noqa: E402
+from crisp_runtime.storage.pack import load_pack  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from crisp_tools.placement import (  # noqa: E402
 )
 from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text  # noqa: E402
 
-from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
+from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
 
 # Tiny Mixtral (profile_helpers): ~150 KB of float32 weights, ~40 KB of experts per layer. 60 KB of CPU
 # memory holds the embedding and part of the first layer; the rest goes to "disk" (accelerate's offload).

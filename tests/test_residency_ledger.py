@@ -13,7 +13,7 @@ FULL = {0: 12, 3: 12}
 
 
 class BruteLedger:
-    """Naive LRU replay (lists, full scans), written independently of crisp_runtime.residency."""
+    """Naive LRU replay (lists, full scans), written independently of crisp_runtime.residency.ledger."""
 
     def __init__(self, budget):
         self.budget = budget
@@ -181,7 +181,7 @@ def test_request_errors():
 def test_pin_most_used_keeps_the_most_used_that_fit(budget):
     """The static hot set: most uses first (ties by key), full width, nothing evicted; a key that does not
     fit is skipped while a later, smaller one may still fit. Checked against a direct greedy replay."""
-    from crisp_runtime.residency import pin_most_used
+    from crisp_runtime.residency.ledger import pin_most_used
 
     counts = {(3, 1): 5, (0, 2): 5, (0, 0): 9, (3, 0): 1, (0, 1): 2}
     order = [(0, 0), (0, 2), (3, 1), (0, 1), (3, 0)]  # by count, then key: (0, 2) before (3, 1) at 5 uses

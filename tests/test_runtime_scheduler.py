@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crisp_runtime.scheduler import CostModel, TaskOrder, flow_shop_makespan, johnson_order, plan_step
+from crisp_runtime.scheduling.scheduler import CostModel, TaskOrder, flow_shop_makespan, johnson_order, plan_step
 
 times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False, allow_infinity=False)
 

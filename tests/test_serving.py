@@ -13,7 +13,7 @@ from runtime_helpers import random_layers
 
 from crisp_kernels import dequantize_expert
 from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths, min_budget_bytes
-from crisp_runtime.serving import (
+from crisp_runtime.planning.serving import (
     SERVING_POLICIES,
     AuxMissing,
     AuxNarrower,
@@ -187,7 +187,7 @@ def test_skipped_auxiliaries_run_at_what_is_resident_and_copy_nothing():
                         full_width=INTER, resident_width=resident.__getitem__)
     assert plain.widths.tolist() == [[INTER, 0], [INTER, 0], [INTER, 0], [8, 0]]
     # the tasks copy the same bytes: reviving reads only rows already resident or copied for the step
-    from crisp_runtime.scheduler import plan_step
+    from crisp_runtime.scheduling.scheduler import plan_step
     steps = [plan_step(index, s.widths, num_experts=6, neuron_nbytes=NB, resident_width=resident.__getitem__)
              for s in (got, plain)]
     assert steps[0].bytes_missing == steps[1].bytes_missing and steps[0].bytes_read > steps[1].bytes_read
@@ -204,7 +204,7 @@ def test_skipped_auxiliaries_run_at_what_is_resident_and_copy_nothing():
     ("resident-floor87.50", "resident-floor87.5", 0.875, AuxNarrower.RESIDENT, AuxSkipped.SKIP),
 ])
 def test_serving_by_name_builds_floor_policies(name, canonical, floor, narrow, skipped):
-    from crisp_runtime.serving import resident_policy, serving_by_name
+    from crisp_runtime.planning.serving import resident_policy, serving_by_name
 
     policy = serving_by_name(name)
     assert (policy.name, policy.dominant_floor, policy.aux_narrower, policy.aux_skipped) == (canonical, floor, narrow,
@@ -223,7 +223,7 @@ def test_serving_by_name_builds_floor_policies(name, canonical, floor, narrow, s
                                  "resident-floor-5", "resident-floor50-revive-narrow-aux", "resident-floornan",
                                  "floor50", "", "resident-floor1e2"])
 def test_serving_by_name_refuses_nonsense(bad):
-    from crisp_runtime.serving import serving_by_name
+    from crisp_runtime.planning.serving import serving_by_name
 
     with pytest.raises(ValueError, match="unknown policy"):
         serving_by_name(bad)
@@ -424,7 +424,7 @@ def test_floor_in_rows_restates_a_floor_of_neurons_exactly(floor, tail_start):
     import math
 
     from crisp_kernels.format import rows_for_neurons
-    from crisp_runtime.serving import floor_in_rows, resident_policy
+    from crisp_runtime.planning.serving import floor_in_rows, resident_policy
 
     neurons = 256
     rows = rows_for_neurons(neurons, tail_start)

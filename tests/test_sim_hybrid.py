@@ -11,8 +11,8 @@ from crisp_bench.shapes import ModelShape
 from crisp_bench.simulate import SimPolicy, simulate_decode
 from crisp_bench.traces import synthetic_trace
 
-from crisp_runtime.plan import CrispPlan
-from crisp_runtime.serving import SERVING_POLICIES
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.planning.serving import SERVING_POLICIES
 
 # 4 layers of 8 experts of I = 16 neurons of 105 bytes (H = 64): an expert is 1680 bytes. No latencies, so
 # the profile's times are the cost model's and the split the scheduler picks is optimal for them.

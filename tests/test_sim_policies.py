@@ -112,7 +112,7 @@ def test_a_weight_promoted_plan_takes_only_its_own_weight_s_accuracy(plans, tmp_
 def test_a_three_band_plan_takes_only_its_own_thresholds_accuracy(plans, tmp_path):
     """CrispPlan.aux_skip_weight is matched per record like aux_full_weight, and AuxSkipped per serving policy."""
     from bench.sim_policies import SimPolicy
-    from crisp_runtime.serving import SERVING_POLICIES
+    from crisp_runtime.planning.serving import SERVING_POLICIES
 
     banded = plans["crisp"].promoted(0.4).skipping(0.2)
     batch = tmp_path / "eval.json"

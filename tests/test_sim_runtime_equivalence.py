@@ -13,12 +13,12 @@ from crisp_bench.traces import Trace, plan_from_trace, synthetic_trace, token_wi
 from runtime_helpers import decode_trace, random_layers
 
 from crisp_runtime import CrispRuntime, RuntimeConfig
-from crisp_runtime.eviction import NextUsePolicy, PinnedPolicy, TierAwarePolicy
-from crisp_runtime.plan import CrispPlan
-from crisp_runtime.prefetch import Prefetcher, PrefetchPolicy, PrefetchWidth
-from crisp_runtime.residency import ResidencyLedger
-from crisp_runtime.scheduler import CostModel
-from crisp_runtime.serving import SERVING_POLICIES
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.planning.serving import SERVING_POLICIES
+from crisp_runtime.residency.eviction import NextUsePolicy, PinnedPolicy, TierAwarePolicy
+from crisp_runtime.residency.ledger import ResidencyLedger
+from crisp_runtime.scheduling.prefetch import Prefetcher, PrefetchPolicy, PrefetchWidth
+from crisp_runtime.scheduling.scheduler import CostModel
 
 LAYERS, EXPERTS, INTER, HIDDEN = 3, 8, 16, 64
 PROFILE = HardwareProfile("toy", h2d_bytes_per_s=2e9, copy_latency_s=0.0, compute_bytes_per_s=8e9,

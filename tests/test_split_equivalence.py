@@ -25,13 +25,13 @@ from runtime_helpers import decode_trace, random_layers
 
 from crisp_kernels import Backend, dequantize_expert
 from crisp_runtime import CrispRuntime, RuntimeConfig
-from crisp_runtime.cpu_experts import EXACT
-from crisp_runtime.device_cache import PrefixCache
-from crisp_runtime.host_store import HostStore
-from crisp_runtime.residency import TRANSIENT, ResidencyLedger, transient_buffer_bytes
-from crisp_runtime.runtime import _run_transient
-from crisp_runtime.scheduler import RowJob, split_rows
-from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy
+from crisp_runtime.cpu.experts import EXACT
+from crisp_runtime.execution.runtime import _run_transient
+from crisp_runtime.planning.serving import SERVING_POLICIES, ServingPolicy
+from crisp_runtime.residency.device_cache import PrefixCache
+from crisp_runtime.residency.host_store import HostStore
+from crisp_runtime.residency.ledger import TRANSIENT, ResidencyLedger, transient_buffer_bytes
+from crisp_runtime.scheduling.scheduler import RowJob, split_rows
 
 # I = 1024 neurons: the runtime's split granule (64, the CPU kernel's block) is then the simulator's too
 # (min(64, I / 16) for experts narrower than 1024 neurons), so both search the same split points.
@@ -234,7 +234,7 @@ def test_split_rows_never_copies_more_than_the_cap(cap):
 
 
 def _times(jobs, widths):
-    from crisp_runtime.scheduler import _row_times
+    from crisp_runtime.scheduling.scheduler import _row_times
 
     gpu, cpu, _ = _row_times(jobs, widths, 2e-5)
     return gpu, cpu
@@ -266,7 +266,7 @@ def test_hybrid_prefetch_makes_the_same_decisions(decisions, serving):
     against the simulator's prefetch under a CPU placement: identical demand and prefetch decisions."""
     from test_sim_runtime_equivalence import _TracePredictor
 
-    from crisp_runtime.prefetch import Prefetcher, PrefetchPolicy
+    from crisp_runtime.scheduling.prefetch import Prefetcher, PrefetchPolicy
 
     policy = {**SERVINGS, "floor-hit": ServingPolicy("floor-hit", dominant_floor=0.625, dominant_widen="hit",
                                                      placement="hybrid_split")}[serving]
@@ -324,7 +324,7 @@ def test_hybrid_prefetch_window_makes_the_same_cuts(decisions, serving):
     from crisp_bench.simulate import target_window
     from test_sim_runtime_equivalence import _TracePredictor
 
-    from crisp_runtime.prefetch import Prefetcher, PrefetchPolicy
+    from crisp_runtime.scheduling.prefetch import Prefetcher, PrefetchPolicy
 
     policy = {**SERVINGS, "floor-hit": ServingPolicy("floor-hit", dominant_floor=0.625, dominant_widen="hit",
                                                      placement="hybrid_split")}[serving]
@@ -371,7 +371,7 @@ def test_hybrid_prefetch_window_makes_the_same_cuts(decisions, serving):
 
 
 def test_a_window_without_a_cpu_is_refused_under_a_cpu_placement():
-    from crisp_runtime.prefetch import PrefetchPolicy
+    from crisp_runtime.scheduling.prefetch import PrefetchPolicy
 
     trace, plan = _trace_and_plan(tokens=2)
     gpu_only = replace(PROFILE, cpu_bytes_per_s=None, h2d_bytes_per_s_cpu_busy=None).prefetch_window(NB)

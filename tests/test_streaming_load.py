@@ -1,4 +1,4 @@
-"""Streaming checkpoints (crisp_runtime.checkpoint): one tensor at a time, experts never whole in host memory."""
+"""Streaming checkpoints (crisp_runtime.hf.checkpoint): one tensor at a time, experts never whole in host memory."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from crisp_tools import stream_rss  # noqa: E402
 from test_hf_dropin import FAMILIES, TOKENS, logits, make_model  # noqa: E402
 
 from crisp_runtime import PackMismatchError, apply, load_model, model_info, pack_model, save_pack  # noqa: E402
-from crisp_runtime.checkpoint import (  # noqa: E402
+from crisp_runtime.hf.checkpoint import (  # noqa: E402
     CheckpointError,
     checkpoint_weights_sha256,
     load_skeleton,
     pack_checkpoint,
 )
-from crisp_runtime.moe_layers import find_moe_layers  # noqa: E402
-from crisp_runtime.pack import weights_sha256  # noqa: E402
+from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
+from crisp_runtime.storage.pack import weights_sha256  # noqa: E402
 
 
 def _same_layers(a, b):

@@ -29,8 +29,8 @@ from crisp_kernels.tail_layout import (
     neuron_nbytes,
     parse_tail_layout,
 )
-from crisp_runtime.plan import CrispPlan, TierWidths
-from crisp_runtime.serving import SERVING_POLICIES, resident_policy
+from crisp_runtime.planning.plan import CrispPlan, TierWidths
+from crisp_runtime.planning.serving import SERVING_POLICIES, resident_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY, TINY_PACK = ROOT / "models" / "tiny-mixtral", ROOT / "models" / "tiny-mixtral-crisp"
@@ -289,7 +289,7 @@ def emulated(tmp_path_factory):
 
 
 def test_emulation_writes_a_loadable_pack_that_names_its_layout(emulated, capsys):
-    from crisp_runtime.pack import load_pack
+    from crisp_runtime.storage.pack import load_pack
 
     src, pack = load_pack(TINY_PACK), load_pack(emulated)
     assert pack.info["tail_layout"] == M432.to_dict()
@@ -331,7 +331,7 @@ def test_eval_of_an_emulation_needs_its_4bit_reference(emulated, tmp_path, capsy
     assert evaluate.main([*base, "--reference-crisp", str(TINY_PACK), "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert doc["tail_layout"] == "m432" and doc["reference_crisp"] == str(TINY_PACK)
-    from crisp_runtime.pack import load_pack
+    from crisp_runtime.storage.pack import load_pack
 
     assert doc["plan_widths_sha256"] == load_pack(emulated).plan.widths_digest()
     by = {r["policy"]: r for r in doc["records"]}

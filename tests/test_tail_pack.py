@@ -13,8 +13,8 @@ from crisp_tools import evaluate
 from crisp_tools import tail_pack as tp
 
 from crisp_kernels.format import layer_neuron_rows, rows_for_neurons
-from crisp_runtime.pack import load_pack
-from crisp_runtime.plan import TierWidths
+from crisp_runtime.planning.plan import TierWidths
+from crisp_runtime.storage.pack import load_pack
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY, TINY_PACK = ROOT / "models" / "tiny-mixtral", ROOT / "models" / "tiny-mixtral-crisp"
@@ -207,7 +207,7 @@ def test_the_simulator_refuses_a_tail_pack_at_another_layout(tail, capsys):
 
 
 def test_load_model_serves_a_tail_pack_with_its_plan_in_neurons(tail):
-    from crisp_runtime.hf import load_model
+    from crisp_runtime.hf.dropin import load_model
 
     ids = torch.tensor([[5, 17, 99, 3, 42, 7, 8, 250]])
     logits = []
@@ -231,8 +231,8 @@ def test_a_dominant_floor_counts_neurons_on_a_tail_pack(tail, floor):
     session 15). A missed dominant loads exactly those rows."""
     import math
 
-    from crisp_runtime.hf import load_model
-    from crisp_runtime.serving import resident_policy
+    from crisp_runtime.hf.dropin import load_model
+    from crisp_runtime.planning.serving import resident_policy
 
     model, handle = load_model(TINY, tail, gpu_budget=200_000, serving=resident_policy(floor))
     runtime = handle.runtime

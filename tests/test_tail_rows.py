@@ -23,9 +23,9 @@ from crisp_kernels.format import (
 )
 from crisp_kernels.io import PackFormatError, PackIntegrityError, load_packed, read_packed_metadata, save_packed
 from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths, min_budget_bytes
-from crisp_runtime.pack import load_pack, save_pack
-from crisp_runtime.plan import PlanError
-from crisp_runtime.runtime import plan_for_layers
+from crisp_runtime.execution.runtime import plan_for_layers
+from crisp_runtime.planning.plan import PlanError
+from crisp_runtime.storage.pack import load_pack, save_pack
 
 
 def original_rows(gate_up, down, order):
@@ -350,7 +350,7 @@ def test_runtime_serves_tail_rows_as_the_reference_at_served_widths(serving, ext
 
 def test_cpu_placement_is_refused_for_tail_rows():
     plan = CrispPlan.full(E, TOP_K, INTER, (0, 1))
-    from crisp_runtime.scheduler import CostModel
+    from crisp_runtime.scheduling.scheduler import CostModel
 
     cost = CostModel(cpu_bytes_per_s=1e10)
     with pytest.raises(ValueError, match="2-bit tail"):

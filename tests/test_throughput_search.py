@@ -1,5 +1,5 @@
 """Plan for throughput (crisp_tools.profiler.throughput) and the serving choice stored in pack.json
-(crisp_runtime.serving_record): the fastest candidate within the accuracy bound is chosen, candidates are
+(crisp_runtime.storage.serving_record): the fastest candidate within the accuracy bound is chosen, candidates are
 evaluated fastest first and no further, the record round-trips through a pack and is parsed strictly."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from crisp_tools.profiler import throughput as tp
 from crisp_tools.text import read_texts
 
 from crisp_kernels import PackFormatError
-from crisp_runtime.pack import load_pack, save_pack
-from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
-from crisp_runtime.serving import SERVING_POLICIES, DominantWiden
-from crisp_runtime.serving_record import ServingRecord, serving_record
+from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy, PrefetchWidth
+from crisp_runtime.storage.pack import load_pack, save_pack
+from crisp_runtime.storage.serving_record import ServingRecord, serving_record
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, PACK, TEXT = ROOT / "models/tiny-mixtral", ROOT / "models/tiny-mixtral-crisp", ROOT / "data/stdlib-heldout.txt"
@@ -80,7 +80,7 @@ def test_the_search_scores_windows_of_crisp_eval_s_length_by_default():
 
 
 def test_other_tier_widths_repeat_the_whole_space_once_each():
-    from crisp_runtime.plan import TierWidths
+    from crisp_runtime.planning.plan import TierWidths
 
     _, plan, _ = load_pack_dir(PACK)
     own, wide = plan.tier_widths, TierWidths(256, 128, 64)
@@ -499,7 +499,7 @@ def test_score_plan_equals_the_decode_of_an_exact_candidate(tiny):
     budget that evicts), the runtime's decode predicts exactly what one batch forward does."""
     from crisp_tools.serving_eval import ServingCase, run_case, score_plan, total_expert_bytes
 
-    from crisp_runtime.pack import CrispPack
+    from crisp_runtime.storage.pack import CrispPack
 
     model, layers, plan, _ = tiny
     windows = contiguous_windows(read_texts([TEXT]), 3, 24)
@@ -520,7 +520,7 @@ def test_the_budget_of_a_tail_pack_is_a_fraction_of_its_4bit_bytes(tmp_path):
     simulator and crisp-eval count it (the tail pack's own bytes are 62.5% of them here)."""
     from crisp_tools import tail_pack
 
-    from crisp_runtime.serving_record import budget_base_bytes
+    from crisp_runtime.storage.serving_record import budget_base_bytes
 
     out = tmp_path / "t"
     assert tail_pack.main(["--model", str(MODEL), "--crisp", str(PACK), "--layout", "2g128@0.25", "--out", str(out),

@@ -23,7 +23,7 @@ from crisp_tools.text import VOCAB_SIZE, read_texts, sample_sequences
 
 from crisp_kernels import dequantize_layer
 from crisp_runtime import CrispPlan, apply
-from crisp_runtime.moe_layers import find_moe_layers, model_top_k
+from crisp_runtime.hf.moe_layers import find_moe_layers, model_top_k
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "tiny-deepseek"

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from crisp_runtime.cli_args import CliError  # re-exported: the one error base of every CLI
-from crisp_runtime.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, max_positions, model_top_k
+from crisp_runtime.hf.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, max_positions, model_top_k
 
 # Windows may overlap (they are drawn at random), but asking for more than this many times the
 # text's bytes means the "samples" are mostly repeats: refuse rather than pretend.
@@ -111,11 +111,11 @@ def check_seq_len(model, seq_len: int) -> None:
 
 def model_fingerprint(model, layers: Sequence[MoeLayerRef], digest: str | None = None) -> dict:
     """What identifies a model for a pack: its shape and a digest of (a sample of) its expert weights
-    (``crisp_runtime.pack.weights_sha256``: the first rows of every MoE layer, cheap even for
+    (``crisp_runtime.storage.pack.weights_sha256``: the first rows of every MoE layer, cheap even for
     Mixtral-8x7B; ``check_weights_fingerprint`` compares it). ``digest``: that digest computed elsewhere
     (``placement.ExpertSource.weights_sha256``: from the checkpoint when the experts are not resident).
     """
-    from crisp_runtime.pack import weights_sha256
+    from crisp_runtime.storage.pack import weights_sha256
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return {
@@ -417,7 +417,7 @@ def threads(n: int | None) -> Iterator[None]:
 def dump_json(path: str | os.PathLike, data) -> None:
     """JSON written atomically into an existing folder (checked up front with ``check_outputs``).
     NaN / inf stay as JavaScript literals: a diverged perplexity is a result, not an error."""
-    from crisp_runtime.outputs import write_json
+    from crisp_runtime.storage.outputs import write_json
 
     write_json(path, data, allow_nan=True)
 
@@ -433,7 +433,7 @@ def load_pack_dir(directory: str | os.PathLike):
     a model over text for minutes to hours; hashing even a Mixtral-8x7B pack costs seconds).
     """
     from crisp_kernels.io import PackCheck
-    from crisp_runtime.pack import load_pack
+    from crisp_runtime.storage.pack import load_pack
 
     directory = Path(directory)
     if not directory.is_dir():
@@ -455,7 +455,7 @@ def stored_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
     docs/big-models.md). Dequantization is per element, so the result is the same, bit for bit.
     """
     from crisp_kernels.format import PackedLayer, dequantize_layer
-    from crisp_runtime.checkpoint import release_freed_memory
+    from crisp_runtime.hf.checkpoint import release_freed_memory
 
     num_experts, inter, hidden = layer.num_experts, layer.num_neurons, layer.hidden_size  # neurons, not tail rows
     gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=torch.float32, device=layer.qweight.device)

@@ -8,7 +8,7 @@ Policies, all on the same windows of the given text (non-overlapping, spread eve
 - ``uniform``: every routed expert at one width, the width whose bytes per token are closest to CRISP's;
 - ``skip_aux``: the plan's ``num_dominant`` heaviest experts (by routing weight) at full width, the
   others run only when their routing weight is at least a threshold, the one whose bytes per token on
-  the routing of the ``full`` run are closest to CRISP's (both matched by ``crisp_runtime.baselines``);
+  the routing of the ``full`` run are closest to CRISP's (both matched by ``crisp_runtime.planning.baselines``);
 - ``skip_aux_all``: the auxiliary expert always skipped (for reference).
 
 ``bytes_per_token`` = expert weight bytes read per token, summed over the MoE layers: for every
@@ -32,10 +32,10 @@ import torch
 from crisp_kernels.format import rows_for_neurons
 from crisp_kernels.tail_layout import PLAIN
 from crisp_runtime import cli_args as ca
-from crisp_runtime.baselines import equal_bytes_plans
-from crisp_runtime.outputs import OutputPathError, check_outputs
-from crisp_runtime.plan import CrispPlan, PolicyKind
-from crisp_runtime.runtime import plan_for_layers
+from crisp_runtime.execution.runtime import plan_for_layers
+from crisp_runtime.planning.baselines import equal_bytes_plans
+from crisp_runtime.planning.plan import CrispPlan, PolicyKind
+from crisp_runtime.storage.outputs import OutputPathError, check_outputs
 
 from . import serving_eval
 from .calibration import (
@@ -76,7 +76,7 @@ class Evaluator:
         self.pack_dir = Path(pack_dir)
         self.model, self.refs = load_model(model_dir, resolve_device(device), dtype)
         check_seq_len(self.model, seq_len)
-        from crisp_runtime.pack import PackMismatchError, check_layers_fit_model
+        from crisp_runtime.storage.pack import PackMismatchError, check_layers_fit_model
 
         try:
             check_layers_fit_model(self.layers, self.model, info=self.info)
@@ -131,7 +131,7 @@ class Evaluator:
     def run_decode(self, budgets, window=None, cases=None) -> tuple[list[dict], dict]:
         """Runtime in the loop (``crisp_tools.serving_eval``): every case (default: ``default_cases()``) at every
         budget fraction; ``window`` (a ``PrefetchWindow``) on every prefetching case."""
-        from crisp_runtime.pack import CrispPack
+        from crisp_runtime.storage.pack import CrispPack
 
         self.log(f"decode: {self.windows.shape[0]} windows x {self.windows.shape[1]} tokens, budgets {budgets}"
                  + ("" if window is None else f", prefetch window {window.name}"))
@@ -187,7 +187,7 @@ class Evaluator:
             with make(*self.reference) as run:
                 ref_full = run(self._plan("full", next(iter(self.reference[0].values())).intermediate_size))
         with make() as run:
-            from crisp_runtime.moe_layers import record_routing
+            from crisp_runtime.hf.moe_layers import record_routing
 
             with record_routing(self.model, self.refs) as trace:
                 full = run(self._plan("full"))
@@ -275,8 +275,8 @@ class Evaluator:
     def _runtime_runner(self, layers=None, info=None):
         import contextlib
 
-        from crisp_runtime.hf import apply
-        from crisp_runtime.pack import CrispPack
+        from crisp_runtime.hf.dropin import apply
+        from crisp_runtime.storage.pack import CrispPack
 
         layers = self.layers if layers is None else layers
         info = self.info if info is None else info
@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "pack's plan), on this text: the held-out check of the throughput search's choice")
     p.add_argument("--prefetch-window", default=None, metavar="PROFILE", type=_window_profile,
                    help="--mode decode: admit only the prefetch rows a GPU of this hardware profile copies before the "
-                        "next layer's demand (the simulator's timeline, crisp_runtime.copy_window), so the decode "
+                        "next layer's demand (the simulator's timeline, scheduling.copy_window), so the decode "
                         "serves the widths crisp-bench simulate times; a built-in crisp-bench profile ("
                         + ", ".join(_builtin_profiles()) + "), 'measured' or a profile PATH.json; default: none "
                         "(on the CPU every prefetch completes)")
@@ -496,9 +496,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def stored_cases(info, where: str) -> list:
     """[(the decode case of a stored serving choice, the stored ``ServingRecord``)], one per stored budget; a
-    CliError when the pack stores none (``crisp_runtime.serving_record``)."""
+    CliError when the pack stores none (``crisp_runtime.storage.serving_record``)."""
     from crisp_kernels import PackFormatError
-    from crisp_runtime.serving_record import serving_choices
+    from crisp_runtime.storage.serving_record import serving_choices
 
     try:
         choices = serving_choices(info, where=where)
@@ -536,7 +536,7 @@ def _pack_info_or_none(pack_dir) -> dict | None:
 def _decode_main(ev: Evaluator, args, window=None) -> int:
     cases, budgets = None, args.budgets or list(DECODE_BUDGETS)
     if args.stored_serving:  # each stored choice at its own budget (with --budgets: the choice for each)
-        from crisp_runtime.serving_record import serving_choices
+        from crisp_runtime.storage.serving_record import serving_choices
 
         stored = stored_cases(ev.info, str(Path(args.crisp) / "pack.json"))
         choices = serving_choices(ev.info)

@@ -31,8 +31,8 @@ import time
 import torch
 
 from crisp_runtime import cli_args as ca
-from crisp_runtime.outputs import OutputPathError, check_outputs, write_text
-from crisp_runtime.pairs import pair_codes, pair_skew
+from crisp_runtime.planning.pairs import pair_codes, pair_skew
+from crisp_runtime.storage.outputs import OutputPathError, check_outputs, write_text
 
 from .calibration import (
     CliError,

@@ -6,7 +6,7 @@ themselves, per MoE layer and projection (gate, up, down) and over all, as JSON 
     python tools/expert_sqnr.py --synthetic mxfp4 [--experts 4] [--hidden 2880] [--intermediate 2880]
 
 MODEL_DIR: a local transformers checkpoint of a supported family (gpt-oss included: its experts are
-de-interleaved by ``crisp_runtime.moe_layers``, exactly as the drop-in packs them), loaded on the CPU in
+de-interleaved by ``crisp_runtime.hf.moe_layers``, exactly as the drop-in packs them), loaded on the CPU in
 its stored dtype; nothing is downloaded. ``--synthetic`` measures one gpt-oss-shaped layer
 (gpt-oss-20b's H = I = 2880 by default) without a checkpoint: ``gaussian`` weights (std 0.02, what
 ``from_config`` initialises), or ``mxfp4`` weights, Gaussian weights first rounded to the MXFP4
@@ -74,7 +74,7 @@ def measure_model(model_dir: Path, fmt: QuantFormat) -> dict[int, dict]:
     """SQNR per MoE layer of a local checkpoint (one layer's float32 copy at a time)."""
     from transformers import AutoModelForCausalLM
 
-    from crisp_runtime.moe_layers import find_moe_layers
+    from crisp_runtime.hf.moe_layers import find_moe_layers
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", local_files_only=True)
     out = {}

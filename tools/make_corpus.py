@@ -33,7 +33,7 @@ import sysconfig
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from crisp_runtime import cli_args as ca  # noqa: E402
-from crisp_runtime.outputs import write_text  # noqa: E402
+from crisp_runtime.storage.outputs import write_text  # noqa: E402
 
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 GENERATED_MARKER = "Python Character Mapping Codec"  # header of gencodec.py's output

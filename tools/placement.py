@@ -3,7 +3,7 @@
 Three placements (:class:`Placement`):
 
 - ``resident`` (default): ``from_pretrained`` onto ``--device``; the whole model in memory.
-- ``stream``: the non-expert weights on ``--device`` (``crisp_runtime.checkpoint.load_skeleton``); each
+- ``stream``: the non-expert weights on ``--device`` (``crisp_runtime.hf.checkpoint.load_skeleton``); each
   MoE layer's experts are read from the checkpoint when its forward runs and dropped after it
   (``CheckpointExperts``), so host memory holds one layer of full-precision experts, never the model.
 - ``device-map`` (``--device-map auto|JSON``): accelerate's big-model loading through
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from crisp_runtime.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
-from crisp_runtime.outputs import OutputPathError, check_not_input_folder, check_writable_folder
+from crisp_runtime.hf.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
+from crisp_runtime.storage.outputs import OutputPathError, check_not_input_folder, check_writable_folder
 
 from .calibration import DTYPES, CliError, load_model
 
@@ -209,7 +209,7 @@ class LazyLayers(Mapping):
 
 class ExpertSource:
     """The profiler's access to the full-precision experts: the modules' own when resident, else the checkpoint
-    (``crisp_runtime.checkpoint.CheckpointExperts``, in the model's dtype)."""
+    (``crisp_runtime.hf.checkpoint.CheckpointExperts``, in the model's dtype)."""
 
     def __init__(self, placement: Placement, layers: Sequence[MoeLayerRef], checkpoint=None) -> None:
         self.placement = placement
@@ -239,9 +239,9 @@ class ExpertSource:
         return torch.stack(out)
 
     def weights_sha256(self) -> str:
-        """``crisp_runtime.pack.weights_sha256`` of the experts (4-neuron prefixes; the same digest whichever
+        """``crisp_runtime.storage.pack.weights_sha256`` of the experts (4-neuron prefixes; the same digest whichever
         the placement, as the values are the same)."""
-        from crisp_runtime.pack import weights_sha256
+        from crisp_runtime.storage.pack import weights_sha256
 
         if self.checkpoint is None:
             return weights_sha256(self.layers)
@@ -280,7 +280,7 @@ def load_placed(path: str | os.PathLike, device: torch.device, dtype: str, loadi
     protected: the run's inputs and outputs ({option: path(s)}), which the offload folder must keep clear of;
     beside: where a default offload folder is made (``--out``'s parent).
     """
-    from crisp_runtime.checkpoint import CheckpointError, CheckpointExperts, CheckpointMap, checkpoint_files
+    from crisp_runtime.hf.checkpoint import CheckpointError, CheckpointExperts, CheckpointMap, checkpoint_files
 
     if loading.placement is Placement.RESIDENT:
         model, layers = load_model(path, device, dtype)
@@ -293,7 +293,7 @@ def load_placed(path: str | os.PathLike, device: torch.device, dtype: str, loadi
     offload = None
     try:
         if loading.placement is Placement.STREAM:
-            from crisp_runtime.checkpoint import load_skeleton
+            from crisp_runtime.hf.checkpoint import load_skeleton
 
             model, cmap = load_skeleton(path, None if dtype == "auto" else DTYPES[dtype])
             model.to(device)

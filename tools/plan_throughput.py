@@ -20,7 +20,7 @@ With ``--tail-layouts`` on a 4-bit pack it also searches those 2-bit tail layout
 chooses the layout too.
 The result is a new pack folder (written atomically, never over an existing path): the same experts (or the chosen
 tail layout's, recorded as ``tail_pack`` records them), the chosen plan, and the choice in pack.json ``serving``
-(``crisp_runtime.serving_record``; a serving choice the source pack stored is replaced) with
+(``crisp_runtime.storage.serving_record``; a serving choice the source pack stored is replaced) with
 ``planned_for_throughput`` naming the source.
 """
 
@@ -31,7 +31,7 @@ import sys
 import time
 
 from crisp_runtime import cli_args as ca
-from crisp_runtime.outputs import OutputPathError
+from crisp_runtime.storage.outputs import OutputPathError
 
 from .calibration import CliError, check_vocab, load_pack_dir, load_texts, log, split_texts, threads
 from .profiler.config import accuracy_window_count
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "reference_crisp": args.reference_crisp and str(args.reference_crisp),
                                   "source_plan_widths_sha256": plan.widths_digest(), "data": list(args.data),
                                   "holdout_fraction": args.holdout_fraction, "seed": args.seed}
-        from crisp_runtime.pack import save_pack
+        from crisp_runtime.storage.pack import save_pack
 
         save_pack(out, variant.layers, plan=chosen, info=new_info)
     except (CliError, OutputPathError) as exc:

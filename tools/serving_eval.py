@@ -23,16 +23,16 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from crisp_runtime.baselines import equal_bytes_plans, full_plan
-from crisp_runtime.copy_window import PrefetchWindow
-from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
-from crisp_runtime.hf import apply
-from crisp_runtime.moe_layers import record_routing
-from crisp_runtime.plan import CrispPlan
-from crisp_runtime.prefetch import PrefetchPolicy
-from crisp_runtime.runtime import RuntimeConfig, plan_for_layers
-from crisp_runtime.serving import SERVING_POLICIES, ServingPolicy, make_serving
-from crisp_runtime.serving_record import budget_base_bytes
+from crisp_runtime.execution.runtime import RuntimeConfig, plan_for_layers
+from crisp_runtime.hf.dropin import apply
+from crisp_runtime.hf.moe_layers import record_routing
+from crisp_runtime.planning.baselines import equal_bytes_plans, full_plan
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.planning.serving import SERVING_POLICIES, ServingPolicy, make_serving
+from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
+from crisp_runtime.scheduling.copy_window import PrefetchWindow
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy
+from crisp_runtime.storage.serving_record import budget_base_bytes
 
 from .calibration import TokenScores, dump_json, score_windows
 from .loss_estimate import finite_or_none, relative_loss
@@ -72,7 +72,7 @@ def decode_windows(model, windows: torch.Tensor, progress: Callable | None = Non
 
 def total_expert_bytes(layers: Mapping) -> int:
     """Bytes of every expert of a pack at full width in 4-bit rows (what a budget fraction is a fraction of:
-    ``crisp_runtime.serving_record.budget_base_bytes``)."""
+    ``crisp_runtime.storage.serving_record.budget_base_bytes``)."""
     return budget_base_bytes(layers)
 
 
@@ -81,10 +81,10 @@ class ServingCase:
     """One evaluated configuration: which plan, how it is served, whether it prefetches.
 
     plan: "crisp" (the pack's plan), "uniform" / "skip_aux" (matched to CRISP's bytes, exact
-    serving), "full" (4-bit full width). serving: a ``crisp_runtime.serving`` policy spec (name, dict
+    serving), "full" (4-bit full width). serving: a ``crisp_runtime.planning.serving`` policy spec (name, dict
     or instance) or None for the runtime's default (exact: the plan's widths). prefetch: a
-    ``crisp_runtime.prefetch.PrefetchPolicy`` or None (no prefetch). eviction: the runtime's eviction
-    policy by name (``crisp_runtime.eviction.POLICIES``; default its default, LRU); a record names it
+    ``crisp_runtime.scheduling.prefetch.PrefetchPolicy`` or None (no prefetch). eviction: the runtime's eviction
+    policy by name (``crisp_runtime.residency.eviction.POLICIES``; default its default, LRU); a record names it
     only when it is not LRU (records written before it was a field ran LRU).
     """
 
@@ -201,7 +201,7 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         "budget_fraction": budget_fraction,
         "budget_bytes": budget_bytes,
         "serving": _serving_dict(case.serving),
-        # the dominant floor counts neurons on a tail pack too (crisp_runtime.serving.floor_in_rows; before
+        # the dominant floor counts neurons on a tail pack too (crisp_runtime.planning.serving.floor_in_rows; before
         # session 15 the runtime counted storage rows there: bench.sim_policies.read_accuracy skips such records)
         "floor_unit": FLOOR_UNIT,
         "prefetch": None if case.prefetch is None else case.prefetch.to_dict(),
@@ -246,8 +246,8 @@ def write_serving_json(path, records: Sequence[dict], meta: dict) -> None:
             "budget_fraction": float  GPU expert-cache budget / all expert bytes of the pack,
             "budget_bytes": int,
             "serving": {name, hit_width, aux_narrower, aux_missing, dominant_floor, exact: bool}
-                                     (crisp_runtime.serving.ServingPolicy.to_dict; exact = plan's widths),
-            "prefetch": dict | null  the prefetch policy (crisp_runtime.prefetch.PrefetchPolicy.to_dict),
+                                     (crisp_runtime.planning.serving.ServingPolicy.to_dict; exact = plan's widths),
+            "prefetch": dict | null  the prefetch policy (crisp_runtime.scheduling.prefetch.PrefetchPolicy.to_dict),
             "accuracy": float        next-token accuracy, teacher-forced decode through the runtime,
             "perplexity": float, "loss": float (mean nll, nats),
             "accuracy_loss": float   (full-width accuracy - accuracy) / full-width accuracy (a fraction),
@@ -292,7 +292,7 @@ def serving_sweep(model, pack, windows: torch.Tensor, budgets: Sequence[float], 
     plan's widths, so their outputs do not depend on the budget: they are decoded once, at the
     middle budget. CRISP exact is decoded at every budget (its figures must agree: a check of
     that independence). Uniform and skip-aux are matched to the bytes per token CRISP exact routed
-    (``crisp_runtime.baselines``) on the routing of the full-width decode.
+    (``crisp_runtime.planning.baselines``) on the routing of the full-width decode.
 
     reference: the 4-bit pack a 2-bit tail pack (``crisp_tools.tail_pack``) came from, or None. With one, the
     full-width reference of every ``accuracy_loss`` is the reference pack's full width (decoded once, at the

@@ -8,7 +8,7 @@
    one layer of experts is the same 1/32 share of the checkpoint as there;
 2. in a fresh subprocess each, reports the peak resident set (``VmHWM`` from /proc/self/status)
    and the resident set after importing torch + transformers (the floor every step pays) of:
-   - ``pack``: crisp_runtime.checkpoint.load_skeleton + pack_checkpoint + save_pack (what a
+   - ``pack``: crisp_runtime.hf.checkpoint.load_skeleton + pack_checkpoint + save_pack (what a
      full-width pack of the checkpoint costs: one expert of float32 weights at a time);
    - ``profile``: ``crisp-profile --placement stream`` on a few windows of text (statistics,
      dominance base pass, neuron order, pack, held-out choice of the dominance rule, write): the
@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from crisp_runtime.outputs import OutputPathError, check_output, write_bytes
+from crisp_runtime.storage.outputs import OutputPathError, check_output, write_bytes
 
 GIB = 2**30
 
@@ -112,7 +112,7 @@ def _step(kind: str, checkpoint: Path, pack: Path, offload_cpu_mib: int | None =
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import crisp_runtime
-    import crisp_runtime.checkpoint  # noqa: F401 - part of the floor
+    import crisp_runtime.hf.checkpoint  # noqa: F401 - part of the floor
 
     # The floor: torch, transformers, CRISP and the model's modeling code imported (a meta model built), ~415 MiB
     # here, paid whatever the checkpoint's size; what the step adds above it is what the checkpoint costs.
@@ -121,8 +121,8 @@ def _step(kind: str, checkpoint: Path, pack: Path, offload_cpu_mib: int | None =
     floor = _status_kib("VmRSS")
     out = {"step": kind, "rss_after_imports_mib": floor / 1024}
     if kind == "pack":
-        from crisp_runtime.checkpoint import checkpoint_weights_sha256, load_skeleton, pack_checkpoint
-        from crisp_runtime.pack import model_info, save_pack
+        from crisp_runtime.hf.checkpoint import checkpoint_weights_sha256, load_skeleton, pack_checkpoint
+        from crisp_runtime.storage.pack import model_info, save_pack
 
         model, cmap = load_skeleton(checkpoint)
         layers = pack_checkpoint(model, cmap)

@@ -40,8 +40,8 @@ import torch
 from crisp_kernels.format import PackedLayer, pack_nibbles, unpack_nibbles
 from crisp_kernels.tail_layout import TailLayout, TailSegment, parse_tail_layout
 from crisp_runtime import cli_args as ca
-from crisp_runtime.outputs import OutputPathError, check_outputs
-from crisp_runtime.plan import TierWidths
+from crisp_runtime.planning.plan import TierWidths
+from crisp_runtime.storage.outputs import OutputPathError, check_outputs
 
 from .calibration import CliError, load_model, load_pack_dir, log
 
@@ -212,7 +212,7 @@ def source_pack(args):
 def source_model(args, layers, info):
     """(model, MoE layer refs) of ``--model``, refused unless the pack was made from these weights."""
     model, refs = load_model(args.model)
-    from crisp_runtime.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint
+    from crisp_runtime.storage.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint
 
     try:
         check_layers_fit_model(layers, model, info=info)
@@ -226,7 +226,7 @@ def reference_pack(reference_dir, layers, model, pack_dir) -> tuple[dict, dict]:
     """(layers, info) of ``--reference-crisp``: the 4-bit pack whose full width is the reference of every relative
     loss of ``--crisp`` ``pack_dir`` (its ``layers``). CliError for a tail layout (emulated or stored), a pack of
     other weights than ``model``, or another neuron order than ``layers`` (another profile of the model)."""
-    from crisp_runtime.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint
+    from crisp_runtime.storage.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint
 
     ref_layers, _, ref_info = load_pack_dir(reference_dir)
     if emulation_of(ref_info) is not None or next(iter(ref_layers.values())).tail_start is not None:
@@ -245,10 +245,10 @@ def reference_pack(reference_dir, layers, model, pack_dir) -> tuple[dict, dict]:
 
 def derived_info(info: dict, drop=()) -> tuple[dict, object]:
     """(the source pack's info without what save_pack writes itself and without its stored serving choice, its
-    experts file record). A serving choice (``crisp_runtime.serving_record``) belongs to the plan and bytes it was
+    experts file record). A serving choice (``storage.serving_record``) belongs to the plan and bytes it was
     searched on: a derived pack has other bytes or another plan (before session 15 a tail pack kept its source's
     choice, searched on 4-bit rows)."""
-    from crisp_runtime.serving_record import SERVING_KEY
+    from crisp_runtime.storage.serving_record import SERVING_KEY
 
     files = info.get("files")
     digest = files.get("experts.safetensors") if isinstance(files, dict) else None
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                            "--aux-full-weight or --aux-skip-weight to store another plan)")
         layers, plan, info = source_pack(args)
         _, refs = source_model(args, layers, info)
-        from crisp_runtime.pack import save_pack
+        from crisp_runtime.storage.pack import save_pack
 
         new = {}
         for n, ref in enumerate(refs, 1):

@@ -33,7 +33,7 @@ import time
 from crisp_kernels.format import tail_group_size, with_tail
 from crisp_kernels.tail_layout import TailLayout
 from crisp_runtime import cli_args as ca
-from crisp_runtime.outputs import OutputPathError
+from crisp_runtime.storage.outputs import OutputPathError
 
 from .calibration import CliError, log
 from .tail_emulation import (
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             raise CliError(f"--layout {args.layout.name}: {exc}") from None
         _, refs = source_model(args, layers, info)
-        from crisp_runtime.pack import save_pack
+        from crisp_runtime.storage.pack import save_pack
 
         new = tail_layers(layers, refs, start,
                           lambda msg: log(f"[tail-pack {time.time() - t0:5.1f}s] {msg}", quiet=args.quiet))

@@ -56,9 +56,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from crisp_runtime import cli_args as ca  # noqa: E402
-from crisp_runtime import pairs  # noqa: E402
-from crisp_runtime.moe_layers import find_moe_layers, record_routing  # noqa: E402
-from crisp_runtime.outputs import write_text  # noqa: E402
+from crisp_runtime.hf.moe_layers import find_moe_layers, record_routing  # noqa: E402
+from crisp_runtime.planning import pairs  # noqa: E402
+from crisp_runtime.storage.outputs import write_text  # noqa: E402
 
 from .text import VOCAB_SIZE, read_texts, sample_sequences  # noqa: E402
 
@@ -177,7 +177,7 @@ def pair_skew(model, seqs: torch.Tensor, top_fraction: float = 0.25, bottom_frac
               batch_size: int = 16) -> list[dict]:
     """Per layer: how concentrated the routed expert combinations (leading pairs) are.
 
-    Counts every token's leading pair on ``seqs`` (N, L) and reports ``crisp_runtime.pairs.pair_skew``:
+    Counts every token's leading pair on ``seqs`` (N, L) and reports ``crisp_runtime.planning.pairs.pair_skew``:
     the share of activations carried by the most frequent ``top_fraction`` of all C(E, 2) possible
     pairs, and by the least frequent ``bottom_fraction`` (cf. the paper's 25% / 29%). For this top-2
     model the leading pair is the whole routed set.

@@ -20,7 +20,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from crisp_runtime.outputs import OutputPathError, check_writable_folder
+from crisp_runtime.storage.outputs import OutputPathError, check_writable_folder
 
 from .calibration import CliError
 

@@ -8,7 +8,7 @@ import json
 import sys
 
 from crisp_runtime import cli_args as ca
-from crisp_runtime.outputs import OutputPathError
+from crisp_runtime.storage.outputs import OutputPathError
 
 from ..calibration import DTYPES, CliError
 from ..placement import PLACEMENT_CHOICES
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "width cap with the most simulated tokens/s at this GPU budget (fraction of all expert bytes) "
                         "on --hardware-profile, within --max-accuracy-loss measured on held-out calibration windows "
                         "(decoded through the runtime, or one batch forward where the serving follows the plan); "
-                        "stored in pack.json 'serving' (crisp_runtime.serving_record) and the pack's plan")
+                        "stored in pack.json 'serving' (crisp_runtime.storage.serving_record) and the pack's plan")
     add_search_options(p, "with --plan-for-throughput: ")
     p.add_argument("--placement", default="resident", choices=PLACEMENT_CHOICES,
                    help="resident: the whole model on --device; stream: the non-expert weights on --device, each "

@@ -88,7 +88,7 @@ class ProfileConfig:
     throughput_seq_len: int = EVAL_SEQ_LEN
     accuracy_confidence: float = 0.95  # one-sided confidence that the loss is within max_accuracy_loss
     simulation_workers: int = 1  # processes simulating the candidates (the CLI's default: throughput.default_workers)
-    # other Hot / Warm / Cold widths (neurons, crisp_runtime.plan.TierWidths) the throughput search also tries
+    # other Hot / Warm / Cold widths (neurons, crisp_runtime.planning.plan.TierWidths) the throughput search also tries
     search_tier_widths: tuple = ()
     work_dir: str | None = None
     keep_work: bool = False

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from crisp_runtime.pairs import pair_codes
+from crisp_runtime.planning.pairs import pair_codes
 
 from ..calibration import MaskedExperts, score_windows
 from .statistics import Stats

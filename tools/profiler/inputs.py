@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from crisp_kernels.format import QuantFormat
-from crisp_runtime.moe_layers import MoeLayerRef, model_top_k
-from crisp_runtime.outputs import OutputPathError, check_not_input_folder
-from crisp_runtime.plan import TierCutoffs
+from crisp_runtime.hf.moe_layers import MoeLayerRef, model_top_k
+from crisp_runtime.planning.plan import TierCutoffs
+from crisp_runtime.storage.outputs import OutputPathError, check_not_input_folder
 
 from ..calibration import (
     CliError,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from crisp_runtime.outputs import OutputPathError, check_writable_folder
-from crisp_runtime.pack import PACK_FILES, recorded_model
+from crisp_runtime.storage.outputs import OutputPathError, check_writable_folder
+from crisp_runtime.storage.pack import PACK_FILES, recorded_model
 
 from ..calibration import CliError
 

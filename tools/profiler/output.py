@@ -1,7 +1,7 @@
 """``crisp-profile``'s output: the pack and its pack.json record (the checks on ``--out``: ``out_folder``).
 
 The experts are packed 4-bit, group-wise, neuron-major and reordered (``crisp_kernels.pack_layer``)
-and written with the plan and pack.json by ``crisp_runtime.pack.save_pack`` (a staging folder
+and written with the plan and pack.json by ``crisp_runtime.storage.pack.save_pack`` (a staging folder
 beside ``--out``, swapped in). crisp-profile is stricter than ``save_pack`` about ``--out``: it
 replaces only an older pack of the same model, and refuses a folder holding anything else.
 """
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from crisp_runtime.checkpoint import pack_layers as pack_expert_by_expert
-from crisp_runtime.pack import save_pack
-from crisp_runtime.pairs import pair_skew
-from crisp_runtime.plan import CrispPlan
+from crisp_runtime.hf.checkpoint import pack_layers as pack_expert_by_expert
+from crisp_runtime.planning.pairs import pair_skew
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.storage.pack import save_pack
 
 from .out_folder import check_out_dir
 from .statistics import PROFILE_VERSION, Stats

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from crisp_runtime.plan import CrispPlan, LayerPlan, Tier, TierCutoffs, TierWidths, assign_tiers
+from crisp_runtime.planning.plan import CrispPlan, LayerPlan, Tier, TierCutoffs, TierWidths, assign_tiers
 
 from .dominance import dominance_report, dominant
 from .statistics import Stats

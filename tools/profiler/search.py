@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from crisp_runtime.plan import CrispPlan, TierCutoffs, TierWidths
+from crisp_runtime.planning.plan import CrispPlan, TierCutoffs, TierWidths
 
 from ..calibration import CliError, MaskedExperts, score_windows
 from .planning import description, initial_plan, layer_plans

@@ -10,7 +10,7 @@ This is the magnitude of neuron j's contribution to the layer output, w_t * h_tj
 (what dropping it removes), so weighting by the routing weight is not a heuristic: a neuron that
 only fires for tokens that give the expert a small weight contributes little. (``--importance
 mean-abs`` drops the weight, for comparison.) Also counted: the leading pair of every token
-(``crisp_runtime.pairs``) and the routing weight each member gets within its pair (the dominance
+(``crisp_runtime.planning.pairs``) and the routing weight each member gets within its pair (the dominance
 proxy). The permutation sorts each expert's neurons by decreasing importance.
 """
 
@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from crisp_kernels.io import atomic_write
-from crisp_runtime.pairs import leading_pairs, pair_counts
+from crisp_runtime.planning.pairs import leading_pairs, pair_counts
 
 from ..calibration import MaskedExperts
 

@@ -32,7 +32,7 @@ Accuracy: teacher-forced decoding through ``crisp_runtime.apply`` with its cache
 (``crisp_tools.serving_eval.run_case``, what ``crisp-eval --mode decode`` runs) on the same held-out
 *calibration* windows (the last ``--holdout-fraction`` of the calibration text: never the evaluation
 text), relative to 4-bit full width, with the prefetch window of the same profile and target
-(``crisp_runtime.copy_window``: the decode admits only the prefetch rows the simulated copy engine delivers
+(``crisp_runtime.scheduling.copy_window``: the decode admits only the prefetch rows the simulated copy engine delivers
 before the next layer's demand, so the accuracy belongs to the simulated widths; without it every prefetch
 completed and the loss was 1-2 points lower, docs/residency-and-serving.md). Candidates are evaluated
 fastest first and the search stops at the first within ``max_accuracy_loss``: the fastest feasible candidate.
@@ -64,13 +64,13 @@ from crisp_bench.traces import record_trace
 
 from crisp_kernels.tail_layout import PLAIN, TailLayout
 from crisp_runtime import cli_args as ca
-from crisp_runtime.baselines import full_plan
-from crisp_runtime.eviction import POLICIES as EVICTION_POLICIES
-from crisp_runtime.pack import CrispPack
-from crisp_runtime.plan import CrispPlan, PlanError, PolicyKind, TierWidths
-from crisp_runtime.prefetch import PrefetchPolicy, PrefetchWidth
-from crisp_runtime.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
-from crisp_runtime.serving_record import SERVING_KEY, ServingRecord
+from crisp_runtime.planning.baselines import full_plan
+from crisp_runtime.planning.plan import CrispPlan, PlanError, PolicyKind, TierWidths
+from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
+from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy, PrefetchWidth
+from crisp_runtime.storage.pack import CrispPack
+from crisp_runtime.storage.serving_record import SERVING_KEY, ServingRecord
 
 from ..calibration import EVAL_SEQ_LEN, CliError, TokenScores, random_windows
 from ..loss_estimate import finite_or_none, relative_loss
@@ -369,7 +369,7 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
     standard errors is already over the bound. A candidate is accepted when, over all M, its loss + z standard
     errors <= ``goal.max_accuracy_loss`` (z of ``goal.confidence``, one-sided; :mod:`crisp_tools.loss_estimate`).
     The decodes' budget is the same fraction of the 4-bit expert bytes on every variant
-    (``crisp_runtime.serving_record.budget_base_bytes``). workers: simulation processes
+    (``crisp_runtime.storage.serving_record.budget_base_bytes``). workers: simulation processes
     (:func:`simulate_candidates`). reference_layers: the 4-bit pack (same neuron order) whose full width every
     loss is relative to, required when a variant has a tail (a tail pack's own full width lost 0.56% on the tiny
     Mixtral's held-out text, session 9: a loss against it would be understated by that much; before session 16 it

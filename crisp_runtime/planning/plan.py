@@ -434,7 +434,7 @@ class CrispPlan:
 
         The dominant slots are the ranks below ``num_dominant`` (for every policy, FULL and
         UNIFORM included: the heaviest routed experts), the others auxiliary; invalid slots are
-        False. Serving policies (``crisp_runtime.serving``) treat the two roles differently.
+        False. Serving policies (``crisp_runtime.planning.serving``) treat the two roles differently.
         """
         self._check_step(layer_id, top_k_index, top_k_weights)
         if top_k_index.numel() <= _SMALL_STEP_SLOTS:
@@ -474,7 +474,7 @@ class CrispPlan:
 
         The vectorized rules only (no copy to the host, no Python per token, no data-dependent
         control flow), so ``torch.compile(fullgraph=True)`` traces it: the all-resident step of
-        ``crisp_runtime.resident_path``. Same values as :meth:`token_widths`.
+        ``crisp_runtime.execution.resident_path``. Same values as :meth:`token_widths`.
         """
         if layer_id not in self.layer_ids:
             raise PlanError(f"plan has no layer {layer_id}; it covers layers {list(self.layer_ids)}")

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .plan import CrispPlan, PlanError
+from crisp_runtime.planning.plan import CrispPlan, PlanError
 
 #: {layer_id: (top_k_index (T, k) int, top_k_weights (T, k) float)}: every MoE layer over the same T tokens.
 Routing = Mapping[int, tuple[torch.Tensor, torch.Tensor]]

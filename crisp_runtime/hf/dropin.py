@@ -35,21 +35,33 @@ counts real tokens, not padding. Gradients through CRISP experts are refused at 
 from __future__ import annotations
 
 import functools
-import numbers
 import os
-import re
 import warnings
 from dataclasses import replace
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import torch
 
-from crisp_kernels import PackedLayer, QuantFormat
+from crisp_kernels import QuantFormat
 from crisp_kernels.experts_module import without_backward
-
-from .moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
-from .pack import (
+from crisp_runtime.execution.resident_path import ResidentStep
+from crisp_runtime.execution.runtime import CrispRuntime, RuntimeConfig
+from crisp_runtime.hf import blocks
+from crisp_runtime.hf.handle import (
+    CrispHandle,
+    check_budget_fits_layers,
+    check_device,
+    check_serving_arguments,
+    loaded_source,
+    log_choice,
+    parse_budget,
+    plan_and_budget_checked,
+    serving_choice_for,
+)
+from crisp_runtime.hf.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.scheduling.prefetch import NextLayerPredictor, Prefetcher
+from crisp_runtime.storage.pack import (
     CrispPack,
     FingerprintStatus,
     PackMismatchError,
@@ -60,11 +72,6 @@ from .pack import (
     pack_model,
     recorded_weights_sha256,
 )
-from .plan import CrispPlan, PlanError
-from .prefetch import NextLayerPredictor, Prefetcher
-from .resident_path import ResidentStep
-from .runtime import CrispRuntime, RuntimeConfig, min_budget_bytes, plan_for_layers
-from .serving import make_serving
 
 IMPLEMENTATION_NAME = "crisp"
 _STATE_ATTR = "_crisp_state"
@@ -161,201 +168,17 @@ def register() -> None:
     ExpertsInterface.register(IMPLEMENTATION_NAME, crisp_experts_forward)
 
 
-# ---------------------------------------------------------------------- budgets
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-# Budgets are byte counts compared and summed as Python ints, but torch's allocator and the CUDA
-# APIs count in signed 64-bit: a larger number is an overflow (or a typo), not a budget.
-MAX_BUDGET_BYTES = 2**63 - 1
-_BUDGET_TEXT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
-_BUDGET_HINT = "bytes (an int) or a string like '2GiB', '512 MB', '1.5GB'"
-
-
-def parse_budget(budget) -> int | None:
-    """Bytes from an int or a string such as ``"2GiB"``, ``"512 MB"``, ``"1.5GB"``; None stays None.
-
-    Raises TypeError (bool, float, other types) or ValueError (unreadable text, unknown unit,
-    not positive, beyond ``MAX_BUDGET_BYTES``), each naming ``gpu_budget``.
-    """
-    if budget is None:
-        return None
-    if isinstance(budget, bool):
-        raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got a bool")
-    if isinstance(budget, numbers.Integral):  # int, numpy integers
-        value = int(budget)
-    elif isinstance(budget, str):
-        m = _BUDGET_TEXT.fullmatch(budget)
-        if not m:
-            raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}")
-        unit = m.group(2).lower()
-        if unit not in _UNITS:
-            raise ValueError(f"gpu_budget: unknown unit {m.group(2)!r} in {budget!r}; use one of "
-                             "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
-        try:  # Decimal: "1.1GB" is exactly 1_100_000_000 bytes (a float gives 1_100_000_000.0000002)
-            value = int(Decimal(m.group(1)) * _UNITS[unit])
-        except InvalidOperation as exc:  # pragma: no cover - the pattern admits only plain decimals
-            raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}") from exc
-    elif isinstance(budget, numbers.Real):
-        hint = " (fractions of GPU memory are not accepted: say how many bytes)" if 0 < budget < 1 else ""
-        raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got {type(budget).__name__} {budget!r}{hint}")
-    else:
-        raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got {type(budget).__name__} {budget!r}")
-    if value <= 0:
-        raise ValueError(f"gpu_budget must be positive, got {budget!r}")
-    if value > MAX_BUDGET_BYTES:
-        raise ValueError(f"gpu_budget {budget!r} is {value} bytes, beyond any device (at most {MAX_BUDGET_BYTES})")
-    return value
-
-
-def check_serving_arguments(config, serving, cpu) -> None:
-    """apply's ``config`` / ``serving`` / ``cpu`` checked before any work (their errors name them)."""
-    from .cpu_knob import parse_cpu_mode
-    from .defaults import PAPER
-
-    if config is not None and not isinstance(config, RuntimeConfig):
-        raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
-    if serving is not None and not (isinstance(serving, str) and serving == PAPER):
-        make_serving(serving)
-    if cpu is not None:
-        parse_cpu_mode(cpu)
-
-
-def loaded_source(source):
-    """``apply``'s ``source`` with a pack folder loaded (a CrispPack: its pack.json is read once, for the layers
-    and for the serving choice it stores)."""
-    if isinstance(source, (str, os.PathLike)):
-        return load_pack(Path(source))
-    return source
-
-
-def serving_choice_for(source, plan: CrispPlan, layers, top_k: int, budget: int | None, *, serving, config, cpu):
-    """What runs (``crisp_runtime.defaults.choose_serving``) for this source, plan, budget and the call's
-    arguments: one rule for the v5 drop-in and the per-expert blocks."""
-    from .defaults import budget_fraction_of, choose_serving, pack_facts
-    from .serving_record import budget_base_bytes
-
-    info = source.info if isinstance(source, CrispPack) else {}
-    facts = pack_facts(info, plan, top_k)
-    fraction = budget_fraction_of(budget, budget_base_bytes(layers))
-    return choose_serving(info, facts, fraction, serving=serving, config=config, cpu=cpu)
-
-
-def log_choice(choice, cpu_decision) -> None:
-    """The one log line of what runs and why (logger ``crisp_runtime``, INFO): the serving choice and the CPU
-    decision with the bandwidths it used."""
-    from .defaults import LOG
-
-    bw = "" if cpu_decision.cpu_bytes_per_s is None else f", CPU {cpu_decision.cpu_bytes_per_s / 1e9:.2f} GB/s"
-    if cpu_decision.h2d_bytes_per_s is not None:
-        bw += f", H2D {cpu_decision.h2d_bytes_per_s / 1e9:.2f} GB/s"
-    LOG.info("%s; cpu decision: %s (%s%s)", choice.log_line(), cpu_decision.placement.value, cpu_decision.reason, bw)
-
-
-def plan_and_budget_checked(plan: CrispPlan | None, layers, first: PackedLayer, top_k: int, budget: int | None,
-                            device) -> CrispPlan:
-    """The plan to run (the one given, else full width) checked against the packed layers, and the budget
-    against the layers and the device: one rule for the v5 drop-in (:func:`apply`) and the per-expert
-    blocks (:func:`crisp_runtime.blocks.apply_blocks`)."""
-    layer_ids = sorted(layers)
-    if plan is None:
-        plan = CrispPlan.full(first.num_experts, top_k, first.intermediate_size, layer_ids)
-    plan = plan_for_layers(plan, layers)  # a 2-bit tail pack's plan in neurons -> its storage rows
-    try:
-        plan.check_compatible(num_experts=first.num_experts, top_k=top_k, intermediate_size=first.intermediate_size,
-                              layer_ids=layer_ids)
-    except PlanError as exc:
-        raise PlanError(f"{exc} (the plan was made for another pack or model)") from exc
-    if budget is not None:
-        _check_budget_fits_layers(budget, layers, top_k)
-        _check_budget_fits_device(budget, device)
-    return plan
-
-
-def _check_budget_fits_layers(budget: int, layers, top_k: int) -> None:
-    need = min_budget_bytes(layers, top_k)
-    if budget < need:
-        raise ValueError(f"gpu_budget of {budget} bytes is too small: one token needs up to {top_k} experts at "
-                         f"full width, {need} bytes")
-
-
-def _check_budget_fits_device(budget: int, device: torch.device) -> None:
-    """A budget larger than the device is a typo that would end in an out-of-memory error mid-run."""
-    if device.type != "cuda":  # host memory for cpu; nothing to compare against
-        return
-    total = torch.cuda.get_device_properties(device).total_memory  # GPU-only
-    if budget > total:
-        raise ValueError(f"gpu_budget of {budget} bytes is more than {device} has ({total} bytes)")
-
-
-def _check_device(value, what: str) -> torch.device:
-    """A torch.device from ``value`` (str or torch.device), with an error naming ``what``."""
-    if not isinstance(value, (str, torch.device)):
-        raise TypeError(f"{what}: expected a device name such as 'cpu' or 'cuda:0', got {type(value).__name__}")
-    try:
-        device = torch.device(value)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"{what}: {value!r} is not a device (expected e.g. 'cpu', 'cuda', 'cuda:0')") from exc
-    if device.type == "meta":
-        raise ValueError(f"{what}: 'meta' holds no data; expected e.g. 'cpu' or 'cuda:0'")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{what}: {value!r} but no CUDA device is available here")
-        if device.index is not None and device.index >= torch.cuda.device_count():  # GPU-only
-            raise ValueError(f"{what}: {value!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
-    elif device.type != "cpu":
-        raise ValueError(f"{what}: {value!r}; CRISP runs on 'cpu' or 'cuda' devices")
-    return device
-
-
 # ---------------------------------------------------------------------- the handle
 
 
-class CrispHandle:
-    """CRISP applied to one model instance; ``restore()`` (or leaving the ``with`` block) undoes it."""
+class ExpertsHandle(CrispHandle):
+    """CRISP applied to a v5 model's experts modules (the ``crisp`` experts implementation)."""
 
-    def __init__(self, model, refs: list[MoeLayerRef], runtime: CrispRuntime, previous_impl,
-                 stash: dict) -> None:
-        self.model = model
-        self.refs = refs
-        self.runtime = runtime
+    def __init__(self, model, refs: list[MoeLayerRef], runtime: CrispRuntime, previous_impl, stash: dict) -> None:
+        super().__init__(model, refs, runtime)
         self._previous_impl = previous_impl
         self._stash = stash  # name of module -> [(weight name, "param" | "attr", object, device)]
         self._model_hooks: list = []  # the attention-mask hooks on the model (removed by restore)
-        self.active = True
-
-    # ---- the public surface
-    @property
-    def plan(self) -> CrispPlan:
-        return self.runtime.plan
-
-    @property
-    def layers(self) -> dict[int, PackedLayer]:
-        return dict(self.runtime.layers)
-
-    @property
-    def gpu_budget(self) -> int | None:
-        return getattr(self.runtime.cache, "budget", None)
-
-    def set_plan(self, plan: CrispPlan) -> None:
-        """Switch policy (same pack, same cache): for comparing policies on one applied model."""
-        if not isinstance(plan, CrispPlan):
-            raise TypeError(f"plan: expected CrispPlan, got {type(plan).__name__}")
-        self.runtime.set_plan(plan)
-
-    def stats(self) -> dict:
-        out = self.runtime.stats.as_dict()
-        cache = self.runtime.cache
-        out["cache"] = {"budget_bytes": getattr(cache, "budget", None), "used_bytes": cache.used,
-                        "peak_bytes": cache.peak, "policy": self.plan.policy.value}
-        out["cpu"] = self.runtime.cpu_stats()  # apply(cpu=...)'s decision, and how the CPU's experts run
-        out["serving"] = serving_stats(self.runtime)
-        return out
-
-    def reset_stats(self) -> None:
-        self.runtime.stats.reset()
 
     def restore(self) -> None:
         """Bring back the original expert weights and experts implementation (idempotent)."""
@@ -390,30 +213,6 @@ class CrispHandle:
             warnings.warn("CRISP restore: the original expert weights were not kept (keep_original=False or "
                           "load_model); the experts stay empty placeholders and running or saving the model "
                           "raises an error: reload the checkpoint, or apply a CRISP pack again", stacklevel=2)
-
-    def __enter__(self) -> CrispHandle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
-
-    def __repr__(self) -> str:
-        return (f"CrispHandle(layers={list(self.runtime.layer_ids)}, policy={self.plan.policy.value}, "
-                f"budget={self.gpu_budget}, active={self.active})")
-
-
-def serving_stats(runtime: CrispRuntime) -> dict:
-    """``stats()["serving"]``: the configuration that runs, where it came from and why
-    (``crisp_runtime.defaults.ServingChoice``), with the serving policy, prefetch and eviction after the CPU
-    decision."""
-    choice = getattr(runtime, "serving_choice", None)
-    out = {} if choice is None else choice.to_dict()
-    cfg = runtime.config
-    out["running"] = {"serving": cfg.serving.name, "placement": cfg.serving.placement.value,
-                      "prefetch": None if cfg.prefetch is None else cfg.prefetch.to_dict(),
-                      "eviction": cfg.eviction if isinstance(cfg.eviction, str) else
-                      getattr(cfg.eviction, "name", type(cfg.eviction).__name__)}
-    return out
 
 
 def _reorder_parameters(module, entries) -> None:
@@ -516,7 +315,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     """Run ``model``'s MoE experts through CRISP; returns a :class:`CrispHandle`.
 
     A model without v5 experts modules but with per-expert MoE blocks (DeepSeek-MoE remote code,
-    v4-style Mixtral / Qwen2-MoE: ``crisp_runtime.blocks``) goes to ``blocks.apply_blocks``;
+    v4-style Mixtral / Qwen2-MoE: ``crisp_runtime.hf.blocks``) goes to ``blocks.apply_blocks``;
     shapes: the block shapes to recognise (None: ``blocks.BLOCK_SHAPES``).
 
     source: None packs the model's current expert weights in their present order (4-bit,
@@ -529,7 +328,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     model's expert weights (or cannot be checked because they are not loaded). By default that
     is refused: the same architecture with other weights would run without a word, wrongly.
     serving / config: None for both (the default) = what the pack stores for this budget, else the default
-    rule from the pack's statistics (``crisp_runtime.defaults``: residency-aware serving, next-layer prefetch,
+    rule from the pack's statistics (``crisp_runtime.planning.defaults``: residency-aware serving, next-layer prefetch,
     next-use eviction; the neuron split when the CPU pays); ``serving="paper"`` = the paper's configuration
     (the plan's widths, no prefetch, LRU, cpu off); otherwise a ServingPolicy, a name ("plan", "resident",
     "resident-floor75", ...) or its dict, and/or a RuntimeConfig (every expert knob), run as given.
@@ -537,9 +336,9 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     cpu: None (default) = "auto" for the default and stored choices ("off" when serving or config is given):
     offloaded experts computed on the host CPU when the measured bandwidths say it pays (on a CPU-only machine:
     nothing to split, reported); "on" (whenever the per-step split says it is faster than copying them) or "off"
-    (as configured); ``stats()["cpu"]`` says what was decided (``crisp_runtime.cpu_knob``).
+    (as configured); ``stats()["cpu"]`` says what was decided (``crisp_runtime.cpu.knob``).
     """
-    from .cpu_knob import decide_cpu
+    from crisp_runtime.cpu.knob import decide_cpu
 
     check_serving_arguments(config, serving, cpu)
     if fmt is not None and not isinstance(fmt, QuantFormat):
@@ -549,7 +348,6 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
         raise TypeError(f"plan: expected CrispPlan (e.g. CrispPlan.load(path)), got {type(plan).__name__}")
     if not isinstance(allow_weights_mismatch, bool):
         raise TypeError(f"allow_weights_mismatch: expected True or False, got {type(allow_weights_mismatch).__name__}")
-    from . import blocks  # lazily: blocks imports this module
 
     shapes = blocks.BLOCK_SHAPES if shapes is None else tuple(shapes)
     if isinstance(model, torch.nn.Module) and blocks.uses_per_expert_blocks(model, shapes):
@@ -559,13 +357,13 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     if not (hasattr(model, "set_experts_implementation") and hasattr(model, "get_experts_implementation")):
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers v5 PreTrainedModel with "
                                     "set_experts_implementation(), and has no per-expert MoE block of a registered "
-                                    f"shape ({', '.join(s.name for s in shapes)}; crisp_runtime.blocks)")
+                                    f"shape ({', '.join(s.name for s in shapes)}; crisp_runtime.hf.blocks)")
     refs = find_moe_layers(model)
     for ref in refs:
         if _STATE_ATTR in ref.module.__dict__:
             raise RuntimeError(f"CRISP is already applied to {ref.name}; call handle.restore() first")
     budget = parse_budget(gpu_budget)
-    device = (_check_device(config.device, "config.device") if config is not None and config.device is not None
+    device = (check_device(config.device, "config.device") if config is not None and config.device is not None
               else _model_device(model, refs))
     top_k = model_top_k(model)
     source = loaded_source(source)
@@ -598,7 +396,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     register()
     previous_impl = model.get_experts_implementation()
     stash: dict = {}
-    handle = CrispHandle(model, refs, runtime, previous_impl, stash)
+    handle = ExpertsHandle(model, refs, runtime, previous_impl, stash)
     tokens = _TokenMask()
     try:
         for ref in refs:
@@ -700,7 +498,7 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     Full-precision experts never reach the GPU, nor host memory. Nothing is downloaded:
     ``checkpoint_dir`` must be a local folder.
     serving, config, cpu: as in :func:`apply` (None for all: the pack's stored choice for the budget, else the
-    default rule; ``crisp_runtime.defaults``).
+    default rule; ``crisp_runtime.planning.defaults``).
     """
     path = _local_checkpoint(checkpoint_dir)  # before importing transformers: a wrong name fails at once
     if config is not None and not isinstance(config, RuntimeConfig):
@@ -708,7 +506,7 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     if plan is not None and not isinstance(plan, CrispPlan):
         raise TypeError(f"plan: expected CrispPlan (e.g. CrispPlan.load(path)), got {type(plan).__name__}")
     check_serving_arguments(config, serving, cpu)  # a bad policy fails before the checkpoint loads
-    device = _check_device(device, "device")
+    device = check_device(device, "device")
     dtype = _check_dtype(dtype)
     if not isinstance(allow_weights_mismatch, bool):
         raise TypeError(f"allow_weights_mismatch: expected True or False, got {type(allow_weights_mismatch).__name__}")
@@ -716,11 +514,11 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     budget = parse_budget(gpu_budget)
     top_k = pack.info.get("top_k")
     if budget is not None and isinstance(top_k, int) and top_k > 0:
-        _check_budget_fits_layers(budget, pack.layers, top_k)  # apply() checks again; here before the checkpoint
-    from .checkpoint import checkpoint_weights_sha256, load_skeleton
+        check_budget_fits_layers(budget, pack.layers, top_k)  # apply() checks again; here before the checkpoint
+    from crisp_runtime.hf.checkpoint import checkpoint_weights_sha256, load_skeleton
 
     # One tensor at a time through safetensors; the experts stay on disk (meta placeholders): host memory
-    # holds the non-expert weights and the pack, never the full-precision experts (crisp_runtime.checkpoint).
+    # holds the non-expert weights and the pack, never the full-precision experts (crisp_runtime.hf.checkpoint).
     model, cmap = load_skeleton(path, dtype)
     pack.check_model(model)
     recorded = recorded_weights_sha256(pack.info)

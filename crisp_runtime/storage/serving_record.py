@@ -7,9 +7,9 @@ per budget (version 2)::
 
     "serving": {"version": 2,
                 "choices": [                   one per budget, distinct budgets (any order on disk)
-                    {"policy": {...},            crisp_runtime.serving.ServingPolicy.to_dict()
-                     "prefetch": {...} | null,   crisp_runtime.prefetch.PrefetchPolicy.to_dict() (null: none)
-                     "eviction": "next_use",     crisp_runtime.eviction.POLICIES
+                    {"policy": {...},            crisp_runtime.planning.serving.ServingPolicy.to_dict()
+                     "prefetch": {...} | null,   crisp_runtime.scheduling.prefetch.PrefetchPolicy.to_dict() (null: none)
+                     "eviction": "next_use",     crisp_runtime.residency.eviction.POLICIES
                      "gpu_budget_fraction": 0.25 of the pack's expert bytes at full width, in (0, 1]
                      "search": {...}},           how it was chosen (profile, figures, candidates): free-form
                     ...]}
@@ -20,7 +20,7 @@ Version 1, a single choice (``{"version": 1, "policy": ..., "prefetch": ..., "ev
 The field is optional (packs without it load as before) and parsed strictly when present
 (:func:`serving_choices`; a :class:`~crisp_kernels.PackFormatError` names the bad field). ``apply`` and
 ``load_model`` run the stored choice for their budget when given no serving and no config
-(``crisp_runtime.defaults``: the rule for budgets between stored ones); explicitly::
+(``crisp_runtime.planning.defaults``: the rule for budgets between stored ones); explicitly::
 
     choices = serving_choices(pack.info)      # None: the pack stores none
     record = choices.for_fraction(0.25)       # the largest stored budget <= 25% (None: below every one)
@@ -33,11 +33,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from crisp_kernels import PackFormatError
-
-from .eviction import POLICIES as EVICTION_POLICIES
-from .prefetch import PrefetchPolicy
-from .runtime import RuntimeConfig
-from .serving import ServingPolicy
+from crisp_runtime.execution.runtime import RuntimeConfig
+from crisp_runtime.planning.serving import ServingPolicy
+from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy
 
 SERVING_KEY = "serving"
 SERVING_RECORD_VERSION = 2
@@ -115,7 +114,7 @@ class ServingChoices:
         """The choice for a budget of ``fraction`` of :func:`budget_base_bytes`: the one stored for the largest
         budget at or below it (a choice made for less GPU memory stays valid with more: its copies fit, and the
         extra memory only raises the hit rate), None below the smallest stored budget (a choice made for more
-        memory would copy more than the budget holds; ``crisp_runtime.defaults`` then applies its default rule)."""
+        memory would copy more than the budget holds; ``planning.defaults`` then applies its default rule)."""
         below = [c for c in self.choices if c.gpu_budget_fraction <= fraction + BUDGET_TOLERANCE]
         return below[-1] if below else None
 

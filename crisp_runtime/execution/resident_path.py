@@ -1,10 +1,10 @@
 """The all-resident layer step computed on the device, without a host sync: what ``torch.compile`` traces.
 
-With ``gpu_budget=None`` (:class:`~crisp_runtime.device_cache.ResidentExperts`) nothing is ever
+With ``gpu_budget=None`` (:class:`~crisp_runtime.residency.device_cache.ResidentExperts`) nothing is ever
 copied, so nothing has to be decided on the host: the eager executor still reads the routing on
 the host (widths, task order, statistics), which under ``torch.compile`` is a graph break at every
 ``.tolist()`` / ``.item()`` (32 breaks for the 4-layer tiny Mixtral). :class:`ResidentStep` is the
-same layer step as :meth:`CrispRuntime.forward <crisp_runtime.runtime.CrispRuntime.forward>` with
+same layer step as :meth:`CrispRuntime.forward <crisp_runtime.execution.runtime.CrispRuntime.forward>` with
 every decision made by tensor ops on the device:
 
 - each slot's width is the plan's (:meth:`CrispPlan.device_token_widths`, the vectorized rules of
@@ -34,9 +34,8 @@ import torch
 
 import crisp_kernels  # noqa: F401  (registers torch.ops.crisp)
 from crisp_kernels import Backend, PackedExpert
-
-from .device_cache import ResidentExperts
-from .serving import HitWidth
+from crisp_runtime.planning.serving import HitWidth
+from crisp_runtime.residency.device_cache import ResidentExperts
 
 
 def _op_args(packed: PackedExpert) -> tuple:

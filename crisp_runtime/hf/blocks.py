@@ -1,6 +1,6 @@
 """Per-expert MoE blocks: an ``nn.ModuleList`` of small MLPs with the routing in the block's own forward.
 
-transformers v5 families go through ``@use_experts_implementation`` (``crisp_runtime.hf``). Many
+transformers v5 families go through ``@use_experts_implementation`` (``crisp_runtime.hf.dropin``). Many
 models people run do not: DeepSeek-MoE-16B's remote code (``DeepseekMoE``: a ``MoEGate`` returning
 ``(topk_idx, topk_weight, aux_loss)``, 64 ``DeepseekMLP`` experts, 2 shared experts as one larger
 MLP), transformers v4-era Mixtral (``MixtralSparseMoeBlock``: ``gate`` Linear + experts of
@@ -14,7 +14,7 @@ three projections are called, and how to add the shared experts. ``BLOCK_SHAPES`
 registry; a new shape is one ``BlockShape(...)`` (a routing function of a few lines), passed as
 ``apply(model, shapes=(*BLOCK_SHAPES, mine))``.
 
-``apply`` (``crisp_runtime.hf``) hands such models to :func:`apply_blocks`: the experts' weights are
+``apply`` (``crisp_runtime.hf.dropin``) hands such models to :func:`apply_blocks`: the experts' weights are
 stacked one layer at a time into the v5 layout (``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``)
 and packed by ``crisp_kernels.pack_layer``, the same packing as ``pack_model``; the block's
 ``forward`` is replaced *on this instance* (an entry in the module's ``__dict__``, no class is
@@ -44,11 +44,11 @@ from torch import nn
 
 from crisp_kernels import PackedLayer, QuantFormat, pack_layer
 from crisp_kernels.experts_module import without_backward
-
-from .cpu_knob import decide_cpu
-from .hf import (
+from crisp_runtime.cpu.knob import decide_cpu
+from crisp_runtime.execution.runtime import CrispRuntime, RuntimeConfig
+from crisp_runtime.hf.handle import (
     CrispHandle,
-    _check_device,
+    check_device,
     check_serving_arguments,
     loaded_source,
     log_choice,
@@ -56,11 +56,16 @@ from .hf import (
     plan_and_budget_checked,
     serving_choice_for,
 )
-from .moe_layers import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
-from .pack import CrispPack, PackMismatchError, layers_from_source, recorded_weights_sha256, weights_sha256
-from .plan import CrispPlan
-from .prefetch import Prefetcher
-from .runtime import CrispRuntime, RuntimeConfig
+from crisp_runtime.hf.moe_layers import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.scheduling.prefetch import Prefetcher
+from crisp_runtime.storage.pack import (
+    CrispPack,
+    PackMismatchError,
+    layers_from_source,
+    recorded_weights_sha256,
+    weights_sha256,
+)
 
 _BLOCK_STATE = "_crisp_block_state"
 
@@ -291,7 +296,7 @@ class BlockRoutePredictor:
     ``prefetch.NextLayerPredictor`` (which calls a v5 router), with the next block's own ``route``.
 
     As for v5 models, the next router sees this block's MoE input, not its own (see the
-    ``crisp_runtime.prefetch`` docstring). experts: predicted per token (the route's top-k first,
+    ``crisp_runtime.scheduling.prefetch`` docstring). experts: predicted per token (the route's top-k first,
     then the next ones by router logit; more than top-k needs a shape with ``route_logits``).
     """
 
@@ -387,7 +392,8 @@ class BlockHandle(CrispHandle):
     Same surface as :class:`CrispHandle` (stats, reset_stats, set_plan, plan, layers, gpu_budget)."""
 
     def __init__(self, model, refs: list[MoeBlockRef], runtime: CrispRuntime, stash: dict) -> None:
-        super().__init__(model, refs, runtime, None, stash)
+        super().__init__(model, refs, runtime)
+        self._stash = stash  # name of block -> [(linear, original Parameter, its device, parameter order)]
 
     def restore(self) -> None:
         """Put the original expert Parameters (the same objects) and the class forward back (idempotent)."""
@@ -406,10 +412,6 @@ class BlockHandle(CrispHandle):
                 linear._parameters.clear()
                 linear._parameters.update(items)
         self.active = False
-
-    def __repr__(self) -> str:
-        return (f"BlockHandle(layers={list(self.runtime.layer_ids)}, policy={self.plan.policy.value}, "
-                f"budget={self.gpu_budget}, active={self.active})")
 
 
 def _detach_expert_weights(ref: MoeBlockRef) -> list:
@@ -452,7 +454,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
             raise RuntimeError(f"CRISP is already applied to {ref.name}; call handle.restore() first")
     budget = parse_budget(gpu_budget)
     if config is not None and config.device is not None:
-        device = _check_device(config.device, "config.device")
+        device = check_device(config.device, "config.device")
     else:
         expert_ids = {id(p.weight) for r in refs for e in range(r.num_experts) for p in r.projections(e)}
         device = next((p.device for p in model.parameters() if id(p) not in expert_ids and not p.is_meta),

@@ -29,9 +29,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from crisp_kernels import cpu_native
-
-from .cpu_experts import CpuExperts, CpuExpertsConfig, CpuWorker
-from .scheduler import Placement
+from crisp_runtime.cpu.experts import CpuExperts, CpuExpertsConfig, CpuWorker
+from crisp_runtime.scheduling.scheduler import Placement
 
 # auto: hybrid when the CPU streams prefix bytes at least this fraction of the H2D rate (see the docstring).
 AUTO_MIN_CPU_TO_H2D = 0.25
@@ -147,7 +146,7 @@ def cpu_pays(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> bool:
 def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers,
                hybrid_config=None) -> tuple[object, CpuDecision]:
     """The configuration to run and what was decided (``layers``: the packed layers, for measuring).
-    hybrid_config: what runs when the CPU is used (``crisp_runtime.defaults``: the default's hybrid family);
+    hybrid_config: what runs when the CPU is used (``crisp_runtime.planning.defaults``: the default's hybrid family);
     None: ``config`` with its GPU placement made ``hybrid``."""
     mode = parse_cpu_mode(cpu)
     placement = config.serving.placement

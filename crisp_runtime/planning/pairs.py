@@ -3,7 +3,7 @@
 The leading pair of a token is its two routed experts with the highest routing weights (ties: router
 order, the same stable order ``CrispPlan`` ranks by), unordered: ``(a, b)`` with ``a < b``, coded
 ``a * E + b``. For top-2 routing it is the whole combination; for wider routing it is what the
-plan keys on (see ``crisp_runtime.plan``). One definition here, for the profiler, the evidence
+plan keys on (see ``crisp_runtime.planning.plan``). One definition here, for the profiler, the evidence
 report, the tiny-model trainer and the benchmarks.
 
 Skew (the paper's motivating statistic): over *all* C(E, 2) possible pairs of a layer, unseen

@@ -53,18 +53,17 @@ from crisp_kernels.expert_mlp import (
     resolve_backend,
 )
 from crisp_kernels.format import rows_for_neurons
-
-from .copy_window import CopyClock, admit_requests, hybrid_jobs
-from .cpu_experts import CpuExperts, CpuExpertsConfig
-from .device_cache import PrefixCache, ResidentExperts
-from .eviction import make_policy
-from .host_store import HostStore
-from .plan import CrispPlan
-from .prefetch import PrefetchPolicy
-from .residency import HIT, MISS, TRANSIENT, Decision, transient_buffer_bytes, transient_rows
-from .scheduler import CostModel, StepPlan, TaskOrder
-from .serving import ServedSlots, ServingPolicy, floor_in_rows, make_serving, plan_served_step
-from .stats import LayerStats, RuntimeStats
+from crisp_runtime.cpu.experts import CpuExperts, CpuExpertsConfig
+from crisp_runtime.execution.stats import LayerStats, RuntimeStats
+from crisp_runtime.planning.plan import CrispPlan
+from crisp_runtime.planning.serving import ServedSlots, ServingPolicy, floor_in_rows, make_serving, plan_served_step
+from crisp_runtime.residency.device_cache import PrefixCache, ResidentExperts
+from crisp_runtime.residency.eviction import make_policy
+from crisp_runtime.residency.host_store import HostStore
+from crisp_runtime.residency.ledger import HIT, MISS, TRANSIENT, Decision, transient_buffer_bytes, transient_rows
+from crisp_runtime.scheduling.copy_window import CopyClock, admit_requests, hybrid_jobs
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy
+from crisp_runtime.scheduling.scheduler import CostModel, StepPlan, TaskOrder
 
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Non-float32 steps of at most this many tokens keep their float32 accumulator across steps (_accumulator).
@@ -78,11 +77,11 @@ class RuntimeConfig:
     kernel_backend: None = the pure-torch kernels on CPU tensors (fast in tests, even when
     ``TRITON_INTERPRET=1``) and automatic selection (compiled Triton) on CUDA.
     eviction: "lru" (default), "frequency", "tier", or an EvictionPolicy class.
-    serving: how routed slots are served from what is resident (``crisp_runtime.serving``): a
+    serving: how routed slots are served from what is resident (``crisp_runtime.planning.serving``): a
     ServingPolicy, a name ("plan" = default, every slot at the plan's width; "resident";
     "resident-floor75") or its dict form.
     order: the order of a step's experts (Johnson's rule by default; ROUTER for benchmarks).
-    prefetch: None, or a ``crisp_runtime.prefetch.PrefetchPolicy``: ``apply`` then has each MoE layer
+    prefetch: None, or a ``crisp_runtime.scheduling.prefetch.PrefetchPolicy``: ``apply`` then has each MoE layer
     prefetch the next layer's predicted experts (the next router on this layer's MoE input).
     async_copies: on CUDA, copy stream + events (False = the synchronous path, for checking).
     pin_memory: pin the host store (None = when CUDA is available).
@@ -93,7 +92,7 @@ class RuntimeConfig:
     the device synchronised after each (``CrispRuntime.last_timings``, ``stats.copy_ms``).
     device: where the experts run (None = the device of the model's other parameters).
     cpu_experts: how the CPU computes the experts a CPU placement gives it (precision bf16 / fp32,
-    when the int4pack copy is built, the worker's threads: ``crisp_runtime.cpu_experts``).
+    when the int4pack copy is built, the worker's threads: ``crisp_runtime.cpu.experts``).
     """
 
     kernel_backend: Backend | str | None = None
@@ -201,8 +200,8 @@ class CrispRuntime:
         self._cuda = self.device.type == "cuda"  # read per step (torch.device.type: ~0.35 us, 2-core VM)
         self._gpu_placement = not self.serving.placement.uses_cpu  # read per step (the enum property: ~0.8 us)
         self._copy_stream = None  # GPU-only, created on first use
-        self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu_knob.CpuDecision), for stats()
-        self.serving_choice = None  # what ran and why (crisp_runtime.defaults.ServingChoice), for stats()
+        self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu.knob.CpuDecision), for stats()
+        self.serving_choice = None  # what ran and why (crisp_runtime.planning.defaults.ServingChoice), for stats()
         if self.serving.placement.uses_cpu:
             if first.tail_start is not None:
                 raise ValueError(f"serving placement {self.serving.placement.value!r} computes experts on the CPU, "
@@ -218,7 +217,7 @@ class CrispRuntime:
         self._cpu = CpuExperts(self.store.layers if self.serving.placement.uses_cpu else {}, config.cpu_experts)
         # GPU-only: with no offload (ResidentExperts) nothing is ever copied, so there is nothing to overlap.
         self._async = config.async_copies and self.device.type == "cuda" and isinstance(self.cache, PrefixCache)
-        # PrefetchPolicy.window: the modeled copy clock (crisp_runtime.copy_window) stepped by every forward, which
+        # PrefetchPolicy.window: the modeled copy clock (scheduling.copy_window) stepped by every forward, which
         # admits only the prefetch rows that modeled copy engine delivers in time (the simulator's rule).
         # Under a CPU placement the clock times each step as the split does (CopyClock.hybrid_step: the CPU's
         # timing comes from the window, HardwareProfile.prefetch_window).

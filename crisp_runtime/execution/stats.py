@@ -23,7 +23,7 @@ Definitions (all JSON-friendly ints/floats):
 - ``expert_runs``: experts run (width > 0), ``skipped``: routed (token, expert) slots of width 0.
 - ``copy_ms`` / ``step_ms``: optional timings (``RuntimeConfig(record_timings=True)``): ``step_ms``
   from CUDA events, ``copy_ms`` the copies of the synchronous path (device synchronised around each).
-- Serving (``crisp_runtime.serving``; zero under the default policy, which serves the plan's
+- Serving (``crisp_runtime.planning.serving``; zero under the default policy, which serves the plan's
   widths): ``fallbacks`` slots served narrower than the plan wanted, ``serving_skips`` slots the
   plan wanted but the policy skipped, ``served_wider`` slots served wider than wanted (free,
   from a wider resident prefix), ``served_widened`` dominant slots widened on demand

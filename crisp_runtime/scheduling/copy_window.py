@@ -44,7 +44,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from .scheduler import HybridJob, johnson_order, split_makespan
+from crisp_runtime.scheduling.scheduler import HybridJob, johnson_order, split_makespan
 
 
 def timed_s(nbytes: int, latency_s: float, bytes_per_s: float) -> float:

@@ -9,7 +9,7 @@ measured precision / recall per layer are in docs/profile-and-eval.md; Pre-gated
 use the same idea).
 
 The router of each MoE layer is found through the model's public modules: the experts module that
-``crisp_runtime.moe_layers.find_moe_layers`` finds sits in a sparse-MoE block whose ``gate`` is the router,
+``crisp_runtime.hf.moe_layers.find_moe_layers`` finds sits in a sparse-MoE block whose ``gate`` is the router,
 and every transformers (v5) family CRISP runs (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) calls it as
 ``router_logits, top_k_weights, top_k_index = block.gate(hidden_states)``.
 
@@ -29,9 +29,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from .copy_window import PrefetchWindow
-from .moe_layers import MoeLayerRef, UnsupportedModelError, experts_input_hooks, find_moe_layers, model_top_k
-from .serving import DominantWiden, ServingPolicy, ahead_width
+from crisp_runtime.hf.moe_layers import (
+    MoeLayerRef,
+    UnsupportedModelError,
+    experts_input_hooks,
+    find_moe_layers,
+    model_top_k,
+)
+from crisp_runtime.planning.serving import DominantWiden, ServingPolicy, ahead_width
+from crisp_runtime.scheduling.copy_window import PrefetchWindow
 
 
 @dataclass(frozen=True)
@@ -209,8 +215,8 @@ class PrefetchPolicy:
     request only within its budget (``CrispRuntime.prefetch``).
 
     window: None (default: every admitted request is copied in full, as a CPU run where copies take no
-    time does), or a :class:`~crisp_runtime.copy_window.PrefetchWindow`: the runtime then admits only the
-    rows a modeled copy engine delivers before the next layer's demand (``crisp_runtime.copy_window``,
+    time does), or a :class:`~crisp_runtime.scheduling.copy_window.PrefetchWindow`: the runtime then admits only the
+    rows a modeled copy engine delivers before the next layer's demand (``crisp_runtime.scheduling.copy_window``,
     the simulator's rule), so that a CPU run serves the widths a GPU of that timing would.
     """
 

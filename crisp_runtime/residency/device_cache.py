@@ -6,7 +6,7 @@ budget. Storage: one buffer set (qweight, scales, zeros) per resident prefix, ex
 to the byte. A hit copies nothing; a prefix narrower than needed is widened by allocating a
 buffer of the new width, copying the resident rows device-to-device and only the missing rows
 ``k..k'`` from the host store; a miss copies rows ``0..k``. What is resident, what is copied
-and what is evicted is decided by the tensor-free :class:`~crisp_runtime.residency.ResidencyLedger`
+and what is evicted is decided by the tensor-free :class:`~crisp_runtime.residency.ledger.ResidencyLedger`
 (the one the simulator replays); this class only moves tensors as each decision says.
 (Per-prefix buffers rather than one arena: simplest correct design; the cost is the allocator's
 fragmentation and, while widening, the old prefix living until its rows are copied: a transient
@@ -28,10 +28,9 @@ from typing import NamedTuple
 import torch
 
 from crisp_kernels import PackedExpert, PackedLayer
-
-from .eviction import EvictionPolicy, Key, LRUPolicy
-from .host_store import HostStore
-from .residency import HIT, TRANSIENT, CacheBudgetError, Decision, ResidencyLedger
+from crisp_runtime.residency.eviction import EvictionPolicy, Key, LRUPolicy
+from crisp_runtime.residency.host_store import HostStore
+from crisp_runtime.residency.ledger import HIT, TRANSIENT, CacheBudgetError, Decision, ResidencyLedger
 
 __all__ = ["Acquired", "CacheBudgetError", "CacheEntry", "PrefixCache", "ResidentExperts"]
 

@@ -1,7 +1,7 @@
 """The residency ledger: which expert prefixes are resident at which width, under a hard byte budget.
 
 Tensor-free and deterministic. It is the one residency model of the project: the runtime's
-:class:`~crisp_runtime.device_cache.PrefixCache` moves tensors exactly as the ledger decides,
+:class:`~crisp_runtime.residency.device_cache.PrefixCache` moves tensors exactly as the ledger decides,
 and the simulator replays traces through the same ledger, so both see identical hits,
 misses, widenings, evictions and bytes for the same sequence of requests.
 
@@ -43,7 +43,7 @@ API
 :func:`transient_rows` / :func:`transient_buffer_bytes`: the size of that buffer, which the GPU budget
 gives up (the ledger's budget is the GPU budget minus the buffer).
 
-Eviction policies (``crisp_runtime.eviction``) only order keys; the ledger owns bytes and
+Eviction policies (``crisp_runtime.residency.eviction``) only order keys; the ledger owns bytes and
 budget and calls the policy's hooks ``on_insert`` / ``on_use`` / ``on_remove`` / ``victim``.
 """
 
@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
-from .eviction import EvictionPolicy, Key, LRUPolicy
+from crisp_runtime.residency.eviction import EvictionPolicy, Key, LRUPolicy
 
 HIT, WIDEN, MISS, TRANSIENT = "hit", "widen", "miss", "transient"
 

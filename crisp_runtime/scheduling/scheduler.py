@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from .slot_values import SlotValues
+from crisp_runtime.scheduling.slot_values import SlotValues
 
 # Above this many routed (token, expert) slots the grouping runs as tensor ops; below, plain Python
 # (decode steps), which is several times faster for a handful of slots.

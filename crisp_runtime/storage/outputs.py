@@ -37,7 +37,7 @@ class OutputPathError(ValueError):
 
 
 def _pack_info_name() -> str:
-    from .pack import INFO_FILE
+    from crisp_runtime.storage.pack import INFO_FILE
 
     return INFO_FILE
 

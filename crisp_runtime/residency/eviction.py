@@ -105,7 +105,7 @@ class TierAwarePolicy(EvictionPolicy):
             self.set_plan(plan)
 
     def set_plan(self, plan) -> None:
-        from .plan import Tier
+        from crisp_runtime.planning.plan import Tier
 
         rank = {Tier.HOT: 2, Tier.WARM: 1, Tier.COLD: 0}
         priority: dict[Key, int] = {}

@@ -6,7 +6,7 @@ The rule (:func:`choose_serving`), for a call with ``serving=None`` and ``config
 
 1. **A choice stored in the pack for the budget.** ``crisp-profile --gpu-budget`` (and
    ``--plan-for-throughput``) store one serving choice per GPU budget in pack.json
-   (``crisp_runtime.serving_record``). A budget ``B`` (a fraction of the pack's expert bytes at full width in
+   (``crisp_runtime.storage.serving_record``). A budget ``B`` (a fraction of the pack's expert bytes at full width in
    4-bit rows, ``serving_record.budget_base_bytes``) runs the choice stored for the largest budget ``<= B``: a
    choice made for less memory stays valid with more (its copies fit; the extra memory only raises the hit
    rate), while one made for more memory would plan copies the budget cannot hold. Without a budget (every
@@ -22,7 +22,7 @@ The rule (:func:`choose_serving`), for a call with ``serving=None`` and ``config
      serve), next-layer prefetch at the plan's widths, next-use eviction;
    - without a budget: every expert resident, nothing copied: the plan's widths, no prefetch, LRU (unused).
 
-   When the CPU pays (``cpu="auto"`` and the bandwidths say so, :func:`crisp_runtime.cpu_knob.cpu_pays`), the
+   When the CPU pays (``cpu="auto"`` and the bandwidths say so, :func:`crisp_runtime.cpu.knob.cpu_pays`), the
    hybrid family instead: the neuron split (``hybrid_split``: a missed expert's prefix on the GPU, its other rows
    on the CPU) with a missed dominant at an 87.5% prefix when the plan has dominants, next-layer prefetch at the
    plan's widths, LRU (1.45% loss at 25% on the tiny Mixtral's held-out text, 3.02x GPU-only full-width LRU on
@@ -45,13 +45,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .cpu_knob import CpuMode, parse_cpu_mode
-from .plan import CrispPlan, PolicyKind
-from .prefetch import PrefetchPolicy
-from .runtime import RuntimeConfig
-from .scheduler import Placement
-from .serving import SERVING_POLICIES, ServingPolicy, make_serving
-from .serving_record import ServingRecord, serving_choices
+from crisp_runtime.cpu.knob import CpuMode, parse_cpu_mode
+from crisp_runtime.execution.runtime import RuntimeConfig
+from crisp_runtime.planning.plan import CrispPlan, PolicyKind
+from crisp_runtime.planning.serving import SERVING_POLICIES, ServingPolicy, make_serving
+from crisp_runtime.scheduling.prefetch import PrefetchPolicy
+from crisp_runtime.scheduling.scheduler import Placement
+from crisp_runtime.storage.serving_record import ServingRecord, serving_choices
 
 LOG = logging.getLogger("crisp_runtime")
 
@@ -76,7 +76,7 @@ class ChoiceSource(enum.Enum):
 class PackFacts:
     """What the default rule reads of a pack: its plan kind, top-k, dominants per token and tail."""
 
-    plan_kind: str  # a crisp_runtime.plan.PolicyKind value ("full" without a plan)
+    plan_kind: str  # a crisp_runtime.planning.plan.PolicyKind value ("full" without a plan)
     top_k: int
     num_dominant: int
     tail: bool = False  # the pack stores 2-bit tail rows (crisp_tools.tail_pack)

@@ -42,9 +42,8 @@ import torch
 from torch import nn
 
 from crisp_kernels import PackedLayer, QuantFormat, pack_layer
-
-from .moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers
-from .pack import weights_sha256
+from crisp_runtime.hf.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers
+from crisp_runtime.storage.pack import weights_sha256
 
 _WEIGHT_NAMES = ("gate_up_proj", "down_proj")
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")

@@ -54,10 +54,9 @@ from crisp_kernels.io import (
     read_packed,
     save_packed,
 )
-
-from .moe_layers import MoeLayerRef, find_moe_layers, model_top_k
-from .plan import CrispPlan, PlanError
-from .serving_record import serving_choices
+from crisp_runtime.hf.moe_layers import MoeLayerRef, find_moe_layers, model_top_k
+from crisp_runtime.planning.plan import CrispPlan, PlanError
+from crisp_runtime.storage.serving_record import serving_choices
 
 PACK_FORMAT = "crisp-pack"
 PACK_VERSION = 1

@@ -34,7 +34,7 @@ today's behaviour, outputs independent of the cache and the budget. Everything h
 and deterministic for a given sequence of steps (the resident widths come in as a function);
 :func:`plan_served_step` is the one planning function of a layer step, used by the runtime's
 executor and by the simulator: serving decisions -> per-slot served widths -> the scheduler's
-ordered :class:`~crisp_runtime.scheduler.ExpertTask` list.
+ordered :class:`~crisp_runtime.scheduling.scheduler.ExpertTask` list.
 
 Why these knobs (shared/PERF-BOUNDS.md's simulation study, RTX 4090, 25% budget): serving an auxiliary at
 its wider resident width costs no bytes and lowered the accuracy loss 1.32% -> 0.98%; a missed
@@ -53,9 +53,9 @@ from typing import NamedTuple
 
 import torch
 
-from .residency import transient_rows
-from .scheduler import CostModel, Placement, StepPlan, TaskOrder, plan_step
-from .slot_values import SlotValues
+from crisp_runtime.residency.ledger import transient_rows
+from crisp_runtime.scheduling.scheduler import CostModel, Placement, StepPlan, TaskOrder, plan_step
+from crisp_runtime.scheduling.slot_values import SlotValues
 
 
 class HitWidth(enum.Enum):
@@ -415,7 +415,7 @@ def _serve_lists(policy: ServingPolicy, flat_e: list[int], flat_w: list[int], fl
 def miss_width(policy: ServingPolicy, wanted: int, dominant: bool, full: int) -> int:
     """The prefix ``policy`` loads for a slot whose expert holds nothing (0 = skipped): the floor for a
     dominant, the wanted width for an auxiliary (0 under ``AuxMissing.SKIP``). What a prefetch at the
-    serving policy's widths asks (``crisp_runtime.prefetch.PrefetchWidth.SERVING``)."""
+    serving policy's widths asks (``crisp_runtime.scheduling.prefetch.PrefetchWidth.SERVING``)."""
     return _serve_one(policy, wanted, dominant, 0, full) if wanted > 0 else 0
 
 

@@ -1,0 +1,251 @@
+"""What the two ways into a model share: the handle a user gets back, and the checks of apply's arguments.
+
+A transformers v5 model's experts modules (``crisp_runtime.hf.dropin``) and per-expert MoE blocks
+(``crisp_runtime.hf.blocks``) are patched differently, but the user sees one :class:`CrispHandle` (stats,
+set_plan, restore, context manager) and one rule for ``gpu_budget``, ``serving`` / ``config`` / ``cpu``, the plan
+and the serving choice. Both modules import this one; neither imports the other's internals.
+"""
+
+from __future__ import annotations
+
+import abc
+import numbers
+import os
+import re
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+import torch
+
+from crisp_kernels import PackedLayer
+from crisp_runtime.execution.runtime import CrispRuntime, RuntimeConfig, min_budget_bytes, plan_for_layers
+from crisp_runtime.planning.plan import CrispPlan, PlanError
+from crisp_runtime.planning.serving import make_serving
+from crisp_runtime.storage.pack import CrispPack, load_pack
+
+# ---------------------------------------------------------------------- budgets
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# Budgets are byte counts compared and summed as Python ints, but torch's allocator and the CUDA
+# APIs count in signed 64-bit: a larger number is an overflow (or a typo), not a budget.
+MAX_BUDGET_BYTES = 2**63 - 1
+_BUDGET_TEXT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
+_BUDGET_HINT = "bytes (an int) or a string like '2GiB', '512 MB', '1.5GB'"
+
+
+def parse_budget(budget) -> int | None:
+    """Bytes from an int or a string such as ``"2GiB"``, ``"512 MB"``, ``"1.5GB"``; None stays None.
+
+    Raises TypeError (bool, float, other types) or ValueError (unreadable text, unknown unit,
+    not positive, beyond ``MAX_BUDGET_BYTES``), each naming ``gpu_budget``.
+    """
+    if budget is None:
+        return None
+    if isinstance(budget, bool):
+        raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got a bool")
+    if isinstance(budget, numbers.Integral):  # int, numpy integers
+        value = int(budget)
+    elif isinstance(budget, str):
+        m = _BUDGET_TEXT.fullmatch(budget)
+        if not m:
+            raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}")
+        unit = m.group(2).lower()
+        if unit not in _UNITS:
+            raise ValueError(f"gpu_budget: unknown unit {m.group(2)!r} in {budget!r}; use one of "
+                             "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
+        try:  # Decimal: "1.1GB" is exactly 1_100_000_000 bytes (a float gives 1_100_000_000.0000002)
+            value = int(Decimal(m.group(1)) * _UNITS[unit])
+        except InvalidOperation as exc:  # pragma: no cover - the pattern admits only plain decimals
+            raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}") from exc
+    elif isinstance(budget, numbers.Real):
+        hint = " (fractions of GPU memory are not accepted: say how many bytes)" if 0 < budget < 1 else ""
+        raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got {type(budget).__name__} {budget!r}{hint}")
+    else:
+        raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got {type(budget).__name__} {budget!r}")
+    if value <= 0:
+        raise ValueError(f"gpu_budget must be positive, got {budget!r}")
+    if value > MAX_BUDGET_BYTES:
+        raise ValueError(f"gpu_budget {budget!r} is {value} bytes, beyond any device (at most {MAX_BUDGET_BYTES})")
+    return value
+
+
+def check_serving_arguments(config, serving, cpu) -> None:
+    """apply's ``config`` / ``serving`` / ``cpu`` checked before any work (their errors name them)."""
+    from crisp_runtime.cpu.knob import parse_cpu_mode
+    from crisp_runtime.planning.defaults import PAPER
+
+    if config is not None and not isinstance(config, RuntimeConfig):
+        raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
+    if serving is not None and not (isinstance(serving, str) and serving == PAPER):
+        make_serving(serving)
+    if cpu is not None:
+        parse_cpu_mode(cpu)
+
+
+def loaded_source(source):
+    """``apply``'s ``source`` with a pack folder loaded (a CrispPack: its pack.json is read once, for the layers
+    and for the serving choice it stores)."""
+    if isinstance(source, (str, os.PathLike)):
+        return load_pack(Path(source))
+    return source
+
+
+def serving_choice_for(source, plan: CrispPlan, layers, top_k: int, budget: int | None, *, serving, config, cpu):
+    """What runs (``crisp_runtime.planning.defaults.choose_serving``) for this source, plan, budget and the call's
+    arguments: one rule for the v5 drop-in and the per-expert blocks."""
+    from crisp_runtime.planning.defaults import budget_fraction_of, choose_serving, pack_facts
+    from crisp_runtime.storage.serving_record import budget_base_bytes
+
+    info = source.info if isinstance(source, CrispPack) else {}
+    facts = pack_facts(info, plan, top_k)
+    fraction = budget_fraction_of(budget, budget_base_bytes(layers))
+    return choose_serving(info, facts, fraction, serving=serving, config=config, cpu=cpu)
+
+
+def log_choice(choice, cpu_decision) -> None:
+    """The one log line of what runs and why (logger ``crisp_runtime``, INFO): the serving choice and the CPU
+    decision with the bandwidths it used."""
+    from crisp_runtime.planning.defaults import LOG
+
+    bw = "" if cpu_decision.cpu_bytes_per_s is None else f", CPU {cpu_decision.cpu_bytes_per_s / 1e9:.2f} GB/s"
+    if cpu_decision.h2d_bytes_per_s is not None:
+        bw += f", H2D {cpu_decision.h2d_bytes_per_s / 1e9:.2f} GB/s"
+    LOG.info("%s; cpu decision: %s (%s%s)", choice.log_line(), cpu_decision.placement.value, cpu_decision.reason, bw)
+
+
+def plan_and_budget_checked(plan: CrispPlan | None, layers, first: PackedLayer, top_k: int, budget: int | None,
+                            device) -> CrispPlan:
+    """The plan to run (the one given, else full width) checked against the packed layers, and the budget
+    against the layers and the device: one rule for the v5 drop-in (:func:`apply`) and the per-expert
+    blocks (:func:`crisp_runtime.hf.blocks.apply_blocks`)."""
+    layer_ids = sorted(layers)
+    if plan is None:
+        plan = CrispPlan.full(first.num_experts, top_k, first.intermediate_size, layer_ids)
+    plan = plan_for_layers(plan, layers)  # a 2-bit tail pack's plan in neurons -> its storage rows
+    try:
+        plan.check_compatible(num_experts=first.num_experts, top_k=top_k, intermediate_size=first.intermediate_size,
+                              layer_ids=layer_ids)
+    except PlanError as exc:
+        raise PlanError(f"{exc} (the plan was made for another pack or model)") from exc
+    if budget is not None:
+        check_budget_fits_layers(budget, layers, top_k)
+        _check_budget_fits_device(budget, device)
+    return plan
+
+
+def check_budget_fits_layers(budget: int, layers, top_k: int) -> None:
+    need = min_budget_bytes(layers, top_k)
+    if budget < need:
+        raise ValueError(f"gpu_budget of {budget} bytes is too small: one token needs up to {top_k} experts at "
+                         f"full width, {need} bytes")
+
+
+def _check_budget_fits_device(budget: int, device: torch.device) -> None:
+    """A budget larger than the device is a typo that would end in an out-of-memory error mid-run."""
+    if device.type != "cuda":  # host memory for cpu; nothing to compare against
+        return
+    total = torch.cuda.get_device_properties(device).total_memory  # GPU-only
+    if budget > total:
+        raise ValueError(f"gpu_budget of {budget} bytes is more than {device} has ({total} bytes)")
+
+
+def check_device(value, what: str) -> torch.device:
+    """A torch.device from ``value`` (str or torch.device), with an error naming ``what``."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"{what}: expected a device name such as 'cpu' or 'cuda:0', got {type(value).__name__}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"{what}: {value!r} is not a device (expected e.g. 'cpu', 'cuda', 'cuda:0')") from exc
+    if device.type == "meta":
+        raise ValueError(f"{what}: 'meta' holds no data; expected e.g. 'cpu' or 'cuda:0'")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{what}: {value!r} but no CUDA device is available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():  # GPU-only
+            raise ValueError(f"{what}: {value!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif device.type != "cpu":
+        raise ValueError(f"{what}: {value!r}; CRISP runs on 'cpu' or 'cuda' devices")
+    return device
+
+
+# ---------------------------------------------------------------------- the handle
+
+
+class CrispHandle(abc.ABC):
+    """CRISP applied to one model instance; ``restore()`` (or leaving the ``with`` block) undoes it.
+
+    ``stats()`` reports what ran, ``set_plan()`` switches the plan on the same pack and cache. The drop-in for
+    v5 experts modules and the one for per-expert blocks each subclass it with their own ``restore()``.
+    """
+
+    def __init__(self, model, refs: list, runtime: CrispRuntime) -> None:
+        self.model = model
+        self.refs = refs
+        self.runtime = runtime
+        self.active = True
+
+    @property
+    def plan(self) -> CrispPlan:
+        """The plan that runs (the pack's, the one given, or full width)."""
+        return self.runtime.plan
+
+    @property
+    def layers(self) -> dict[int, PackedLayer]:
+        """The packed experts, ``{layer_id: PackedLayer}`` (host memory)."""
+        return dict(self.runtime.layers)
+
+    @property
+    def gpu_budget(self) -> int | None:
+        """The device prefix cache's budget in bytes; None when every expert is resident."""
+        return getattr(self.runtime.cache, "budget", None)
+
+    def set_plan(self, plan: CrispPlan) -> None:
+        """Switch policy (same pack, same cache): for comparing policies on one applied model."""
+        if not isinstance(plan, CrispPlan):
+            raise TypeError(f"plan: expected CrispPlan, got {type(plan).__name__}")
+        self.runtime.set_plan(plan)
+
+    def stats(self) -> dict:
+        out = self.runtime.stats.as_dict()
+        cache = self.runtime.cache
+        out["cache"] = {"budget_bytes": getattr(cache, "budget", None), "used_bytes": cache.used,
+                        "peak_bytes": cache.peak, "policy": self.plan.policy.value}
+        out["cpu"] = self.runtime.cpu_stats()  # apply(cpu=...)'s decision, and how the CPU's experts run
+        out["serving"] = serving_stats(self.runtime)
+        return out
+
+    def reset_stats(self) -> None:
+        """Set every counter of ``stats()`` back to zero (the cache keeps what it holds)."""
+        self.runtime.stats.reset()
+
+    @abc.abstractmethod
+    def restore(self) -> None:
+        """Bring back the original expert weights and forward (idempotent)."""
+
+    def __enter__(self) -> CrispHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(layers={list(self.runtime.layer_ids)}, policy={self.plan.policy.value}, "
+                f"budget={self.gpu_budget}, active={self.active})")
+
+
+def serving_stats(runtime: CrispRuntime) -> dict:
+    """``stats()["serving"]``: the configuration that runs, where it came from and why
+    (``crisp_runtime.planning.defaults.ServingChoice``), with the serving policy, prefetch and eviction after the CPU
+    decision."""
+    choice = getattr(runtime, "serving_choice", None)
+    out = {} if choice is None else choice.to_dict()
+    cfg = runtime.config
+    out["running"] = {"serving": cfg.serving.name, "placement": cfg.serving.placement.value,
+                      "prefetch": None if cfg.prefetch is None else cfg.prefetch.to_dict(),
+                      "eviction": cfg.eviction if isinstance(cfg.eviction, str) else
+                      getattr(cfg.eviction, "name", type(cfg.eviction).__name__)}
+    return out
