@@ -196,7 +196,8 @@ class CheckpointMap:
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         meta_state = model.state_dict()
         prefix = getattr(model, "base_model_prefix", None)
-        experts = {f"{r.name}.{w}": (r.name, w) for r in find_moe_layers(model) for w in _WEIGHT_NAMES}
+        self.refs = find_moe_layers(model)  # the model's MoE layers, found once for every later step
+        experts = {f"{r.name}.{w}": (r.name, w) for r in self.refs for w in _WEIGHT_NAMES}
         self.files = names
         self.params: dict[str, str] = {}  # checkpoint name -> model name (non-expert)
         self.experts: dict[str, _ExpertSource] = {}
@@ -234,8 +235,8 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise CheckpointError(f"{name}: the model has no such parameter or buffer")
 
 
-def _drop_expert_parameters(model: nn.Module) -> None:
-    for ref in find_moe_layers(model):
+def _drop_expert_parameters(refs: Sequence[MoeLayerRef]) -> None:
+    for ref in refs:
         for w in _WEIGHT_NAMES:
             if w in ref.module._parameters:
                 param = ref.module._parameters.pop(w)
@@ -277,7 +278,7 @@ def load_skeleton(path: str | os.PathLike, dtype=None):
                 raise CheckpointError(f"{name}: shape {f.shape(name)} in the checkpoint, {tuple(want.shape)} in the "
                                       f"model ({target})")
             _set_tensor(model, target, f.read(name).to(want.dtype))
-    _drop_expert_parameters(model)
+    _drop_expert_parameters(cmap.refs)
     _init_non_persistent_buffers(model)
     model.tie_weights()
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
@@ -436,7 +437,7 @@ def pack_checkpoint(model, cmap: CheckpointMap, fmt: QuantFormat | None = None,
                     neuron_order: Mapping[int, torch.Tensor] | None = None) -> dict[int, PackedLayer]:
     """Every MoE layer packed 4-bit (in ``neuron_order``, default the present order), one expert's
     full-precision weights in memory at a time (:func:`pack_layers`)."""
-    refs = find_moe_layers(model)
+    refs = cmap.refs
     for ref in refs:
         if getattr(ref.module, "has_bias", False) or getattr(ref.module, "is_transposed", False):
             raise UnsupportedModelError(f"{ref.name}: packing biased / transposed experts (gpt-oss) from a streamed "
@@ -492,4 +493,4 @@ def _prefix_digest(prefixes) -> str:
 
 def checkpoint_weights_sha256(model, cmap: CheckpointMap) -> str:
     """``pack.weights_sha256`` of the checkpoint's experts, read as 4-row slices (the loaded model's digest)."""
-    return _prefix_digest(read_expert_layer(cmap, ref, prefix=4) for ref in find_moe_layers(model))
+    return _prefix_digest(read_expert_layer(cmap, ref, prefix=4) for ref in cmap.refs)
