@@ -32,9 +32,10 @@ from types import SimpleNamespace
 
 import torch
 
-from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig
+from crisp_runtime import CrispPlan, RuntimeConfig
 from crisp_runtime.cpu.experts import CpuExpertsConfig
 from crisp_runtime.cpu.knob import measure_cpu_bytes_per_s
+from crisp_runtime.execution.runtime import CrispRuntime
 from crisp_runtime.residency.ledger import LedgerCounters, ResidencyLedger
 from crisp_runtime.scheduling.copy_window import CopyClock
 

@@ -30,8 +30,10 @@ import time
 import torch
 from crisp_tools.text import read_texts, sample_sequences
 
-from crisp_runtime import CrispRuntime, RuntimeConfig, TaskOrder, flow_shop_makespan, johnson_order
+from crisp_runtime import RuntimeConfig
+from crisp_runtime.execution.runtime import CrispRuntime
 from crisp_runtime.hf.moe_layers import find_moe_layers
+from crisp_runtime.scheduling.scheduler import TaskOrder, flow_shop_makespan, johnson_order
 from crisp_runtime.storage.pack import load_pack
 
 from . import common, report

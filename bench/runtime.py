@@ -22,17 +22,10 @@ import time
 import torch
 
 from crisp_kernels import QuantFormat, pack_layer
-from crisp_runtime import (
-    CrispPlan,
-    CrispRuntime,
-    LayerPlan,
-    RuntimeConfig,
-    Tier,
-    TierWidths,
-    flow_shop_makespan,
-    johnson_order,
-    min_budget_bytes,
-)
+from crisp_runtime import CrispPlan, RuntimeConfig, Tier, TierWidths
+from crisp_runtime.execution.runtime import CrispRuntime, min_budget_bytes
+from crisp_runtime.planning.plan import LayerPlan
+from crisp_runtime.scheduling.scheduler import flow_shop_makespan, johnson_order
 
 
 def _random_packed(num_experts: int, inter: int, hidden: int, device="cpu", seed: int = 0, group_size: int = 64):

@@ -67,7 +67,9 @@ def capture(root: str, path: str) -> None:
     from bench.runtime import _plan_for, _random_packed
     from bench.shapes import TARGETS
     from bench.sim_policies import configurations
-    from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier
+    from crisp_runtime import CrispPlan, RuntimeConfig, Tier
+    from crisp_runtime.execution.runtime import CrispRuntime
+    from crisp_runtime.planning.plan import LayerPlan
     from crisp_runtime.planning.serving import SERVING_POLICIES, plan_served_step
     from crisp_runtime.scheduling.scheduler import CostModel, TaskOrder
 

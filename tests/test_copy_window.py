@@ -13,7 +13,8 @@ from crisp_bench.shapes import TARGETS
 from crisp_bench.simulate import neuron_scale, target_window
 from runtime_helpers import random_layers
 
-from crisp_runtime import CrispRuntime, RuntimeConfig
+from crisp_runtime import RuntimeConfig
+from crisp_runtime.execution.runtime import CrispRuntime
 from crisp_runtime.planning.plan import CrispPlan
 from crisp_runtime.residency.ledger import ResidencyLedger
 from crisp_runtime.scheduling.copy_window import CopyClock, Job, PrefetchSpan, PrefetchWindow, admit_requests

@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_runtime_executor import INTER, LAYERS, E, reference
 
-from crisp_runtime import CrispPlan, CrispRuntime
+from crisp_runtime import CrispPlan
+from crisp_runtime.execution.runtime import CrispRuntime
 
 TOP_K = 3
 

@@ -18,16 +18,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from crisp_kernels import dequantize_layer, layer_biases  # noqa: E402
-from crisp_runtime import (  # noqa: E402
-    PackMismatchError,
-    UnsupportedModelError,
-    apply,
-    min_budget_bytes,
-    model_info,
-    pack_model,
-    save_pack,
-)
+from crisp_runtime import PackMismatchError, UnsupportedModelError, apply, pack_model, save_pack  # noqa: E402
+from crisp_runtime.execution.runtime import min_budget_bytes  # noqa: E402
 from crisp_runtime.hf.moe_layers import ExpertsLayout, find_moe_layers  # noqa: E402
+from crisp_runtime.storage.pack import model_info  # noqa: E402
 
 TOKENS = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
 

@@ -21,13 +21,13 @@ from crisp_runtime import (  # noqa: E402
     apply,
     load_model,
     load_pack,
-    min_budget_bytes,
-    model_info,
     pack_model,
     parse_budget,
     save_pack,
 )
+from crisp_runtime.execution.runtime import min_budget_bytes  # noqa: E402
 from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
+from crisp_runtime.storage.pack import model_info  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=64)
 

@@ -18,20 +18,14 @@ transformers = pytest.importorskip("transformers")
 from test_hf_dropin import TOKENS, assert_unchanged, logits, make_model, snapshot  # noqa: E402
 
 from crisp_kernels import QuantFormat  # noqa: E402
-from crisp_runtime import (  # noqa: E402
-    PackMismatchError,
-    RuntimeConfig,
-    apply,
-    load_model,
-    min_budget_bytes,
-    model_info,
-    pack_model,
-    parse_budget,
-    save_pack,
-)
+from crisp_runtime import PackMismatchError, RuntimeConfig, apply, load_model, pack_model, parse_budget, save_pack  # noqa: E402
+from crisp_runtime.execution.runtime import min_budget_bytes  # noqa: E402
 from crisp_runtime.hf.handle import MAX_BUDGET_BYTES  # noqa: E402
 from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
-from crisp_runtime.storage.pack import weights_sha256  # noqa: E402
+from crisp_runtime.storage.pack import (  # noqa: E402
+    model_info,
+    weights_sha256,
+)
 
 
 def fingerprinted_info(model) -> dict:

@@ -19,7 +19,9 @@ from runtime_helpers import random_layers
 from crisp_kernels import Backend, QuantFormat, pack_layer
 from crisp_kernels._triton import interpreter_enabled
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_, experts_mlp_accumulate_unchecked_
-from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths
+from crisp_runtime import CrispPlan, RuntimeConfig, Tier, TierWidths
+from crisp_runtime.execution.runtime import CrispRuntime
+from crisp_runtime.planning.plan import LayerPlan
 from crisp_runtime.planning.serving import SERVING_POLICIES, plan_served_step, serve_slots
 from crisp_runtime.residency.device_cache import PrefixCache
 from crisp_runtime.residency.host_store import HostStore

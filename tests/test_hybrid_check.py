@@ -12,7 +12,8 @@ import torch
 from crisp_bench import hybrid_check
 from crisp_bench.profiles import HardwareProfile
 
-from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig
+from crisp_runtime import CrispPlan, RuntimeConfig
+from crisp_runtime.execution.runtime import CrispRuntime
 from crisp_runtime.scheduling.scheduler import flow_shop_makespan, johnson_order
 
 

@@ -22,8 +22,9 @@ from runtime_helpers import random_layers
 from crisp_kernels import Backend, dequantize_expert
 from crisp_kernels.cpu_expert import CpuExpert, Precision
 from crisp_kernels.expert_mlp import expert_mlp_accumulate_unchecked_
-from crisp_runtime import CrispPlan, CrispRuntime, RuntimeConfig, min_budget_bytes
+from crisp_runtime import CrispPlan, RuntimeConfig
 from crisp_runtime.cpu.experts import EXACT, TOLERANCE, CpuExpertsConfig, CpuPrepare
+from crisp_runtime.execution.runtime import CrispRuntime, min_budget_bytes
 from crisp_runtime.planning.serving import SERVING_POLICIES, ServingPolicy
 from crisp_runtime.scheduling.scheduler import CostModel, Placement
 

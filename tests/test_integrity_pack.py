@@ -15,8 +15,8 @@ from runtime_helpers import random_layers
 import crisp_runtime.storage.pack as pack_mod
 from crisp_kernels import PackFormatError, QuantFormat, pack_expert, pack_layer
 from crisp_kernels.io import DigestStatus, PackCheck, PackIntegrityError, read_packed, save_packed
-from crisp_runtime import CrispPlan, PlanError, check_weights_fingerprint, load_pack, save_pack, verify_pack
-from crisp_runtime.storage.pack import FingerprintStatus, PackMismatchError, weights_sha256
+from crisp_runtime import CrispPlan, PlanError, load_pack, save_pack, verify_pack
+from crisp_runtime.storage.pack import FingerprintStatus, PackMismatchError, check_weights_fingerprint, weights_sha256
 
 OLD_PACK = Path(__file__).resolve().parents[1] / "models" / "tiny-mixtral-crisp"  # written before digests
 

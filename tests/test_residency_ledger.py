@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crisp_runtime import CacheBudgetError, FrequencyPolicy, LRUPolicy, ResidencyLedger
+from crisp_runtime import CacheBudgetError, FrequencyPolicy, LRUPolicy
+from crisp_runtime.residency.ledger import ResidencyLedger
 
 NB = {0: 7, 3: 11}  # bytes per neuron differ per layer so that bytes, not widths, decide eviction
 FULL = {0: 12, 3: 12}

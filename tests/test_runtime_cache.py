@@ -8,17 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from runtime_helpers import ReplayCache, random_layers
 
-from crisp_runtime import (
-    CacheBudgetError,
-    FrequencyPolicy,
-    HostStore,
-    LayerPlan,
-    LRUPolicy,
-    PrefixCache,
-    Tier,
-    TierAwarePolicy,
-    make_policy,
-)
+from crisp_runtime import CacheBudgetError, FrequencyPolicy, LRUPolicy, Tier, TierAwarePolicy
+from crisp_runtime.planning.plan import LayerPlan
+from crisp_runtime.residency.device_cache import PrefixCache
+from crisp_runtime.residency.eviction import make_policy
+from crisp_runtime.residency.host_store import HostStore
 
 LAYERS = random_layers(layer_ids=(0, 3), num_experts=5, inter=12, symmetric=False)
 SYM_LAYERS = random_layers(layer_ids=(0, 3), num_experts=5, inter=12, symmetric=True, seed=1)

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from runtime_helpers import ReplayCache, random_layers
 
 from crisp_kernels import dequantize_expert
-from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths, min_budget_bytes
+from crisp_runtime import CrispPlan, RuntimeConfig, Tier, TierWidths
+from crisp_runtime.execution.runtime import CrispRuntime, min_budget_bytes
+from crisp_runtime.planning.plan import LayerPlan
 
 E, INTER, TOP_K = 6, 16, 2
 LAYER_IDS = (1, 2)

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from runtime_helpers import random_layers
 
 from crisp_kernels import dequantize_expert
-from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths, min_budget_bytes
+from crisp_runtime import CrispPlan, RuntimeConfig, Tier, TierWidths
+from crisp_runtime.execution.runtime import CrispRuntime, min_budget_bytes
+from crisp_runtime.planning.plan import LayerPlan
 from crisp_runtime.planning.serving import (
     SERVING_POLICIES,
     AuxMissing,

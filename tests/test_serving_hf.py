@@ -11,7 +11,8 @@ pytest.importorskip("transformers")
 
 from test_hf_dropin import logits, make_model  # noqa: E402
 
-from crisp_runtime import CrispPlan, RuntimeConfig, ServingPolicy, apply, min_budget_bytes  # noqa: E402
+from crisp_runtime import CrispPlan, RuntimeConfig, ServingPolicy, apply  # noqa: E402
+from crisp_runtime.execution.runtime import min_budget_bytes
 
 
 def test_default_serving_logits_do_not_depend_on_the_budget():

@@ -12,7 +12,8 @@ from crisp_bench.simulate import PIN_SHARE, SimPolicy, pinned_set, prefetch_requ
 from crisp_bench.traces import Trace, plan_from_trace, synthetic_trace, token_widths
 from runtime_helpers import decode_trace, random_layers
 
-from crisp_runtime import CrispRuntime, RuntimeConfig
+from crisp_runtime import RuntimeConfig
+from crisp_runtime.execution.runtime import CrispRuntime
 from crisp_runtime.planning.plan import CrispPlan
 from crisp_runtime.planning.serving import SERVING_POLICIES
 from crisp_runtime.residency.eviction import NextUsePolicy, PinnedPolicy, TierAwarePolicy

@@ -24,9 +24,9 @@ from crisp_bench.traces import plan_from_trace, synthetic_trace
 from runtime_helpers import decode_trace, random_layers
 
 from crisp_kernels import Backend, dequantize_expert
-from crisp_runtime import CrispRuntime, RuntimeConfig
+from crisp_runtime import RuntimeConfig
 from crisp_runtime.cpu.experts import EXACT
-from crisp_runtime.execution.runtime import _run_transient
+from crisp_runtime.execution.runtime import CrispRuntime, _run_transient
 from crisp_runtime.planning.serving import SERVING_POLICIES, ServingPolicy
 from crisp_runtime.residency.device_cache import PrefixCache
 from crisp_runtime.residency.host_store import HostStore

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from crisp_tools import stream_rss  # noqa: E402
 from test_hf_dropin import FAMILIES, TOKENS, logits, make_model  # noqa: E402
 
-from crisp_runtime import PackMismatchError, apply, load_model, model_info, pack_model, save_pack  # noqa: E402
+from crisp_runtime import PackMismatchError, apply, load_model, pack_model, save_pack  # noqa: E402
 from crisp_runtime.hf.checkpoint import (  # noqa: E402
     CheckpointError,
     checkpoint_weights_sha256,
@@ -20,7 +20,10 @@ from crisp_runtime.hf.checkpoint import (  # noqa: E402
     pack_checkpoint,
 )
 from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
-from crisp_runtime.storage.pack import weights_sha256  # noqa: E402
+from crisp_runtime.storage.pack import (  # noqa: E402
+    model_info,
+    weights_sha256,
+)
 
 
 def _same_layers(a, b):

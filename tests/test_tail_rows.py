@@ -22,9 +22,9 @@ from crisp_kernels.format import (
     with_tail,
 )
 from crisp_kernels.io import PackFormatError, PackIntegrityError, load_packed, read_packed_metadata, save_packed
-from crisp_runtime import CrispPlan, CrispRuntime, LayerPlan, RuntimeConfig, Tier, TierWidths, min_budget_bytes
-from crisp_runtime.execution.runtime import plan_for_layers
-from crisp_runtime.planning.plan import PlanError
+from crisp_runtime import CrispPlan, RuntimeConfig, Tier, TierWidths
+from crisp_runtime.execution.runtime import CrispRuntime, min_budget_bytes, plan_for_layers
+from crisp_runtime.planning.plan import LayerPlan, PlanError
 from crisp_runtime.storage.pack import load_pack, save_pack
 
 
