@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text decoded for the accuracy (default %(default)s)")
     p.add_argument("--windows", type=int, default=16, help="windows of text (default 16)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per window (default 128)")
-    p.add_argument("--trace", default="docs/bench-trace-heldout-predicted.npz", help="counts of the pinned hot set")
+    p.add_argument("--trace", default="bench/traces/heldout-predicted.npz", help="counts of the pinned hot set")
     p.add_argument("--budget", type=float, required=True, help="GPU budget, a fraction of all expert bytes")
     p.add_argument("--profile", default="rtx4090-pcie4-ddr5",
                    help="hardware profile whose cost model the scheduler uses (default %(default)s)")

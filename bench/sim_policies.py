@@ -31,7 +31,7 @@ Accuracy is never simulated: a record's ``accuracy_loss`` (relative next-token a
 against 4-bit full width, a fraction) comes from an evaluation file when one measured that exact
 configuration, else it is None. Two kinds of file are read:
 
-- ``crisp-eval --json`` (e.g. docs/eval-tiny-mixtral.json): policies full / crisp / uniform /
+- ``crisp-eval --json`` (e.g. bench/results/eval-tiny-mixtral.json): policies full / crisp / uniform /
   skip_aux at the plan's widths. Their outputs do not depend on the cache, so the loss holds for
   the plan serving policy at every budget (uniform / skip_aux only at the evaluated width /
   threshold);

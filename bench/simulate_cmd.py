@@ -43,7 +43,7 @@ from .tail_sim import TailMapping
 SERVING_NAMES = tuple(SERVING_POLICIES)
 PREFETCH_WIDTHS = tuple(w.value for w in PrefetchWidth)
 # evaluations whose accuracy_loss simulate attaches to its records (when of the traced model)
-DEFAULT_ACCURACY = ("docs/eval-tiny-mixtral.json", "docs/eval-serving-tiny-mixtral.json")
+DEFAULT_ACCURACY = ("bench/results/eval-tiny-mixtral.json", "bench/results/eval-serving-tiny-mixtral.json")
 DEFAULT_BUDGET = 0.25  # of the 4-bit expert bytes: the budget the paper's and issue 10's headline figures use
 SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
 
@@ -168,7 +168,7 @@ def add_parser(subparsers) -> None:
                    "none if skipped), aux-none (dominants only, at the plan's width); crisp_runtime.prefetch")
     p.add_argument("--accuracy", metavar="EVAL.json", action="append", default=None, type=ca.nonempty_path,
                    help="evaluation JSON(s) giving accuracy_loss per configuration (crisp-eval --json; the "
-                   "runtime-in-the-loop serving evaluation); default: those under docs/ for the traced model")
+                   "runtime-in-the-loop serving evaluation); default: those under bench/results/ for the traced model")
     p.add_argument("--from-json", metavar="SIM.json", type=ca.nonempty_path, action="append", default=None,
                    help="re-report the records of earlier `simulate --json` runs of the same trace (repeatable: "
                    "their records are merged) with accuracy attached anew from --accuracy, without simulating")
@@ -233,10 +233,10 @@ def run(args) -> int:
     predicted = getattr(trace, "predicted", None)
     if stored is not None and stored.prefetch is not None and predicted is None:
         raise CliError("--matrix stored: the stored choice prefetches, and the trace holds no next-layer predictions "
-                       "(use docs/bench-trace-heldout-predicted.npz or record one with this version)")
+                       "(use bench/traces/heldout-predicted.npz or record one with this version)")
     if args.prefetch == "trace" and predicted is None:
         raise CliError("--prefetch trace: the trace holds no next-layer predictions (record one with this version: "
-                       "`crisp-bench simulate --record-trace`, or use docs/bench-trace-heldout-predicted.npz)")
+                       "`crisp-bench simulate --record-trace`, or use bench/traces/heldout-predicted.npz)")
     accuracy_files = args.accuracy if args.accuracy is not None else [
         str(REPO_ROOT / f) for f in DEFAULT_ACCURACY if (REPO_ROOT / f).is_file()]
     try:

@@ -20,7 +20,7 @@ from crisp_runtime.serving import SERVING_POLICIES, DominantWiden
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, PACK = ROOT / "models" / "tiny-mixtral", ROOT / "models" / "tiny-mixtral-crisp"
 TEXT = ROOT / "data" / "stdlib-heldout.txt"
-TRACE = ROOT / "docs" / "bench-trace-heldout-predicted.npz"
+TRACE = ROOT / "bench" / "traces" / "heldout-predicted.npz"
 
 
 def test_cases_parse():

@@ -198,7 +198,7 @@ def test_the_window_of_a_tail_pack_counts_its_rows():
 def test_the_simulator_refuses_a_tail_pack_at_another_layout(tail, capsys):
     from crisp_bench import cli as bench_cli
 
-    base = ["simulate", "--trace", str(ROOT / "docs" / "bench-trace-heldout-predicted.npz"), "--plan", str(tail),
+    base = ["simulate", "--trace", str(ROOT / "bench" / "traces" / "heldout-predicted.npz"), "--plan", str(tail),
             "--policies", "full,crisp", "--tokens", "40", "--warmup", "4"]
     for layout in ([], ["--tail-layout", "2g128@0.5"], ["--tail-layout", "m432"]):
         assert bench_cli.main([*base, *layout]) == 2
