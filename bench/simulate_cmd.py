@@ -44,7 +44,7 @@ SERVING_NAMES = tuple(SERVING_POLICIES)
 PREFETCH_WIDTHS = tuple(w.value for w in PrefetchWidth)
 # evaluations whose accuracy_loss simulate attaches to its records (when of the traced model)
 DEFAULT_ACCURACY = ("bench/results/eval-tiny-mixtral.json", "bench/results/eval-serving-tiny-mixtral.json")
-DEFAULT_BUDGET = 0.25  # of the 4-bit expert bytes: the budget the paper's and issue 10's headline figures use
+DEFAULT_BUDGET = 0.25  # of the 4-bit expert bytes: the budget the paper's headline figures use
 SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
 
 # the argument types and option groups of bench.common under the names this module uses
@@ -141,9 +141,9 @@ def add_parser(subparsers) -> None:
                    "one cache per layer (mixtral-offloading's per-layer slots; needs >= 1 expert per layer)")
     p.add_argument("--matrix", choices=SIM_MATRICES, default="product",
                    help="product (default): every --policies x --serving x --eviction x --prefetch; residency: "
-                   "issue 10's comparison (full-width LRU / Belady, today's CRISP, residency-aware CRISP with and "
+                   "the residency comparison (full-width LRU / Belady, today's CRISP, residency-aware CRISP with and "
                    "without prefetch, Belady bound, uniform / skip_aux with the same machinery); frontier: each "
-                   "family swept over its knob (for --plot: tokens/s against accuracy loss); hybrid: issue 11's "
+                   "family swept over its knob (for --plot: tokens/s against accuracy loss); hybrid: the "
                    "CPU placements (GPU-only full LRU, static_hybrid, cpu_only, CRISP GPU-only and hybrid; needs a "
                    "--profile with a CPU, e.g. rtx4090-pcie4-ddr5; docs/hybrid.md); stored: full-width LRU and the "
                    "serving choice (policy, eviction, prefetch width, budget) that crisp-profile --plan-for-throughput "
@@ -528,7 +528,7 @@ def _adopt_evaluated_knobs(plans, evaluated, args, notes) -> None:
 
 # the mixtral-offloading-style baseline: full-width experts, LRU, widths independent of the cache
 BASELINE = "full/plan/lru"
-TARGET_LOSS = 0.02  # issue 10: at most 2% relative accuracy loss
+TARGET_LOSS = 0.02  # the accuracy bound of the speed target: at most 2% relative accuracy loss
 
 
 def _pick(records, label, order, budget):

@@ -1,4 +1,4 @@
-"""The user's knob for hybrid execution: ``apply(..., cpu="off"|"on"|"auto")`` (issue 11).
+"""The user's knob for hybrid execution: ``apply(..., cpu="off"|"on"|"auto")``.
 
 - ``off`` (default): the configuration as given (GPU-only placement unless the serving policy
   says otherwise): today's behaviour exactly.

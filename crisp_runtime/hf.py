@@ -482,7 +482,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     a ServingPolicy, a name ("plan", "resident", "resident-floor75") or its dict; None = the
     config's (default "plan": every slot at the plan's width, outputs independent of the cache).
     cpu: "off" (default: as configured), "on" (offloaded experts computed on the host CPU when the
-    per-step split says it is faster than copying them: hybrid placement, issue 11) or "auto"
+    per-step split says it is faster than copying them: hybrid placement) or "auto"
     (on when the measured bandwidths say it pays); ``stats()["cpu"]`` says what was decided
     (``crisp_runtime.cpu_knob``).
     """

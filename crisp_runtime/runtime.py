@@ -23,7 +23,7 @@ CUDA (``async_copies=True``, the default there), GPU-only code marked below:
 - after an expert's kernels an event is recorded on the compute stream; evicting that prefix
   waits on it first, so that freed bytes are really free and the budget stays a hard limit.
 
-Hybrid placement (``ServingPolicy.placement`` other than GPU, issue 11): the scheduler marks
+Hybrid placement (``ServingPolicy.placement`` other than GPU): the scheduler marks
 some tasks ``on_cpu``. Before the GPU's tasks are issued, those go as one job to the runtime's
 CPU worker thread (``cpu_experts.CpuExperts``): it reads each expert's prefix from host memory
 (nothing copied to the device, nothing admitted to the ledger; the int4pack copy of the fast path,

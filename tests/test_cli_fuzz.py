@@ -131,9 +131,9 @@ ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL
 # The size of the campaign when it was written; shrinking a table must be a decision, not an accident.
 # 660: the 22 cases of `python -m crisp_bench.kernels`'s own --shapes/--widths/--tokens/--json went with
 # that second command line (its other options moved to `crisp-bench kernels`, their cases with them).
-# 860 (session 9): the tables had grown past 660 without a bump; tail-pack's 18 cases included;
-# 866: kernels --tail-start. 991 (session 15): plan-throughput's 76, --simulation-workers, earlier growth.
-# 1013 (session 16): --search-tier-widths of crisp-profile and plan-throughput, plan-throughput --reference-crisp and
+# 860: the tables had grown past 660 without a bump; tail-pack's 18 cases included;
+# 866: kernels --tail-start. 991: plan-throughput's 76, --simulation-workers, earlier growth.
+# 1013: --search-tier-widths of crisp-profile and plan-throughput, plan-throughput --reference-crisp and
 # --tail-layouts.
 RECORDED_CASES = 1013
 

@@ -228,7 +228,7 @@ def test_load_model_serves_a_tail_pack_with_its_plan_in_neurons(tail):
 def test_a_dominant_floor_counts_neurons_on_a_tail_pack(tail, floor):
     """The floor is a fraction of the neurons on a tail pack too (the simulator's mapping): 87.5% of 256 neurons is
     224 = 64 4-bit rows + 80 rows of two 2-bit neurons, 144 of 160 rows (the runtime took 140 rows before
-    session 15). A missed dominant loads exactly those rows."""
+    the simulator's unit). A missed dominant loads exactly those rows."""
     import math
 
     from crisp_runtime.hf import load_model

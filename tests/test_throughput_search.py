@@ -425,7 +425,7 @@ def test_simulate_matrix_stored_times_the_choice_as_the_search_did(tmp_path, cap
     assert "--plan PACK_FOLDER" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------------- session 15: plan knobs, exact scoring
+# ---------------------------------------------------------------------------- plan knobs, exact scoring
 
 
 def test_exact_candidates_are_scored_in_batch_and_resident_ones_decoded(tiny, monkeypatch):
