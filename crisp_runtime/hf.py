@@ -311,6 +311,19 @@ class CrispHandle:
         self.runtime.set_plan(plan)
 
     def stats(self) -> dict:
+        """What CRISP did since ``apply`` (or :meth:`reset_stats`), as a JSON-friendly dict.
+
+        The keys a user reads first: ``tokens`` (real tokens through the MoE layers, padding excluded),
+        ``bytes_h2d`` / ``bytes_h2d_per_token`` (expert bytes copied host-to-device into the GPU cache: the cost
+        CRISP cuts), ``bytes_read_per_token`` (what an offload without a cache would copy), ``hit_rate`` (expert
+        lookups served without a copy), ``hits`` / ``misses`` / ``widenings`` / ``evictions``, and
+        ``served_width_mean`` (mean served width per role, dominant and auxiliary). Residency-aware serving adds
+        ``fallbacks`` (slots served narrower than the plan), ``served_wider`` and ``serving_skips``; prefetch adds
+        ``prefetches``, ``prefetch_bytes``, ``prefetch_hits`` and ``prefetch_cut``; CPU placements add
+        ``cpu_runs`` and ``cpu_splits``. ``layers`` holds the same counters per MoE layer; ``cache`` the budget,
+        bytes in use and peak; ``cpu`` what ``apply(cpu=...)`` decided and why. Every counter is defined in
+        :mod:`crisp_runtime.stats`.
+        """
         out = self.runtime.stats.as_dict()
         cache = self.runtime.cache
         out["cache"] = {"budget_bytes": getattr(cache, "budget", None), "used_bytes": cache.used,
@@ -319,6 +332,7 @@ class CrispHandle:
         return out
 
     def reset_stats(self) -> None:
+        """Zero every counter of :meth:`stats` (the cache keeps what it holds)."""
         self.runtime.stats.reset()
 
     def restore(self) -> None:
@@ -463,28 +477,35 @@ def _clear_attention_mask(tokens: _TokenMask, module, args, kwargs, output=None)
 def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None, fmt: QuantFormat | None = None,
           config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False, serving=None,
           shapes=None, cpu="off") -> CrispHandle:
-    """Run ``model``'s MoE experts through CRISP; returns a :class:`CrispHandle`.
+    """Run ``model``'s MoE experts through CRISP, on this model instance only; returns a :class:`CrispHandle`.
 
-    A model without v5 experts modules but with per-expert MoE blocks (DeepSeek-MoE remote code,
-    v4-style Mixtral / Qwen2-MoE: ``crisp_runtime.blocks``) goes to ``blocks.apply_blocks``;
-    shapes: the block shapes to recognise (None: ``blocks.BLOCK_SHAPES``).
+    Use it as a context manager (``with apply(model, pack, gpu_budget="6GiB") as crisp: model.generate(...)``)
+    or call ``crisp.restore()`` to put the original experts back. No class is patched.
 
-    source: None packs the model's current expert weights in their present order (4-bit,
-    ``fmt`` or QuantFormat(group 64, asymmetric)); a path loads a pack folder (and its plan.json
-    when ``plan`` is None); a CrispPack or ``{layer_id: PackedLayer}`` is used as is.
-    plan: None = the pack's plan, else full width everywhere.
-    gpu_budget: bytes (int or "2GiB") of the device prefix cache, experts streamed from host
-    memory; None = every packed expert resident on the device, no offload.
-    allow_weights_mismatch: use a pack whose recorded weights fingerprint differs from the
-    model's expert weights (or cannot be checked because they are not loaded). By default that
-    is refused: the same architecture with other weights would run without a word, wrongly.
-    serving: how routed experts are served from what the cache holds (``crisp_runtime.serving``):
-    a ServingPolicy, a name ("plan", "resident", "resident-floor75") or its dict; None = the
-    config's (default "plan": every slot at the plan's width, outputs independent of the cache).
-    cpu: "off" (default: as configured), "on" (offloaded experts computed on the host CPU when the
-    per-step split says it is faster than copying them: hybrid placement) or "auto"
-    (on when the measured bandwidths say it pays); ``stats()["cpu"]`` says what was decided
-    (``crisp_runtime.cpu_knob``).
+    Arguments:
+
+    - ``source``: the experts to run. A path to a pack folder written by ``crisp-profile`` (its plan.json is
+      used unless ``plan`` is given); a ``CrispPack`` or ``{layer_id: PackedLayer}`` as is; None packs the
+      model's own expert weights now (4-bit, full width, in their present order: no CRISP widths).
+    - ``plan``: a :class:`CrispPlan` to use instead of the pack's (None: the pack's plan; full width when there
+      is no pack).
+    - ``gpu_budget``: bytes of GPU memory for the expert prefix cache, an int or a string such as ``"6GiB"``;
+      experts stay in host memory and only the missing prefix rows are copied. None keeps every packed expert
+      on the device (no offload). A budget too small for one layer's routed experts is refused.
+    - ``serving``: how routed experts are served from what the cache holds: a :class:`ServingPolicy`, a name
+      (``"plan"``, ``"resident"``, ``"resident-floor75"``, ...) or its dict. None: the config's, which is
+      ``"plan"`` (every slot at the plan's width, outputs independent of the cache).
+    - ``cpu``: ``"off"`` (default), ``"on"`` (offloaded experts computed on the host CPU when a step's cost model
+      says that beats copying them; the CPU's speed measured now) or ``"auto"`` (on only where the measured
+      bandwidths say it pays). ``stats()["cpu"]`` says what was decided and why.
+    - ``config``: a :class:`RuntimeConfig` for the rest (eviction, prefetch, expert order, device, kernels).
+    - ``fmt``: the 4-bit format when ``source`` is None (default: group 64, asymmetric).
+    - ``allow_weights_mismatch``: use a pack whose recorded weights fingerprint differs from the model's expert
+      weights. Refused by default: the same architecture with other weights would run without a word, wrongly.
+    - ``shapes``: per-expert MoE block shapes to recognise (None: ``blocks.BLOCK_SHAPES``) for models whose MoE
+      layers are per-expert modules (DeepSeek-MoE remote code, v4 Mixtral, Qwen1.5-MoE).
+
+    Errors name the bad argument: a pack of other weights, a bad budget, a model without MoE layers.
     """
     from .cpu_knob import decide_cpu, parse_cpu_mode
 
@@ -633,15 +654,23 @@ def _check_dtype(dtype):
 def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: CrispPlan | None = None,
                gpu_budget=None, config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False,
                serving=None):
-    """Load a causal LM from a local checkpoint plus a CRISP pack: ``(model, handle)``.
+    """Load a causal LM from a local checkpoint plus a CRISP pack: returns ``(model, handle)``.
 
-    The checkpoint (safetensors) is read on the CPU one tensor at a time into a model built on the
-    ``meta`` device: only the non-expert weights are materialised; the expert weights are never read
-    whole (their recorded fingerprint is checked from 4-row slices; ``allow_weights_mismatch=True``
-    skips that). Then the model is moved to ``device`` and CRISP applied with the pack's experts.
-    Full-precision experts never reach the GPU, nor host memory. Nothing is downloaded:
-    ``checkpoint_dir`` must be a local folder.
-    serving: as in :func:`apply`.
+    The checkpoint (safetensors) is read one tensor at a time into a model built on the ``meta`` device: only
+    the non-expert weights are loaded; the full-precision experts are never read whole, nor put on the GPU
+    (their fingerprint is checked from 4-row slices). The model is then moved to ``device`` and runs its
+    experts from the pack. Nothing is downloaded.
+
+    Arguments:
+
+    - ``checkpoint_dir``: a local transformers checkpoint folder (config.json + safetensors).
+    - ``pack_dir``: the pack folder ``crisp-profile`` wrote for this checkpoint.
+    - ``device``: where the model runs (``"cpu"``, ``"cuda"``, ``"cuda:N"``).
+    - ``dtype``: the non-expert weights' dtype (None: the checkpoint's).
+    - ``gpu_budget``, ``serving``, ``plan``, ``config``, ``allow_weights_mismatch``: as in :func:`apply`.
+
+    ``handle.restore()`` cannot bring back the original experts (they were never loaded); reload the checkpoint
+    to run it without CRISP.
     """
     path = _local_checkpoint(checkpoint_dir)  # before importing transformers: a wrong name fails at once
     if config is not None and not isinstance(config, RuntimeConfig):

@@ -104,7 +104,30 @@ class AuxMissing(enum.Enum):
 
 @dataclass(frozen=True)
 class ServingPolicy:
-    """How routed slots are served from the resident prefixes (see the module docstring)."""
+    """How each routed expert is served from what the GPU cache holds (frozen; ``apply(..., serving=...)``).
+
+    The default serves every expert at the plan's width, so outputs do not depend on the cache. The other
+    fields trade accuracy for fewer copied bytes:
+
+    - ``name``: a label (the named policies of ``make_serving`` use theirs).
+    - ``hit_width``: ``wanted`` (run at the plan's width) or ``resident`` (run at everything resident, free).
+    - ``aux_narrower``: an auxiliary resident narrower than wanted is widened (``widen``: copy the missing rows),
+      run at what is resident (``resident``), or run at what is resident only when the plan narrows it
+      (``narrow_only``).
+    - ``aux_missing``: an auxiliary not resident at all is loaded (``load``) or skipped (``skip``).
+    - ``dominant_floor``: a dominant expert never runs below this fraction of its neurons; a missed one loads only
+      that prefix (1.0: the plan's width).
+    - ``dominant_widen``: a dominant loaded at its floor is widened ``never``, on its next use (``hit``) or by the
+      prefetcher ahead of it (``ahead``).
+    - ``placement``: where experts run: ``gpu`` (default), ``hybrid``, ``hybrid_split`` (one expert split by
+      neurons between GPU and CPU), ``static_hybrid``, ``cpu_only``.
+    - ``transient_buffer``: ``hybrid_split`` only: full-width experts of GPU memory for a per-step buffer of the
+      split's copies instead of admitting them to the cache (0: admit).
+    - ``aux_skipped``: an auxiliary the plan skips stays skipped (``skip``) or runs at what is resident
+      (``resident``).
+
+    Named policies and when each pays: docs/serving-and-residency.md.
+    """
 
     name: str = "plan"
     hit_width: HitWidth = HitWidth.WANTED
