@@ -15,8 +15,8 @@ expert resident while the tiers still narrow the auxiliaries below it (at 50% of
 A CRISP plan may also carry ``aux_full_weight``: an auxiliary whose routing weight is at least this runs at the
 dominant width whatever its pair's tier (its role stays auxiliary: the serving policy ``resident`` may still serve
 it narrower from what is resident, ``resident-narrow-aux`` never does). Why: on the trained tiny Mixtral the
-routing weight picked the auxiliaries that matter better than the pair tiers below 1% loss (
-skip-auxiliary at weight 0.239 lost 0.74% at 2.43x full-width LRU where CRISP's lowest loss was 0.92% at 2.36x);
+routing weight picked the auxiliaries that matter better than the pair tiers below 1% loss
+(skip-auxiliary at weight 0.239 lost 0.74% at 2.43x full-width LRU where CRISP's lowest loss was 0.92% at 2.36x);
 with the threshold, the heavy auxiliaries run whole and the light ones keep the tiers' narrow widths instead of
 being skipped.
 
