@@ -29,7 +29,7 @@ from crisp_runtime.planning.plan import PlanError
 from crisp_runtime.storage.outputs import check_outputs
 from crisp_runtime.storage.pack import PackMismatchError
 
-from . import cpu, e2e, kernels, layer, report, simulate_cmd, transfer
+from . import cpu, e2e, kernels, layer, report, report_cmd, simulate_cmd, transfer
 from .common import CliError, pack_dir_for
 
 
@@ -43,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch CPU threads for the default suite (default: 1 on machines with <= 2 cores)")
     parser.add_argument("--model", metavar="DIR", default=None, type=ca.nonempty_path,
                         help="checkpoint for the default suite (default: the committed models/tiny-mixtral)")
-    sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,cpu,layer,e2e,simulate}")
+    sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,cpu,layer,e2e,simulate,report}")
 
-    for module in (kernels, cpu, transfer, layer, e2e, simulate_cmd):  # the order of `crisp-bench --help`
+    for module in (kernels, cpu, transfer, layer, e2e, simulate_cmd, report_cmd):  # the order of `crisp-bench --help`
         module.add_parser(sub)
     return parser
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
         handler = {"kernels": _cmd_kernels, "transfer": _cmd_transfer, "layer": _cmd_layer, "e2e": _cmd_e2e,
-                   "simulate": _cmd_simulate, "cpu": _cmd_cpu}[args.command]
+                   "simulate": _cmd_simulate, "cpu": _cmd_cpu, "report": _cmd_report}[args.command]
         return handler(args)
     except KeyboardInterrupt:
         return ca.interrupted("crisp-bench", resumable=False)
@@ -127,6 +127,7 @@ _cmd_transfer = transfer.run
 _cmd_layer = layer.run
 _cmd_e2e = e2e.run
 _cmd_simulate = simulate_cmd.run
+_cmd_report = report_cmd.run
 
 
 def _default_suite(args) -> int:

@@ -10,7 +10,7 @@ experts at 4 bits, least recently used evicted.
 On a CPU the "GPU" is host memory: the cache copies are memcpy, and the tokens/s are the
 CPU's, not an offloading system's (the output says so).
 
-``--placements`` (issue 11) runs the plans again with the experts placed by the serving policy's
+``--placements`` (hybrid placement) runs the plans again with the experts placed by the serving policy's
 ``placement``: ``hybrid`` (per step, the GPU / CPU split of minimal makespan on a cost model with
 the CPU's bandwidth measured here), ``hybrid_split`` (the same with the neuron split: an expert's
 rows [0, s) on the GPU, [s, width) on the CPU), ``static_hybrid`` (llama.cpp ``--n-cpu-moe`` style: the most
@@ -178,7 +178,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--policies", type=common.csv_choices(common.POLICIES), default=list(common.POLICIES))
     p.add_argument("--placements", type=common.csv_choices(PLACEMENTS), default=["gpu"],
                    help=f"where experts run, comma separated: {', '.join(PLACEMENTS)} (default gpu; the others use the "
-                   "host CPU: issue 11's hybrid and its baselines)")
+                   "host CPU: the hybrid placements and their baselines)")
     p.add_argument("--cpu-precision", choices=CPU_PRECISIONS, default="bf16",
                    help="the precision the CPU placements promise (the torch kernels' choice): bf16 (torch's int4pack "
                    "op on an int4pack copy built lazily, within 2u of bf16 of the reference) or fp32 (exact); the "

@@ -9,13 +9,13 @@
 # deadline: TOTAL_BUDGET_S seconds (default 600) from the start of the first step. Steps run in
 # order of value; a step whose estimated need is more than the time left is skipped with a line
 # saying so, and each step's own limit is min(STEP_TIMEOUT (default 240), the time left). The
-# order, most valuable first (what no earlier session measured, then correctness, then figures):
-#  1. h2d-cpu-busy   the H2D copy rate alone and while the CPU streams host memory (issue 11's
-#                    assumed 25 -> 15 GB/s; `crisp_bench.hybrid_check copy`)
+# order, most valuable first (what no run has measured yet, then correctness, then figures):
+#  1. h2d-cpu-busy   the H2D copy rate alone and while the CPU streams host memory (the hybrid
+#                    profile's assumed 25 -> 15 GB/s; `crisp_bench.hybrid_check copy`)
 #  2. hybrid-step    one real hybrid layer step (hybrid, hybrid_split) against the simulator's
 #                    prediction of that step (`crisp_bench.hybrid_check step`)
 #  3. prefetch-step  two real layer steps, the next layer's experts prefetched during the first,
-#                    against the simulator's timeline, with and without the prefetch (issue 10;
+#                    against the simulator's timeline, with and without the prefetch (
 #                    `crisp_bench.hybrid_check prefetch`)
 #  4. e2e-hybrid     the hybrid path end to end on the GPU (copy stream beside the CPU worker):
 #                    every CPU-placement layer step checked against the float64 reference

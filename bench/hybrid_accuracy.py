@@ -1,4 +1,4 @@
-"""Accuracy of the hybrid (CPU + GPU) serving policies with the runtime in the loop (docs/hybrid.md, session 3).
+"""Accuracy of the hybrid (CPU + GPU) serving policies with the runtime in the loop (docs/hybrid.md).
 
 A residency-aware serving policy's widths depend on what is resident, so its accuracy is measured by
 decoding text through ``CrispRuntime`` as a server would (``crisp_tools.serving_eval.decode_windows``:
@@ -15,7 +15,7 @@ the simulator's hybrid configurations are (so the served widths come from the sa
 - prefetches cut as the simulator cuts them (``--window on``, the default): ``PrefetchPolicy.window`` is the
   profile's modeled copy clock for the target (``bench.simulate.target_window``), which times each hybrid
   step as the simulator does (``CopyClock.hybrid_step``) and admits only the rows that arrive before the next
-  router's end; ``--window off``: every prefetch whole (session 3's decodes).
+  router's end; ``--window off``: every prefetch completes whole (an upper bound on accuracy).
 
 What is not the simulator's: the split granule is the runtime's (64 neurons, 1/4 of the tiny model's
 256; the simulator's is 1 traced neuron for Mixtral), and the tiny model's routing, so a decode may narrow a
@@ -23,7 +23,7 @@ different share of dominant slots than the simulation: every record reports that
 (``narrowed_dominant_fraction``) for comparison with the simulation's, and the prefetches cut.
 
     python -m crisp_bench.hybrid_accuracy --budget 0.25 --case hybrid_split+prefetch \\
-        --case floor=0.875+prefetch --json docs/hybrid-accuracy-s3-25.json
+        --case floor=0.875+prefetch --json hybrid-accuracy-25.json
 
 A case is ``full`` (4-bit full width, no offload: the reference) or ``KEY=VALUE,...`` over the named
 policy ``hybrid_split`` (ServingPolicy fields, e.g. ``dominant_floor=0.875,dominant_widen=hit``; ``floor``
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text decoded for the accuracy (default %(default)s)")
     p.add_argument("--windows", type=int, default=16, help="windows of text (default 16)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per window (default 128)")
-    p.add_argument("--trace", default="docs/bench-trace-heldout-predicted.npz", help="counts of the pinned hot set")
+    p.add_argument("--trace", default="bench/traces/heldout-predicted.npz", help="counts of the pinned hot set")
     p.add_argument("--budget", type=float, required=True, help="GPU budget, a fraction of all expert bytes")
     p.add_argument("--profile", default="rtx4090-pcie4-ddr5",
                    help="hardware profile whose cost model the scheduler uses (default %(default)s)")

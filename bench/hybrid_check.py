@@ -1,4 +1,4 @@
-"""Issue 11's two GPU checks (run by ``bench/gpu_check.sh``; neither has run on a GPU: none here).
+"""The hybrid placement's GPU checks (run by ``bench/gpu_check.sh``; neither has run on a GPU: none here).
 
 ``copy`` (:func:`measure`, GPU-only): the host-to-device copy rate alone and while the CPU streams
 host memory. The hybrid profiles assume the copy engine slows while the CPU reads host memory
@@ -14,7 +14,7 @@ copies the runtime's step made, with a profile of this machine's figures (the co
 the device's expert rate and the CPU worker's measured here). It runs on any device; on a CPU the
 "GPU" is the CPU as well, which only checks the code path (the tests do that).
 
-``prefetch`` (:func:`prefetch_step_check`, issue 10): two real layer steps, the first with its
+``prefetch`` (:func:`prefetch_step_check`): two real layer steps, the first with its
 experts resident, then the runtime's prefetch of the second's experts, then the second, against
 the simulator's timeline of the same (``bench.simulate.schedule`` and ``_prefetch``: prefetched rows
 only up to the second layer's start, the rest demanded), with and without the prefetch.

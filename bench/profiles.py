@@ -74,7 +74,7 @@ class HardwareProfile(ExpertTiming):
     other_s: float
     description: str = ""
     source: str = ""
-    # The host CPU (hybrid placement, issue 11; None = a profile without a CPU, GPU-only configurations):
+    # The host CPU (hybrid placement; None = a profile without a CPU, GPU-only configurations):
     # prefix bytes per second its expert kernel streams at batch 1, a fixed time per expert, the H2D
     # rate while it streams host memory, and the join of its (T, H) partial output into the GPU's.
     cpu_bytes_per_s: float | None = None
@@ -192,7 +192,7 @@ def _rtx4090() -> HardwareProfile:
     )
 
 
-# The desktop host of the hybrid profiles (issue 11). Figures and where they come from (/work/shared/ANCHORS.md):
+# The desktop host of the hybrid profiles. Figures and where they come from (/work/shared/ANCHORS.md):
 # - H2D 25 GB/s: pinned copies measured by others on an RTX 4090 over PCIe 4.0 x16 (the paper's loader
 #   reached 13 GB/s, profile rtx4090-pcie4); ~15 GB/s while the CPU streams host memory at the same time
 #   (reported for a 4090 desktop);
@@ -200,7 +200,7 @@ def _rtx4090() -> HardwareProfile:
 #   reports for desktop DDR5 hosts (dual-channel DDR5-6000 peaks at 96 GB/s); the simulator sweeps 30-72;
 # - assumed (no measurement on a desktop): 20 us per copy and 50 us per CPU expert call (thread-pool wake-up
 #   and dispatch), 20 us to join the (T, H) partial output (a 16 KB copy and an add). Measured on a 2-core Zen 4
-#   VM (docs/hybrid.md, session 7): 42-45 us per call through the runtime's path, and 20-260 us per step for the
+#   VM (docs/hybrid.md, 2026-12-02): 42-45 us per call through the runtime's path, and 20-260 us per step for the
 #   worker's handoff, which these figures leave out (with them the 25% headline simulates 2.95x LRU, not 3.02x);
 # - GPU compute, router and other per-layer work: the paper's RTX 4090 figures (profile rtx4090-pcie4).
 DESKTOP_CPU_BYTES_PER_S = 50e9

@@ -53,7 +53,7 @@ def _crisp_plan(num_experts: int, top_k: int, inter: int, layer_ids, seed: int =
 def _plan_for(policy: str, num_experts, top_k, inter, layer_ids) -> CrispPlan:
     if policy == "crisp":
         return _crisp_plan(num_experts, top_k, inter, layer_ids)
-    if policy == "crisp_aux":  # heavy auxiliaries at the dominant width (CrispPlan.aux_full_weight, session 11)
+    if policy == "crisp_aux":  # heavy auxiliaries at the dominant width (CrispPlan.aux_full_weight)
         return _crisp_plan(num_experts, top_k, inter, layer_ids).promoted(0.3)
     if policy == "full":
         return CrispPlan.full(num_experts, top_k, inter, layer_ids)

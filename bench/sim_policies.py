@@ -5,12 +5,12 @@ crisp), a serving policy (``crisp_runtime.planning.serving``), an eviction polic
 Three ways to choose them (``--matrix``):
 
 - ``product``: every plan x serving x eviction x prefetch given on the command line;
-- ``residency``: the comparison of issue 10 at one GPU memory: full-width LRU
+- ``residency``: the residency-aware comparison at one GPU memory: full-width LRU
   (mixtral-offloading), full-width Belady, today's CRISP (plan widths, LRU), residency-aware
   CRISP (auxiliaries served from what is resident; a missed dominant at full width or at a 75%
   prefix) with next-use and with LRU eviction, with and without prefetch, the same under Belady (the bound),
   and uniform / skip-auxiliary given the same serving, eviction and prefetch;
-- ``hybrid`` (issue 11, a profile with a CPU): GPU-only full-width LRU (mixtral-offloading),
+- ``hybrid`` (a profile with a CPU): GPU-only full-width LRU (mixtral-offloading),
   ``static_hybrid`` (llama.cpp ``--n-cpu-moe`` style: the most used experts resident at full
   width, all others on the CPU at full width, nothing copied), ``cpu_only`` (every expert on the
   CPU at full width), CRISP on the GPU only (plan widths, LRU) and CRISP ``hybrid`` (plan widths,
@@ -31,7 +31,7 @@ Accuracy is never simulated: a record's ``accuracy_loss`` (relative next-token a
 against 4-bit full width, a fraction) comes from an evaluation file when one measured that exact
 configuration, else it is None. Two kinds of file are read:
 
-- ``crisp-eval --json`` (e.g. docs/eval-tiny-mixtral.json): policies full / crisp / uniform /
+- ``crisp-eval --json`` (e.g. bench/results/eval-tiny-mixtral.json): policies full / crisp / uniform /
   skip_aux at the plan's widths. Their outputs do not depend on the cache, so the loss holds for
   the plan serving policy at every budget (uniform / skip_aux only at the evaluated width /
   threshold);
@@ -72,15 +72,15 @@ CRISP_FLOORS = (1.0, 0.875, 0.75, 0.625, 0.5)
 UNIFORM_FRACTIONS = (0.375, 0.5, 0.625, 0.75)  # plus the width matched to CRISP's bytes
 SKIP_THRESHOLDS = (0.2, 0.3, 0.4)  # plus the threshold matched to CRISP's bytes and "always"
 # CRISP under a width cap (``CrispPlan.width_cap``), fractions of the neurons: at 50% of the 4-bit bytes a
-# 2-bit tail pack at 3/4 of its neurons fits the whole cache (session 9: uniform at 192/256 copied nothing)
+# 2-bit tail pack at 3/4 of its neurons fits the whole cache (uniform at 192/256 copied nothing on the held-out trace)
 CRISP_CAPS = (0.75, 0.875)
-# residency-aware CRISP under a cap: a lower floor costs less there (every width is at most the cap; session 10 at
+# residency-aware CRISP under a cap: a lower floor costs less there (every width is at most the cap; at
 # 50%: cap 224/256 with floor 0.375 decoded 1.83% loss, uncapped floor 0.625 1.15%); 0.25 for the fast end of the
-# 25% frontier (session 11: uniform at 96/256 neurons ran 4.70x full-width LRU at 9.7% loss, above every CRISP point)
+# 25% frontier (uniform at 96/256 neurons ran 4.70x full-width LRU at 9.7% loss, above every CRISP point)
 CAPPED_FLOORS = (1.0, 0.75, 0.625, 0.5, 0.375, 0.25)
 # CRISP whose auxiliaries of routing weight >= w run at the dominant width (``CrispPlan.aux_full_weight``): below 1%
-# loss at 25% skip-auxiliary's weight threshold beat the pair tiers (session 10); with it, a heavy auxiliary runs whole
-# and a light one keeps its tier's narrow width instead of being skipped (session 11, 128 x 256 held-out windows,
+# loss at 25% skip-auxiliary's weight threshold beat the pair tiers; with it, a heavy auxiliary runs whole
+# and a light one keeps its tier's narrow width instead of being skipped (128 x 256 held-out windows,
 # Warm 64 / Cold 32 tail pack at the plan's widths: weight 0.3 lost 0.78% at 48% of the bytes, skip-aux at 0.3 1.22%)
 PROMOTE_WEIGHTS = (0.25, 0.3, 0.35, 0.4, 0.45)
 # ... served from what is resident at these dominant floors
@@ -89,7 +89,7 @@ RUNTIME_EVICTION = "lru"  # RuntimeConfig's default: what an evaluation that nam
 FRONTIER_EVICTION = "lru"  # what the runtime-in-the-loop evaluation measured residency-aware accuracy with
 
 
-# The neuron split with residency-aware serving (docs/hybrid.md, session 3): a missed dominant served at a 62.5%
+# The neuron split with residency-aware serving (docs/hybrid.md): a missed dominant served at a 62.5%
 # prefix, widened to the plan's width on its next use while resident (DominantWiden.HIT); auxiliaries as the plan.
 HYBRID_SPLIT_FLOOR_HIT = ServingPolicy("hybrid_split-floor62.5-hit", dominant_floor=0.625,
                                        dominant_widen=DominantWiden.HIT, placement=Placement.SPLIT)
@@ -146,7 +146,7 @@ def configurations(plans: dict[str, CrispPlan], matrix: str, *, serving: Sequenc
             out += [SimPolicy("crisp", crisp), SimPolicy("crisp", crisp, SERVING_POLICIES["hybrid"]),
                     SimPolicy("crisp", crisp, split),
                     SimPolicy("crisp", crisp, SERVING_POLICIES["hybrid_split_transient"])]
-            if True in prefetch:  # session 3 (docs/hybrid.md): the split with next-layer prefetch
+            if True in prefetch:  # the split with next-layer prefetch (docs/hybrid.md)
                 out += [SimPolicy("crisp", crisp, split, prefetch=True),
                         SimPolicy("crisp", crisp, SERVING_POLICIES["hybrid_split_transient"], prefetch=True),
                         SimPolicy("crisp", crisp, HYBRID_SPLIT_FLOOR_HIT, prefetch=True),
@@ -299,9 +299,9 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
                 used += 1
         notes.append(f"accuracy: {used} evaluated configurations from {path}")
         if stale:
-            notes.append(f"accuracy: {stale} decodes in {path} ran a dominant floor below 1 on a tail layout before "
-                         "session 15, as a fraction of its storage rows (a narrower floor than the simulation's, "
-                         "which counts neurons): not attached")
+            notes.append(f"accuracy: {stale} decodes in {path} ran a dominant floor below 1 on a tail layout "
+                         "counted as a fraction of its storage rows (no floor_unit 'neurons'; a narrower floor than "
+                         "the simulation's, which counts neurons): not attached")
     return rows, notes
 
 

@@ -43,7 +43,7 @@ delays a demanded copy. The cut and the timeline that decides it are the runtime
 runtime in the loop applies through ``PrefetchPolicy.window`` (``target_window``). Predictions come
 with the trace (``predicted``, recorded by ``crisp_runtime.scheduling.prefetch``); without them there is no prefetch.
 
-Hybrid placement (issue 11; ``ServingPolicy.placement`` other than GPU, the profile with a CPU,
+Hybrid placement (``ServingPolicy.placement`` other than GPU, the profile with a CPU,
 widest-first order only): the runtime's ``plan_step(placement=...)`` splits each step between the
 GPU and the CPU on the profile's cost model (``HardwareProfile.cost_model``); only the GPU's
 experts go through the ledger (a CPU-served expert is neither copied nor admitted). The step's

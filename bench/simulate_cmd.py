@@ -46,8 +46,8 @@ from .tail_sim import TailMapping
 SERVING_NAMES = tuple(SERVING_POLICIES)
 PREFETCH_WIDTHS = tuple(w.value for w in PrefetchWidth)
 # evaluations whose accuracy_loss simulate attaches to its records (when of the traced model)
-DEFAULT_ACCURACY = ("docs/eval-tiny-mixtral.json", "docs/eval-serving-tiny-mixtral.json")
-DEFAULT_BUDGET = 0.25  # of the 4-bit expert bytes: the budget the paper's and issue 10's headline figures use
+DEFAULT_ACCURACY = ("bench/results/eval-tiny-mixtral.json", "bench/results/eval-serving-tiny-mixtral.json")
+DEFAULT_BUDGET = 0.25  # of the 4-bit expert bytes: the budget the paper's headline figures use
 SWEEP = (0.10, 0.15, 0.20, 0.25, 0.30, 0.40, 0.50, 0.60, 0.75)
 
 # the argument types and option groups of bench.common under the names this module uses
@@ -144,9 +144,9 @@ def add_parser(subparsers) -> None:
                    "one cache per layer (mixtral-offloading's per-layer slots; needs >= 1 expert per layer)")
     p.add_argument("--matrix", choices=SIM_MATRICES, default="product",
                    help="product (default): every --policies x --serving x --eviction x --prefetch; residency: "
-                   "issue 10's comparison (full-width LRU / Belady, today's CRISP, residency-aware CRISP with and "
+                   "the residency comparison (full-width LRU / Belady, today's CRISP, residency-aware CRISP with and "
                    "without prefetch, Belady bound, uniform / skip_aux with the same machinery); frontier: each "
-                   "family swept over its knob (for --plot: tokens/s against accuracy loss); hybrid: issue 11's "
+                   "family swept over its knob (for --plot: tokens/s against accuracy loss); hybrid: the "
                    "CPU placements (GPU-only full LRU, static_hybrid, cpu_only, CRISP GPU-only and hybrid; needs a "
                    "--profile with a CPU, e.g. rtx4090-pcie4-ddr5; docs/hybrid.md); stored: full-width LRU and the "
                    "serving choice (policy, eviction, prefetch width, budget) that crisp-profile --plan-for-throughput "
@@ -171,7 +171,7 @@ def add_parser(subparsers) -> None:
                    "none if skipped), aux-none (dominants only, at the plan's width); scheduling.prefetch")
     p.add_argument("--accuracy", metavar="EVAL.json", action="append", default=None, type=ca.nonempty_path,
                    help="evaluation JSON(s) giving accuracy_loss per configuration (crisp-eval --json; the "
-                   "runtime-in-the-loop serving evaluation); default: those under docs/ for the traced model")
+                   "runtime-in-the-loop serving evaluation); default: those under bench/results/ for the traced model")
     p.add_argument("--from-json", metavar="SIM.json", type=ca.nonempty_path, action="append", default=None,
                    help="re-report the records of earlier `simulate --json` runs of the same trace (repeatable: "
                    "their records are merged) with accuracy attached anew from --accuracy, without simulating")
@@ -240,10 +240,10 @@ def run(args) -> int:
     predicted = getattr(trace, "predicted", None)
     if stored is not None and stored.prefetch is not None and predicted is None:
         raise CliError("--matrix stored: the stored choice prefetches, and the trace holds no next-layer predictions "
-                       "(use docs/bench-trace-heldout-predicted.npz or record one with this version)")
+                       "(use bench/traces/heldout-predicted.npz or record one with this version)")
     if args.prefetch == "trace" and predicted is None:
         raise CliError("--prefetch trace: the trace holds no next-layer predictions (record one with this version: "
-                       "`crisp-bench simulate --record-trace`, or use docs/bench-trace-heldout-predicted.npz)")
+                       "`crisp-bench simulate --record-trace`, or use bench/traces/heldout-predicted.npz)")
     accuracy_files = args.accuracy if args.accuracy is not None else [
         str(REPO_ROOT / f) for f in DEFAULT_ACCURACY if (REPO_ROOT / f).is_file()]
     try:
@@ -600,7 +600,7 @@ def _adopt_evaluated_knobs(plans, evaluated, args, notes) -> None:
 
 # the mixtral-offloading-style baseline: full-width experts, LRU, widths independent of the cache
 BASELINE = "full/plan/lru"
-TARGET_LOSS = 0.02  # issue 10: at most 2% relative accuracy loss
+TARGET_LOSS = 0.02  # the accuracy bound of the speed target: at most 2% relative accuracy loss
 
 
 def _pick(records, label, order, budget):

@@ -164,7 +164,7 @@ def run(args) -> int:
                 compute_points.setdefault(shape.name, []).append((nbytes, comp))
             prog(n + 1, len(widths))
         del host, dev
-        # The CPU's expert time against width (hybrid placement, issue 11): H1's kernel at batch 1, each width
+        # The CPU's expert time against width (hybrid placement): H1's kernel at batch 1, each width
         # checked against the reference first (bench.cpu.measure_cpu_expert).
         cpu = _measure_cpu(shape, widths, args.repeats)
         if cpu is not None:

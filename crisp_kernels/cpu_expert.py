@@ -19,7 +19,7 @@ for the figures behind the choice):
   T = 1 and 1.2-1.5x at T = 4 (that op's AVX2 kernel is compute-bound at ~3 GB/s per core, and its down
   projection runs one call per 32 rows of H on one thread); on an AVX-512 Zen 4 host 1.25x at T = 1 and
   1.03-1.29x at T = 2..16 (full width, both cores; its AVX512-BF16 dots had been faster at T >= 4 before the
-  multi-token gate/up pass, session 7); up to ``cpu_native.MAX_TOKENS`` tokens a call.
+  multi-token gate/up pass); up to ``cpu_native.MAX_TOKENS`` tokens a call.
 - ``INT4PACK_BF16``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (torch's own AVX-512/AVX2
   4-bit kernel, the one torchao's int4 CPU path uses) with bf16 activations. Its layout stores
   blocks of B rows, K-major inside a block, B the CPU's (64 with AVX-512, 32 with AVX2; probed by
@@ -66,8 +66,8 @@ from .format import SYMMETRIC_ZERO, PackedExpert, PackedLayer, Proj, dequantize_
 
 # torch's CPU int4pack layout (_convert_weight_to_int4pack_for_cpu, torch 2.13) stores rows in
 # blocks of B rows, K-major inside a block: a prefix of B n rows and a K range of a B-row matrix are
-# byte ranges. B is the CPU's: 64 with AVX-512 (Intel Xeon, the VM of sessions 1-4), 32 with AVX2
-# only (AMD EPYC, session 5), so it is probed on the machine (int4pack_layout), never assumed:
+# byte ranges. B is the CPU's: 64 with AVX-512 (an Intel Xeon VM), 32 with AVX2
+# only (an AMD EPYC VM), so it is probed on the machine (int4pack_layout), never assumed:
 # a 64 assumed on an AVX2 host gave relative errors of ~1.0, silently. The candidates are the
 # op's K groups (>= 32), because a down matrix's unit scales come in K groups of DOWN_K_GROUP.
 BLOCK_N_CANDIDATES = (32, 64, 128)
@@ -359,7 +359,7 @@ def expert_mlp_cpu_accumulate_(
     j < min(width, token_widths[t]) (clamped, as in ``expert_mlp``), None = all ``width``;
     weights: (T,) float32; out: (T, H) float32, contiguous.
 
-    row_start: the neuron split (issue 11's neuron-split hybrid): only neurons
+    row_start: the neuron split (the neuron-split hybrid): only neurons
     ``row_start <= j < min(width, token_widths[t])`` are computed and read. An expert's output is a
     sum over its neurons, so ``rows [0, s)`` (e.g. on the GPU) plus ``rows [s, width)`` here is the
     expert at ``width``, up to the summation order. A bias of the down projection belongs to the

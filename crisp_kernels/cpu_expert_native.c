@@ -28,9 +28,9 @@
  * Vectors: one source for AVX-512 (16 lanes), AVX2 + FMA (8) and portable C, chosen at build time by
  * -march=native (the vector macros below). At T = 1 the kernel was bound by the memory stream more than by
  * its instructions on a Zen 4 VM: prefetching the next row's gate and up bytes (prefetch_next_row) took a
- * Mixtral expert from 9.97 to 7.01 ms with AVX2, and AVX-512 to 6.15 ms, on both cores (docs/cpu-kernel-ab.py).
+ * Mixtral expert from 9.97 to 7.01 ms with AVX2, and AVX-512 to 6.15 ms, on both cores (docs/cpu-kernel.md).
  * Since then one core is bound by its instructions: 0.82-1.0 us per row whether the rows come from DRAM or
- * from L3 (session 7).
+ * from L3 (2-core Zen 4 VM).
  *
  * Threads: neurons are split into nthreads contiguous ranges, each with its own (T, H) accumulator,
  * summed at the end in a fixed order: the result does not depend on timing, only on nthreads. The
@@ -60,7 +60,7 @@
 #if CRISP_SIMD == 512
 /* tokens of a down pass, whose accumulators stay in registers: 8 of the 32 zmm (4 against 2: 5-7% faster at
  * T = 3..16 on the Zen 4 VM, one pass unpacks each down column once for the whole 4-token tile; 8 tokens, 16
- * zmm: no faster at T = 8..16 and 4% slower at T = 1, session 7) */
+ * zmm: no faster at T = 8..16 and 4% slower at T = 1 on a Zen 4 VM) */
 #define TOKEN_TILE 4
 #define ACT_TILE 8      /* tokens of a gate/up pass (gate_up_nt) */
 #define SPLIT_TOKENS 4  /* gate_up_nt's tiles with even / odd chains of their own */
@@ -172,7 +172,7 @@ INLINE void nibbles16(const uint8_t *q, vi vz, vf v[2 * NV]) {
 /* The 16 codes' values (q - z) s of one group as a vpermps table: one permute turns 16 codes into scaled
  * values, where the arithmetic takes a subtraction and a conversion (and a multiplication per group).
  * (q - z) s is exact in fp32 (at most 5 significant bits times an fp16 scale's 11). Used at T = 1 only
- * (gate_up_1): 2-8% faster there (12 of 12 width / thread configurations over two same-round runs, session 7);
+ * (gate_up_1): 2-8% faster there (12 of 12 width / thread configurations over two same-round runs);
  * in gate_up_nt, where the unpacking is shared by the tile, and in the one-token down pass: no gain. */
 INLINE vf code_table(int zp, float scale) {
     const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -342,7 +342,7 @@ static void gate_up_1(const Work *w, const uint8_t *q, const uint16_t *s, const 
  * from a pointer per token (16 at NT = 8: more than the general registers). A Mixtral expert on the Zen 4
  * VM, both cores, same rounds, AVX-512: T = 4 18.8 -> 14.8 ms, T = 8 40.1 -> 28.8, T = 16 74.9 -> 59.4; T = 2
  * 11.4 -> 10.5; AVX2 code (-mno-avx512f) on the same VM: T = 2 14.3 -> 13.9, T = 3 19.4 -> 17.3, T = 4
- * 24.5 -> 21.1, T = 8 47.0 -> 40.2 (docs/cpu-kernel-ab.py, session 7). */
+ * 24.5 -> 21.1, T = 8 47.0 -> 40.2 (interleaved A/B of the two builds). */
 INLINE void gate_up_nt(const Work *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, const int NT,
                        float *gate, float *up) {
     const int half = w->hidden / 2, gh = w->group / 2, groups = w->hidden / w->group;

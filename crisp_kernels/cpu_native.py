@@ -2,7 +2,7 @@
 
 Why a hand-written kernel (docs/cpu-kernel.md has the figures): torch's int4pack CPU op, the
 well-kept candidate, reaches 88% of memcpy with AVX-512 but is compute-bound at ~3 GB/s per core
-with AVX2 only (22-43% of memcpy on this session's AMD EPYC at T = 1), its down projection runs
+with AVX2 only (22-43% of memcpy on an AMD EPYC VM at T = 1), its down projection runs
 one op call per 32 or 64 rows of H (single-threaded each), and it needs a second copy of the
 experts in its own layout (x 2.05 host memory). This kernel reads the format's neuron-major rows
 themselves (no second copy), in fp32 (the exact path's precision, 1e-5), one pass per row.

@@ -40,7 +40,7 @@ Paths (``select_plan``):
 Block sizes are fixed per path (no autotuning: it cannot run without a GPU and a fixed,
 tested config is what the interpreter tests exercise); tune on hardware with ``crisp-bench kernels``.
 
-What has been checked and run where, and the open tuning questions: docs/kernel-status.md (dated).
+What has been checked and run where, and the open tuning questions: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ costs the same ``neuron_nbytes``: budgets, ledgers and copies count storage rows
 width is then a number of storage rows: ``r`` rows hold ``neurons_in_rows(r, tail_start)`` neurons
 (a last odd tail neuron is padded with zero weights, which add exactly 0). Byte b of a 2-bit
 H-vector holds elements 4b + i in bits [2i, 2i + 2). Measured on the tiny trained Mixtral
-(docs/residency-and-serving.md, session 8): 25% of the neurons 4-bit and the rest 2-bit g128 is
+(docs/serving-and-residency.md): 25% of the neurons 4-bit and the rest 2-bit g128 is
 62.5% of the 4-bit bytes; tails are for asymmetric packs without biases (gpt-oss is refused).
 
 Zero points are kept as one byte per group rather than packed to 4 bits: at H=4096, g=64
@@ -66,7 +66,7 @@ TAIL_BITS = 2
 TAIL_QMAX = (1 << TAIL_BITS) - 1  # 3
 TAIL_NEURONS_PER_ROW = BITS // TAIL_BITS  # 2: one storage row holds two tail neurons
 # Clip ratios tried per 2-bit group (least squared error wins): at 2 bits min-max wastes most of its
-# four levels on outliers; on the tiny Mixtral the search cut the tail's SQNR loss (session 8, emulation).
+# four levels on outliers; on the tiny Mixtral the search cut the tail's SQNR loss (emulated inside 4-bit codes).
 TAIL_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 
 

@@ -9,7 +9,7 @@ rows; its bytes are piecewise linear in k.
     segments ((start, bits, group_size), ...): rows [start * I, next start * I) at ``bits``;
     rows before the first start are the pack's 4-bit rows.
 
-Measured on the tiny trained Mixtral (docs/residency-and-serving.md, session 8; 128 held-out
+Measured on the tiny trained Mixtral (docs/serving-and-residency.md; 128 held-out
 windows): the full width of ``m432`` (25% 4-bit, 25% 3-bit g64, 50% 2-bit g128: 69.3% of the 4-bit
 bytes at H = 4096) loses 0.24% of next-token accuracy against 4-bit; at CRISP's plan widths its tail
 costs 0.6-0.8 point on top of the plan's own loss.

@@ -97,6 +97,7 @@ BENCH = (
         "--prefetch": ["always", ""],
         "--prefetch-width": ["full", "", "plan,x"], "--accuracy": [""], "--from-json": [""],
         "--tail-layout": TAIL_LAYOUTS_BAD})
+    + _cases("bench report", {"--results": ["", "MISSING"], "--table": ["", "nope"], "--markdown": ["", "DIR"]})
 )
 AUX_WEIGHT_BAD = ["", "-0.1", "1.5", "nan", "inf", "abc"]
 TAIL_EMULATION = _cases("tail-emulation", {
@@ -131,11 +132,11 @@ ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL
 # The size of the campaign when it was written; shrinking a table must be a decision, not an accident.
 # 660: the 22 cases of `python -m crisp_bench.kernels`'s own --shapes/--widths/--tokens/--json went with
 # that second command line (its other options moved to `crisp-bench kernels`, their cases with them).
-# 860 (session 9): the tables had grown past 660 without a bump; tail-pack's 18 cases included;
-# 866: kernels --tail-start. 991 (session 15): plan-throughput's 76, --simulation-workers, earlier growth.
-# 1013 (session 16): --search-tier-widths of crisp-profile and plan-throughput, plan-throughput --reference-crisp and
-# --tail-layouts.
-RECORDED_CASES = 1013
+# 860: the tables had grown past 660 without a bump; tail-pack's 18 cases included;
+# 866: kernels --tail-start. 991: plan-throughput's 76, --simulation-workers, earlier growth.
+# 1013: --search-tier-widths of crisp-profile and plan-throughput, plan-throughput --reference-crisp and
+# --tail-layouts. 1019: bench report's --results, --table, --markdown.
+RECORDED_CASES = 1019
 
 
 def _prog_argv(tool: str, tmp_path):

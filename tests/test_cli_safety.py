@@ -1,6 +1,6 @@
-"""Nothing a user owns is deleted or overwritten by the command-line tools (issue 8 reproducers).
+"""Nothing a user owns is deleted or overwritten by the command-line tools (reproducers of each way it could).
 
-Each test is one of the issue's examples: the work folder of crisp-profile, its --out, output
+Each test is one way a user's file could be lost: the work folder of crisp-profile, its --out, output
 options aimed at inputs, outputs that cannot be written, Ctrl-C, corrupt inputs. Most are refused
 before any model is loaded; a few run crisp-profile for real on the tiny random Mixtral (~1 s each).
 """

@@ -444,7 +444,7 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("arg", ["token_widths", "rows", "weights"])
 @pytest.mark.parametrize("entry", ["function", "op"])
 def test_strided_token_vectors_refused(small, arg, entry):
-    """Issue 8: a strided token_widths gave wrong output and strided rows / weights wrote out of
+    """Regression: a strided token_widths gave wrong output and strided rows / weights wrote out of
     bounds; every per-token vector must be refused unless its stride is 1."""
     packed, x = small
     vectors = dict(token_widths=torch.tensor([10, 64, 3]), rows=torch.arange(3), weights=torch.ones(3))

@@ -1,4 +1,4 @@
-"""The transformers drop-in used the wrong way: each case is a reproducer from issues 8 and 13.
+"""The transformers drop-in used the wrong way: each case is a reproducer of one misuse.
 
 save_pretrained while applied, a hub name given to load_model, a model run after restore() without
 its experts, a pack made from other weights, nonsense budgets and formats, switching the experts

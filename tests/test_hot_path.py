@@ -1,4 +1,4 @@
-"""The runtime's hot path (issue 9 item 5, issue 10's planner target): a decode step planned on Python
+"""The runtime's hot path (per-call overhead and the planner's time per step): a decode step planned on Python
 lists and run with buffers kept across steps gives exactly what the tensor rules and fresh buffers give.
 
 - the plan's per-token rules on lists equal its vectorized rules (an independent implementation);
@@ -201,7 +201,7 @@ def test_outputs_are_never_overwritten_and_buffers_start_at_zero(dtype, serving)
     assert rt.stats.layers[0].expert_runs > 0
 
 
-# ----------------------------------------------------------------- session 4: hits and grouped kernel calls
+# ----------------------------------------------------------------- hits and grouped kernel calls
 
 GROUP_BACKENDS = [Backend.TORCH] + ([Backend.TRITON_INTERPRET] if interpreter_enabled() else [])
 

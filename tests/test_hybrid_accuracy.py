@@ -1,4 +1,4 @@
-"""crisp_bench.hybrid_accuracy (docs/hybrid.md, session 3): the runtime-in-the-loop accuracy of hybrid serving
+"""crisp_bench.hybrid_accuracy (docs/hybrid.md): the runtime-in-the-loop accuracy of hybrid serving
 policies on the committed tiny Mixtral. Cases parse (or are refused with exit 2), the scaled cost model gives a
 run expert a target expert's times, and a short decode serves what the policies say: the plan's widths under
 hybrid_split (no dominant narrowed), every dominant at the floor when nothing is ever resident (cpu_only, no
@@ -20,7 +20,7 @@ from crisp_runtime.scheduling.scheduler import Placement
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, PACK = ROOT / "models" / "tiny-mixtral", ROOT / "models" / "tiny-mixtral-crisp"
 TEXT = ROOT / "data" / "stdlib-heldout.txt"
-TRACE = ROOT / "docs" / "bench-trace-heldout-predicted.npz"
+TRACE = ROOT / "bench" / "traces" / "heldout-predicted.npz"
 
 
 def test_cases_parse():

@@ -1,4 +1,4 @@
-"""bench/hybrid_check.py on this CPU (issue 11's GPU checks cannot run here: no GPU).
+"""bench/hybrid_check.py on this CPU (its GPU checks cannot run here: no GPU).
 
 What can be checked without a GPU: the layer-step check runs end to end on the CPU (there the "GPU" is
 the CPU too, so its ratio means nothing) and its prediction is the simulator's; the copy check and the

@@ -1,4 +1,4 @@
-"""`crisp-bench e2e --placements` on the committed tiny Mixtral (issue 11): the hybrid path and its baselines run end
+"""`crisp-bench e2e --placements` on the committed tiny Mixtral: the hybrid path and its baselines run end
 to end on this CPU; every layer step of a CPU placement equals the float64 reference at the widths it served within
 the precision contract (bf16: 2u per CPU expert; fp32: 1e-5), and with the exact fp32 CPU path the logits equal the
 same plan's under the GPU placement (the same widths served)."""

@@ -1,4 +1,4 @@
-"""Hybrid execution (issue 11) on this CPU: the CPU's experts on the worker thread, joined into the output.
+"""Hybrid execution on this CPU: the CPU's experts on the worker thread, joined into the output.
 
 Outputs equal the float64 reference at the widths served, whatever the placement, within the
 precision contract of ``RuntimeConfig.cpu_experts``: a GPU-served expert within 1e-5 (fp32 kernels),

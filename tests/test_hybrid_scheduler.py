@@ -1,4 +1,4 @@
-"""Three-resource scheduler (issue 11): split_step against brute force over every split and order."""
+"""Three-resource scheduler: split_step against brute force over every split and order."""
 
 from __future__ import annotations
 

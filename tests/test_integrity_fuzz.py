@@ -1,4 +1,4 @@
-"""Table-driven fuzz of the pack and plan loaders (issue 8).
+"""Table-driven fuzz of the pack and plan loaders.
 
 Every case corrupts one thing in a valid pack (truncations and flipped bytes of
 experts.safetensors, each header field of it, each field of pack.json and plan.json, broken

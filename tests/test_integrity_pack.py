@@ -1,4 +1,4 @@
-"""Pack integrity (issue 8): byte-identical saves, digests, value checks, the folder swap, the
+"""Pack integrity: byte-identical saves, digests, value checks, the folder swap, the
 binding of experts / plan / pack.json, loads that survive a rewritten file, the weights
 fingerprint, and the ``crisp-pack verify`` command."""
 

@@ -1,4 +1,4 @@
-"""Routing traces (issue 8): every malformed field is a TraceError naming it, in memory and on disk."""
+"""Routing traces: every malformed field is a TraceError naming it, in memory and on disk."""
 
 from __future__ import annotations
 

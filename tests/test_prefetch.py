@@ -132,7 +132,7 @@ def test_trace_records_predictions_and_round_trips(model, tmp_path):
 
 
 def test_old_trace_files_load_without_predictions():
-    old = tr.Trace.load(ROOT / "docs" / "bench-trace-heldout.npz")
+    old = tr.Trace.load(ROOT / "bench" / "traces" / "heldout.npz")
     assert old.predicted is None and old.num_tokens == 2048
 
 

@@ -1,4 +1,4 @@
-"""The simulator's CPU placements (issue 11): static_hybrid and cpu_only copy nothing, cpu_only's time is the
+"""The simulator's CPU placements: static_hybrid and cpu_only copy nothing, cpu_only's time is the
 CPU's sum, hybrid is never slower than cpu_only on the same times, profiles with a CPU round-trip."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_profiles_with_a_cpu_round_trip(tmp_path):
     assert get_profile("rtx4090-pcie4-ddr5").h2d_bytes_per_s_cpu_busy == 15e9
     pcie5 = get_profile("rtx4090-pcie5-ddr5")
     assert pcie5.h2d_bytes_per_s == pcie5.cpu_bytes_per_s  # the case where the CPU and PCIe are equal
-    # a profile written before issue 11 (no CPU fields) still loads, without a CPU
+    # a profile without CPU fields still loads, without a CPU
     old = {k: v for k, v in get_profile("rtx4090-pcie4").to_dict().items()
            if k not in ("cpu_bytes_per_s", "cpu_latency_s", "h2d_bytes_per_s_cpu_busy", "join_s")}
     assert not HardwareProfile.from_dict(old).has_cpu

@@ -210,7 +210,7 @@ def test_from_json_reattaches_accuracy_without_simulating(tmp_path):
 
 
 @pytest.mark.parametrize("layout, floor_unit, attached", [
-    ("2g128at0.25", None, False),  # a tail pack's floor decoded before session 15: storage rows, not attached
+    ("2g128at0.25", None, False),  # a tail pack's floor counted in storage rows: not attached
     ("2g128at0.25", "neurons", True),
     (None, None, True),  # a 4-bit pack: rows are neurons, every record is what it says
 ])
@@ -230,4 +230,4 @@ def test_a_tail_pack_floor_decoded_as_storage_rows_is_not_attached(plans, tmp_pa
     evaluated, notes = read_accuracy([path], "models/synthetic")
     floors = [r for r in evaluated if r["serving"] is not None]
     assert len(floors) == int(attached) and len(evaluated) == 1 + int(attached)  # the floor-1 record always
-    assert any("before session 15" in n for n in notes) != attached
+    assert any("fraction of its storage rows" in n for n in notes) != attached

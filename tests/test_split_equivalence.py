@@ -1,4 +1,4 @@
-"""The neuron split's transient buffer (``ServingPolicy.transient_buffer``, docs/hybrid.md session 3).
+"""The neuron split's transient buffer (``ServingPolicy.transient_buffer``, docs/hybrid.md).
 
 - One routing trace replayed through the real CrispRuntime (CPU tensors, a random packed model, the
   simulator's pinned hot experts prefetched into its cache first) and through the simulator under

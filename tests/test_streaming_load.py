@@ -109,7 +109,7 @@ def test_broken_checkpoints_are_refused_by_name(tmp_path):
 # holds the pack about twice while reading), streamed packing +45 MiB reading a layer at a time, +30 MiB
 # since it reads one expert at a time (2026-12-01), crisp-profile --placement stream +59 MiB (2026-12-01,
 # one sample), from_pretrained + forward +86 MiB.
-# Bounds: load and packing within the allowance (the packed store, held up to 3x while it is read
+# Bounds: load and packing within the allowance (the packed store, held up to 3x while it is read
 # and pinned, plus one layer of float32 experts). crisp-profile --placement stream holds what load holds
 # and, in turn, a layer read from the checkpoint for a forward and a layer dequantized from the pack for
 # the held-out choice of the dominance rule: freed layers of a few MiB stay in the heap (glibc raises its

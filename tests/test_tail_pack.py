@@ -198,7 +198,7 @@ def test_the_window_of_a_tail_pack_counts_its_rows():
 def test_the_simulator_refuses_a_tail_pack_at_another_layout(tail, capsys):
     from crisp_bench import cli as bench_cli
 
-    base = ["simulate", "--trace", str(ROOT / "docs" / "bench-trace-heldout-predicted.npz"), "--plan", str(tail),
+    base = ["simulate", "--trace", str(ROOT / "bench" / "traces" / "heldout-predicted.npz"), "--plan", str(tail),
             "--policies", "full,crisp", "--tokens", "40", "--warmup", "4"]
     for layout in ([], ["--tail-layout", "2g128@0.5"], ["--tail-layout", "m432"]):
         assert bench_cli.main([*base, *layout]) == 2
@@ -228,7 +228,7 @@ def test_load_model_serves_a_tail_pack_with_its_plan_in_neurons(tail):
 def test_a_dominant_floor_counts_neurons_on_a_tail_pack(tail, floor):
     """The floor is a fraction of the neurons on a tail pack too (the simulator's mapping): 87.5% of 256 neurons is
     224 = 64 4-bit rows + 80 rows of two 2-bit neurons, 144 of 160 rows (the runtime took 140 rows before
-    session 15). A missed dominant loads exactly those rows."""
+    the simulator's unit). A missed dominant loads exactly those rows."""
     import math
 
     from crisp_runtime.hf.dropin import load_model

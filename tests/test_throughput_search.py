@@ -394,7 +394,7 @@ def test_simulate_matrix_stored_times_the_choice_as_the_search_did(tmp_path, cap
     record = ServingRecord(SERVING_POLICIES["resident-floor75-ahead"], PrefetchPolicy(width="serving"), "next_use",
                            0.3)
     packed, plan = _searched_pack(tmp_path, record)
-    trace_path = ROOT / "docs/bench-trace-heldout-predicted.npz"
+    trace_path = ROOT / "bench/traces/heldout-predicted.npz"
     out = tmp_path / "sim.json"
     args = ["simulate", "--trace", str(trace_path), "--plan", str(packed), "--tokens", "40", "--warmup", "8"]
     assert bench([*args, "--matrix", "stored", "--orders", "router,widest_first", "--json", str(out)]) == 0
@@ -425,7 +425,7 @@ def test_simulate_matrix_stored_times_the_choice_as_the_search_did(tmp_path, cap
     assert "--plan PACK_FOLDER" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------------- session 15: plan knobs, exact scoring
+# ---------------------------------------------------------------------------- plan knobs, exact scoring
 
 
 def test_exact_candidates_are_scored_in_batch_and_resident_ones_decoded(tiny, monkeypatch):
@@ -562,7 +562,7 @@ def test_the_search_simulates_a_tail_pack_as_crisp_bench_simulate_does(tmp_path)
     info = {k: v for k, v in info.items() if k not in ("format", "version", "quant", "files")}
     stored = save_pack(tmp_path / "stored", layers, plan=cand.plan_for(plan),
                        info={**info, "serving": record.to_dict()})
-    trace_path = ROOT / "docs/bench-trace-heldout-predicted.npz"
+    trace_path = ROOT / "bench/traces/heldout-predicted.npz"
     out = tmp_path / "sim.json"
     assert bench(["simulate", "--trace", str(trace_path), "--plan", str(stored), "--tail-layout", "2g128@0.25",
                   "--matrix", "stored", "--tokens", "40", "--warmup", "8", "--json", str(out)]) == 0
@@ -586,7 +586,7 @@ def test_simulating_in_worker_processes_gives_the_same_records():
     from crisp_bench.traces import Trace
 
     _, plan, _ = load_pack_dir(PACK)
-    trace = Trace.load(ROOT / "docs/bench-trace-heldout-predicted.npz").head(24)
+    trace = Trace.load(ROOT / "bench/traces/heldout-predicted.npz").head(24)
     cands = [tp.Candidate(0.75, prefetch=PrefetchWidth.SERVING), tp.Candidate(1.0, aux_full_weight=0.3),
              tp.Candidate(prefetch=PrefetchWidth.PLAN, aux_skip_weight=0.2, aux_full_weight=0.4,
                           kind=tp.CandidateServing.PLAN)]

@@ -1,6 +1,6 @@
 """The committed DeepSeek-MoE-shaped model (models/tiny-deepseek) and its CRISP pack (models/tiny-deepseek-crisp).
 
-What they prove: the checkpoint has the layout issue 12 asks for (64 fine-grained routed experts,
+What they prove: the checkpoint has the DeepSeek-MoE layout (64 fine-grained routed experts,
 top-6, 2 shared experts, a dense first layer, the byte vocabulary); its routed experts carry the
 model (zeroing them costs far more than CRISP's accuracy budget, so an accuracy comparison of
 pruning policies on it means something); the pack matches it and its

@@ -38,7 +38,7 @@ MAX_OVERSAMPLING = 8
 # Tokens per window of every accuracy figure: crisp-eval's windows, and so the throughput search's, which bounds the
 # loss that crisp-eval then reports. The loss depends on the window length: the 2g128@0.25 tail pack's full width
 # loses 0.96% +- 0.08% of the 4-bit full width's next-token hits at positions 0-126 of the held-out text's 256-token
-# windows and 0.63% +- 0.07% at positions 127-254 (all 1,303 windows; docs/residency-and-serving.md, session 17).
+# windows and 0.63% +- 0.07% at positions 127-254 (all 1,303 windows; docs/serving-and-residency.md).
 EVAL_SEQ_LEN = 256
 
 

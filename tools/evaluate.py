@@ -59,7 +59,7 @@ from .calibration import (
 )
 from .tail_emulation import INFO_EMULATION, emulation_of, reference_pack
 
-DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: issue 10's three
+DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: the three of the results tables
 
 
 class Evaluator:

@@ -1,7 +1,7 @@
 """The paper's motivating evidence, measured on a model and its CRISP pack.
 
     python -m crisp_tools.evidence --model models/tiny-mixtral --crisp models/tiny-mixtral-crisp \\
-        --data data/stdlib-heldout.txt --markdown docs/evidence.md --json docs/evidence.json
+        --data data/stdlib-heldout.txt --markdown evidence.md --json evidence.json
 
 Every number is measured with the pack's 4-bit experts (dequantized, ``MaskedExperts``), relative to
 the same pack at full width, on windows of ``--data``. Frequencies that define Hot / Cold (and the

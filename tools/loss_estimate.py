@@ -1,9 +1,9 @@
 """The relative accuracy loss of one decode against a reference decode of the same windows, with its
 standard error: what a search needs to decide that a loss is within a bound, not only that one sample was.
 
-Why an interval: the throughput search of session 11 chose a serving configuration at 1.74% loss on 16 x 128
+Why an interval: a throughput search scoring point estimates chose a serving configuration at 1.74% loss on 16 x 128
 held-out calibration windows; on 128 x 256 held-out evaluation windows it lost 2.44%, over the 2% bound
-(docs/residency-and-serving.md, session 12). 2,032 predictions carry a standard error of ~1.4 points on a
+(docs/serving-and-residency.md). 2,032 predictions carry a standard error of ~1.4 points on a
 relative loss near 2%, so a point estimate under the bound said little.
 
 The estimator: per window n, a_n = predictions the reference got right and d_n = a_n - c_n (the candidate's

@@ -201,8 +201,8 @@ def record(case: ServingCase, budget_fraction: float | None, budget_bytes: int |
         "budget_fraction": budget_fraction,
         "budget_bytes": budget_bytes,
         "serving": _serving_dict(case.serving),
-        # the dominant floor counts neurons on a tail pack too (crisp_runtime.planning.serving.floor_in_rows; before
-        # session 15 the runtime counted storage rows there: bench.sim_policies.read_accuracy skips such records)
+        # the dominant floor counts neurons on a tail pack too (crisp_runtime.planning.serving.floor_in_rows); a record
+        # without this unit counted storage rows there, and bench.sim_policies.read_accuracy skips it
         "floor_unit": FLOOR_UNIT,
         "prefetch": None if case.prefetch is None else case.prefetch.to_dict(),
         "accuracy": scores.accuracy,

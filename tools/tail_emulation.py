@@ -1,7 +1,7 @@
 """Emulate a tail layout inside the 4-bit format, to measure the accuracy of layouts packs cannot store.
 
 (The 2-bit layouts ``2gG@F`` are stored for real by ``crisp_tools.tail_pack``; this tool covers the others,
-e.g. ``m432``'s 3-bit rows, and was how session 8 measured them.)
+e.g. ``m432``'s 3-bit rows, and is how their accuracy is measured.)
 
     python -m crisp_tools.tail_emulation --model models/tiny-mixtral --crisp models/tiny-mixtral-crisp \\
         --layout m432 --out /tmp/tiny-mixtral-m432 [--tier-widths 256,40,16]
@@ -246,8 +246,8 @@ def reference_pack(reference_dir, layers, model, pack_dir) -> tuple[dict, dict]:
 def derived_info(info: dict, drop=()) -> tuple[dict, object]:
     """(the source pack's info without what save_pack writes itself and without its stored serving choice, its
     experts file record). A serving choice (``storage.serving_record``) belongs to the plan and bytes it was
-    searched on: a derived pack has other bytes or another plan (before session 15 a tail pack kept its source's
-    choice, searched on 4-bit rows)."""
+    searched on: a derived pack has other bytes or another plan (a tail pack must not keep its source's choice,
+    searched on 4-bit rows)."""
     from crisp_runtime.storage.serving_record import SERVING_KEY
 
     files = info.get("files")

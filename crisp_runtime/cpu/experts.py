@@ -1,4 +1,4 @@
-"""Experts computed on the host CPU (hybrid placement, issue 11): the worker thread and the kernel call.
+"""Experts computed on the host CPU (hybrid placement): the worker thread and the kernel call.
 
 The scheduler (``scheduler.split_step``) puts some of a step's experts on the CPU; the executor
 hands them, as one job, to :class:`CpuExperts`' worker: one persistent single-thread pool per
@@ -214,7 +214,7 @@ class CpuWorker:
     def handoff_s(self, jobs: int = 200, rounds: int = 5) -> float:
         """Seconds from submitting an empty job to having its result back (the worker's wake-up and the
         caller's), the least mean over ``rounds`` of ``jobs`` jobs in a row: what a layer step with CPU experts
-        pays beyond their compute. 20-260 us on the 2-core VM as its load varied (docs/hybrid.md, session 7)."""
+        pays beyond their compute. 20-260 us on the 2-core VM as its load varied (docs/hybrid.md)."""
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
             raise ValueError(f"jobs: expected a positive int, got {jobs!r}")
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -310,7 +310,7 @@ class CpuExperts:
         one = rows.numel() == 1
         if one:  # one slot (batch-1 decode): the kernel adds into partial's row in place, which saves a gather,
             # a zeroed buffer and a scatter-add; with the kept views (_expert) a batch-1 call of a 4096-wide
-            # expert at width 1 went from 63-96 to 42-45 us on the worker (2-core VM, session 7)
+            # expert at width 1 went from 63-96 to 42-45 us on the worker (2-core Zen 4 VM)
             r = int(rows[0])
             xs, part = x[r:r + 1], partial[r:r + 1]
         else:

@@ -23,7 +23,7 @@ CUDA (``async_copies=True``, the default there), GPU-only code marked below:
 - after an expert's kernels an event is recorded on the compute stream; evicting that prefix
   waits on it first, so that freed bytes are really free and the budget stays a hard limit.
 
-Hybrid placement (``ServingPolicy.placement`` other than GPU, issue 11): the scheduler marks
+Hybrid placement (``ServingPolicy.placement`` other than GPU): the scheduler marks
 some tasks ``on_cpu``. Before the GPU's tasks are issued, those go as one job to the runtime's
 CPU worker thread (``cpu_experts.CpuExperts``): it reads each expert's prefix from host memory
 (nothing copied to the device, nothing admitted to the ledger; the int4pack copy of the fast path,
@@ -72,11 +72,14 @@ _KEEP_ACCUMULATOR_ROWS = 64
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Settings of one applied model (frozen; no global configuration anywhere).
+    """Settings of one applied model, passed as ``apply(..., config=RuntimeConfig(...))`` (frozen; there is no
+    global configuration). Every field has a default that serves the plan as profiled.
 
+    eviction: which cached expert prefix to drop when the budget is full: "lru" (default), "frequency",
+    "tier" (the plan's Hot and Warm experts kept longest), "next_use" (the prefix predicted to be needed
+    furthest ahead), or an EvictionPolicy class or instance (``eviction.PinnedPolicy`` keeps a hot set).
     kernel_backend: None = the pure-torch kernels on CPU tensors (fast in tests, even when
     ``TRITON_INTERPRET=1``) and automatic selection (compiled Triton) on CUDA.
-    eviction: "lru" (default), "frequency", "tier", or an EvictionPolicy class.
     serving: how routed slots are served from what is resident (``crisp_runtime.planning.serving``): a
     ServingPolicy, a name ("plan" = default, every slot at the plan's width; "resident";
     "resident-floor75") or its dict form.

@@ -35,7 +35,7 @@ Definitions (all JSON-friendly ints/floats):
   demands served without a copy by a prefetch not used before; with ``PrefetchPolicy.window``,
   ``prefetch_cut`` requests copied short or not at all because the modeled copy engine ran out of time
   before the next layer's demand, ``prefetch_cut_rows`` their rows not copied.
-- Hybrid placement (``ServingPolicy.placement``, issue 11): ``cpu_runs`` experts computed on the
+- Hybrid placement (``ServingPolicy.placement``): ``cpu_runs`` experts computed on the
   host CPU from host memory (not copied, not counted in hits / misses / ``expert_runs``),
   ``cpu_bytes_read`` the bytes of the prefixes they read; ``transients``: GPU tasks of the neuron split
   whose missing rows were copied into its per-step transient buffer (``ServingPolicy.transient_buffer``),

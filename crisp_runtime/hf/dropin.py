@@ -312,31 +312,41 @@ def _clear_attention_mask(tokens: _TokenMask, module, args, kwargs, output=None)
 def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None, fmt: QuantFormat | None = None,
           config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False, serving=None,
           shapes=None, cpu=None) -> CrispHandle:
-    """Run ``model``'s MoE experts through CRISP; returns a :class:`CrispHandle`.
+    """Run ``model``'s MoE experts through CRISP, on this model instance only; returns a :class:`CrispHandle`.
 
-    A model without v5 experts modules but with per-expert MoE blocks (DeepSeek-MoE remote code,
-    v4-style Mixtral / Qwen2-MoE: ``crisp_runtime.hf.blocks``) goes to ``blocks.apply_blocks``;
-    shapes: the block shapes to recognise (None: ``blocks.BLOCK_SHAPES``).
+    Use it as a context manager (``with apply(model, pack, gpu_budget="6GiB") as crisp: model.generate(...)``)
+    or call ``crisp.restore()`` to put the original experts back. No class is patched. With only a pack and a
+    budget it runs the configuration the pack stores for that budget (or the default rule): set nothing else.
 
-    source: None packs the model's current expert weights in their present order (4-bit,
-    ``fmt`` or QuantFormat(group 64, asymmetric)); a path loads a pack folder (and its plan.json
-    when ``plan`` is None); a CrispPack or ``{layer_id: PackedLayer}`` is used as is.
-    plan: None = the pack's plan, else full width everywhere.
-    gpu_budget: bytes (int or "2GiB") of the device prefix cache, experts streamed from host
-    memory; None = every packed expert resident on the device, no offload.
-    allow_weights_mismatch: use a pack whose recorded weights fingerprint differs from the
-    model's expert weights (or cannot be checked because they are not loaded). By default that
-    is refused: the same architecture with other weights would run without a word, wrongly.
-    serving / config: None for both (the default) = what the pack stores for this budget, else the default
-    rule from the pack's statistics (``crisp_runtime.planning.defaults``: residency-aware serving, next-layer prefetch,
-    next-use eviction; the neuron split when the CPU pays); ``serving="paper"`` = the paper's configuration
-    (the plan's widths, no prefetch, LRU, cpu off); otherwise a ServingPolicy, a name ("plan", "resident",
-    "resident-floor75", ...) or its dict, and/or a RuntimeConfig (every expert knob), run as given.
-    ``stats()["serving"]`` says what ran and why (also logged once, logger ``crisp_runtime``).
-    cpu: None (default) = "auto" for the default and stored choices ("off" when serving or config is given):
-    offloaded experts computed on the host CPU when the measured bandwidths say it pays (on a CPU-only machine:
-    nothing to split, reported); "on" (whenever the per-step split says it is faster than copying them) or "off"
-    (as configured); ``stats()["cpu"]`` says what was decided (``crisp_runtime.cpu.knob``).
+    Arguments:
+
+    - ``source``: the experts to run. A path to a pack folder written by ``crisp-profile`` (its plan.json is
+      used unless ``plan`` is given); a ``CrispPack`` or ``{layer_id: PackedLayer}`` as is; None packs the
+      model's own expert weights now (4-bit, full width, in their present order: no CRISP widths).
+    - ``plan``: a :class:`CrispPlan` to use instead of the pack's (None: the pack's plan; full width when there
+      is no pack).
+    - ``gpu_budget``: bytes of GPU memory for the expert prefix cache, an int or a string such as ``"6GiB"``;
+      experts stay in host memory and only the missing prefix rows are copied. None keeps every packed expert
+      on the device (no offload). A budget too small for one layer's routed experts is refused.
+    - ``serving`` / ``config``: None for both (the default) = the serving choice the pack stores for this budget,
+      else the default rule from the pack's own statistics (``crisp_runtime.planning.defaults``: auxiliaries
+      served from what is resident, next-layer prefetch, next-use eviction; the neuron split when the CPU pays).
+      ``serving="paper"`` is the paper's configuration (the plan's widths, no prefetch, LRU, cpu off), the
+      baseline every figure is compared with. Otherwise a :class:`ServingPolicy`, a name (``"plan"``,
+      ``"resident"``, ``"resident-floor75"``, ...) or its dict, and/or a :class:`RuntimeConfig` (eviction,
+      prefetch, expert order, device, kernels), run as given. ``stats()["serving"]`` says what runs and why (also
+      logged once, logger ``crisp_runtime``).
+    - ``cpu``: None (default) = ``"auto"`` for the stored and default choices (``"off"`` when ``serving`` or
+      ``config`` is given): offloaded experts computed on the host CPU where the measured bandwidths say it pays
+      (on a machine without a GPU there is nothing to split, and ``stats()["cpu"]`` says so); ``"on"`` (whenever
+      a step's cost model says the CPU beats copying) or ``"off"``. ``stats()["cpu"]`` says what was decided.
+    - ``fmt``: the 4-bit format when ``source`` is None (default: group 64, asymmetric).
+    - ``allow_weights_mismatch``: use a pack whose recorded weights fingerprint differs from the model's expert
+      weights. Refused by default: the same architecture with other weights would run without a word, wrongly.
+    - ``shapes``: per-expert MoE block shapes to recognise (None: ``blocks.BLOCK_SHAPES``) for models whose MoE
+      layers are per-expert modules (DeepSeek-MoE remote code, v4 Mixtral, Qwen1.5-MoE).
+
+    Errors name the bad argument: a pack of other weights, a bad budget, a model without MoE layers.
     """
     from crisp_runtime.cpu.knob import decide_cpu
 
@@ -489,16 +499,24 @@ def _check_dtype(dtype):
 def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: CrispPlan | None = None,
                gpu_budget=None, config: RuntimeConfig | None = None, allow_weights_mismatch: bool = False,
                serving=None, cpu=None):
-    """Load a causal LM from a local checkpoint plus a CRISP pack: ``(model, handle)``.
+    """Load a causal LM from a local checkpoint plus a CRISP pack: returns ``(model, handle)``.
 
-    The checkpoint (safetensors) is read on the CPU one tensor at a time into a model built on the
-    ``meta`` device: only the non-expert weights are materialised; the expert weights are never read
-    whole (their recorded fingerprint is checked from 4-row slices; ``allow_weights_mismatch=True``
-    skips that). Then the model is moved to ``device`` and CRISP applied with the pack's experts.
-    Full-precision experts never reach the GPU, nor host memory. Nothing is downloaded:
-    ``checkpoint_dir`` must be a local folder.
-    serving, config, cpu: as in :func:`apply` (None for all: the pack's stored choice for the budget, else the
-    default rule; ``crisp_runtime.planning.defaults``).
+    The checkpoint (safetensors) is read one tensor at a time into a model built on the ``meta`` device: only
+    the non-expert weights are loaded; the full-precision experts are never read whole, nor put on the GPU
+    (their fingerprint is checked from 4-row slices). The model is then moved to ``device`` and runs its
+    experts from the pack. Nothing is downloaded.
+
+    Arguments:
+
+    - ``checkpoint_dir``: a local transformers checkpoint folder (config.json + safetensors).
+    - ``pack_dir``: the pack folder ``crisp-profile`` wrote for this checkpoint.
+    - ``device``: where the model runs (``"cpu"``, ``"cuda"``, ``"cuda:N"``).
+    - ``dtype``: the non-expert weights' dtype (None: the checkpoint's).
+    - ``gpu_budget``, ``serving``, ``config``, ``cpu``, ``plan``, ``allow_weights_mismatch``: as in :func:`apply`
+      (with only a budget: the pack's stored choice for it, else the default rule).
+
+    ``handle.restore()`` cannot bring back the original experts (they were never loaded); reload the checkpoint
+    to run it without CRISP.
     """
     path = _local_checkpoint(checkpoint_dir)  # before importing transformers: a wrong name fails at once
     if config is not None and not isinstance(config, RuntimeConfig):

@@ -210,6 +210,21 @@ class CrispHandle(abc.ABC):
         self.runtime.set_plan(plan)
 
     def stats(self) -> dict:
+        """What CRISP did since ``apply`` (or :meth:`reset_stats`), as a JSON-friendly dict.
+
+        The keys a user reads first: ``tokens`` (real tokens through the MoE layers, padding excluded),
+        ``bytes_h2d`` / ``bytes_h2d_per_token`` (expert bytes copied host-to-device into the GPU cache: the cost
+        CRISP cuts), ``bytes_read_per_token`` (what an offload without a cache would copy), ``hit_rate`` (expert
+        lookups served without a copy), ``hits`` / ``misses`` / ``widenings`` / ``evictions``, and
+        ``served_width_mean`` (mean served width per role, dominant and auxiliary). Residency-aware serving adds
+        ``fallbacks`` (slots served narrower than the plan), ``served_wider`` and ``serving_skips``; prefetch adds
+        ``prefetches``, ``prefetch_bytes``, ``prefetch_hits`` and ``prefetch_cut``; CPU placements add
+        ``cpu_runs`` and ``cpu_splits``. ``layers`` holds the same counters per MoE layer; ``cache`` the budget,
+        bytes in use and peak; ``cpu`` what ``apply(cpu=...)`` decided and why; ``serving`` the configuration that
+        runs (serving policy, prefetch, eviction, placement), where it came from (the pack's stored choice for the
+        budget, the default rule, ``"paper"`` or explicit arguments) and why. Every counter is defined in
+        :mod:`crisp_runtime.execution.stats`.
+        """
         out = self.runtime.stats.as_dict()
         cache = self.runtime.cache
         out["cache"] = {"budget_bytes": getattr(cache, "budget", None), "used_bytes": cache.used,

@@ -9,21 +9,21 @@ Hot / Warm / Cold tiers by frequency and names the dominant expert of each combi
 
 A CRISP plan may carry a ``width_cap``: no routed slot runs wider (the dominant at the cap, each tier at
 ``min(tier width, cap)``). Where a uniform width fits the GPU budget, that width as a cap keeps every
-expert resident while the tiers still narrow the auxiliaries below it (issue 10, session 10: at 50% of the
+expert resident while the tiers still narrow the auxiliaries below it (at 50% of the
 4-bit bytes a 2-bit tail pack at 3/4 of its neurons fits the whole cache).
 
 A CRISP plan may also carry ``aux_full_weight``: an auxiliary whose routing weight is at least this runs at the
 dominant width whatever its pair's tier (its role stays auxiliary: the serving policy ``resident`` may still serve
 it narrower from what is resident, ``resident-narrow-aux`` never does). Why: on the trained tiny Mixtral the
-routing weight picked the auxiliaries that matter better than the pair tiers below 1% loss (issue 10, session 10:
-skip-auxiliary at weight 0.239 lost 0.74% at 2.43x full-width LRU where CRISP's lowest loss was 0.92% at 2.36x);
+routing weight picked the auxiliaries that matter better than the pair tiers below 1% loss
+(skip-auxiliary at weight 0.239 lost 0.74% at 2.43x full-width LRU where CRISP's lowest loss was 0.92% at 2.36x);
 with the threshold, the heavy auxiliaries run whole and the light ones keep the tiers' narrow widths instead of
 being skipped.
 
 And ``aux_skip_weight``: an auxiliary whose routing weight is below this is skipped (width 0) whatever its pair's
 tier, so a plan has three bands by routing weight: light auxiliaries skipped, middle ones at the tiers' widths, heavy
 ones whole (``aux_full_weight``; ``aux_skip_weight <= aux_full_weight``). Why: at 10% of the expert bytes skipping
-a light auxiliary saved more time per point of loss than narrowing it (issue 10, session 13: skip-auxiliary at
+a light auxiliary saved more time per point of loss than narrowing it (skip-auxiliary at
 weight 0.3 ran 2.45x full-width LRU at 1.22% where CRISP's fastest at <= 1.23% was 2.37x); with both thresholds
 equal the plan is skip-auxiliary at that threshold.
 

@@ -72,7 +72,7 @@ class AuxNarrower(enum.Enum):
     RESIDENT = "resident"  # ... runs at the resident width (no copy)
     # ... runs at the resident width when the plan wants it narrower than the plan's dominant width, and is widened
     # when the plan wants it whole (a Hot pair, or heavy by routing weight: CrispPlan.aux_full_weight). Why: with
-    # RESIDENT a heavy auxiliary ran at the prefix a light use had left (session 11, Warm 64 / Cold 32 tail pack at
+    # RESIDENT a heavy auxiliary ran at the prefix a light use had left (Warm 64 / Cold 32 tail pack at
     # 25%: weight 0.3 lost 0.90% decoded against 0.78% at the plan's widths)
     NARROW_ONLY = "narrow_only"
 
@@ -104,14 +104,37 @@ class AuxMissing(enum.Enum):
 
 @dataclass(frozen=True)
 class ServingPolicy:
-    """How routed slots are served from the resident prefixes (see the module docstring)."""
+    """How each routed expert is served from what the GPU cache holds (frozen; ``apply(..., serving=...)``).
+
+    The default serves every expert at the plan's width, so outputs do not depend on the cache. The other
+    fields trade accuracy for fewer copied bytes:
+
+    - ``name``: a label (the named policies of ``make_serving`` use theirs).
+    - ``hit_width``: ``wanted`` (run at the plan's width) or ``resident`` (run at everything resident, free).
+    - ``aux_narrower``: an auxiliary resident narrower than wanted is widened (``widen``: copy the missing rows),
+      run at what is resident (``resident``), or run at what is resident only when the plan narrows it
+      (``narrow_only``).
+    - ``aux_missing``: an auxiliary not resident at all is loaded (``load``) or skipped (``skip``).
+    - ``dominant_floor``: a dominant expert never runs below this fraction of its neurons; a missed one loads only
+      that prefix (1.0: the plan's width).
+    - ``dominant_widen``: a dominant loaded at its floor is widened ``never``, on its next use (``hit``) or by the
+      prefetcher ahead of it (``ahead``).
+    - ``placement``: where experts run: ``gpu`` (default), ``hybrid``, ``hybrid_split`` (one expert split by
+      neurons between GPU and CPU), ``static_hybrid``, ``cpu_only``.
+    - ``transient_buffer``: ``hybrid_split`` only: full-width experts of GPU memory for a per-step buffer of the
+      split's copies instead of admitting them to the cache (0: admit).
+    - ``aux_skipped``: an auxiliary the plan skips stays skipped (``skip``) or runs at what is resident
+      (``resident``).
+
+    Named policies and when each pays: docs/serving-and-residency.md.
+    """
 
     name: str = "plan"
     hit_width: HitWidth = HitWidth.WANTED
     aux_narrower: AuxNarrower = AuxNarrower.WIDEN
     aux_missing: AuxMissing = AuxMissing.LOAD
     dominant_floor: float = 1.0  # fraction of the full width a dominant never goes below
-    # Where the step's experts are computed (issue 11): GPU only (default), or with the host CPU
+    # Where the step's experts are computed: GPU only (default), or with the host CPU
     # (``scheduler.Placement``): a CPU-served expert runs at its served width from host memory and is
     # neither copied nor admitted by the residency ledger.
     placement: Placement = Placement.GPU
@@ -119,7 +142,7 @@ class ServingPolicy:
     # The neuron split's transient buffer (Placement.SPLIT only), in full-width experts of GPU memory
     # taken out of the budget: 0 (default) = a split's GPU prefix rows that are not resident are copied
     # and admitted to the cache (evicting, LRU); > 0 = at most that many rows per step are copied, into
-    # a per-step buffer, admitted only where they fit without evicting (docs/hybrid.md, session 3:
+    # a per-step buffer, admitted only where they fit without evicting (docs/hybrid.md:
     # at 25% the admitted copies evicted the pinned hot experts, hit rate 0.95 -> 0.34).
     transient_buffer: float = 0.0
     aux_skipped: AuxSkipped = AuxSkipped.SKIP
@@ -162,7 +185,7 @@ class ServingPolicy:
     def to_dict(self) -> dict:
         out = {"name": self.name, "hit_width": self.hit_width.value, "aux_narrower": self.aux_narrower.value,
                "aux_missing": self.aux_missing.value, "dominant_floor": self.dominant_floor}
-        if self.placement is not Placement.GPU:  # GPU-only dicts stay as they were before issue 11
+        if self.placement is not Placement.GPU:  # GPU-only dicts carry no placement key (older readers load them)
             out["placement"] = self.placement.value
         if self.dominant_widen is not DominantWiden.NEVER:  # dicts of the policies before it stay as they were
             out["dominant_widen"] = self.dominant_widen.value
@@ -195,7 +218,7 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
     # "resident", but an auxiliary the plan wants whole (Hot, or heavy by CrispPlan.aux_full_weight) is widened
     "resident-narrow-aux": ServingPolicy("resident-narrow-aux", HitWidth.RESIDENT, AuxNarrower.NARROW_ONLY,
                                          AuxMissing.LOAD, 1.0),
-    # the same, and an auxiliary the plan skips runs at what its expert holds (AuxSkipped.RESIDENT; session 14)
+    # the same, and an auxiliary the plan skips runs at what its expert holds (AuxSkipped.RESIDENT)
     "resident-narrow-aux-revive": ServingPolicy("resident-narrow-aux-revive", HitWidth.RESIDENT,
                                                 AuxNarrower.NARROW_ONLY, AuxMissing.LOAD, 1.0,
                                                 aux_skipped=AuxSkipped.RESIDENT),
@@ -205,7 +228,7 @@ SERVING_POLICIES: dict[str, ServingPolicy] = {
                                             AuxMissing.LOAD, 0.75, dominant_widen=DominantWiden.HIT),
     "resident-floor75-ahead": ServingPolicy("resident-floor75-ahead", HitWidth.RESIDENT, AuxNarrower.RESIDENT,
                                             AuxMissing.LOAD, 0.75, dominant_widen=DominantWiden.AHEAD),
-    # Issue 11, with the host CPU: every slot at the plan's width; per step the split GPU / CPU of
+    # With the host CPU: every slot at the plan's width; per step the split GPU / CPU of
     # minimal makespan ("hybrid"); resident experts on the GPU and all others on the CPU, nothing
     # copied ("static_hybrid", llama.cpp --n-cpu-moe style with pinned experts); all on the CPU.
     "hybrid": ServingPolicy("hybrid", placement=Placement.HYBRID),
@@ -246,8 +269,8 @@ def floor_in_rows(policy: ServingPolicy, neurons: int, rows: int, rows_for: Call
     ``rows`` storage rows (a 2-bit tail pack: ``rows_for(n)`` rows hold the first n neurons), so that
     :meth:`ServingPolicy.floor_width` on rows gives ``rows_for(ceil(dominant_floor * neurons))`` exactly. The
     runtime applies it to a tail pack and the simulator's tail mapping to its mapped rows (one rule for both:
-    before session 15 the runtime took the floor as a fraction of the rows, 140 of a 2g128@0.25 expert's 160
-    rows = 216 of 256 neurons at 87.5%, while the simulator took 224 neurons). Unchanged at floor 1 and
+    a fraction of the rows would give 140 of a 2g128@0.25 expert's 160 rows = 216 of 256 neurons at 87.5%, where
+    the floor means 224 neurons). Unchanged at floor 1 and
     without a tail (rows == neurons)."""
     if policy.dominant_floor >= 1.0 or rows == neurons:
         return policy

@@ -141,7 +141,7 @@ class NextUsePolicy(EvictionPolicy):
     layer's visits, ``p <- (1 - decay) p + decay [used]``, starting from ``prior_rate``: with
     ``decay`` near 0 it is the long-run reuse frequency, near 1 "was it used at the last visit".
     Routing is correlated from one token to the next, so recent visits predict best (measured on
-    the project's trace: docs/bench-results.md). The table is also the admission rule: a one-off
+    the project's trace: docs/serving-and-residency.md). The table is also the admission rule: a one-off
     cold auxiliary keeps a low ``p``, becomes the first victim after its use, and the room it took
     is recycled by the next one-off instead of a hot dominant's.
 

@@ -188,7 +188,7 @@ def record_predictions(model: nn.Module, predictor: NextLayerPredictor,
 class PrefetchWidth(enum.Enum):
     """The width a prefetch asks for each predicted (token, expert) slot of the next layer.
 
-    Why not always the plan's (docs/bench-results.md, 2026-12-01, 25% budget): under a dominant floor
+    Why not always the plan's (docs/serving-and-residency.md, 2026-12-01, 25% budget): under a dominant floor
     of 75% a missed dominant is served at 75%, yet PLAN prefetches it at full width, so up to a quarter
     of the 0.46 GB/token of prefetch is rows a floor-served dominant would not have loaded; but PLAN is
     also what widens a floor-loaded dominant (a hit serves the resident width), which kept the

@@ -14,7 +14,7 @@ The load/compute times come from a :class:`CostModel` (bytes over measured bandw
 their order matters; on any real GPU a missing prefix loads far slower than it computes, so
 the result is "resident experts first, then widest first".
 
-Three resources (``Placement``, issue 11): an expert can also be computed on the host CPU from
+Three resources (``Placement``): an expert can also be computed on the host CPU from
 host memory (its prefix rows only), concurrently with the GPU's copies and kernels; it is then
 not copied. Per step :func:`split_step` chooses the CPU subset and the GPU order of minimal
 makespan ``max(GPU flow shop, CPU sum + join)`` where, when the CPU works at all, every copy of
@@ -55,7 +55,7 @@ class TaskOrder(enum.Enum):
 class Placement(enum.Enum):
     """Where a layer step's routed experts are computed (the serving policy's ``placement``)."""
 
-    GPU = "gpu"  # every expert on the GPU, resident or after a copy: the behaviour before issue 11
+    GPU = "gpu"  # every expert on the GPU, resident or after a copy (the default)
     HYBRID = "hybrid"  # per step, the GPU / CPU split of minimal makespan (split_step)
     STATIC = "static_hybrid"  # resident experts on the GPU, every other on the CPU, nothing copied
     CPU = "cpu_only"  # every expert on the CPU from host memory
@@ -93,7 +93,7 @@ class CostModel:
     cpu_bytes_per_s: float | None = None
     cpu_latency_s: float = 0.0
     # a number of tokens >= 1, not only whole ones: the native kernel measured t(T) / t(1) = 1.26 / 1.78 / 3.21 /
-    # 6.28 at T = 2 / 4 / 8 / 16 on a 2-core Zen 4 VM (a ridge of ~2.5; docs/cpu-kernel.md, session 7);
+    # 6.28 at T = 2 / 4 / 8 / 16 on a 2-core Zen 4 VM (a ridge of ~2.5; docs/cpu-kernel.md);
     # cpu='on' / 'auto' measures it, with the bandwidth, where the configuration gives no CPU bandwidth
     cpu_ridge_tokens: float = 4.0
     h2d_bytes_per_s_cpu_busy: float | None = None

@@ -131,8 +131,8 @@ class ServingChoices:
 def budget_base_bytes(layers: Mapping) -> int:
     """What a GPU budget fraction is a fraction of: every expert of ``layers`` at full width in 4-bit rows. For a
     pack with a 2-bit tail (``crisp_tools.tail_pack``) that is its 4-bit source's bytes, not its own: a fraction
-    means the same GPU memory on both packs (the simulator's and crisp-eval's rule; before session 15 a stored
-    choice on a tail pack was a fraction of the tail pack's own, smaller, bytes)."""
+    means the same GPU memory on both packs (the simulator's and crisp-eval's rule, not a fraction of the tail
+    pack's own, smaller, bytes)."""
     return sum(layer.num_experts * layer.num_neurons * layer.fmt.neuron_nbytes(layer.hidden_size)
                for layer in layers.values())
 

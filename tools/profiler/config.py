@@ -10,7 +10,7 @@ from ..calibration import EVAL_SEQ_LEN
 STATS_FILE = "stats.safetensors"
 
 # Defaults of the tier cut-offs and the Warm width. The paper does not state its values; these are
-# set by arithmetic for the issue's target, <= 55% of full-width expert bytes per token at top-2.
+# set by arithmetic for the byte target, <= 55% of full-width expert bytes per token at top-2.
 # A token of a Hot pair reads 2 full experts, Warm 1 + warm_width, Cold 1, so the bytes fraction is
 # (1 + hot_share + warm_width * warm_share) / 2. Hot = pairs carrying 5% of activations (the last
 # Hot pair overshoots, so ~5-8%), Cold = the rarest pairs carrying up to 50% (on the paper's skew
@@ -32,7 +32,7 @@ DEFAULT_WARM_WIDTH = 0.0625
 DOMINANCE_RULES = ("auto", "routing-weight", "measured")
 IMPORTANCE_KINDS = ("weighted", "mean-abs")
 # --throughput-accuracy-windows' default floor: 128 x 128 decoded windows hold a standard error of ~0.2-0.3 point
-# of relative loss near 2% (session 13's search), 16 x 128 held ~1.4
+# of relative loss near 2% (a search at 25%), 16 x 128 held ~1.4
 DEFAULT_ACCURACY_WINDOWS = 128
 
 
@@ -72,7 +72,7 @@ class ProfileConfig:
     search_samples: int = 32
     # Widths (fractions of I) the search tries for the auxiliary of a Cold pair: (0.0,) is the paper's rule
     # (Cold = the dominant only). On the tiny Mixtral a Cold auxiliary at 16/256 neurons took the loss of the
-    # plan's widths from 1.32% to 0.92% for 1.5 points more bytes (docs/residency-and-serving.md, session 8).
+    # plan's widths from 1.32% to 0.92% for 1.5 points more bytes (docs/serving-and-residency.md).
     search_cold_widths: tuple[float, ...] = (0.0,)
     # --plan-for-throughput (throughput.py): the serving choice for tokens/s at this GPU budget (a fraction
     # of the expert bytes) on a hardware profile, within a relative accuracy loss, stored in pack.json
@@ -83,8 +83,8 @@ class ProfileConfig:
     # windows decoded per accepted candidate (None: max(128, throughput_windows)); 16 x 128 held a standard
     # error of ~1.4 points near 2% loss (tools/loss_estimate.py), 128 x 128 about a third of that
     throughput_accuracy_windows: int | None = None
-    # their length: crisp-eval's, so the search bounds the loss crisp-eval reports (why: calibration.EVAL_SEQ_LEN;
-    # 128 until session 17). A decode is one forward per token, so a look costs twice what it did at 128.
+    # their length: crisp-eval's, so the search bounds the loss crisp-eval reports (why: calibration.EVAL_SEQ_LEN).
+    # A decode is one forward per token, so a look at 256 tokens costs twice one at 128.
     throughput_seq_len: int = EVAL_SEQ_LEN
     accuracy_confidence: float = 0.95  # one-sided confidence that the loss is within max_accuracy_loss
     simulation_workers: int = 1  # processes simulating the candidates (the CLI's default: throughput.default_workers)

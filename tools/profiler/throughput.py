@@ -9,18 +9,18 @@ The plan's tiers and widths are chosen before, by bytes (``search.py``); this se
   serving policy's widths (SERVING: a missed dominant at its floor);
 - widening a floor-loaded dominant (``ServingPolicy.dominant_widen``): never, or ahead of demand
   (AHEAD, with SERVING prefetch: the prefetcher's second phase); on demand (HIT) is left out: on the
-  simulated RTX 4090 it ran 2.03x against 2.42x without (docs/residency-and-serving.md);
+  simulated RTX 4090 it ran 2.03x against 2.42x without (docs/serving-and-residency.md);
 - auxiliaries served from what is resident (wider for free, narrower without a copy), eviction fixed
   by the goal (default next-use, the runtime's best online policy there);
 - the one plan knob: auxiliaries of routing weight >= w at the dominant width
-  (``CrispPlan.aux_full_weight``), none or w in :data:`SEARCH_AUX_WEIGHTS` (issue 10, session 11: on the
+  (``CrispPlan.aux_full_weight``), none or w in :data:`SEARCH_AUX_WEIGHTS` (on the
   tiny Mixtral's held-out text the weight picked the auxiliaries that matter better than the pair tiers
   below 1% loss). The chosen weight is stored in the pack's plan;
 - at the plan's widths: the skip / auxiliary weight bands and the width cap of :data:`SEARCH_EXACT_BANDS` and
   :data:`SEARCH_CAPS`;
 - with ``tier_widths`` given (``--search-tier-widths``), the whole space again at each other Hot / Warm / Cold
   width of the non-dominant expert (the tiers and dominant labels stay the plan's): a wider Warm width costs bytes
-  but buys the accuracy a lower dominant floor spends (issue 10, session 16).
+  but buys the accuracy a lower dominant floor spends.
 
 Speed: each candidate replays a routing trace recorded on the held-out calibration windows (with
 the next layer's predictions) through the simulator's library API (``crisp_bench.simulate``, the
@@ -34,7 +34,7 @@ Accuracy: teacher-forced decoding through ``crisp_runtime.apply`` with its cache
 text), relative to 4-bit full width, with the prefetch window of the same profile and target
 (``crisp_runtime.scheduling.copy_window``: the decode admits only the prefetch rows the simulated copy engine delivers
 before the next layer's demand, so the accuracy belongs to the simulated widths; without it every prefetch
-completed and the loss was 1-2 points lower, docs/residency-and-serving.md). Candidates are evaluated
+completed and the loss was 1-2 points lower, docs/serving-and-residency.md). Candidates are evaluated
 fastest first and the search stops at the first within ``max_accuracy_loss``: the fastest feasible candidate.
 
 Package graph: ``crisp_tools`` imports ``crisp_bench.simulate`` / ``.profiles`` / ``.traces`` (the
@@ -89,14 +89,14 @@ SEARCH_FLOORS = (1.0, 0.875, 0.75, 0.625, 0.5)
 class ThroughputGoal:
     """What the search optimises: tokens/s at ``budget`` (fraction of all expert bytes at full width) on
     ``profile``, subject to a relative accuracy loss <= ``max_accuracy_loss`` (a fraction) with one-sided
-    ``confidence`` (0.5: the point estimate alone, as before session 13)."""
+    ``confidence`` (0.5: the point estimate alone)."""
 
     budget: float
     max_accuracy_loss: float = 0.02
     profile: str = "rtx4090-pcie4"
     target: str = "auto"  # a crisp_bench.profiles.TARGETS name, "native", or "auto" (see the module docstring)
     eviction: str = "next_use"
-    # 0.95: z = 1.645. Session 11's choice lost 1.74% on 16 x 128 calibration windows and 2.44% held out
+    # 0.95: z = 1.645. A choice on the point estimate lost 1.74% on 16 x 128 calibration windows and 2.44% held out
     confidence: float = 0.95
 
     @property
@@ -123,14 +123,14 @@ class ThroughputGoal:
         get_profile(self.profile)  # a clear error for an unknown profile, before any work
 
 
-# The tiers alone, and heavy auxiliaries whole from 0.3 / 0.4 (session 11: on the tiny Mixtral's held-out text the
+# The tiers alone, and heavy auxiliaries whole from 0.3 / 0.4 (on the tiny Mixtral's held-out text the
 # weight picked the auxiliaries that matter better than the pair tiers below 1% loss). Served from what is
 # resident, each is decoded: kept few.
 SEARCH_AUX_WEIGHTS = (None, 0.3, 0.4)
 # Plans served at their own widths (exact: one batch forward scores each, so the grid can be wider): the tiers,
-# heavy auxiliaries whole, skip-auxiliary at 0.3 / 0.4 (S = W) and the three-band points of session 14's frontier
-# (docs/sim-s14-three-band-check.txt: S 0.15 / W 0.3 at 0.68%, S 0.25 / W 0.4 at 1.18%, S 0.35 / W 0.45 at 1.96% on
-# the tail pack), each uncapped and capped at 7/8 and 3/4 of the width (session 14's capped points: 192 of 256).
+# heavy auxiliaries whole, skip-auxiliary at 0.3 / 0.4 (S = W) and the three-band points of the frontier at
+# 10 / 25 / 50% (S 0.15 / W 0.3 at 0.68%, S 0.25 / W 0.4 at 1.18%, S 0.35 / W 0.45 at 1.96% on
+# the tail pack), each uncapped and capped at 7/8 and 3/4 of the width (the frontier's capped points: 192 of 256).
 SEARCH_EXACT_BANDS = ((None, None), (None, 0.3), (None, 0.4), (0.3, 0.3), (0.4, 0.4), (0.15, 0.3), (0.2, 0.4),
                       (0.25, 0.4), (0.3, 0.4), (0.35, 0.45))
 SEARCH_CAPS = (None, 0.875, 0.75)
@@ -214,7 +214,7 @@ def candidates(floors: Sequence[float] = SEARCH_FLOORS,
     those equal PLAN): 18 per weight. At the plan's widths (``intermediate_size`` given: a CRISP plan's neurons),
     per (skip weight, auxiliary weight) band of ``exact_bands`` and cap of ``caps``: PLAN prefetch (a prefetch at
     the plan's widths never delays a demanded copy, and at floor 1 it was 1.89x full-width LRU against 1.72x
-    without in session 13's search). All of it once per entry of ``tier_widths`` (None: the plan's own)."""
+    without in a search at 25%). All of it once per entry of ``tier_widths`` (None: the plan's own)."""
     out = []
     for tw in tier_widths:
         for w in aux_full_weights:
@@ -372,8 +372,8 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
     (``crisp_runtime.storage.serving_record.budget_base_bytes``). workers: simulation processes
     (:func:`simulate_candidates`). reference_layers: the 4-bit pack (same neuron order) whose full width every
     loss is relative to, required when a variant has a tail (a tail pack's own full width lost 0.56% on the tiny
-    Mixtral's held-out text, session 9: a loss against it would be understated by that much; before session 16 it
-    was); None: the one variant's 4-bit layers. Raises ValueError when no candidate is accepted.
+    Mixtral's held-out text: a loss against it would be understated by that much); None: the one variant's
+    4-bit layers. Raises ValueError when no candidate is accepted.
     """
     variants = list(variants)
     if not variants or len({v.layout.name for v in variants}) != len(variants):

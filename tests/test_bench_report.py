@@ -1,0 +1,141 @@
+"""`crisp-bench report`: the result tables rebuilt from the committed records under bench/results/, the safety of
+its --markdown output, and that each record's regenerating command names a real tool and real options."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from crisp_bench import cli
+from crisp_bench.report_cmd import MARKER, RESULTS_DIR, build_report, check_index, load_index
+
+ROOT = Path(__file__).resolve().parent.parent
+INDEX = load_index(RESULTS_DIR)
+
+
+def run_cli(argv, capsys):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_report_prints_every_table_from_the_committed_records(capsys):
+    code, out, err = run_cli(["report"], capsys)
+    assert code == 0, err
+    for table in INDEX["tables"]:
+        assert f"### {table['title']}" in out
+    assert out.startswith(MARKER)
+    # a figure read from a record, not typed into the index: CRISP's relative loss of the committed evaluation
+    rec = json.loads((RESULTS_DIR / "eval-tiny-mixtral.json").read_text())
+    crisp = next(r for r in rec["records"] if r["policy"] == "crisp")
+    assert f"CRISP {crisp['relative_accuracy_loss_vs_full']:.2%}" in out
+
+
+def test_check_passes_on_the_committed_records(capsys):
+    code, out, err = run_cli(["report", "--check"], capsys)
+    assert (code, out, err) == (0, "", "")
+
+
+def test_every_record_under_results_is_described():
+    described = set(INDEX["records"])
+    present = {p.name for p in RESULTS_DIR.iterdir() if p.name != "index.json" and not p.name.endswith(".md")}
+    assert present <= described, f"records without an index entry: {sorted(present - described)}"
+    for name, meta in INDEX["records"].items():
+        assert set(meta) >= {"what", "kind", "hardware", "date", "command"}, name
+        assert meta["kind"] in ("measured", "simulated", "input"), name
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", meta["date"]), name
+
+
+def _copy_results(tmp_path) -> Path:
+    dst = tmp_path / "results"
+    shutil.copytree(RESULTS_DIR, dst)
+    return dst
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing-record", "missing"),
+    ("no-match", "entries match"),
+    ("not-a-number", "not a number"),
+])
+def test_a_broken_record_is_a_clear_error(tmp_path, capsys, damage, message):
+    results = _copy_results(tmp_path)
+    path = results / "eval-tiny-mixtral.json"
+    if damage == "missing-record":
+        path.unlink()
+    else:
+        rec = json.loads(path.read_text())
+        crisp = next(r for r in rec["records"] if r["policy"] == "crisp")
+        if damage == "no-match":
+            crisp["policy"] = "renamed"
+        else:
+            crisp["relative_accuracy_loss_vs_full"] = None
+        path.write_text(json.dumps(rec))
+    code, out, err = run_cli(["report", "--results", str(results)], capsys)
+    assert code == 2
+    assert message in err and err.count("\n") == 1
+
+
+def test_unknown_table_is_refused(capsys):
+    code, _, err = run_cli(["report", "--table", "nope"], capsys)
+    assert code == 2 and "--table nope" in err
+
+
+def test_markdown_written_atomically_and_never_over_a_users_file(tmp_path, capsys):
+    out = tmp_path / "results.md"
+    assert run_cli(["report", "--markdown", str(out)], capsys)[0] == 0
+    first = out.read_text()
+    assert first == build_report(RESULTS_DIR)
+    # its own earlier output is replaced
+    assert run_cli(["report", "--markdown", str(out), "--table", "results"], capsys)[0] == 0
+    assert out.read_text() == build_report(RESULTS_DIR, ["results"])
+    # a file it did not write is refused, and left as it was
+    notes = tmp_path / "notes.md"
+    notes.write_text("my notes\n")
+    code, _, err = run_cli(["report", "--markdown", str(notes)], capsys)
+    assert code == 2 and "--force" in err
+    assert notes.read_text() == "my notes\n"
+    assert run_cli(["report", "--markdown", str(notes), "--force"], capsys)[0] == 0
+    assert notes.read_text().startswith(MARKER)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md", "results.md"]  # no temporary left
+
+
+def test_docs_results_page_is_the_reports_output():
+    """docs/results.md is `crisp-bench report --markdown docs/results.md`, current with the records."""
+    assert (ROOT / "docs" / "results.md").read_text() == build_report(RESULTS_DIR)
+
+
+def _tool_argv(words: list[str]) -> list[str]:
+    if words[0] in ("crisp-bench", "crisp-eval", "crisp-profile", "crisp-pack"):
+        argv = [str(Path(sys.executable).parent / words[0])]
+        if words[0] == "crisp-bench" and len(words) > 1 and not words[1].startswith("-"):
+            argv.append(words[1])
+        return argv
+    assert words[:2] == ["python", "-m"], words
+    return [sys.executable, "-m", words[2]]
+
+
+COMMANDS = sorted({m["command"] for m in INDEX["records"].values() if m["command"] != "-"})
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_regenerating_command_names_a_tool_and_its_options(command):
+    words = shlex.split(command)
+    done = subprocess.run([*_tool_argv(words), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for opt in (w.split("=")[0] for w in words if w.startswith("--")):
+        assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", done.stdout), f"{command}: no option {opt}"
+
+
+def test_check_finds_an_index_entry_without_its_file(tmp_path):
+    results = _copy_results(tmp_path)
+    (results / "stream-rss-2gb.json").unlink()
+    from crisp_bench.common import CliError
+
+    with pytest.raises(CliError, match="stream-rss-2gb.json"):
+        check_index(results)
