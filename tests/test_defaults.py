@@ -390,11 +390,15 @@ def test_crisp_profile_refuses_gpu_budget_with_plan_for_throughput(tmp_path, cap
     assert not (tmp_path / "o").exists()
 
 
-def test_committed_packs_store_choices_the_default_reads():
-    for pack_dir in (MIXTRAL_PACK, REPO / "models/tiny-deepseek-crisp"):
-        pack = load_pack(pack_dir)
-        choices = serving_choices(pack.info)
-        if choices is None:
-            pytest.skip(f"{pack_dir.name} stores no serving choice")
-        choice = choose_serving(pack.info, pack_facts(pack.info, pack.plan, pack.info["top_k"]), 0.25)
-        assert choice.source is ChoiceSource.STORED
+@pytest.mark.parametrize("name", ["tiny-mixtral-crisp", "tiny-deepseek-crisp"])
+def test_committed_packs_get_a_choice_and_say_where_it_came_from(name):
+    """The committed packs: a stored choice when they hold one, else the default rule's residency-aware family
+    (both have CRISP plans with auxiliaries)."""
+    pack = load_pack(REPO / "models" / name)
+    choice = choose_serving(pack.info, pack_facts(pack.info, pack.plan, pack.info["top_k"]), 0.25)
+    choices = serving_choices(pack.info)
+    if choices is not None and choices.for_fraction(0.25) is not None:
+        assert choice.source is ChoiceSource.STORED and choice.config == choices.for_fraction(0.25).runtime_config()
+    else:
+        assert choice.source is ChoiceSource.DEFAULT_RULE
+        assert choice.config.serving == SERVING_POLICIES["resident"] and choice.config.eviction == "next_use"
