@@ -293,7 +293,7 @@ def test_logits_match_dequantized_eager_budget_equals_unbudgeted_and_restore_is_
     top_k = model.config.num_experts_per_tok
     runs = {}
     for budget in (None, min_budget_bytes(layers, top_k)):  # the smallest budget forces evictions
-        with apply(model, gpu_budget=budget) as handle:
+        with apply(model, gpu_budget=budget, serving="paper") as handle:  # the paper: no prefetch
             assert type(handle).__name__ == "BlockHandle"
             assert all(p.is_meta for _, _, p in expert_params(model))  # full-precision experts out of the model
             runs[budget] = logits(model)
@@ -528,7 +528,7 @@ def test_prefetch_keeps_exact_outputs_and_the_budget(family, extra):
         with torch.no_grad():
             return torch.cat([model(TOKENS[:1, t:t + 1]).logits for t in range(TOKENS.shape[1])])
 
-    with apply(model, gpu_budget=budget) as handle:
+    with apply(model, gpu_budget=budget, serving="paper") as handle:  # no prefetch
         plain = one_token_steps()
         assert handle.stats()["prefetches"] == 0
     config = RuntimeConfig(prefetch=PrefetchPolicy(extra_experts=extra))

@@ -31,6 +31,8 @@ TAIL_LAYOUTS_BAD = ["", "m999", "5g64@0.1", "2g32@0.5", "2g64@1.0", "2g64@0.5,3g
 
 
 TIER_WIDTHS_BAD = ["", "256,40", "256,40,-1", "a,b,c", "256,40,16,0", "1.5,2,3"]
+GPU_BUDGETS_BAD = {"--gpu-budget": ["lots", "0%", "150%", "1.5", "-2GiB", ""], "--heldout-data": [""],
+                   "--heldout-windows": POS_INT, "--budget-search": ["fast", ""]}
 
 
 def _cases(tool, options: dict[str, list[str]]):
@@ -51,7 +53,7 @@ PROFILE = _cases("profile", {
     "--accuracy-confidence": ["0.4", "1", "1.5", "nan", "abc", ""],
     "--simulation-workers": ["0", "-1", "257", "abc", ""], "--search-tier-widths": TIER_WIDTHS_BAD,
     "--placement": ["everywhere", "", "device-map"], "--device-map": ["everywhere", "", '{"m": "gpu7"}', "[1]", "{}"],
-    "--max-memory": ['{"cpu": "lots"}', "[1]", ""], "--offload-folder": [""],
+    "--max-memory": ['{"cpu": "lots"}', "[1]", ""], "--offload-folder": [""], **GPU_BUDGETS_BAD,
 })
 EVAL = _cases("eval", {
     "--samples": POS_INT, "--seq-len": SEQ_LEN, "--batch-size": POS_INT, "--device": DEVICES,
@@ -116,7 +118,7 @@ PLAN_THROUGHPUT = _cases("plan-throughput", {
     "--throughput-seq-len": SEQ_LEN, "--throughput-accuracy-windows": POS_INT,
     "--accuracy-confidence": ["0.4", "1", "1.5", "nan", "abc", ""], "--holdout-fraction": OPEN_UNIT, "--seed": SEED,
     "--threads": THREADS, "--simulation-workers": ["0", "-1", "257", "abc", ""],
-    "--search-tier-widths": TIER_WIDTHS_BAD})
+    "--search-tier-widths": TIER_WIDTHS_BAD, **GPU_BUDGETS_BAD})
 CORPUS = _cases("corpus", {"--cap-bytes": POS_INT})
 TRAIN = _cases("train", {
     "--steps": POS_INT, "--seed": SEED, "--batch-size": POS_INT, "--seq-len": SEQ_LEN,
@@ -135,8 +137,9 @@ ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL
 # 860: the tables had grown past 660 without a bump; tail-pack's 18 cases included;
 # 866: kernels --tail-start. 991: plan-throughput's 76, --simulation-workers, earlier growth.
 # 1013: --search-tier-widths of crisp-profile and plan-throughput, plan-throughput --reference-crisp and
-# --tail-layouts. 1019: bench report's --results, --table, --markdown.
-RECORDED_CASES = 1019
+# --tail-layouts. 1019: bench report's --results, --table, --markdown. 1055: --gpu-budget, --heldout-data,
+# --heldout-windows and --budget-search of crisp-profile and plan-throughput.
+RECORDED_CASES = 1055
 
 
 def _prog_argv(tool: str, tmp_path):

@@ -95,7 +95,7 @@ def test_logits_match_dequantized_eager_budget_equals_unbudgeted_and_restore_is_
     reference = logits(dequantized_copy(model, layers))
     runs = {}
     for budget in (None, min_budget_bytes(layers, 2)):  # the smallest budget: every step evicts
-        with apply(model, gpu_budget=budget) as handle:
+        with apply(model, gpu_budget=budget, serving="paper") as handle:  # the paper: no prefetch
             assert all(ref.module.gate_up_proj.is_meta for ref in handle.refs)
             runs[budget] = logits(model)
             stats = handle.stats()

@@ -147,7 +147,7 @@ def test_prefetch_keeps_exact_outputs_and_the_budget(model, extra):
         layer = next(iter(handle.layers.values()))
         expert_bytes = layer.intermediate_size * layer.fmt.neuron_nbytes(layer.hidden_size)
     budget = 5 * expert_bytes  # 5 of 24 experts: prefetches compete with demand
-    with apply(model, gpu_budget=budget) as handle:
+    with apply(model, gpu_budget=budget, serving="paper") as handle:  # the paper's configuration: no prefetch
         plain = decode_windows(model, ids)
         plain_stats = handle.stats()
     config = RuntimeConfig(prefetch=PrefetchPolicy(extra_experts=extra))

@@ -212,7 +212,7 @@ def test_load_model_serves_a_tail_pack_with_its_plan_in_neurons(tail):
     ids = torch.tensor([[5, 17, 99, 3, 42, 7, 8, 250]])
     logits = []
     for budget in (None, 200_000):  # all resident, and offloaded: the plan's widths either way (exact serving)
-        model, handle = load_model(TINY, tail, gpu_budget=budget)
+        model, handle = load_model(TINY, tail, gpu_budget=budget, serving="paper")  # the paper: exact serving
         with torch.no_grad():
             logits.append(model(input_ids=ids).logits)
         assert handle.runtime.plan.intermediate_size == 160  # the pack's plan (256 neurons) in storage rows

@@ -33,15 +33,28 @@ import time
 from crisp_runtime import cli_args as ca
 from crisp_runtime.storage.outputs import OutputPathError
 
-from .calibration import CliError, check_vocab, load_pack_dir, load_texts, log, split_texts, threads
+from .calibration import (
+    CliError,
+    check_vocab,
+    load_pack_dir,
+    load_texts,
+    log,
+    random_windows,
+    split_texts,
+    threads,
+)
 from .profiler.config import accuracy_window_count
 from .profiler.throughput import (
+    BUDGET_SEARCHES,
     SERVING_KEY,
     PackVariant,
     ThroughputGoal,
     accuracy_windows_of,
     add_search_options,
+    budget_fractions,
     default_candidates,
+    gpu_budget_arg,
+    search_budgets,
     search_variants,
 )
 from .tail_emulation import (
@@ -75,8 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. 2g128@0.25 2g128@0.5), each built from --model's weights as crisp_tools.tail_pack "
                         "builds it; the pack written has the chosen layout's bytes")
     p.add_argument("--out", required=True, type=ca.nonempty_path, help="new pack folder (must not exist)")
-    p.add_argument("--budget", required=True, type=ca.float_in(0.0, 1.0, low_open=True), metavar="FRACTION",
-                   help="the GPU budget: a fraction of all expert bytes at full width in 4-bit rows")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--budget", type=ca.float_in(0.0, 1.0, low_open=True), metavar="FRACTION",
+                       help="the GPU budget: a fraction of all expert bytes at full width in 4-bit rows (the whole "
+                            "search space, one stored choice)")
+    which.add_argument("--gpu-budget", type=gpu_budget_arg, nargs="+", metavar="BUDGET",
+                       help="one stored choice per budget (25%%, 0.25, 6GiB or 'standard': 10%%, 25%%, 50%%) from a "
+                            "short search of the default families on the pack's own plan (the plan and experts stay "
+                            "the pack's); what apply runs by default at those budgets")
+    p.add_argument("--heldout-data", nargs="+", type=ca.nonempty_path, default=None, metavar="PATH",
+                   help="with --gpu-budget: also decode each choice on windows of this held-out text (never the "
+                        "calibration text) and store that loss with it (crisp-bench simulate's crisp-default reports "
+                        "it)")
+    p.add_argument("--heldout-windows", type=ca.positive_int, default=32, metavar="N",
+                   help="with --heldout-data: windows of --throughput-seq-len tokens decoded per choice")
+    p.add_argument("--budget-search", choices=BUDGET_SEARCHES, default="short",
+                   help="with --gpu-budget: short = the default families (dominants whole or at 87.5%%, auxiliaries "
+                        "from what is resident, prefetch; decoded with the runtime in the loop) and the plan's widths "
+                        "with prefetch; exact = the plan's widths with prefetch alone (batch forwards, no decode)")
     add_search_options(p, "")
     p.add_argument("--holdout-fraction", type=ca.float_in(0.0, 1.0, low_open=True, high_open=True), default=0.1,
                    help="last share of --data the windows are drawn from (crisp-profile's split)")
@@ -115,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         out = new_out(args)
+        if args.heldout_data is not None and args.gpu_budget is None:
+            raise CliError("--heldout-data: only with --gpu-budget")
         try:
-            goal = ThroughputGoal(args.budget, args.max_accuracy_loss, args.hardware_profile,
+            goal = ThroughputGoal(args.budget or 0.25, args.max_accuracy_loss, args.hardware_profile,
                                   confidence=args.accuracy_confidence)
         except (ValueError, OSError) as exc:
             raise CliError(f"--budget / --hardware-profile: {exc}") from None
@@ -128,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if plan is None:
             raise CliError(f"--crisp {args.crisp}: the pack has no plan (plan.json); run crisp-profile")
         layout = stored_layout(info, args.crisp)
+        if args.gpu_budget is not None:
+            return _plan_budgets(args, out, layers, plan, info, layout, count, progress)
         try:
             cands = default_candidates(plan, args.search_tier_widths)
         except ValueError as exc:
@@ -192,6 +225,61 @@ def main(argv: list[str] | None = None) -> int:
     r = record.search["chosen"]
     progress(f"chose {r['candidate']} ({variant.layout.name}): {r['x_full_lru']:.2f}x full-width LRU, accuracy loss "
              f"{r['accuracy_loss']:.2%} +- {r['accuracy_loss_se'] or 0:.2%} ({r['accuracy_mode']}); wrote {out}")
+    return 0
+
+
+def _plan_budgets(args, out, layers, plan, info, layout, count: int, progress) -> int:
+    """--gpu-budget: one stored choice per budget (``throughput.search_budgets``), the pack's experts and plan
+    unchanged; writes the new pack folder."""
+    from crisp_runtime.storage.pack import save_pack
+    from crisp_runtime.storage.serving_record import budget_base_bytes
+
+    if args.tail_layouts or args.search_tier_widths or args.reference_crisp is not None:
+        raise CliError("--gpu-budget: a short search on the pack's own bytes and plan (no --tail-layouts, "
+                       "--search-tier-widths or --reference-crisp; use --budget for those)")
+    if not layout.is_plain:
+        raise CliError(f"--gpu-budget: --crisp {args.crisp} is a {layout.name} tail pack; its loss is relative to the "
+                       "4-bit pack: use --budget with --reference-crisp")
+    try:
+        fractions = budget_fractions(args.gpu_budget, budget_base_bytes(layers))
+        goals = [ThroughputGoal(f, args.max_accuracy_loss, args.hardware_profile,
+                                confidence=args.accuracy_confidence) for f in fractions]
+    except (ValueError, OSError) as exc:
+        raise CliError(f"--gpu-budget: {exc}") from None
+    texts = load_texts(args.data)
+    _, holdout = split_texts(texts, args.holdout_fraction)
+    windows = accuracy_windows_of(holdout, count, args.throughput_seq_len, args.seed, args.holdout_fraction)
+    heldout = heldout_source = None
+    if args.heldout_data is not None:
+        heldout = random_windows(load_texts(args.heldout_data), args.heldout_windows, args.throughput_seq_len,
+                                 args.seed, "--heldout-data")
+        heldout_source = " ".join(map(str, args.heldout_data))
+    model, _ = source_model(args, layers, info)
+    check_vocab(model, windows)
+    source = (f"held-out calibration windows ({count} x {args.throughput_seq_len} tokens of the last "
+              f"{args.holdout_fraction:.0%} of --data; the first {args.throughput_windows} traced)")
+    with threads(args.threads):
+        choices = search_budgets(model, layers, plan, windows[: args.throughput_windows], goals,
+                                 accuracy_windows=windows, heldout_windows=heldout, heldout_source=heldout_source,
+                                 source=source, workers=args.simulation_workers, search=args.budget_search,
+                                 log=progress)
+    if choices is None:
+        raise CliError(f"--gpu-budget: no candidate within {args.max_accuracy_loss:.2%} at any budget; the pack "
+                       "is left as it was (the default rule applies)")
+    new_info, digest = derived_info(info, drop=(INFO_PLANNED,))
+    new_info[SERVING_KEY] = choices.to_dict()
+    new_info[INFO_PLANNED] = {"source_pack": str(args.crisp), "source_experts_sha256": digest,
+                              "reference_crisp": None, "source_plan_widths_sha256": plan.widths_digest(),
+                              "data": list(args.data), "holdout_fraction": args.holdout_fraction, "seed": args.seed,
+                              "command": "python -m crisp_tools.plan_throughput " + " ".join(sys.argv[1:])}
+    save_pack(out, layers, plan=plan, info=new_info)
+    for c in choices.choices:
+        r = c.search["chosen"]
+        progress(f"{c.gpu_budget_fraction:.0%}: {r['candidate']}, {r['x_full_lru']:.2f}x full-width LRU, loss "
+                 f"{r['accuracy_loss']:.2%} (calibration hold-out)"
+                 + ("" if "accuracy_loss_heldout" not in c.search else
+                    f", {c.search['accuracy_loss_heldout']:.2%} held out"))
+    progress(f"wrote {out}")
     return 0
 
 

@@ -10,8 +10,8 @@
   ``join_s`` is 0 (the default), the worker's handoff measured here (``CpuWorker.handoff_s``: a step
   with CPU experts waits for it once; 20-260 us on a 2-core VM), so that a step whose CPU share saves
   less than that stays on the GPU.
-- ``auto`` (the default of ``apply``): ``on`` when it can pay, from the measured bandwidths: experts
-  offloaded (``gpu_budget`` set), a GPU to offload from (on a CPU-only machine the experts already run
+- ``auto`` (``apply``'s default for its default and stored choices): ``on`` when it can pay, from the measured
+  bandwidths: experts offloaded (``gpu_budget`` set), a GPU to offload from (on a CPU-only machine the experts run
   on the CPU: nothing to split, nothing measured, and the decision says no GPU was found), and a CPU
   streaming prefix bytes at >= 1/4 of the copy rate (:func:`cpu_pays`)
   (below that the CPU finishes one full expert in the time of four copies, and the overlap it adds

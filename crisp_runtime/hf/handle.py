@@ -256,7 +256,7 @@ def serving_stats(runtime: CrispRuntime) -> dict:
     """``stats()["serving"]``: the configuration that runs, where it came from and why
     (``crisp_runtime.planning.defaults.ServingChoice``), with the serving policy, prefetch and eviction after the CPU
     decision."""
-    choice = getattr(runtime, "serving_choice", None)
+    choice = runtime.serving_choice
     out = {} if choice is None else choice.to_dict()
     cfg = runtime.config
     out["running"] = {"serving": cfg.serving.name, "placement": cfg.serving.placement.value,

@@ -159,7 +159,8 @@ def default_family(facts: PackFacts, base: RuntimeConfig | None = None) -> tuple
         why = (f"{facts.plan_kind} plan, top-{facts.top_k}{tail}: no auxiliary to serve narrower; the plan's widths, "
                "next-layer prefetch, next-use eviction")
     hybrid = replace(base, serving=split, prefetch=prefetch, eviction=HYBRID_EVICTION)
-    return gpu, hybrid, why
+    floor = f", a missed dominant at {100 * HYBRID_DOMINANT_FLOOR:g}%" if facts.has_roles else ""
+    return gpu, hybrid, f"{why}; where the CPU pays: the neuron split{floor}, next-layer prefetch, LRU eviction"
 
 
 def budget_fraction_of(budget_bytes: int | None, base_bytes: int) -> float | None:

@@ -77,6 +77,12 @@ class ProfileConfig:
     # --plan-for-throughput (throughput.py): the serving choice for tokens/s at this GPU budget (a fraction
     # of the expert bytes) on a hardware profile, within a relative accuracy loss, stored in pack.json
     throughput_budget: float | None = None
+    # --gpu-budget (throughput.search_budgets): one stored choice per budget (fractions, bytes, or "standard"),
+    # from the short search of the default families; --heldout-data: each choice's loss decoded on held-out text
+    gpu_budget: tuple | None = None
+    heldout_data: tuple | None = None
+    heldout_windows: int = 32
+    budget_search: str = "short"  # throughput.BUDGET_SEARCHES: the default families, or the plan's widths alone
     max_accuracy_loss: float = 0.02
     hardware_profile: str = "rtx4090-pcie4"
     throughput_windows: int = 16  # held-out calibration windows traced (the speed), and the decode's look size

@@ -208,7 +208,7 @@ def _prepare_loaded(cfg: ProfileConfig, out: Path, work_root: Path, cutoffs: Tie
             check_tier_widths(cfg.search_tier_widths, layers[0].intermediate_size)
         except ValueError as exc:
             raise CliError(str(exc)) from None
-    if cfg.throughput_budget is not None:
+    if cfg.throughput_budget is not None or cfg.gpu_budget is not None:
         count = cfg.accuracy_window_count
         throughput_windows = accuracy_windows_of(holdout_texts, count, cfg.throughput_seq_len, cfg.seed,
                                                  cfg.holdout_fraction)

@@ -9,7 +9,7 @@ from .inputs import ProfileInputs, ProgressLog, prepare
 from .output import pack_layers, profile_info, write_pack
 from .search import choose_plan
 from .statistics import calibration_pass, neuron_order, resume_or_start
-from .throughput import SERVING_KEY, goal_from_config, plan_serving
+from .throughput import SERVING_KEY, check_gpu_budget_config, goal_from_config, plan_budgets, plan_serving
 
 
 class Profiler:
@@ -21,6 +21,7 @@ class Profiler:
         self.cfg = cfg
         self.log = ProgressLog(cfg.quiet)
         self.goal = goal_from_config(cfg)  # --plan-for-throughput's settings checked before any work
+        check_gpu_budget_config(cfg)
         self.inputs: ProfileInputs = prepare(cfg)
 
     def run(self, interrupt_after: int | None = None) -> dict:
@@ -57,9 +58,14 @@ class Profiler:
             serving = None
             if self.goal is not None:  # the chosen serving, and the plan with its auxiliary weight if it took one
                 serving, plan = plan_serving(inputs, self.goal, packed, plan, log)
+            choices = None
+            if self.cfg.gpu_budget is not None:  # one stored choice per budget, the plan kept
+                choices = plan_budgets(inputs, packed, plan, log)
         info = profile_info(inputs, stats, plan_info, search, log.elapsed())
         if serving is not None:
             info[SERVING_KEY] = serving.to_dict()
+        if choices is not None:
+            info[SERVING_KEY] = choices.to_dict()
         write_pack(inputs, packed, plan, info)
         return info
 

@@ -69,6 +69,7 @@ from crisp_runtime.planning.plan import CrispPlan, PlanError, PolicyKind, TierWi
 from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
 from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
 from crisp_runtime.scheduling.prefetch import PrefetchPolicy, PrefetchWidth
+from crisp_runtime.scheduling.scheduler import Placement
 from crisp_runtime.storage.pack import CrispPack
 from crisp_runtime.storage.serving_record import SERVING_KEY, ServingRecord
 
@@ -577,3 +578,178 @@ def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Cal
                                  workers=cfg.simulation_workers, log=log)
     except ValueError as exc:
         raise CliError(f"--plan-for-throughput: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- choices per budget (--gpu-budget)
+
+# The budgets ``--gpu-budget standard`` stores a choice for (fractions of the 4-bit expert bytes): the README's
+# 10 / 25 / 50% columns. Without a budget every expert is resident and the default rule runs the plan's widths.
+STANDARD_BUDGETS = (0.10, 0.25, 0.50)
+_BUDGET_HELP = "a percentage ('25%'), a fraction ('0.25'), bytes ('6GiB', '512 MB'), or 'standard' (10%, 25%, 50%)"
+
+
+def gpu_budget_arg(text: str):
+    """``--gpu-budget``'s argparse type: a fraction in (0, 1] (from '25%' or '0.25'), bytes as an int (from
+    '6GiB', '512 MB' or '1000000', ``crisp_runtime.hf.dropin.parse_budget``), or the string 'standard'."""
+    import argparse
+
+    from crisp_runtime.hf.dropin import parse_budget
+
+    value = text.strip()
+    if value == "standard":
+        return value
+    try:
+        if value.endswith("%"):
+            fraction = float(value[:-1]) / 100
+        elif "." in value and value.replace(".", "", 1).isdigit():
+            fraction = float(value)
+        else:
+            return parse_budget(value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} ({exc}); expected {_BUDGET_HELP}") from None
+    if not 0.0 < fraction <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a budget in (0%, 100%]; expected {_BUDGET_HELP}")
+    return fraction
+
+
+def budget_fractions(specs, base_bytes: int) -> list[float]:
+    """The fractions of ``base_bytes`` (``serving_record.budget_base_bytes``) that ``--gpu-budget`` values name,
+    sorted, each once; ValueError naming ``--gpu-budget`` for bytes beyond the experts (nothing to offload)."""
+    out = []
+    for spec in specs:
+        if spec == "standard":
+            out += STANDARD_BUDGETS
+        elif isinstance(spec, float):
+            out.append(spec)
+        else:
+            if spec > base_bytes:
+                raise ValueError(f"--gpu-budget {spec} bytes holds every expert ({base_bytes} bytes at full width): "
+                                 "nothing is offloaded, and without a budget every expert is resident already")
+            out.append(spec / base_bytes)
+    return sorted(set(out))
+
+
+BUDGET_SEARCHES = ("short", "exact")
+
+
+def bounded_candidates(plan: CrispPlan, search: str = "short") -> list[Candidate]:
+    """``--gpu-budget``'s short search: the families ``crisp_runtime.planning.defaults`` measured best, served from the
+    pack's own plan (no plan knob: the plan stays the pack's, so one plan serves every stored budget): dominants
+    whole with auxiliaries from what is resident, with and without plan-width prefetch; a missed dominant at an
+    87.5% prefix with plan-width prefetch, and topped up ahead with serving-width prefetch; the plan's widths with
+    plan-width prefetch (exact). ``search="exact"``: that last one alone (scored by batch forwards, no decode:
+    minutes where the short search's decodes take hours on a 2-core machine)."""
+    if search not in BUDGET_SEARCHES:
+        raise ValueError(f"budget search: expected one of {', '.join(BUDGET_SEARCHES)}, got {search!r}")
+    exact = Candidate(prefetch=PrefetchWidth.PLAN, kind=CandidateServing.PLAN)
+    if search == "exact":
+        return [exact]
+    return [Candidate(1.0, prefetch=PrefetchWidth.PLAN), Candidate(1.0),
+            Candidate(0.875, prefetch=PrefetchWidth.PLAN),
+            Candidate(0.875, DominantWiden.AHEAD, PrefetchWidth.SERVING), exact]
+
+
+def search_budgets(model, layers, plan: CrispPlan, windows: torch.Tensor, goals: Sequence[ThroughputGoal], *,
+                   accuracy_windows: torch.Tensor | None = None, heldout_windows: torch.Tensor | None = None,
+                   heldout_source: str = "", source: str = "held-out calibration windows", workers: int = 1,
+                   search: str = "short", log: Callable[[str], None] = lambda msg: None):
+    """One stored choice per goal's budget (:func:`search_throughput` over :func:`bounded_candidates`), as
+    ``crisp_runtime.storage.serving_record.ServingChoices`` (None when no budget had a candidate within its bound: the
+    default rule then applies at every budget). A budget whose candidates all lose too much is left out (said in
+    ``log``). ``heldout_windows``: also decode each choice on these windows of held-out text (not the calibration
+    text) against the 4-bit full width, with the search's prefetch window, and store that loss in the choice
+    (``search["accuracy_loss_heldout"]``: what ``crisp-bench simulate``'s ``crisp-default`` record reports)."""
+    from crisp_runtime.storage.serving_record import ServingChoices
+
+    cands = bounded_candidates(plan, search)
+    chosen = []
+    for i, goal in enumerate(goals):
+        log(f"gpu budget {i + 1}/{len(goals)}: {goal.budget:.0%} of the expert bytes, {len(cands)} candidates on "
+            f"{goal.profile}")
+        try:
+            record, served = search_throughput(model, layers, plan, windows, goal, accuracy_windows=accuracy_windows,
+                                               cands=cands, source=source, workers=workers, log=log)
+        except ValueError as exc:
+            log(f"gpu budget {goal.budget:.0%}: no stored choice ({exc}); the default rule applies there")
+            continue
+        assert served == plan, "bounded candidates carry no plan knob"
+        if heldout_windows is not None:
+            record = _with_heldout_loss(model, layers, plan, record, goal, heldout_windows, heldout_source, log)
+        chosen.append(record)
+    return ServingChoices(tuple(chosen)) if chosen else None
+
+
+def _with_heldout_loss(model, layers, plan: CrispPlan, record: ServingRecord, goal: ThroughputGoal,
+                       windows: torch.Tensor, source: str, log) -> ServingRecord:
+    """``record`` with its loss decoded on held-out text (runtime in the loop, the search's prefetch window)."""
+    first = next(iter(layers.values()))
+    shape = TARGETS.get(record.search.get("target")) or ModelShape(
+        "native", len(layers), first.num_experts, plan.top_k, first.hidden_size, first.intermediate_size)
+    window = target_window(get_profile(goal.profile), shape, first.intermediate_size)
+    pack = CrispPack(layers, plan)
+    budget_bytes = int(goal.budget * total_expert_bytes(layers))
+    full = score_plan(model, CrispPack(layers, full_plan(plan)), full_plan(plan), windows)
+    if record.policy.follows_plan and record.policy.placement is Placement.GPU:
+        scores = score_plan(model, pack, plan, windows)  # the plan's widths: a batch forward is its decode
+        how = "batch forward (the plan's widths: outputs independent of the cache)"
+    else:
+        prefetch = None if record.prefetch is None else replace(record.prefetch, window=window)
+        scores, _ = run_case(model, pack, plan, windows, budget_bytes,
+                             ServingCase("crisp-stored", "crisp", record.policy, prefetch, eviction=record.eviction))
+        how = f"decoded, runtime in the loop, prefetch window {window.name}"
+    est = relative_loss(full.correct, scores.correct)
+    log(f"gpu budget {goal.budget:.0%}: held-out loss {est.loss:.2%} +- {est.standard_error:.2%} over {est.windows} "
+        f"windows of {source}")
+    search = {**record.search, "accuracy_loss_heldout": est.loss,
+              "accuracy_loss_heldout_se": finite_or_none(est.standard_error),
+              "accuracy_heldout_source": f"{est.windows} x {windows.shape[1]} tokens of {source}, {how}"}
+    return replace(record, search=search)
+
+
+def check_gpu_budget_config(cfg) -> None:
+    """``crisp-profile --gpu-budget``'s settings checked before any work (CliError naming the option)."""
+    if cfg.gpu_budget is None:
+        if cfg.heldout_data is not None:
+            raise CliError("--heldout-data: only with --gpu-budget")
+        return
+    if cfg.throughput_budget is not None:
+        raise CliError("--gpu-budget and --plan-for-throughput: give one (--gpu-budget keeps the plan and stores a "
+                       "choice per budget; --plan-for-throughput searches the whole space at one budget)")
+    if cfg.search_tier_widths:
+        raise CliError("--search-tier-widths: only with --plan-for-throughput (--gpu-budget keeps the plan)")
+    try:
+        get_profile(cfg.hardware_profile)
+        for fraction in (s for s in cfg.gpu_budget if isinstance(s, float)):
+            ThroughputGoal(fraction, cfg.max_accuracy_loss, cfg.hardware_profile, confidence=cfg.accuracy_confidence)
+    except (ValueError, OSError) as exc:
+        raise CliError(f"--gpu-budget / --hardware-profile: {exc}") from None
+
+
+def plan_budgets(inputs, packed, plan: CrispPlan, log: Callable[[str], None]):
+    """The profiler's ``--gpu-budget`` step: :func:`search_budgets` on the held-out calibration windows (as
+    :func:`plan_serving`), and on ``--heldout-data`` windows when given; the ``ServingChoices`` or None."""
+    from crisp_runtime.storage.serving_record import budget_base_bytes
+
+    from ..calibration import load_texts
+
+    cfg = inputs.cfg
+    try:
+        goals = [ThroughputGoal(f, cfg.max_accuracy_loss, cfg.hardware_profile, confidence=cfg.accuracy_confidence)
+                 for f in budget_fractions(cfg.gpu_budget, budget_base_bytes(packed))]
+    except ValueError as exc:
+        raise CliError(f"--gpu-budget: {exc}") from None
+    accuracy_windows = inputs.throughput_windows
+    windows = accuracy_windows[: cfg.throughput_windows]
+    heldout = None
+    if cfg.heldout_data is not None:
+        heldout = random_windows(load_texts(list(cfg.heldout_data)), cfg.heldout_windows, cfg.throughput_seq_len,
+                                 cfg.seed, "--heldout-data")
+    source = (f"held-out calibration windows ({accuracy_windows.shape[0]} x {accuracy_windows.shape[1]} tokens of "
+              f"the last {cfg.holdout_fraction:.0%} of --data; the first {windows.shape[0]} traced)")
+    choices = search_budgets(inputs.model, packed, plan, windows, goals, accuracy_windows=accuracy_windows,
+                             heldout_windows=heldout, heldout_source=" ".join(map(str, cfg.heldout_data or ())),
+                             source=source, workers=cfg.simulation_workers, search=cfg.budget_search, log=log)
+    if choices is None:
+        log("--gpu-budget: no budget had a candidate within the bound; the pack stores no choice (the default rule "
+            "applies)")
+    return choices
