@@ -348,8 +348,6 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
 
     Errors name the bad argument: a pack of other weights, a bad budget, a model without MoE layers.
     """
-    from crisp_runtime.cpu.knob import decide_cpu
-
     check_serving_arguments(config, serving, cpu)
     if fmt is not None and not isinstance(fmt, QuantFormat):
         raise TypeError(f"fmt: expected a QuantFormat (e.g. QuantFormat(group_size=64, symmetric=False)), got "
@@ -368,11 +366,20 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers v5 PreTrainedModel with "
                                     "set_experts_implementation(), and has no per-expert MoE block of a registered "
                                     f"shape ({', '.join(s.name for s in shapes)}; crisp_runtime.hf.blocks)")
-    refs = find_moe_layers(model)
+    return _apply_to_experts(model, find_moe_layers(model), source, plan=plan, budget=parse_budget(gpu_budget),
+                             fmt=fmt, config=config, allow_weights_mismatch=allow_weights_mismatch, serving=serving,
+                             cpu=cpu)
+
+
+def _apply_to_experts(model, refs: list[MoeLayerRef], source, *, plan: CrispPlan | None, budget: int | None,
+                      fmt: QuantFormat | None, config: RuntimeConfig | None, allow_weights_mismatch: bool, serving,
+                      cpu) -> ExpertsHandle:
+    """:func:`apply` on a v5 model's experts modules ``refs`` (found once by the caller), its arguments checked."""
+    from crisp_runtime.cpu.knob import decide_cpu
+
     for ref in refs:
         if _STATE_ATTR in ref.module.__dict__:
             raise RuntimeError(f"CRISP is already applied to {ref.name}; call handle.restore() first")
-    budget = parse_budget(gpu_budget)
     device = (check_device(config.device, "config.device") if config is not None and config.device is not None
               else _model_device(model, refs))
     top_k = model_top_k(model)
@@ -538,7 +545,7 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     # One tensor at a time through safetensors; the experts stay on disk (meta placeholders): host memory
     # holds the non-expert weights and the pack, never the full-precision experts (crisp_runtime.hf.checkpoint).
     model, cmap = load_skeleton(path, dtype)
-    pack.check_model(model)
+    pack.check_model(model, refs=cmap.refs)
     recorded = recorded_weights_sha256(pack.info)
     if not allow_weights_mismatch and recorded is not None and recorded != checkpoint_weights_sha256(model, cmap):
         raise PackMismatchError("this CRISP pack was made from other weights than this model (the weights "
@@ -547,6 +554,6 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     model.to(device)
     # The experts are placeholders already (never read): there is nothing to keep whether or not config says so.
     config = None if config is None else replace(config, keep_original=False)
-    handle = apply(model, pack, plan=plan, gpu_budget=budget, config=config, allow_weights_mismatch=True,
-                   serving=serving, cpu=cpu)  # weights checked above, while they were there
+    handle = _apply_to_experts(model, cmap.refs, pack, plan=plan, budget=budget, fmt=None, config=config,
+                               allow_weights_mismatch=True, serving=serving, cpu=cpu)  # weights checked above
     return model, handle
