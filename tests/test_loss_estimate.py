@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from crisp_tools.calibration import contiguous_windows, load_model
-from crisp_tools.loss_estimate import LossEstimate, relative_loss
+from crisp_tools.loss_estimate import LossEstimate, paired_advantage, relative_loss
 from crisp_tools.serving_eval import decode_windows
 from crisp_tools.text import read_texts
 
@@ -30,6 +30,39 @@ def test_the_ratio_is_the_relative_accuracy_loss():
     r = 2 / 9
     spread = ((1 - 3 * r) ** 2 + (-1 - 2 * r) ** 2 + (2 - 4 * r) ** 2) * 3 / 2
     assert est.standard_error == pytest.approx(math.sqrt(spread) / 9)
+
+
+def test_paired_advantage_by_hand_and_as_a_difference_of_losses():
+    ref = _hits([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])  # a = (3, 2, 4), 9 right
+    crisp = _hits([[1, 0, 1, 0], [1, 1, 0, 1], [1, 1, 1, 1]])  # (2, 3, 4)
+    base = _hits([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1]])  # (1, 2, 2)
+    est = paired_advantage(ref, crisp, base)
+    # e = (1, 1, 2), R = 4 / 9: acc ahead of the baseline over the reference's accuracy
+    assert est.loss == pytest.approx(4 / 9) and est.windows == 3
+    assert est.loss == pytest.approx(relative_loss(ref, base).loss - relative_loss(ref, crisp).loss)
+    r = 4 / 9
+    spread = ((1 - 3 * r) ** 2 + (1 - 2 * r) ** 2 + (2 - 4 * r) ** 2) * 3 / 2
+    assert est.standard_error == pytest.approx(math.sqrt(spread) / 9)
+    flipped = paired_advantage(ref, base, crisp)  # the baseline ahead: the same size, negative
+    assert flipped.loss == pytest.approx(-est.loss) and flipped.standard_error == pytest.approx(est.standard_error)
+
+
+def test_paired_advantage_is_tighter_than_the_losses_when_decodes_share_their_misses():
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.rand(64, 100, generator=gen) < 0.7
+    hard = torch.rand(64, 100, generator=gen) < 0.2  # tokens both pruned decodes miss
+    crisp = ref & ~hard
+    base = crisp & ~(torch.rand(64, 100, generator=gen) < 0.02)  # the baseline misses a few more
+    ahead = paired_advantage(ref, crisp, base)
+    assert ahead.loss > 0
+    assert ahead.standard_error < min(relative_loss(ref, crisp).standard_error, relative_loss(ref, base).standard_error)
+
+
+@pytest.mark.parametrize("shapes", [((2, 3), (2, 3), (2, 4)), ((2, 3), (3, 3), (2, 3)), ((0, 3), (0, 3), (0, 3))])
+def test_paired_advantage_refuses_mismatched_hits(shapes):
+    a, b, c = (torch.zeros(s, dtype=torch.bool) for s in shapes)
+    with pytest.raises(ValueError, match="paired_advantage"):
+        paired_advantage(a, b, c)
 
 
 def test_identical_decodes_lose_nothing_with_no_spread():

@@ -57,6 +57,7 @@ from .calibration import (
     stored_weights,
     threads,
 )
+from .loss_estimate import finite_or_none, paired_advantage
 from .tail_emulation import INFO_EMULATION, emulation_of, reference_pack
 
 DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: the three of the results tables
@@ -220,6 +221,13 @@ class Evaluator:
             records.append(self._record("skip_aux", label, sk[1], sk[0], n_tok, skip_threshold=threshold))
             ska = run(self._plan("skip_aux"))
             records.append(self._record("skip_aux_all", "skip auxiliary always", ska[1], ska[0], n_tok))
+            crisp_record = next(r for r in records if r["policy"] == "crisp")
+            for name, base in (("uniform", uni), ("skip_aux", sk)):  # paired on the same windows, at equal bytes
+                ahead = paired_advantage(full[0].correct, crisp[0].correct, base[0].correct)
+                crisp_record[f"advantage_vs_{name}"] = ahead.loss
+                crisp_record[f"advantage_vs_{name}_se"] = finite_or_none(ahead.standard_error)
+                self.log(f"CRISP vs {name} at equal bytes: {ahead.loss:+.2%} +- {ahead.standard_error:.2%} "
+                         f"of the full width's accuracy (paired, {ahead.windows} windows)")
             if frontier:
                 records += self._frontier(run, n_tok, matched_width=neurons, matched_threshold=threshold)
             if layout_full is not None:
@@ -345,6 +353,11 @@ def verdict(records: list[dict], max_bytes=0.55, max_loss=0.036) -> dict:
         "accuracy_target_met": None if loss is None else loss <= max_loss,
         "beats_uniform": c["accuracy"] > by["uniform"]["accuracy"],
         "beats_skip_aux": c["accuracy"] > by["skip_aux"]["accuracy"],
+        # (acc_crisp - acc_baseline) / acc_full, paired per window, with its standard error (None: not measured)
+        "advantage_vs_uniform": c.get("advantage_vs_uniform"),
+        "advantage_vs_uniform_se": c.get("advantage_vs_uniform_se"),
+        "advantage_vs_skip_aux": c.get("advantage_vs_skip_aux"),
+        "advantage_vs_skip_aux_se": c.get("advantage_vs_skip_aux_se"),
         "bytes_gap_uniform": by["uniform"]["bytes_fraction_of_full"] - c["bytes_fraction_of_full"],
         "bytes_gap_skip_aux": by["skip_aux"]["bytes_fraction_of_full"] - c["bytes_fraction_of_full"],
     }
@@ -483,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{'undefined' if loss is None else f'{loss:.2%}'} (target <= 3.6% at <= 55%: {met}); "
         f"beats uniform: {v['beats_uniform']}, beats skip-aux: {v['beats_skip_aux']}"
     )
+    for name in ("uniform", "skip_aux"):
+        ahead, se = v[f"advantage_vs_{name}"], v[f"advantage_vs_{name}_se"]
+        if ahead is not None:
+            print(f"CRISP ahead of {name} at equal bytes: {ahead:+.2%}"
+                  f"{'' if se is None else f' +- {se:.2%}'} of the full width's accuracy (paired by window)")
     if args.json:
         dump_json(args.json, {"model": args.model, "crisp": args.crisp, "data": args.data,
                               "tail_layout": ev.tail_layout, "reference_crisp": args.reference_crisp,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LossEstimate", "finite_or_none", "relative_loss"]
+__all__ = ["LossEstimate", "finite_or_none", "paired_advantage", "relative_loss"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,31 @@ def relative_loss(reference_correct: torch.Tensor, correct: torch.Tensor) -> Los
     if n < 2:
         return LossEstimate(ratio, math.inf, n)
     spread = float(((d - ratio * a) ** 2).sum()) * n / (n - 1)
+    return LossEstimate(ratio, math.sqrt(spread) / total, n)
+
+
+def paired_advantage(reference_correct: torch.Tensor, correct: torch.Tensor,
+                     baseline_correct: torch.Tensor) -> LossEstimate:
+    """How far ``correct`` is ahead of ``baseline_correct`` on the same windows, relative to the reference's
+    accuracy: (acc - acc_baseline) / acc_ref, a fraction (negative when the baseline is more accurate), with the
+    same per-window cluster standard error as :func:`relative_loss` (e_n = hits - baseline hits per window, R =
+    sum(e) / sum(a)). It equals relative_loss(ref, baseline) - relative_loss(ref, candidate), but its error is
+    that of the paired difference, which is smaller than either loss's own when both decodes miss the same
+    tokens. The returned ``loss`` field holds the advantage."""
+    shapes = {tuple(x.shape) for x in (reference_correct, correct, baseline_correct)}
+    if len(shapes) != 1 or reference_correct.dim() != 2 or reference_correct.numel() == 0:
+        raise ValueError(f"paired_advantage: expected three equal (N, T) hit tensors with N, T >= 1, got "
+                         f"{sorted(shapes)}")
+    a = reference_correct.double().sum(dim=1)  # (N,)
+    e = correct.double().sum(dim=1) - baseline_correct.double().sum(dim=1)  # (N,) hits ahead per window
+    total = float(a.sum())
+    n = a.numel()
+    if total == 0:
+        return LossEstimate(0.0, math.inf if n < 2 else 0.0, n)
+    ratio = float(e.sum()) / total
+    if n < 2:
+        return LossEstimate(ratio, math.inf, n)
+    spread = float(((e - ratio * a) ** 2).sum()) * n / (n - 1)
     return LossEstimate(ratio, math.sqrt(spread) / total, n)
 
 
