@@ -170,6 +170,70 @@ class CrispEngine:
     def stats(self) -> dict:
         return {} if self.handle is None else _jsonable(self.handle.stats())
 
+    def breakdown(self, ids: list[int], prompt: int, width: str = "full") -> dict:
+        """Where one decode step's time goes, summed over the decoded tokens of ``ids`` (seconds per token):
+        the native CPU kernel's calls (timed around the ctypes call, on the runtime's CPU worker thread),
+        the MoE blocks (router + the runtime's expert step, the kernel included), attention, the lm head, and
+        the rest of the step (norms, embedding, residuals, the transformers model's Python). Timers cost
+        ~1 us per hook; a step has ~3 hooks per layer."""
+        from crisp_kernels import cpu_native
+
+        torch = self.torch
+        self._ready(width)
+        acc = {"kernel": 0.0, "moe": 0.0, "attention": 0.0, "lm_head": 0.0}
+        kernel_calls = [0]
+        start: dict = {}
+        handles = []
+        for name, mod in self.model.named_modules():
+            kind = ("attention" if name.endswith("self_attn") else "moe" if name.endswith((".mlp", "block_sparse_moe"))
+                    else "lm_head" if name == "lm_head" else None)
+            if kind is None:
+                continue
+
+            def pre(mod, args, kind=kind):
+                start[id(mod)] = time.perf_counter()
+
+            def post(mod, args, out, kind=kind):
+                acc[kind] += time.perf_counter() - start.pop(id(mod))
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        original = cpu_native.NativeKernel.rows_f32
+
+        def timed(kernel, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return original(kernel, *a, **k)
+            finally:
+                acc["kernel"] += time.perf_counter() - t0
+                kernel_calls[0] += 1
+
+        x = torch.tensor(ids).unsqueeze(0)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=x[:, :prompt], use_cache=True)
+                past = self._cache_of(out)
+                for key in acc:
+                    acc[key] = 0.0
+                cpu_native.NativeKernel.rows_f32 = timed
+                kernel_calls[0] = 0
+                t0 = time.perf_counter()
+                for i in range(prompt, len(ids)):
+                    out = self.model(input_ids=x[:, i:i + 1], **self._kwargs(past), use_cache=True)
+                    past = self._cache_of(out)
+                total = time.perf_counter() - t0
+        finally:
+            cpu_native.NativeKernel.rows_f32 = original
+            for h in handles:
+                h.remove()
+        n = len(ids) - prompt
+        per = {k: v / n for k, v in acc.items()}
+        layers = sum(1 for name, _ in self.model.named_modules() if name.endswith("self_attn"))
+        return {"tokens": n, "step_s": total / n, "kernel_s": per["kernel"],
+                "kernel_calls_per_token": kernel_calls[0] / n, "moe_outside_kernel_s": per["moe"] - per["kernel"],
+                "attention_s": per["attention"],
+                "lm_head_s": per["lm_head"],
+                "rest_s": total / n - per["moe"] - per["attention"] - per["lm_head"], "layers": layers}
+
 
 def _jsonable(obj):
     return json.loads(json.dumps(obj, default=str))
@@ -204,6 +268,8 @@ def serve(spec: dict, requests, reply) -> None:
                 reply(engine.reference_done())
             elif op == "rss":
                 reply(rss_mib())
+            elif op == "breakdown":
+                reply(engine.breakdown(req["ids"], req["prompt"], req.get("width", "full")))
             elif op == "stats":
                 reply(engine.stats() if hasattr(engine, "stats") else {})
             else:
