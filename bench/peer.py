@@ -193,7 +193,18 @@ def measure_kernel(model_dir: Path, plan_fraction: float, threads: int, repeats:
         torch.set_num_threads(before)
     return {"threads": threads, "read_gbps": memory["read_gbps"], "memcpy_gbps": memory["memcpy_gbps"],
             "kernel": [{"width_frac": r["width_frac"], "gbps": r["gbps"], "pct_read": 100 * r["gbps"] / r["read_gbps"],
-                        "ms": r["ms"]} for r in records]}
+                        "ms": r["ms"], "prefix_bytes": r["prefix_mb"] * 1e6} for r in records]}
+
+
+def cpu_profile(kernel: dict) -> dict:
+    """The CPU side of a hybrid hardware profile (``profiles.HardwareProfile``'s cpu_bytes_per_s and
+    cpu_latency_s, the same units) from one thread count's kernel measurement: an affine fit of seconds
+    against prefix bytes over the widths measured (``profiles.fit_affine``)."""
+    from .profiles import fit_affine
+
+    latency, per_byte = fit_affine([(k["prefix_bytes"], k["ms"] / 1e3) for k in kernel["kernel"]])
+    return {"threads": kernel["threads"], "cpu_bytes_per_s": 1 / per_byte, "cpu_latency_s": latency,
+            "read_bytes_per_s": kernel["read_gbps"] * 1e9}
 
 
 # ---------------------------------------------------------------------------- one model
@@ -379,6 +390,7 @@ def run(args) -> int:
                           for x in k["kernel"]))
     if args.json:
         report.write_json(args.json, "peer", records, cpu_model=cpu_model, models=metas, kernel=kernels,
+                          cpu_profiles=[cpu_profile(k) for k in kernels],
                           prompt_tokens=args.prompt, decode_tokens=args.tokens, rounds=args.rounds)
         print(f"wrote {args.json}")
     return 0

@@ -195,3 +195,14 @@ def test_quantized_gguf_stays_near_the_fp32_model(tiny_ggufs, quant):
     # 4-bit weights: a few percent of the logits' norm, far from an unrelated model's ~100%
     assert 0 < peer.rel_err(got["logits"], want["logits"]) < 0.2
     assert got["decode_s"] > 0 and got["prompt_s"] > 0
+
+
+def test_cpu_profile_fits_bandwidth_and_latency_from_the_kernel_widths():
+    # 1 ms fixed + 10 GB/s: two widths give both back
+    kernel = {"threads": 2, "read_gbps": 20.0, "kernel": [
+        {"prefix_bytes": b, "ms": 1e3 * (1e-3 + b / 10e9), "width_frac": f, "gbps": 0.0, "pct_read": 0.0}
+        for f, b in ((0.5, 50e6), (1.0, 100e6))]}
+    prof = peer.cpu_profile(kernel)
+    assert prof["cpu_bytes_per_s"] == pytest.approx(10e9, rel=1e-9)
+    assert prof["cpu_latency_s"] == pytest.approx(1e-3, rel=1e-6)
+    assert prof["read_bytes_per_s"] == 20e9 and prof["threads"] == 2
