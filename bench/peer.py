@@ -261,9 +261,15 @@ def bench_model(inputs: ModelInputs, args, ids: list[int], windows: list[list[in
                     got = workers[key].ask(op="accuracy", windows=windows, width=width)
                     accuracy[(key[1], width)] = got["correct"] / got["total"]
         # 4. interleaved timed rounds, after one warm-up run each
-        preds = {}
+        preds, expert_bytes = {}, {}
         for key, width in points:
-            preds[key, width] = workers[key].ask(op="run", ids=ids, prompt=args.prompt, width=width)["pred"]
+            got = workers[key].ask(op="run", ids=ids, prompt=args.prompt, width=width)
+            preds[key, width] = got["pred"]
+            if "expert_bytes_per_token" in got:
+                expert_bytes[width] = got["expert_bytes_per_token"]
+        if "full" in expert_bytes and "plan" in expert_bytes:
+            meta["crisp_expert_bytes_per_token"] = expert_bytes
+            meta["plan_bytes_fraction"] = expert_bytes["plan"] / expert_bytes["full"]
         times = {p: ([], []) for p in points}
         for r in range(args.rounds):
             order = points[r % len(points):] + points[:r % len(points)]  # rotate: no point always first
@@ -370,8 +376,7 @@ def run(args) -> int:
         inputs = prepare(name, work, max(args.thread_counts))
         recs, meta = bench_model(inputs, args, ids, windows if name == "tiny" else None)
         if name == "large":
-            plan_frac = _plan_bytes_fraction(inputs.pack_dir)
-            meta["plan_bytes_fraction"] = plan_frac
+            plan_frac = meta["plan_bytes_fraction"]
             for t in sorted(set(args.thread_counts)):
                 kernels.append(measure_kernel(inputs.model_dir, plan_frac, t, args.kernel_repeats))
         for r in recs:
@@ -394,12 +399,3 @@ def run(args) -> int:
                           prompt_tokens=args.prompt, decode_tokens=args.tokens, rounds=args.rounds)
         print(f"wrote {args.json}")
     return 0
-
-
-def _plan_bytes_fraction(pack_dir: Path) -> float:
-    """The plan's expert bytes per token against full width, as crisp-profile's search recorded it."""
-    info = json.loads((Path(pack_dir) / "pack.json").read_text())
-    chosen = (info.get("search") or {}).get("chosen") or {}
-    if not isinstance(chosen.get("bytes_fraction"), (int, float)):
-        raise PeerBenchError(f"{pack_dir}: the pack records no plan search (search.chosen.bytes_fraction)")
-    return float(chosen["bytes_fraction"])

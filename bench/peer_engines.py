@@ -144,13 +144,18 @@ class CrispEngine:
             t1 = time.perf_counter()
             rows.append(out.logits[0])
             past = self._cache_of(out)
+            if self.handle is not None:
+                self.handle.reset_stats()  # the decoded tokens' expert bytes; not timed (t_dec starts after it)
+            t_dec = time.perf_counter()
             for i in range(prompt, len(ids)):
                 out = self.model(input_ids=x[:, i:i + 1], **self._kwargs(past), use_cache=True)
                 past = self._cache_of(out)
                 rows.append(out.logits[0])
             t2 = time.perf_counter()
         scores = torch.cat(rows).float()
-        res = {"prompt_s": t1 - t0, "decode_s": t2 - t1, "pred": scores.argmax(-1).tolist()}
+        res = {"prompt_s": t1 - t0, "decode_s": t2 - t_dec, "pred": scores.argmax(-1).tolist()}
+        if self.handle is not None:
+            res["expert_bytes_per_token"] = self.handle.stats()["bytes_read_per_token"]
         if logits:
             res["logits"] = scores.tolist()
         return res
