@@ -23,6 +23,7 @@ a lower bound, the token's other work included).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import selectors
@@ -321,6 +322,13 @@ def bench_model(inputs: ModelInputs, args, ids: list[int], windows: list[list[in
 # ---------------------------------------------------------------------------- CLI
 
 
+def _window(text: str) -> int:
+    n = common.positive_int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 tokens (one prediction needs two), got {text!r}")
+    return n
+
+
 def _thread_counts(text: str) -> list[int]:
     return [ca.threads_int(v) for v in common.items(text)]
 
@@ -346,7 +354,7 @@ def add_parser(subparsers) -> None:
                    help="llama.cpp quantizations (default: Q4_0,Q4_K_M)")
     p.add_argument("--accuracy-windows", type=common.positive_int, default=16,
                    help="held-out windows for the tiny model's accuracy (default 16)")
-    p.add_argument("--window", type=common.positive_int, default=128, help="tokens per accuracy window (default 128)")
+    p.add_argument("--window", type=_window, default=128, help="tokens per accuracy window (default 128)")
     p.add_argument("--text", metavar="PATH", default=str(DEFAULT_TEXT), type=ca.nonempty_path,
                    help="held-out text for the prompt, the decoded tokens and the accuracy")
     p.add_argument("--kernel-repeats", type=common.positive_int, default=5,
