@@ -220,14 +220,17 @@ def profile_pack(model_dir: Path, calib_text: Path, root: Path | None = None, *,
 
     root = work_dir() if root is None else root
     spec = {"model": file_stamp(model_dir), "text": file_stamp(calib_text), "samples": samples, "seq_len": seq_len,
-            "warm_width": PLAN_WARM_WIDTH, "kind": "crisp-profile-v2"}
+            "warm_width": PLAN_WARM_WIDTH, "kind": "crisp-profile-v3"}
 
     def build(tmp: Path) -> None:
         out = tmp / "pack"
         argv = ["--model", str(model_dir), "--data", str(calib_text), "--out", str(out), "--samples", str(samples),
                 "--seq-len", str(seq_len), "--batch-size", "4", "--dtype", "bfloat16", "--quiet",
                 "--dominance", "routing-weight", "--hot-mass", "0", "--cold-mass", "0.5", "--warm-width",
-                str(PLAN_WARM_WIDTH)]
+                str(PLAN_WARM_WIDTH),
+                # routing-weight dominance needs no masking: measure none (the masked forward passes of its
+                # per-pair labels, 64 windows by default, took > 20 min here)
+                "--dominance-samples", "1", "--dominance-min-tokens", str(10**9)]
         if threads:
             argv += ["--threads", str(threads)]
         rc = profile_main(argv)
