@@ -214,7 +214,7 @@ def cpu_profile(kernel: dict) -> dict:
 def bench_model(inputs: ModelInputs, args, ids: list[int], windows: list[list[int]] | None, log=print
                 ) -> tuple[list[dict], dict]:
     threads = sorted(set(args.thread_counts))
-    n_ctx = max(len(ids), max((len(w) for w in windows), default=0)) + 8
+    n_ctx = max(len(ids), max((len(w) for w in windows or ()), default=0)) + 8
     top = threads[-1]
     meta: dict = {"model_dir": common.rel(inputs.model_dir), "pack_dir": common.rel(inputs.pack_dir),
                   "gguf": {q: str(p) for q, p in inputs.ggufs.items()}}
