@@ -1,12 +1,12 @@
 """``crisp-bench``: how fast CRISP runs on this machine, against what you would use instead.
 
-Subcommands: kernels, transfer, layer, e2e, simulate. With no subcommand a quick default
-suite runs all of them on the committed trained model (about a minute on a 2-core CPU; it
-uses the GPU when there is one). Every subcommand prints tables, and takes ``--json PATH``
+Subcommands: kernels, transfer, layer, e2e, simulate, and peer (against llama.cpp on the CPU).
+With no subcommand a quick default suite runs the first five on the committed trained model (about a minute
+on a 2-core CPU; it uses the GPU when there is one). Every subcommand prints tables, and takes ``--json PATH``
 and ``--plot PATH.png``. Bad input exits with code 2 and a one-line message.
 
 This module only dispatches: each subcommand is a module with ``add_parser(subparsers)`` and
-``run(args) -> int`` (kernels, cpu, transfer, layer, e2e, simulate_cmd); what they share (paths,
+``run(args) -> int`` (kernels, cpu, transfer, layer, e2e, simulate_cmd, peer); what they share (paths,
 the CliError base class, argument types, model loading, device sync, the JSON emit) is in
 ``common``, tables and plots in ``report``. No module of the package imports this one.
 """
@@ -29,7 +29,7 @@ from crisp_runtime.planning.plan import PlanError
 from crisp_runtime.storage.outputs import check_outputs
 from crisp_runtime.storage.pack import PackMismatchError
 
-from . import cpu, e2e, kernels, layer, report, report_cmd, simulate_cmd, transfer
+from . import cpu, e2e, kernels, layer, peer, report, report_cmd, simulate_cmd, transfer
 from .common import CliError, pack_dir_for
 
 
@@ -43,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch CPU threads for the default suite (default: 1 on machines with <= 2 cores)")
     parser.add_argument("--model", metavar="DIR", default=None, type=ca.nonempty_path,
                         help="checkpoint for the default suite (default: the committed models/tiny-mixtral)")
-    sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,cpu,layer,e2e,simulate,report}")
+    sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,cpu,layer,e2e,simulate,peer,report}")
 
-    for module in (kernels, cpu, transfer, layer, e2e, simulate_cmd, report_cmd):  # the order of `crisp-bench --help`
+    # the order of `crisp-bench --help`
+    for module in (kernels, cpu, transfer, layer, e2e, simulate_cmd, peer, report_cmd):
         module.add_parser(sub)
     return parser
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
         handler = {"kernels": _cmd_kernels, "transfer": _cmd_transfer, "layer": _cmd_layer, "e2e": _cmd_e2e,
-                   "simulate": _cmd_simulate, "cpu": _cmd_cpu, "report": _cmd_report}[args.command]
+                   "simulate": _cmd_simulate, "cpu": _cmd_cpu, "peer": _cmd_peer, "report": _cmd_report}[args.command]
         return handler(args)
     except KeyboardInterrupt:
         return ca.interrupted("crisp-bench", resumable=False)
@@ -127,6 +128,7 @@ _cmd_transfer = transfer.run
 _cmd_layer = layer.run
 _cmd_e2e = e2e.run
 _cmd_simulate = simulate_cmd.run
+_cmd_peer = peer.run
 _cmd_report = report_cmd.run
 
 

@@ -81,6 +81,11 @@ BENCH = (
     + _cases("bench cpu", {"--json": ["", "DIR", "MISSING"], "--threads": THREADS, "--repeats": POS_INT,
                            "--shapes": SHAPES, "--widths": FRACTION_LIST, "--tokens": INT_LIST, "--model": [""],
                            "--precision": ["fp16", ""], "--impl": ["fast", "", "native-fp32,x", "NATIVE-FP32"]})
+    + _cases("bench peer", {"--json": ["", "DIR", "MISSING"], "--threads": [*THREADS, ",", "1,0"],
+                            "--models": ["huge", "", "tiny,x", "TINY"], "--tokens": POS_INT, "--prompt": POS_INT,
+                            "--rounds": POS_INT, "--quants": ["Q8_0", "", "q4_0", "Q4_0,x"],
+                            "--accuracy-windows": POS_INT, "--window": SEQ_LEN, "--text": [""],
+                            "--kernel-repeats": POS_INT, "--work-dir": [""]})
     + _cases("bench layer", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--steps": POS_INT,
                              "--policies": ["fastest", "", "full,x"]})
     + _cases("bench e2e", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--tokens": POS_INT,

@@ -1,0 +1,208 @@
+"""crisp-bench peer: records, arguments, the work folder, the GGUF layout and the engines' workers.
+
+The llama.cpp tests need the ``peers`` extra (llama-cpp-python, gguf) and skip cleanly without it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from crisp_bench import cli, peer, peer_engines
+from crisp_bench import peer_models as pm
+
+TINY = str(pm.TINY_MODEL)
+TINY_PACK = str(pm.TINY_PACK)
+
+
+def _record(**over):
+    kw = {"engine": "crisp", "model": "large", "quant": peer.CRISP_QUANT, "width": "full", "threads": 2,
+          "decode_s": [1.0, 2.0, 4.0], "prompt_s": [0.5, 0.25, 1.0], "decode_tokens": 64, "prompt_tokens": 32,
+          "peak_rss_mib": 100.0}
+    kw.update(over)
+    return peer.make_record(**kw)
+
+
+def test_record_has_the_schema_keys_and_median_rates():
+    rec = _record()
+    peer.check_record(rec)
+    assert rec["decode_tokens_per_s"] == pytest.approx(64 / 2.0)  # the median round
+    assert rec["decode_tokens_per_s_best"] == pytest.approx(64 / 1.0)
+    assert rec["prompt_tokens_per_s"] == pytest.approx(32 / 0.5)
+    json.dumps(rec, allow_nan=False)
+
+
+@pytest.mark.parametrize("over", [{"engine": "vllm"}, {"width": "half"}, {"decode_s": []}, {"decode_tokens": 0}])
+def test_record_refuses_bad_fields(over):
+    with pytest.raises(ValueError):
+        _record(**over)
+
+
+@pytest.mark.parametrize("drop", [*peer.RECORD_KEYS, "accuracy"])
+def test_check_record_names_a_missing_key(drop):
+    rec = _record(model="tiny", accuracy=0.5)
+    del rec[drop]
+    with pytest.raises(ValueError, match=drop):
+        peer.check_record(rec)
+
+
+@pytest.mark.parametrize("argv", [
+    ["peer", "--models", "huge"], ["peer", "--threads", "0"], ["peer", "--threads", "a"],
+    ["peer", "--quants", "Q8_0"], ["peer", "--tokens", "0"], ["peer", "--rounds", "-1"], ["peer", "--models", ""],
+])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_without_the_peers_extra_the_command_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    assert cli.main(["peer", "--models", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "crisp-moe[peers]" in err and err[-1] == "\n" and err.count("\n") == 1
+
+
+def test_help_runs(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["peer", "--help"])
+    assert exc.value.code == 0
+    assert "llama.cpp" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- the work folder
+
+
+def test_cached_builds_once_and_reuses_by_marker(tmp_path):
+    calls = []
+
+    def build(folder):
+        calls.append(folder)
+        (folder / "x.bin").write_bytes(b"1")
+
+    a = pm.cached(tmp_path, "thing", {"v": 1}, build, log=lambda *_: None)
+    b = pm.cached(tmp_path, "thing", {"v": 1}, build, log=lambda *_: None)
+    c = pm.cached(tmp_path, "thing", {"v": 2}, build, log=lambda *_: None)
+    assert a == b != c and len(calls) == 2
+    assert (a / "x.bin").read_bytes() == b"1" and (a / pm.MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.name, c.name])  # no temporary left
+
+
+def test_cached_refuses_a_folder_without_its_marker_and_keeps_it(tmp_path):
+    final = tmp_path / f"thing-{pm.digest({'v': 1})}"
+    final.mkdir()
+    (final / "user.txt").write_text("mine")
+    with pytest.raises(pm.PeerError, match="without a complete marker"):
+        pm.cached(tmp_path, "thing", {"v": 1}, lambda f: None, log=lambda *_: None)
+    assert (final / "user.txt").read_text() == "mine"
+
+
+def test_a_failed_build_leaves_nothing(tmp_path):
+    def build(folder):
+        (folder / "half").write_bytes(b"")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        pm.cached(tmp_path, "thing", {"v": 1}, build, log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", [{"hidden_size": 0}, {"num_attention_heads": 3}, {"num_experts_per_tok": 9},
+                                 {"init_std": 0.0}, {"seed": -1}])
+def test_large_shape_validates(bad):
+    with pytest.raises(ValueError):
+        pm.LargeShape(**bad)
+
+
+def test_large_shape_default_has_half_a_gigabyte_of_4bit_experts():
+    shape = pm.LargeShape()
+    neuron_bytes = 3 * (shape.hidden_size // 2 + shape.hidden_size // 64 * 3)  # codes + fp16 scales + zeros
+    assert shape.num_hidden_layers * shape.num_local_experts * shape.intermediate_size * neuron_bytes >= 0.5e9
+
+
+@pytest.mark.parametrize("n_head,head_dim", [(1, 4), (2, 8), (4, 2)])
+def test_rope_permutation_interleaves_each_heads_halves(n_head, head_dim):
+    w = torch.arange(n_head * head_dim * 3, dtype=torch.float32).reshape(n_head * head_dim, 3)
+    got = pm._permute_rope(w, n_head)
+    half = head_dim // 2
+    for h in range(n_head):
+        for i in range(half):  # llama.cpp's pair (2i, 2i + 1) = Hugging Face's rows (i, i + d/2)
+            assert torch.equal(got[h * head_dim + 2 * i], w[h * head_dim + i])
+            assert torch.equal(got[h * head_dim + 2 * i + 1], w[h * head_dim + half + i])
+
+
+def test_expert_bytes_per_token_counts_q4_0_blocks():
+    cfg = json.loads((pm.TINY_MODEL / "config.json").read_text())
+    weights = 2 * cfg["num_hidden_layers"] * 3 * cfg["hidden_size"] * cfg["intermediate_size"]
+    assert peer.expert_bytes_per_token(pm.TINY_MODEL, "Q4_0") == weights * 18 / 32
+
+
+# ---------------------------------------------------------------------------- the CRISP worker (no llama.cpp)
+
+
+def test_crisp_engine_serves_runs_and_accuracy_in_process():
+    ids = list(range(40, 40 + 24))
+    replies = []
+    requests = [json.dumps(r) for r in (
+        {"op": "run", "ids": ids, "prompt": 16, "logits": True},
+        {"op": "accuracy", "windows": [ids, ids[4:]]},
+        {"op": "applied"},
+        {"op": "run", "ids": ids, "prompt": 16, "width": "full", "logits": True},
+        {"op": "run", "ids": ids, "prompt": 16, "width": "plan"},
+        {"op": "bogus"},
+        {"op": "quit"},
+    )]
+    peer_engines.serve({"engine": "crisp", "model": TINY, "pack": TINY_PACK, "threads": 1, "n_ctx": 64,
+                        "reference": True}, requests, replies.append)
+    ready, fp32, acc, applied, full, plan, bogus, bye = replies
+    assert ready["ready"] and applied["applied"] and bye["bye"] and "error" in bogus
+    assert len(fp32["pred"]) == len(full["pred"]) == len(plan["pred"]) == len(ids)
+    assert acc["total"] == 2 * len(ids) - 4 - 2 and 0 <= acc["correct"] <= acc["total"]
+    # 4-bit experts at full width against the fp32 model: close, not equal
+    assert 0 < peer.rel_err(full["logits"], fp32["logits"]) < 0.1
+    assert bye["peak_rss_mib"] > 0
+
+
+# ---------------------------------------------------------------------------- with llama.cpp
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    return pm.gguf_files(pm.TINY_MODEL, pm.PEER_QUANTS, tmp_path_factory.mktemp("peer"), threads=1,
+                         log=lambda *_: None)
+
+
+def test_f32_gguf_computes_what_the_fp32_model_does(tiny_ggufs):
+    ids = list(range(60, 60 + 48))
+    llama = peer_engines.LlamaCppEngine(str(tiny_ggufs["F32"]), 1, 64)
+    got = llama.run(ids, 48, logits=True)
+    ours = peer_engines.CrispEngine(TINY, TINY_PACK, 1, 64, reference=True)
+    want = ours.run(ids, 48, logits=True)
+    assert peer.rel_err(got["logits"], want["logits"]) <= peer.CONVERSION_TOL["F32"]
+    assert got["pred"] == want["pred"]
+
+
+@pytest.mark.parametrize("quant", pm.PEER_QUANTS)
+def test_quantized_gguf_stays_near_the_fp32_model(tiny_ggufs, quant):
+    ids = list(range(60, 60 + 48))
+    got = peer_engines.LlamaCppEngine(str(tiny_ggufs[quant]), 1, 64).run(ids, 40, logits=True)
+    want = peer_engines.CrispEngine(TINY, TINY_PACK, 1, 64, reference=True).run(ids, 40, logits=True)
+    # 4-bit weights: a few percent of the logits' norm, far from an unrelated model's ~100%
+    assert 0 < peer.rel_err(got["logits"], want["logits"]) < 0.2
+    assert got["decode_s"] > 0 and got["prompt_s"] > 0
+
+
+def test_cpu_profile_fits_bandwidth_and_latency_from_the_kernel_widths():
+    # 1 ms fixed + 10 GB/s: two widths give both back
+    kernel = {"threads": 2, "read_gbps": 20.0, "kernel": [
+        {"prefix_bytes": b, "ms": 1e3 * (1e-3 + b / 10e9), "width_frac": f, "gbps": 0.0, "pct_read": 0.0}
+        for f, b in ((0.5, 50e6), (1.0, 100e6))]}
+    prof = peer.cpu_profile(kernel)
+    assert prof["cpu_bytes_per_s"] == pytest.approx(10e9, rel=1e-9)
+    assert prof["cpu_latency_s"] == pytest.approx(1e-3, rel=1e-6)
+    assert prof["read_bytes_per_s"] == 20e9 and prof["threads"] == 2
