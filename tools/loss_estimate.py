@@ -47,7 +47,11 @@ def relative_loss(reference_correct: torch.Tensor, correct: torch.Tensor) -> Los
         raise ValueError(f"relative_loss: expected two equal (N, T) hit tensors with N, T >= 1, got "
                          f"{tuple(reference_correct.shape)} and {tuple(correct.shape)}")
     a = reference_correct.double().sum(dim=1)  # (N,) reference hits per window
-    d = a - correct.double().sum(dim=1)  # (N,) hits lost per window
+    return _ratio_estimate(a, a - correct.double().sum(dim=1))  # d: hits lost per window
+
+
+def _ratio_estimate(a: torch.Tensor, d: torch.Tensor) -> LossEstimate:
+    """sum(d) / sum(a) over windows and its cluster (per-window) delta-method standard error (module docstring)."""
     total = float(a.sum())
     n = a.numel()
     if total == 0:  # a reference that predicts nothing: no relative loss is defined; report none lost
@@ -72,16 +76,7 @@ def paired_advantage(reference_correct: torch.Tensor, correct: torch.Tensor,
         raise ValueError(f"paired_advantage: expected three equal (N, T) hit tensors with N, T >= 1, got "
                          f"{sorted(shapes)}")
     a = reference_correct.double().sum(dim=1)  # (N,)
-    e = correct.double().sum(dim=1) - baseline_correct.double().sum(dim=1)  # (N,) hits ahead per window
-    total = float(a.sum())
-    n = a.numel()
-    if total == 0:
-        return LossEstimate(0.0, math.inf if n < 2 else 0.0, n)
-    ratio = float(e.sum()) / total
-    if n < 2:
-        return LossEstimate(ratio, math.inf, n)
-    spread = float(((e - ratio * a) ** 2).sum()) * n / (n - 1)
-    return LossEstimate(ratio, math.sqrt(spread) / total, n)
+    return _ratio_estimate(a, correct.double().sum(dim=1) - baseline_correct.double().sum(dim=1))
 
 
 def finite_or_none(x: float) -> float | None:

@@ -45,11 +45,11 @@ from .calibration import (
 )
 from .profiler.config import accuracy_window_count
 from .profiler.throughput import (
-    BUDGET_SEARCHES,
     SERVING_KEY,
     PackVariant,
     ThroughputGoal,
     accuracy_windows_of,
+    add_budget_choice_options,
     add_search_options,
     budget_fractions,
     default_candidates,
@@ -96,16 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one stored choice per budget (25%%, 0.25, 6GiB or 'standard': 10%%, 25%%, 50%%) from a "
                             "short search of the default families on the pack's own plan (the plan and experts stay "
                             "the pack's); what apply runs by default at those budgets")
-    p.add_argument("--heldout-data", nargs="+", type=ca.nonempty_path, default=None, metavar="PATH",
-                   help="with --gpu-budget: also decode each choice on windows of this held-out text (never the "
-                        "calibration text) and store that loss with it (crisp-bench simulate's crisp-default reports "
-                        "it)")
-    p.add_argument("--heldout-windows", type=ca.positive_int, default=32, metavar="N",
-                   help="with --heldout-data: windows of --throughput-seq-len tokens decoded per choice")
-    p.add_argument("--budget-search", choices=BUDGET_SEARCHES, default="short",
-                   help="with --gpu-budget: short = the default families (dominants whole or at 87.5%%, auxiliaries "
-                        "from what is resident, prefetch; decoded with the runtime in the loop) and the plan's widths "
-                        "with prefetch; exact = the plan's widths with prefetch alone (batch forwards, no decode)")
+    add_budget_choice_options(p)
     add_search_options(p, "")
     p.add_argument("--holdout-fraction", type=ca.float_in(0.0, 1.0, low_open=True, high_open=True), default=0.1,
                    help="last share of --data the windows are drawn from (crisp-profile's split)")

@@ -21,7 +21,7 @@ from .config import (
     ProfileConfig,
 )
 from .pipeline import Profiler
-from .throughput import BUDGET_SEARCHES, add_search_options, gpu_budget_arg
+from .throughput import add_budget_choice_options, add_search_options, gpu_budget_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,15 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "pack's own plan, stored in pack.json 'serving': what crisp_runtime.apply(model, pack, "
                         "gpu_budget=B) then runs by default (crisp_runtime.planning.defaults); --heldout-data also "
                         "measures each choice's loss on held-out text")
-    p.add_argument("--heldout-data", nargs="+", type=ca.nonempty_path, default=None, metavar="PATH",
-                   help="with --gpu-budget: held-out text (never the calibration text) each stored choice is decoded "
-                        "on; its loss is stored with the choice")
-    p.add_argument("--heldout-windows", type=ca.positive_int, default=32, metavar="N",
-                   help="with --heldout-data: windows of --throughput-seq-len tokens decoded per choice")
-    p.add_argument("--budget-search", choices=BUDGET_SEARCHES, default="short",
-                   help="with --gpu-budget: short = the default families (dominants whole or at 87.5%%, auxiliaries "
-                        "from what is resident, prefetch; decoded with the runtime in the loop) and the plan's widths "
-                        "with prefetch; exact = the plan's widths with prefetch alone (batch forwards, no decode)")
+    add_budget_choice_options(p)
     add_search_options(p, "with --plan-for-throughput or --gpu-budget: ")
     p.add_argument("--placement", default="resident", choices=PLACEMENT_CHOICES,
                    help="resident: the whole model on --device; stream: the non-expert weights on --device, each "

@@ -508,6 +508,20 @@ def _described(c: Candidate, plan: CrispPlan) -> CrispPlan:
         "tokens/s).").strip())
 
 
+def add_budget_choice_options(p) -> None:
+    """The options of ``--gpu-budget``'s stored choices (``crisp-profile`` and ``crisp_tools.plan_throughput`` share
+    them): the held-out text each choice's loss is measured on, and how wide the per-budget search is."""
+    p.add_argument("--heldout-data", nargs="+", type=ca.nonempty_path, default=None, metavar="PATH",
+                   help="with --gpu-budget: held-out text (never the calibration text) each stored choice is decoded "
+                        "on; its loss is stored with the choice (crisp-bench simulate's crisp-default reports it)")
+    p.add_argument("--heldout-windows", type=ca.positive_int, default=32, metavar="N",
+                   help="with --heldout-data: windows of --throughput-seq-len tokens decoded per choice")
+    p.add_argument("--budget-search", choices=BUDGET_SEARCHES, default="short",
+                   help="with --gpu-budget: short = the default families (dominants whole or at 87.5%%, auxiliaries "
+                        "from what is resident, prefetch; decoded with the runtime in the loop) and the plan's widths "
+                        "with prefetch; exact = the plan's widths with prefetch alone (batch forwards, no decode)")
+
+
 def add_search_options(p, when: str) -> None:
     """The search's options (``crisp-profile --plan-for-throughput`` and ``crisp_tools.plan_throughput`` share
     them); ``when`` prefixes each help text (e.g. "with --plan-for-throughput: ")."""
