@@ -6,7 +6,7 @@ Three ways to choose them (``--matrix``):
 
 - ``product``: every plan x serving x eviction x prefetch given on the command line;
 - ``residency``: the residency-aware comparison at one GPU memory: full-width LRU
-  (mixtral-offloading), full-width Belady, today's CRISP (plan widths, LRU), residency-aware
+  (mixtral-offloading), full-width Belady, the paper's CRISP (plan widths, LRU), residency-aware
   CRISP (auxiliaries served from what is resident; a missed dominant at full width or at a 75%
   prefix) with next-use and with LRU eviction, with and without prefetch, the same under Belady (the bound),
   and uniform / skip-auxiliary given the same serving, eviction and prefetch;

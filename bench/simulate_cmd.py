@@ -144,8 +144,8 @@ def add_parser(subparsers) -> None:
                    "one cache per layer (mixtral-offloading's per-layer slots; needs >= 1 expert per layer)")
     p.add_argument("--matrix", choices=SIM_MATRICES, default="product",
                    help="product (default): every --policies x --serving x --eviction x --prefetch; residency: "
-                   "the residency comparison (full-width LRU / Belady, today's CRISP, residency-aware CRISP with and "
-                   "without prefetch, Belady bound, uniform / skip_aux with the same machinery); frontier: each "
+                   "the residency comparison (full-width LRU / Belady, the paper's CRISP, residency-aware CRISP with "
+                   "and without prefetch, Belady bound, uniform / skip_aux with the same machinery); frontier: each "
                    "family swept over its knob (for --plot: tokens/s against accuracy loss); hybrid: the "
                    "CPU placements (GPU-only full LRU, static_hybrid, cpu_only, CRISP GPU-only and hybrid; needs a "
                    "--profile with a CPU, e.g. rtx4090-pcie4-ddr5; docs/hybrid.md); stored: full-width LRU and the "
@@ -611,7 +611,7 @@ def _pick(records, label, order, budget):
 
 
 def _headline(records, budgets) -> dict:
-    """Per budget: today's CRISP and the fastest configuration within the accuracy target, against full LRU."""
+    """Per budget: the paper's CRISP and the fastest configuration within the accuracy target, against full LRU."""
     out: dict = {"lines": []}
     for b in budgets:
         base = _pick(records, BASELINE, "router", b)
@@ -622,7 +622,7 @@ def _headline(records, budgets) -> dict:
         parts = []
         if today:
             entry["crisp_today_x"] = today["tokens_per_s"] / base["tokens_per_s"]
-            parts.append(f"today's CRISP (widest-first) {entry['crisp_today_x']:.2f}x")
+            parts.append(f"the paper's CRISP (widest-first) {entry['crisp_today_x']:.2f}x")
         ok = [r for r in records if r["budget_fraction"] == b and r["policy"] == "crisp" and r["order"] ==
               "widest_first" and r["eviction"] != "belady" and r["accuracy_loss"] is not None
               and r["accuracy_loss"] <= TARGET_LOSS]

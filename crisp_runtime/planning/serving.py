@@ -30,7 +30,7 @@ or at ``a`` ("wider for free": no extra bytes, more accuracy) when ``hit_width``
 a slot with ``a == 0`` is skipped. So a slot never costs a copy the table did not ask for.
 
 The default policy (``ServingPolicy()``, named "plan") serves every slot at the plan's width:
-today's behaviour, outputs independent of the cache and the budget. Everything here is pure
+the paper's behaviour, outputs independent of the cache and the budget. Everything here is pure
 and deterministic for a given sequence of steps (the resident widths come in as a function);
 :func:`plan_served_step` is the one planning function of a layer step, used by the runtime's
 executor and by the simulator: serving decisions -> per-slot served widths -> the scheduler's
