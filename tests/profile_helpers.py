@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-# A frozen text: the first 8000 characters of crisp_runtime/planning/plan.py as of commit 91bb60b. The tests used to
-# read the live module, so any edit near its top changed the profiled plan and broke the tools' tests.
+# A frozen text (the first 8000 characters of one version of the plan module's source): reading the live module
+# would make any edit near its top change the profiled plan and break the tools' tests.
 TEXT_SOURCE = Path(__file__).resolve().parent / "data" / "profile-text.txt"
 
 # Small enough for CI: H=64 (one quantization group), I=32, 2 MoE layers, 4 experts, top-2.

@@ -1,4 +1,4 @@
-"""apply(..., cpu="off"|"on"|"auto") on the tiny Mixtral: off keeps today's behaviour, on runs the
+"""apply(..., cpu="off"|"on"|"auto") on the tiny Mixtral: off runs the configuration as given, on runs the
 hybrid path with outputs equal to the CPU reference, auto decides and says so in stats()."""
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ def test_old_pack_with_plan_directory_is_an_error(tmp_path):
 
 
 def test_rewriting_the_file_after_load_does_not_touch_loaded_tensors(tmp_path, layers):
-    """Tensors used to stay memory-mapped: truncating the file in place killed the process (SIGBUS)."""
+    """Loaded tensors are not memory-mapped: truncating a mapped file in place would kill the process (SIGBUS)."""
     save_pack(tmp_path / "p", layers)
     path = tmp_path / "p" / "experts.safetensors"
     pack = load_pack(tmp_path / "p")

@@ -336,7 +336,7 @@ def _load_mutated(tmp_path, plan: CrispPlan, mutate) -> CrispPlan:
 @pytest.mark.parametrize(
     ("make", "mutate", "match"),
     [
-        # reproducers: lenient parsing used to change the policy silently
+        # lenient parsing would change the policy silently
         (lambda: CrispPlan.uniform(8, 2, FULL, [0], 7), lambda d: d.update(uniform_width=True),
          "field uniform_width: expected an integer, got bool True"),
         (lambda: _crisp_plan(), lambda d: d["tier_widths"].update(warm=40.9),

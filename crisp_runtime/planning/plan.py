@@ -341,8 +341,8 @@ class CrispPlan:
                         raise PlanError(f"plan: layer {layer_id} combination {(a, b)}: dominant {d} is not a or b")
 
     def _check_types(self) -> None:
-        """Integers must be integers: bools, floats and strings are refused (``uniform_width=True``
-        used to be width 1), numpy integers become Python ints (they would not serialize to JSON)."""
+        """Integers must be integers: bools, floats and strings are refused (``uniform_width=True`` would
+        otherwise be width 1), numpy integers become Python ints (they would not serialize to JSON)."""
         integral = _is_integer
         if not isinstance(self.policy, PolicyKind):
             raise PlanError(f"plan: policy must be a PolicyKind ({', '.join(p.name for p in PolicyKind)}), "
