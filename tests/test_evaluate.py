@@ -330,6 +330,53 @@ def test_stored_serving_decodes_the_packs_choice_at_its_budget(setup, tmp_path, 
     assert "--stored-serving" in err and "eviction" in err and len(err.strip().splitlines()) == 1
 
 
+def test_default_serving_decodes_what_apply_runs_with_only_a_budget(setup, tmp_path, capsys):
+    """--default-serving: one case per budget, the configuration crisp_runtime.planning.defaults chooses for the
+    pack (here the default rule: no stored choice), equal to run_case with that configuration; a stored choice for
+    a budget wins at it; refused in batch mode and beside --stored-serving."""
+    from crisp_tools.calibration import load_pack_dir, load_texts
+    from crisp_tools.serving_eval import ServingCase, run_case, total_expert_bytes
+
+    from crisp_runtime.planning.defaults import ChoiceSource, choose_serving, pack_facts
+    from crisp_runtime.planning.serving import SERVING_POLICIES
+    from crisp_runtime.storage.pack import save_pack
+    from crisp_runtime.storage.serving_record import ServingRecord
+
+    root, model_dir, held, out = setup
+    base = ["--model", str(model_dir), "--data", str(held), "--seq-len", "12", "--samples", "2", "--threads", "1"]
+    path = tmp_path / "default.json"
+    assert ev.main([*base, "--crisp", str(out), "--mode", "decode", "--default-serving", "--budgets", "0.3", "0.6",
+                    "--json", str(path), "--quiet"]) == 0
+    doc = json.loads(path.read_text())
+    layers, plan, info = load_pack_dir(out)
+    choice = choose_serving(info, pack_facts(info, plan, plan.top_k), 0.3)
+    assert choice.source is ChoiceSource.DEFAULT_RULE
+    want = f"crisp-default-{choice.config.serving.name}" + ("+prefetch" if choice.config.prefetch else "")
+    got = [r for r in doc["records"] if r["policy"] == want]
+    assert [r["budget_fraction"] for r in got] == [0.3, 0.6]
+    pack = load_pack(out)
+    windows = contiguous_windows(load_texts([held]), 2, 12)
+    model, _ = load_model(model_dir)
+    case = ServingCase("direct", "crisp", choice.config.serving, choice.config.prefetch,
+                       eviction=choice.config.eviction)
+    scores, _ = run_case(model, pack, pack.plan, windows, int(0.3 * total_expert_bytes(pack.layers)), case)
+    assert got[0]["accuracy"] == pytest.approx(scores.accuracy, abs=0)
+    # a pack storing a choice for 0.5: the default runs it from 0.5 up, the rule below
+    stored = ServingRecord(SERVING_POLICIES["resident-floor75"], None, "lru", 0.5, {})
+    packed = save_pack(tmp_path / "stored", layers, plan=plan, info={"serving": stored.to_dict()})
+    path2 = tmp_path / "default-stored.json"
+    assert ev.main([*base, "--crisp", str(packed), "--mode", "decode", "--default-serving", "--budgets", "0.3",
+                    "0.6", "--json", str(path2), "--quiet"]) == 0
+    names = {r["budget_fraction"]: r["policy"] for r in json.loads(path2.read_text())["records"]
+             if r["policy"].startswith("crisp-default")}
+    assert names == {0.3: want, 0.6: "crisp-default-resident-floor75"}
+    capsys.readouterr()
+    assert ev.main([*base, "--crisp", str(out), "--default-serving"]) == 2
+    assert "--default-serving: only with --mode decode" in capsys.readouterr().err
+    assert ev.main([*base, "--crisp", str(packed), "--mode", "decode", "--default-serving", "--stored-serving"]) == 2
+    assert "--default-serving" in capsys.readouterr().err
+
+
 def test_decode_mode_cli_with_prefetch_window(setup, tmp_path, capsys):
     """--prefetch-window: every prefetching case decodes with the window of the profile timing the target's rows
     (named "+window", the window in its record and the meta), the others as without it."""

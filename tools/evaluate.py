@@ -395,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--mode decode: evaluate only the serving choice stored in --crisp's pack.json by "
                         "crisp-profile --plan-for-throughput (its policy, prefetch, eviction and budget, with the "
                         "pack's plan), on this text: the held-out check of the throughput search's choice")
+    p.add_argument("--default-serving", action="store_true",
+                   help="--mode decode: evaluate, at each --budgets fraction, what crisp_runtime.apply(model, pack, "
+                        "gpu_budget=B) runs with no other argument on a machine whose CPU does not pay (the pack's "
+                        "stored choice for B, else the default rule: crisp_runtime.planning.defaults)")
     p.add_argument("--prefetch-window", default=None, metavar="PROFILE", type=_window_profile,
                    help="--mode decode: admit only the prefetch rows a GPU of this hardware profile copies before the "
                         "next layer's demand (the simulator's timeline, scheduling.copy_window), so the decode "
@@ -462,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                                               "--reference-crisp": args.reference_crisp})
         if args.stored_serving and args.mode != "decode":
             raise CliError("--stored-serving: only with --mode decode (a serving choice depends on the cache)")
+        if args.default_serving and (args.mode != "decode" or args.stored_serving):
+            raise CliError("--default-serving: only with --mode decode, and not with --stored-serving (the default "
+                           "runs a stored choice itself where the pack has one for the budget)")
         info = _pack_info_or_none(args.crisp) if args.stored_serving else None
         if info is not None:  # before loading the model: a pack that stores none fails at once
             stored_cases(info, str(Path(args.crisp) / "pack.json"))
@@ -537,6 +544,20 @@ def stored_case(info, where: str):
     return cases[0]
 
 
+def default_case(ev: Evaluator, budget_fraction: float):
+    """The decode case of what ``apply(model, pack, gpu_budget=B)`` runs with no other argument at this budget
+    fraction (``crisp_runtime.planning.defaults.choose_serving``; its GPU-only configuration: the decode runs on
+    this machine's CPU, where no CPU placement pays)."""
+    from crisp_runtime.planning.defaults import choose_serving, pack_facts
+
+    choice = choose_serving(ev.info, pack_facts(ev.info, ev.pack_plan, ev.top_k), budget_fraction)
+    cfg = choice.config
+    eviction = cfg.eviction if isinstance(cfg.eviction, str) else type(cfg.eviction).__name__
+    name = f"crisp-default-{cfg.serving.name}" + ("" if cfg.prefetch is None else "+prefetch")
+    ev.log(f"--default-serving at {budget_fraction:g}: {choice.log_line()}")
+    return serving_eval.ServingCase(name, "crisp", cfg.serving, cfg.prefetch, eviction=eviction)
+
+
 def _case_of(rec):
     name = f"crisp-stored-{rec.policy.name}" + ("" if rec.prefetch is None else "+prefetch")
     return serving_eval.ServingCase(name, "crisp", rec.policy, rec.prefetch, eviction=rec.eviction)
@@ -571,6 +592,11 @@ def _decode_main(ev: Evaluator, args, window=None) -> int:
         records, meta = [], {}
         for b, rec in runs:
             got, meta = ev.run_decode([b], window, [_case_of(rec)])
+            records += got
+    elif args.default_serving:  # one record per budget: what apply runs there with only the budget
+        records, meta = [], {}
+        for b in budgets:
+            got, meta = ev.run_decode([b], window, [default_case(ev, b)])
             records += got
     else:
         records, meta = ev.run_decode(budgets, window, cases)
