@@ -78,3 +78,21 @@ def decode_trace(runtime, trace, hidden_size: int, after_step=None, token: list[
             runtime.forward(layer, hidden, index, torch.from_numpy(trace.weights[layer, t:t + 1]))
             if after_step is not None:
                 after_step(layer, hidden)
+
+
+class TracePredictor:
+    """The next layer's routing as a trace's predicted routing records it, with the simulator's stand-in weights
+    (decreasing over the top-k): what ``Prefetcher.requests`` asks of a ``NextLayerPredictor``. ``token`` is a
+    one-element list the caller advances (the token being decoded)."""
+
+    def __init__(self, predicted, token: list[int], num_layers: int) -> None:
+        self.predicted, self.token, self.num_layers = predicted, token, num_layers
+
+    def predict_routing(self, layer_id, hidden_states):
+        if layer_id + 1 >= self.num_layers:
+            return None
+        index = torch.from_numpy(self.predicted[layer_id, self.token[0]:self.token[0] + 1]).to(torch.int64)
+        k = index.shape[1]
+        weights = torch.arange(k, 0, -1, dtype=torch.float32)
+        return layer_id + 1, index, (weights / weights.sum()).expand(1, k).contiguous()
+

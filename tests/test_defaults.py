@@ -17,7 +17,7 @@ from crisp_bench.shapes import ModelShape
 from crisp_bench.sim_policies import DEFAULT_POLICY, default_configuration
 from crisp_bench.simulate import simulate_decode
 from crisp_bench.traces import plan_from_trace, synthetic_trace
-from runtime_helpers import decode_trace, random_layers
+from runtime_helpers import TracePredictor, decode_trace, random_layers
 
 from crisp_kernels import PackFormatError
 from crisp_runtime import RuntimeConfig, apply
@@ -279,18 +279,6 @@ def test_blocks_run_the_stored_choice(tmp_path):
 LAYERS, EXPERTS, INTER, HIDDEN = 3, 8, 16, 64
 
 
-class _TracePredictor:
-    def __init__(self, predicted, token):
-        self.predicted, self.token = predicted, token
-
-    def predict_routing(self, layer_id, hidden_states):
-        if layer_id + 1 >= LAYERS:
-            return None
-        index = torch.from_numpy(self.predicted[layer_id, self.token[0]:self.token[0] + 1]).to(torch.int64)
-        k = index.shape[1]
-        weights = torch.arange(k, 0, -1, dtype=torch.float32)
-        return layer_id + 1, index, (weights / weights.sum()).expand(1, k).contiguous()
-
 
 @pytest.mark.parametrize("stored", [None, "resident-floor75", "plan"])
 def test_apply_default_and_the_simulators_crisp_default_make_the_same_decisions(monkeypatch, stored):
@@ -333,7 +321,7 @@ def test_apply_default_and_the_simulators_crisp_default_make_the_same_decisions(
     runtime = CrispRuntime(layers, plan, device="cpu", gpu_budget=budget,
                            config=RuntimeConfig(serving=cfg.serving, eviction=cfg.eviction, cost=cost))
     token = [0]
-    prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, cfg.prefetch)
+    prefetcher = Prefetcher(TracePredictor(predicted, token, LAYERS), runtime, cfg.prefetch)
     decode_trace(runtime, trace, HIDDEN, prefetcher, token)
     by_runtime = list(log)
     log.clear()

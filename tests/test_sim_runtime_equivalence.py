@@ -10,7 +10,7 @@ from crisp_bench.profiles import HardwareProfile
 from crisp_bench.shapes import ModelShape
 from crisp_bench.simulate import PIN_SHARE, SimPolicy, pinned_set, prefetch_requests, simulate_decode, target_window
 from crisp_bench.traces import Trace, plan_from_trace, synthetic_trace, token_widths
-from runtime_helpers import decode_trace, random_layers
+from runtime_helpers import TracePredictor, decode_trace, random_layers
 
 from crisp_runtime import RuntimeConfig
 from crisp_runtime.execution.runtime import CrispRuntime
@@ -149,21 +149,6 @@ def test_tier_and_pinned_eviction_map_the_traced_layers_onto_the_target(decision
     assert decisions != by_runtime
 
 
-class _TracePredictor:
-    """The next layer's routing as the trace records it, with the simulator's stand-in weights
-    (decreasing over the top-k): what ``Prefetcher.requests`` asks of a ``NextLayerPredictor``."""
-
-    def __init__(self, predicted: np.ndarray, token: list[int]) -> None:
-        self.predicted, self.token = predicted, token
-
-    def predict_routing(self, layer_id, hidden_states):
-        if layer_id + 1 >= LAYERS:
-            return None
-        index = torch.from_numpy(self.predicted[layer_id, self.token[0]:self.token[0] + 1]).to(torch.int64)
-        k = index.shape[1]
-        weights = torch.arange(k, 0, -1, dtype=torch.float32)
-        return layer_id + 1, index, (weights / weights.sum()).expand(1, k).contiguous()
-
 
 @pytest.mark.parametrize("width", list(PrefetchWidth))
 @pytest.mark.parametrize("serving", ["plan", "resident-floor75", "resident-floor75-ahead"])
@@ -188,7 +173,7 @@ def test_prefetch_makes_the_same_decisions(decisions_and_prefetches, serving, wi
     runtime = CrispRuntime(layers, plan, device="cpu", gpu_budget=budget,
                            config=RuntimeConfig(serving=serving, eviction="next_use", cost=cost))
     token = [0]
-    prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, policy)
+    prefetcher = Prefetcher(TracePredictor(predicted, token, LAYERS), runtime, policy)
     asked = []
 
     def ask_and_prefetch(layer, hidden):
@@ -233,7 +218,7 @@ def _replay_runtime(layers, plan, predicted, trace, serving, policy, cost, budge
     runtime = CrispRuntime(layers, plan, device="cpu", gpu_budget=budget,
                            config=RuntimeConfig(serving=serving, eviction="next_use", cost=cost, prefetch=policy))
     token = [0]
-    prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, policy)
+    prefetcher = Prefetcher(TracePredictor(predicted, token, LAYERS), runtime, policy)
     decode_trace(runtime, trace, HIDDEN, prefetcher, token)
     return runtime.stats.as_dict()
 

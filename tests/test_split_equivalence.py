@@ -21,7 +21,7 @@ from crisp_bench.profiles import HardwareProfile
 from crisp_bench.shapes import ModelShape
 from crisp_bench.simulate import SimPolicy, _pin_hot_experts, simulate_decode
 from crisp_bench.traces import plan_from_trace, synthetic_trace
-from runtime_helpers import decode_trace, random_layers
+from runtime_helpers import TracePredictor, decode_trace, random_layers
 
 from crisp_kernels import Backend, dequantize_expert
 from crisp_runtime import RuntimeConfig
@@ -264,7 +264,6 @@ LONG_LEAD = replace(PROFILE, name="toy-split-long-lead", other_s=10.0)
 def test_hybrid_prefetch_makes_the_same_decisions(decisions, serving):
     """The runtime's Prefetcher (the next layer's predicted experts at the plan's widths) beside hybrid_split,
     against the simulator's prefetch under a CPU placement: identical demand and prefetch decisions."""
-    from test_sim_runtime_equivalence import _TracePredictor
 
     from crisp_runtime.scheduling.prefetch import Prefetcher, PrefetchPolicy
 
@@ -278,7 +277,7 @@ def test_hybrid_prefetch_makes_the_same_decisions(decisions, serving):
     runtime = CrispRuntime(LAYER_MODELS, plan, device="cpu", gpu_budget=budget,
                            config=RuntimeConfig(serving=policy, cost=LONG_LEAD.cost_model(), cpu_experts=EXACT))
     token = [0]
-    prefetcher = Prefetcher(_TracePredictor(predicted, token), runtime, PrefetchPolicy())
+    prefetcher = Prefetcher(TracePredictor(predicted, token, LAYERS), runtime, PrefetchPolicy())
     try:
         _pin(runtime, trace, plan)
         decode_trace(runtime, trace, HIDDEN, prefetcher, token)
@@ -322,7 +321,6 @@ def test_hybrid_prefetch_window_makes_the_same_cuts(decisions, serving):
     engine's idle time at the busy rate): identical demand and prefetch decisions (widths asked, so the same
     cuts), bytes and counters; without the window the runtime copies every prefetch whole and differs."""
     from crisp_bench.simulate import target_window
-    from test_sim_runtime_equivalence import _TracePredictor
 
     from crisp_runtime.scheduling.prefetch import Prefetcher, PrefetchPolicy
 
@@ -343,8 +341,8 @@ def test_hybrid_prefetch_window_makes_the_same_cuts(decisions, serving):
         token = [0]
         try:
             _pin(runtime, trace, plan)
-            decode_trace(runtime, trace, HIDDEN, Prefetcher(_TracePredictor(predicted, token), runtime, prefetch),
-                         token)
+            prefetcher = Prefetcher(TracePredictor(predicted, token, LAYERS), runtime, prefetch)
+            decode_trace(runtime, trace, HIDDEN, prefetcher, token)
         finally:
             runtime.close()
         return runtime.stats.as_dict()
