@@ -115,7 +115,8 @@ def validated_inputs(expert, hidden, width, tokens, config, seed=1):
     weights = torch.rand(tokens, generator=gen) + 0.5
     err = reference_check(x, expert, None, width, weights, config)
     fp32 = config.impl in (CpuImpl.NATIVE_FP32, CpuImpl.DEQUANT_FP32)
-    tol = tolerance(Precision.FP32 if fp32 else config.resolve(x.dtype))
+    q8 = config.impl is CpuImpl.NATIVE_Q8
+    tol = tolerance(Precision.FP32 if fp32 else Precision.Q8 if q8 else config.resolve(x.dtype))
     if not err <= tol:
         raise CpuBenchError(f"the CPU kernel differs from the reference at width {width}, T={tokens}: relative "
                             f"error {err:.2e} > {tol:.1e}; not timing it")

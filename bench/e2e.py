@@ -65,7 +65,7 @@ from .common import (
 from .simulate import BudgetTooSmall
 
 PLACEMENTS = ("gpu", "hybrid", "hybrid_split", "static_hybrid", "cpu_only")  # scheduler.Placement values
-CPU_PRECISIONS = tuple(p.value for p in Precision)  # RuntimeConfig.cpu_experts: bf16 (the fast path) or fp32 (exact)
+CPU_PRECISIONS = tuple(p.value for p in Precision)  # RuntimeConfig.cpu_experts: q8 (default), bf16 or fp32 (exact)
 
 
 class StepCheck:
@@ -179,10 +179,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--placements", type=common.csv_choices(PLACEMENTS), default=["gpu"],
                    help=f"where experts run, comma separated: {', '.join(PLACEMENTS)} (default gpu; the others use the "
                    "host CPU: the hybrid placements and their baselines)")
-    p.add_argument("--cpu-precision", choices=CPU_PRECISIONS, default="bf16",
-                   help="the precision the CPU placements promise (the torch kernels' choice): bf16 (torch's int4pack "
-                   "op on an int4pack copy built lazily, within 2u of bf16 of the reference) or fp32 (exact); the "
-                   "native kernel computes in fp32 either way")
+    p.add_argument("--cpu-precision", choices=CPU_PRECISIONS, default="q8",
+                   help="the precision the CPU placements promise: q8 (default: the native kernel with 8-bit "
+                   "activations and integer dots, within 2**-5 of the reference), bf16 (the native kernel in fp32, or "
+                   "torch's int4pack op on an int4pack copy built lazily, within 2u of bf16) or fp32 (exact)")
     p.add_argument("--cpu-kernel", choices=tuple(k.value for k in CpuKernel), default="auto",
                    help="the CPU experts' kernel: auto (default: the native C kernel on the host rows where it "
                    "builds), native, or torch (int4pack for bf16, the dequant path for fp32)")
@@ -241,7 +241,8 @@ def run(args) -> int:
                 "hit_rate": None, "accuracy": ref["accuracy"], "tokens": ref["tokens"]}]
     placements = list(getattr(args, "placements", None) or ["gpu"])
     gpu_logits: dict[str, torch.Tensor] = {}
-    cpu_experts = replace(EXACT if getattr(args, "cpu_precision", "bf16") == "fp32" else CpuExpertsConfig(),
+    precision = Precision(getattr(args, "cpu_precision", "q8"))
+    cpu_experts = replace(EXACT if precision is Precision.FP32 else CpuExpertsConfig(precision=precision),
                           kernel=CpuKernel(getattr(args, "cpu_kernel", "auto")))
     for placement in placements:
         config = _placement_config(placement, pack, cpu_experts)

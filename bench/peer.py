@@ -46,6 +46,9 @@ MODELS = ("tiny", "large")
 ENGINES = ("llama.cpp", "crisp")
 WIDTHS = ("full", "plan")
 CRISP_QUANT = "crisp-int4-g64"  # our format: 4-bit, group 64 along H, fp16 scales, uint8 zero points
+# CRISP's CPU kernel arithmetics (CpuExpertsConfig.precision), each an engine of its own: fp32 activations,
+# and 8-bit activations with integer dots (llama.cpp's own arithmetic for Q4_0 x Q8_0)
+CRISP_PRECISIONS = {"fp32": CRISP_QUANT, "q8": CRISP_QUANT + "-q8"}
 # Conversion check: an F32 GGUF computes what the fp32 model does up to summation order (~1e-6 relative);
 # F16 rounds the weights (bf16 values: exact) and llama.cpp's F16 matmul rounds the activations to fp16
 # (2**-11 relative each, accumulated over a few layers): 1e-2 leaves a wrong conversion (a missing rope
@@ -103,7 +106,8 @@ class Worker:
 
     def __init__(self, spec: dict) -> None:
         self.spec = spec
-        self.name = f"{spec['engine']}/{spec.get('quant', CRISP_QUANT)}/{spec['threads']}t"
+        self.name = f"{spec['engine']}/{spec.get('quant', CRISP_PRECISIONS[spec.get('precision', 'fp32')])}/" \
+                    f"{spec['threads']}t"
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
         self.proc = subprocess.Popen([sys.executable, "-m", "crisp_bench.peer_engines", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -180,32 +184,42 @@ def expert_bytes_per_token(model_dir: Path, quant: str) -> float:
     return weights * {"Q4_0": 18 / 32, "Q4_K_M": 144 / 256}[quant]
 
 
-def measure_kernel(model_dir: Path, plan_fraction: float, threads: int, repeats: int) -> dict:
-    """CRISP's CPU kernel on one expert of ``model_dir``'s shape, with the streaming read in the same rounds."""
+def measure_kernel(model_dir: Path, plan_fraction: float, threads: int, repeats: int,
+                   precisions=tuple(CRISP_PRECISIONS)) -> dict:
+    """CRISP's CPU kernel (each of ``precisions``' arithmetic) on one expert of ``model_dir``'s shape, with the
+    streaming read in the same rounds."""
     from .cpu import measure
+    from .peer_engines import crisp_cpu_experts
     from .shapes import resolve_shapes
 
     shape = resolve_shapes(["tiny"], model_dir)[0]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        records, memory = measure(shape, sorted({1.0, round(plan_fraction, 3)}), [1], repeats)
+        impls = [crisp_cpu_experts(p).impl for p in precisions]
+        records, memory = measure(shape, sorted({1.0, round(plan_fraction, 3)}), [1], repeats, impls=impls)
     finally:
         torch.set_num_threads(before)
     return {"threads": threads, "read_gbps": memory["read_gbps"], "memcpy_gbps": memory["memcpy_gbps"],
-            "kernel": [{"width_frac": r["width_frac"], "gbps": r["gbps"], "pct_read": 100 * r["gbps"] / r["read_gbps"],
+            "kernel": [{"impl": r["impl"], "width_frac": r["width_frac"], "gbps": r["gbps"],
+                        "pct_read": 100 * r["gbps"] / r["read_gbps"],
                         "ms": r["ms"], "prefix_bytes": r["prefix_mb"] * 1e6} for r in records]}
 
 
-def cpu_profile(kernel: dict) -> dict:
+def cpu_profiles(kernel: dict) -> list[dict]:
     """The CPU side of a hybrid hardware profile (``profiles.HardwareProfile``'s cpu_bytes_per_s and
-    cpu_latency_s, the same units) from one thread count's kernel measurement: an affine fit of seconds
-    against prefix bytes over the widths measured (``profiles.fit_affine``)."""
+    cpu_latency_s, the same units) from one thread count's kernel measurement, one per kernel
+    implementation: an affine fit of seconds against prefix bytes over the widths measured
+    (``profiles.fit_affine``)."""
     from .profiles import fit_affine
 
-    latency, per_byte = fit_affine([(k["prefix_bytes"], k["ms"] / 1e3) for k in kernel["kernel"]])
-    return {"threads": kernel["threads"], "cpu_bytes_per_s": 1 / per_byte, "cpu_latency_s": latency,
-            "read_bytes_per_s": kernel["read_gbps"] * 1e9}
+    out = []
+    for impl in dict.fromkeys(k["impl"] for k in kernel["kernel"]):
+        points = [(k["prefix_bytes"], k["ms"] / 1e3) for k in kernel["kernel"] if k["impl"] == impl]
+        latency, per_byte = fit_affine(points)
+        out.append({"threads": kernel["threads"], "impl": impl, "cpu_bytes_per_s": 1 / per_byte,
+                    "cpu_latency_s": latency, "read_bytes_per_s": kernel["read_gbps"] * 1e9})
+    return out
 
 
 # ---------------------------------------------------------------------------- one model
@@ -250,10 +264,12 @@ def bench_model(inputs: ModelInputs, args, ids: list[int], windows: list[list[in
             for quant in args.quants:
                 workers[("llama.cpp", quant, t)] = Worker({"engine": "llama.cpp", "gguf": str(inputs.ggufs[quant]),
                                                            "quant": quant, "threads": t, "n_ctx": n_ctx})
-            if ("crisp", CRISP_QUANT, t) not in workers:
-                workers[("crisp", CRISP_QUANT, t)] = Worker({"engine": "crisp", "model": str(inputs.model_dir),
-                                                             "pack": str(inputs.pack_dir), "threads": t,
-                                                             "n_ctx": n_ctx})
+            for precision in args.crisp_precisions:
+                key = ("crisp", CRISP_PRECISIONS[precision], t)
+                if key not in workers:
+                    workers[key] = Worker({"engine": "crisp", "model": str(inputs.model_dir),
+                                           "pack": str(inputs.pack_dir), "threads": t, "n_ctx": n_ctx,
+                                           "precision": precision})
         points = [(key, w) for key in workers for w in (WIDTHS if key[0] == "crisp" else ("full",))]
         # 3. accuracy from each engine's own logits (the top thread count's workers)
         if windows:
@@ -352,6 +368,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rounds", type=common.positive_int, default=3, help="interleaved timed rounds (default 3)")
     p.add_argument("--quants", type=common.csv_choices(pm.PEER_QUANTS), default=list(pm.PEER_QUANTS),
                    help="llama.cpp quantizations (default: Q4_0,Q4_K_M)")
+    p.add_argument("--crisp-precisions", type=common.csv_choices(tuple(CRISP_PRECISIONS)),
+                   default=list(CRISP_PRECISIONS),
+                   help="CRISP's CPU kernel arithmetics, each timed as an engine of its own: fp32 (fp32 activations) "
+                   "and q8 (8-bit activations and integer dot products, as llama.cpp's Q4_0 path); comma separated "
+                   f"(default: both; records' quant {CRISP_PRECISIONS['fp32']} / {CRISP_PRECISIONS['q8']})")
     p.add_argument("--accuracy-windows", type=common.positive_int, default=16,
                    help="held-out windows for the tiny model's accuracy (default 16)")
     p.add_argument("--window", type=_window, default=128, help="tokens per accuracy window (default 128)")
@@ -386,7 +407,8 @@ def run(args) -> int:
         if name == "large":
             plan_frac = meta["plan_bytes_fraction"]
             for t in sorted(set(args.thread_counts)):
-                kernels.append(measure_kernel(inputs.model_dir, plan_frac, t, args.kernel_repeats))
+                kernels.append(measure_kernel(inputs.model_dir, plan_frac, t, args.kernel_repeats,
+                                              args.crisp_precisions))
         for r in recs:
             check_record(r)
         records += recs
@@ -399,11 +421,11 @@ def run(args) -> int:
                        f"prompt {args.prompt} + {args.tokens} decoded tokens"))
     for k in kernels:
         print(f"CRISP CPU kernel, large expert, {k['threads']} threads: read {k['read_gbps']:.1f} GB/s; "
-              + ", ".join(f"k/I {x['width_frac']:.2f}: {x['gbps']:.1f} GB/s ({x['pct_read']:.0f}% of read)"
+              + ", ".join(f"{x['impl']} k/I {x['width_frac']:.2f}: {x['gbps']:.1f} GB/s ({x['pct_read']:.0f}% of read)"
                           for x in k["kernel"]))
     if args.json:
         report.write_json(args.json, "peer", records, cpu_model=cpu_model, models=metas, kernel=kernels,
-                          cpu_profiles=[cpu_profile(k) for k in kernels],
+                          cpu_profiles=[p for k in kernels for p in cpu_profiles(k)],
                           prompt_tokens=args.prompt, decode_tokens=args.tokens, rounds=args.rounds)
         print(f"wrote {args.json}")
     return 0

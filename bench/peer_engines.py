@@ -30,6 +30,17 @@ import time
 from pathlib import Path
 
 
+def crisp_cpu_experts(precision: str, threads: int | None = None):
+    """The CRISP engine's ``CpuExpertsConfig`` for a ``crisp-bench peer --crisp-precisions`` name: "fp32", the
+    default config (the native kernel in fp32); "q8", its 8-bit-activation arithmetic (``Precision.Q8``)."""
+    from crisp_kernels.cpu_expert import Precision
+    from crisp_runtime.cpu.experts import CpuExpertsConfig
+
+    if precision not in ("fp32", "q8"):
+        raise ValueError(f"precision: expected fp32 or q8, got {precision!r}")
+    return CpuExpertsConfig(threads=threads, **({"precision": Precision.Q8} if precision == "q8" else {}))
+
+
 def rss_mib() -> dict:
     """Peak (VmHWM) and current (VmRSS) resident set of this process, MiB."""
     out = {}
@@ -83,11 +94,11 @@ class LlamaCppEngine:
 class CrispEngine:
     """CRISP's CPU-only placement (see the module docstring) with ``threads`` torch and kernel threads."""
 
-    def __init__(self, model_dir: str, pack_dir: str, threads: int, n_ctx: int, reference: bool = False) -> None:
+    def __init__(self, model_dir: str, pack_dir: str, threads: int, n_ctx: int, reference: bool = False,
+                 precision: str = "fp32") -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from crisp_runtime.cpu.experts import CpuExpertsConfig
         from crisp_runtime.execution.runtime import RuntimeConfig
         from crisp_runtime.hf.dropin import apply
         from crisp_runtime.planning.plan import CrispPlan
@@ -110,9 +121,10 @@ class CrispEngine:
         self._plans = {"plan": pack.plan, "full": CrispPlan.full(first.num_experts, pack.plan.top_k,
                                                                   first.intermediate_size, sorted(pack.layers))}
         self._pending_reference = reference
+        experts = crisp_cpu_experts(precision, threads)
         self._apply = lambda: apply(self.model, pack, serving="cpu_only", cpu="on", gpu_budget=budget,
                                     config=RuntimeConfig(keep_original=False,
-                                                         cpu_experts=CpuExpertsConfig(threads=threads)))
+                                                         cpu_experts=experts))
         self.handle = None if reference else self._apply()
         self.width = None
         self.info = {"torch": torch.__version__, "plan_bytes_fraction": None}
@@ -202,12 +214,12 @@ class CrispEngine:
                 acc[kind] += time.perf_counter() - start.pop(id(mod))
 
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-        original = cpu_native.NativeKernel.rows_f32
+        original = cpu_native.NativeKernel._rows  # both arithmetics' calls go through it
 
-        def timed(kernel, *a, **k):
+        def timed(*a, **k):
             t0 = time.perf_counter()
             try:
-                return original(kernel, *a, **k)
+                return original(*a, **k)
             finally:
                 acc["kernel"] += time.perf_counter() - t0
                 kernel_calls[0] += 1
@@ -219,7 +231,7 @@ class CrispEngine:
                 past = self._cache_of(out)
                 for key in acc:
                     acc[key] = 0.0
-                cpu_native.NativeKernel.rows_f32 = timed
+                cpu_native.NativeKernel._rows = staticmethod(timed)
                 kernel_calls[0] = 0
                 t0 = time.perf_counter()
                 for i in range(prompt, len(ids)):
@@ -227,7 +239,7 @@ class CrispEngine:
                     past = self._cache_of(out)
                 total = time.perf_counter() - t0
         finally:
-            cpu_native.NativeKernel.rows_f32 = original
+            cpu_native.NativeKernel._rows = staticmethod(original)
             for h in handles:
                 h.remove()
         n = len(ids) - prompt
@@ -249,7 +261,7 @@ def make_engine(spec: dict):
         return LlamaCppEngine(spec["gguf"], spec["threads"], spec["n_ctx"])
     if spec["engine"] == "crisp":
         return CrispEngine(spec["model"], spec["pack"], spec["threads"], spec["n_ctx"],
-                           reference=spec.get("reference", False))
+                           reference=spec.get("reference", False), precision=spec.get("precision", "fp32"))
     raise ValueError(f"engine: expected llama.cpp or crisp, got {spec['engine']!r}")
 
 

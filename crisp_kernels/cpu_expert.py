@@ -94,10 +94,14 @@ DEFAULT_CHUNK = 256
 class Precision(enum.Enum):
     FP32 = "fp32"  # fp32 compute, exact to 1e-5 (DEQUANT_FP32)
     BF16 = "bf16"  # bf16 operands, fp32 accumulation (INT4PACK_BF16 when prepared)
+    # 8-bit activations and integer dots, llama.cpp's Q8_0 arithmetic (NATIVE_Q8; crisp_kernels.cpu_expert_q8);
+    # where the native kernel cannot run, the BF16 paths (closer to fp32 than Q8)
+    Q8 = "q8"
 
 
 class CpuImpl(enum.Enum):
     NATIVE_FP32 = "native-fp32"  # cpu_expert_native.c on the host rows, fp32 (crisp_kernels.cpu_native)
+    NATIVE_Q8 = "native-q8"  # the same kernel with 8-bit activations (Precision.Q8)
     INT4PACK_BF16 = "int4pack-bf16"  # torch.ops.aten._weight_int4pack_mm_for_cpu, bf16
     DEQUANT_FP32 = "dequant-fp32"  # chunked dequant of the host rows + fp32 matmul
 
@@ -319,13 +323,14 @@ def choose_impl(packed: PackedExpert | CpuExpert, x_dtype: torch.dtype, tokens: 
                 config: CpuExpertConfig = DEFAULT_CONFIG) -> CpuImpl:
     """The implementation a call takes (see :class:`CpuExpertConfig`)."""
     impl = config.impl
+    precision = config.resolve(x_dtype)
     if impl is None:
         if tokens <= cpu_native.MAX_TOKENS and cpu_native.available():
-            return CpuImpl.NATIVE_FP32
-        if config.resolve(x_dtype) is Precision.BF16 and isinstance(packed, CpuExpert):
+            return CpuImpl.NATIVE_Q8 if precision is Precision.Q8 else CpuImpl.NATIVE_FP32
+        if precision is not Precision.FP32 and isinstance(packed, CpuExpert):
             return CpuImpl.INT4PACK_BF16
         return CpuImpl.DEQUANT_FP32
-    if impl is CpuImpl.NATIVE_FP32:
+    if impl in (CpuImpl.NATIVE_FP32, CpuImpl.NATIVE_Q8):
         cpu_native.load()  # raises NativeUnavailable with the reason
         if tokens > cpu_native.MAX_TOKENS:
             raise ValueError(f"x: the native CPU kernel takes at most {cpu_native.MAX_TOKENS} tokens, got {tokens}")
@@ -389,15 +394,17 @@ def expert_mlp_cpu_accumulate_(
     if row_start == width or tokens == 0:
         return
     impl = choose_impl(packed, x.dtype, tokens, config)
-    if impl is CpuImpl.NATIVE_FP32:
+    if impl in (CpuImpl.NATIVE_FP32, CpuImpl.NATIVE_Q8):
         stop, kt = width, None
         if token_widths is not None and tokens == 1:  # one token: its width is the rows' end (no tensor op)
             stop = max(row_start, min(width, int(token_widths[0])))
         elif token_widths is not None:
             kt = token_widths.to(torch.int64).clamp(0, width).contiguous()
         # the host rows are contiguous (check_packed), so row j sits at offset j
-        cpu_native.load().rows_f32(x.float().contiguous(), host.qweight, host.scales, host.zeros, host.fmt.group_size,
-                                   kt, row_start, stop, weights.contiguous(), out, torch.get_num_threads())
+        kernel = cpu_native.load()
+        rows = kernel.rows_q8 if impl is CpuImpl.NATIVE_Q8 else kernel.rows_f32
+        rows(x.float().contiguous(), host.qweight, host.scales, host.zeros, host.fmt.group_size,
+             kt, row_start, stop, weights.contiguous(), out, torch.get_num_threads())
         return
     keep = None  # (T, width - row_start): token t uses neuron row_start + j
     if token_widths is not None:
@@ -516,6 +523,11 @@ def reference_check(x, packed: PackedExpert | CpuExpert, token_widths, width, we
 
 
 def tolerance(precision: Precision) -> float:
-    """The kernels' tolerances (tests/test_expert_mlp.py): 1e-5 in fp32, 2u of bf16 when the
-    operands are rounded to bf16."""
-    return 1e-5 if precision is Precision.FP32 else 2 * 2.0**-8
+    """The kernels' tolerances against the float64 reference (tests/test_expert_mlp.py): 1e-5 in fp32, 2u of
+    bf16 when the operands are rounded to bf16, and with 8-bit activations 2**-5 = 8 half-steps of int8
+    (8 / 254): x and the down coefficients are each rounded to 1/254 of their block's largest magnitude
+    (about 0.6% relative rms for Gaussian blocks), three such roundings in series give 0.85-1.2% on random
+    experts (tests/test_cpu_expert_q8.py)."""
+    if precision is Precision.FP32:
+        return 1e-5
+    return 2.0**-5 if precision is Precision.Q8 else 2 * 2.0**-8

@@ -578,7 +578,401 @@ done:
     return rc;
 }
 
-int crisp_native_abi(void) { return 2; }
+/* ================================================================ 8-bit activations (crisp_expert_rows_q8)
+ *
+ * The same rows with llama.cpp's arithmetic (its Q4_0 x Q8_0 dots): the activations are quantized to int8 and
+ * the dots are integer sums, so one instruction multiplies and adds 32 code x activation pairs (AVX2's vpmaddubsw)
+ * where the fp32 path needs four per 8 (unpack, subtract, convert, FMA). What is quantized, exactly (the Python
+ * reference crisp_kernels.cpu_expert_q8.expert_mlp_q8_ref does the same in float64 and fp32 where said):
+ *   - x, per token and block of Q8_XBLOCK elements of H: sx = max |x| / 127 (fp32), xq = round(x / sx) (fp32
+ *     division, ties to even; 0 where sx = 0);
+ *   - gate / up of neuron j: sum over blocks b of s_g sx_b (sum_h xq_h q_h - z_g sum_h xq_h), the inner sums
+ *     exact integers; a = silu(gate) up in fp32, 0 where j >= k_t;
+ *   - the down coefficients c_jg = a_j s_jg (fp32 product), per token, group g of H and block of Q8_NBLOCK
+ *     neurons aligned to multiples of Q8_NBLOCK (absolute j, clipped to [j0, j1)): sc = max_j |c_jg| / 127,
+ *     cq = round(c / sc); y_h += sc sum_j cq_jg (q_jh - z_jg), the sum an exact integer.
+ * The error against fp32 is the activations' rounding (llama.cpp's: Q8_0 blocks of 32), not the codes'.
+ * The result depends on nthreads only through the order of the per-thread sums (their ranges start on
+ * Q8_NBLOCK boundaries, so the blocks do not depend on it).
+ */
+#define Q8_XBLOCK 32  /* x elements per int8 scale: 16 bytes of a row, one 128-bit lane */
+/* neurons per down-coefficient scale: 16 products of a 4-bit code (<= 15) and |cq| <= 127 sum to <= 30,480,
+ * exact in the int16 lanes vpmaddubsw adds into, so a block needs no widening until its end */
+#define Q8_NBLOCK 16
+#define Q8_TILE 4     /* tokens of a gate/up pass: 2 accumulators each beside 4 unpacked vectors in 16 ymm */
+#if CRISP_SIMD && defined(__AVX2__) && defined(__F16C__)
+#define Q8_SIMD 1
+#else
+#define Q8_SIMD 0
+#endif
+
+typedef struct {
+    const int8_t *xeq, *xoq;  /* (T, H/2) even / odd elements of xq */
+    const float *sx;          /* (T, H/32) block scales */
+    const int32_t *xsum;      /* (T, H/32) sum of xq over a block */
+    const float *sxr;         /* (T, H/8): each block's scale 4 times (one 256-bit step holds two blocks) */
+    const int16_t *xs16;      /* (T, H/2), H/4 used: per 32-byte step 16 int16, its two blocks' xsum in slots 0 and 8 */
+    const uint8_t *qweight;   /* (rows, 3, H/2), row 0 = neuron j0 */
+    const uint16_t *scales;   /* (rows, 3, G) fp16 */
+    const uint8_t *zeros;     /* (rows, 3, G) or NULL: 8 */
+    const int64_t *kt;
+    int64_t j0;
+    int tokens, hidden, group;
+    int64_t b0, b1;           /* this thread's absolute neurons */
+    float *ye, *yo;           /* (T, H/2) accumulators */
+    /* scratch for one block of neurons and one token: */
+    float *sc;                /* (G,) the coefficients' scales */
+    int32_t *zint;            /* (G,) sum_j cq_jg z_jg */
+    float *cf;                /* (Q8_NBLOCK, G) the coefficients c_jg of the live rows */
+    int8_t *cq;               /* (Q8_NBLOCK, G) their int8 values */
+    int16_t *pairs;           /* (G, Q8_NBLOCK / 2) (cq_j, cq_j') byte pairs */
+} WorkQ8;
+
+static float q8_scale(int g, const uint16_t *s) { return SCALE(s, g); }
+
+/* sum over bytes [i0, i1) of a row (x blocks whole: i0, i1 multiples of 16) of s_g sx_b sum_h xq_h (q_h - z_g),
+ * token t; the inner sum exact (an integer) */
+static float q8_dot_scalar(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t, int i0,
+                           int i1) {
+    const int half = w->hidden / 2, blocks = w->hidden / Q8_XBLOCK;
+    const int8_t *xe = w->xeq + (size_t)t * half, *xo = w->xoq + (size_t)t * half;
+    const float *sx = w->sx + (size_t)t * blocks;
+    const int32_t *xsum = w->xsum + (size_t)t * blocks;
+    float acc = 0.0f;
+    for (int i = i0; i < i1; i += Q8_XBLOCK / 2) {
+        const int g = 2 * i / w->group, b = 2 * i / Q8_XBLOCK;
+        int32_t isum = 0;
+        for (int k = i; k < i + Q8_XBLOCK / 2; k++) isum += (q[k] & 0x0f) * xe[k] + (q[k] >> 4) * xo[k];
+        acc += q8_scale(g, s) * sx[b] * (float)(isum - (z ? z[g] : 8) * xsum[b]);
+    }
+    return acc;
+}
+
+#if Q8_SIMD
+/* Two to Q8_TILE tokens' (or one token's) gate and up dots of one neuron: each 32-byte step (two x blocks, one
+ * per 128-bit lane) is unpacked once for the tile; per token, 4 vpmaddubsw give the step's integer sums. */
+INLINE void q8_gate_up_nt(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0,
+                          const int NT, float *gate, float *up) {
+    const int half = w->hidden / 2, groups = w->hidden / w->group, full = half / 32 * 32;
+    const uint8_t *qu = q + half;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 ag[Q8_TILE], au[Q8_TILE];
+    for (int t = 0; t < NT; t++) ag[t] = au[t] = _mm256_setzero_ps();
+    for (int i = 0; i < full; i += 32) {
+        const int ga = 2 * i / w->group, gb = (2 * i + 32) / w->group;
+        __m256 sg, su;
+        __m256i zg, zu;  /* the zero points as int16, per 128-bit lane */
+        if (ga == gb) {
+            sg = _mm256_set1_ps(_cvtsh_ss(s[ga]));
+            su = _mm256_set1_ps(_cvtsh_ss(s[groups + ga]));
+            zg = _mm256_set1_epi16(z ? z[ga] : 8);
+            zu = _mm256_set1_epi16(z ? z[groups + ga] : 8);
+        } else {
+            sg = _mm256_setr_m128(_mm_set1_ps(_cvtsh_ss(s[ga])), _mm_set1_ps(_cvtsh_ss(s[gb])));
+            su = _mm256_setr_m128(_mm_set1_ps(_cvtsh_ss(s[groups + ga])), _mm_set1_ps(_cvtsh_ss(s[groups + gb])));
+            zg = _mm256_setr_m128i(_mm_set1_epi16(z ? z[ga] : 8), _mm_set1_epi16(z ? z[gb] : 8));
+            zu = _mm256_setr_m128i(_mm_set1_epi16(z ? z[groups + ga] : 8), _mm_set1_epi16(z ? z[groups + gb] : 8));
+        }
+        if (!(i & 63)) {  /* the next row's gate and up bytes (see prefetch_next_row) */
+            _mm_prefetch((const char *)(q + 3 * (size_t)half + i), _MM_HINT_T0);
+            _mm_prefetch((const char *)(qu + 3 * (size_t)half + i), _MM_HINT_T0);
+        }
+        const __m256i bg = _mm256_loadu_si256((const __m256i *)(q + i));
+        const __m256i bu = _mm256_loadu_si256((const __m256i *)(qu + i));
+        const __m256i gl = _mm256_and_si256(bg, m4), gh = _mm256_and_si256(_mm256_srli_epi16(bg, 4), m4);
+        const __m256i ul = _mm256_and_si256(bu, m4), uh = _mm256_and_si256(_mm256_srli_epi16(bu, 4), m4);
+        UNROLL_TILE
+        for (int t = 0; t < NT; t++) {
+            const size_t o = (size_t)(t0 + t) * half + i;
+            const __m256i xe = _mm256_loadu_si256((const __m256i *)(w->xeq + o));
+            const __m256i xo = _mm256_loadu_si256((const __m256i *)(w->xoq + o));
+            const __m256 sx = _mm256_loadu_ps(w->sxr + (size_t)(t0 + t) * (w->hidden / 8) + i / 4);
+            /* the step's two blocks' sums of xq, as int16 in the first slot of each lane: madd with the zero
+             * points gives z sum(xq) in the first int32 slot, subtracted exactly before the conversion (taken
+             * out of the sum in fp32 instead, it cancelled: 1.7e-4 relative on a one-neuron range) */
+            const __m256i xs = _mm256_loadu_si256((const __m256i *)(w->xs16 + (size_t)(t0 + t) * half + i / 2));
+            const __m256i pg = _mm256_sub_epi32(_mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(gl, xe), _mm256_maddubs_epi16(gh, xo)), ones),
+                _mm256_madd_epi16(zg, xs));
+            const __m256i pu = _mm256_sub_epi32(_mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(ul, xe), _mm256_maddubs_epi16(uh, xo)), ones),
+                _mm256_madd_epi16(zu, xs));
+            ag[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pg), _mm256_mul_ps(sx, sg), ag[t]);
+            au[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pu), _mm256_mul_ps(sx, su), au[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        gate[t] = hsum8(ag[t]) + q8_dot_scalar(w, q, s, z, t0 + t, full, half);
+        up[t] = hsum8(au[t]) + q8_dot_scalar(w, qu, s + groups, z ? z + groups : NULL, t0 + t, full, half);
+    }
+}
+
+static void q8_gate_up(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
+                       float *gate, float *up) {
+    switch (nt) {  /* a constant NT per case keeps the tile in registers */
+        case 1: q8_gate_up_nt(w, q, s, z, t0, 1, gate, up); break;
+        case 2: q8_gate_up_nt(w, q, s, z, t0, 2, gate, up); break;
+        case 3: q8_gate_up_nt(w, q, s, z, t0, 3, gate, up); break;
+        default: q8_gate_up_nt(w, q, s, z, t0, Q8_TILE, gate, up); break;
+    }
+}
+#else
+static void q8_gate_up(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
+                       float *gate, float *up) {
+    const int half = w->hidden / 2, groups = w->hidden / w->group;
+    for (int t = 0; t < nt; t++) {
+        gate[t] = q8_dot_scalar(w, q, s, z, t0 + t, 0, half);
+        up[t] = q8_dot_scalar(w, q + half, s + groups, z ? z + groups : NULL, t0 + t, 0, half);
+    }
+}
+#endif
+
+/* One token's down columns of the live rows of a block: quantize c_jg = a_j s_jg per group, then
+ * y_h += sc_g (sum_j cq_jg q_jh - zint_g) over the row bytes, two rows at a time (their codes interleaved into
+ * the byte pairs vpmaddubsw multiplies with the pair (cq_j, cq_j') and adds). */
+static void q8_down(const WorkQ8 *w, const uint8_t *q0, const uint16_t *s0, const uint8_t *z0, const int *live,
+                    int nlive, int t, const float *a) {
+    const int half = w->hidden / 2, groups = w->hidden / w->group;
+    const size_t row_q = (size_t)3 * half, row_s = (size_t)3 * groups;
+    float *ye = w->ye + (size_t)t * half, *yo = w->yo + (size_t)t * half;
+    float *c = w->cf;  /* (nlive, G) fp32 coefficients, then the rows' codes' zero points times cq */
+    float *amax = w->sc;
+    int g0 = 0;
+#if Q8_SIMD
+    /* eight groups at a time: the scalar loop (a division and a rounding per coefficient) took 40% of a row */
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; g0 + 8 <= groups; g0 += 8) {
+        __m256 m = _mm256_setzero_ps();
+        for (int k = 0; k < nlive; k++) {
+            const uint16_t *s = s0 + live[k] * row_s + 2 * groups + g0;
+            const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)),
+                                           _mm256_set1_ps(a[live[k]]));
+            _mm256_storeu_ps(c + k * groups + g0, v);
+            m = _mm256_max_ps(m, _mm256_and_ps(v, absmask));
+        }
+        const __m256 sc = _mm256_div_ps(m, _mm256_set1_ps(127.0f));
+        const __m256 pos = _mm256_cmp_ps(sc, _mm256_setzero_ps(), _CMP_GT_OQ);
+        const __m256 safe = _mm256_blendv_ps(_mm256_set1_ps(1.0f), sc, pos);
+        __m256 zi = _mm256_setzero_ps();  /* sum_j cq z: |.| <= 16 x 127 x 15, exact in fp32 */
+        for (int k = 0; k < nlive; k++) {
+            const __m256 r = _mm256_and_ps(pos, _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(c + k * groups + g0), safe),
+                                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const uint8_t *zr = z0 ? z0 + live[k] * row_s + 2 * groups + g0 : NULL;
+            const __m256 zv = zr ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)zr)))
+                                 : _mm256_set1_ps(8.0f);
+            zi = _mm256_fmadd_ps(r, zv, zi);
+            const __m256i r32 = _mm256_cvtps_epi32(r);
+            const __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r32), _mm256_extracti128_si256(r32, 1));
+            _mm_storel_epi64((__m128i *)(w->cq + k * groups + g0), _mm_packs_epi16(r16, r16));
+        }
+        _mm256_storeu_ps(w->sc + g0, sc);
+        _mm256_storeu_si256((__m256i *)(w->zint + g0), _mm256_cvtps_epi32(zi));
+    }
+#endif
+    for (int g = g0; g < groups; g++) {
+        float m = 0.0f;
+        for (int k = 0; k < nlive; k++) {
+            c[k * groups + g] = a[live[k]] * q8_scale(2 * groups + g, s0 + live[k] * row_s);
+            const float v = fabsf(c[k * groups + g]);
+            m = v > m ? v : m;
+        }
+        const float sc = m / 127.0f;
+        int32_t zi = 0;
+        for (int k = 0; k < nlive; k++) {
+            const int8_t v = sc > 0.0f ? (int8_t)nearbyintf(c[k * groups + g] / sc) : 0;
+            w->cq[k * groups + g] = v;
+            zi += v * (z0 ? z0[live[k] * row_s + 2 * groups + g] : 8);
+        }
+        amax[g] = sc;
+        w->zint[g] = zi;
+    }
+    /* the byte pairs' coefficients (cq_j, cq_j') of each group, rows paired in order; an odd last row pairs with
+     * itself at coefficient 0 */
+    const int npairs = (nlive + 1) / 2;
+    for (int g = 0; g < groups; g++)
+        for (int p = 0; p < npairs; p++) {
+            const int k = 2 * p;
+            const uint8_t lo = (uint8_t)w->cq[k * groups + g], hi = k + 1 < nlive ? (uint8_t)w->cq[(k + 1) * groups + g] : 0;
+            w->pairs[g * (Q8_NBLOCK / 2) + p] = (int16_t)(lo | (uint16_t)hi << 8);
+        }
+    int i = 0;
+#if Q8_SIMD
+    const int full = half / 32 * 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (; i < full; i += 32) {
+        const int ga = 2 * i / w->group, gb = (2 * i + 32) / w->group;
+        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                          _mm256_setzero_si256()};
+        const int16_t *pa = w->pairs + ga * (Q8_NBLOCK / 2), *pb = w->pairs + gb * (Q8_NBLOCK / 2);
+        for (int k = 0; k < nlive; k += 2) {
+            const int k2 = k + 1 < nlive ? k + 1 : k;
+            const __m256i cv = ga == gb ? _mm256_set1_epi16(pa[k / 2])
+                                        : _mm256_setr_m128i(_mm_set1_epi16(pa[k / 2]), _mm_set1_epi16(pb[k / 2]));
+            const __m256i qa = _mm256_loadu_si256((const __m256i *)(q0 + live[k] * row_q + 2 * half + i));
+            const __m256i qb = _mm256_loadu_si256((const __m256i *)(q0 + live[k2] * row_q + 2 * half + i));
+            const __m256i la = _mm256_and_si256(qa, m4), ha = _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4);
+            const __m256i lb = _mm256_and_si256(qb, m4), hb = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+            acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(la, lb), cv));
+            acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(la, lb), cv));
+            acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ha, hb), cv));
+            acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ha, hb), cv));
+        }
+        /* acc[0]: even elements of bytes i..i+7 (lane 0) and i+16..i+23 (lane 1); acc[1]: i+8.., i+24..;
+         * acc[2], acc[3]: the odd elements likewise */
+        for (int e = 0; e < 4; e++) {
+            float *y = e < 2 ? ye : yo;
+            const int off = (e & 1) * 8;
+            const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[e]));
+            const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[e], 1));
+            const __m256 fa = _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, _mm256_set1_epi32(w->zint[ga])));
+            const __m256 fb = _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, _mm256_set1_epi32(w->zint[gb])));
+            float *pa = y + i + off, *pb = y + i + 16 + off;
+            _mm256_storeu_ps(pa, _mm256_fmadd_ps(fa, _mm256_set1_ps(w->sc[ga]), _mm256_loadu_ps(pa)));
+            _mm256_storeu_ps(pb, _mm256_fmadd_ps(fb, _mm256_set1_ps(w->sc[gb]), _mm256_loadu_ps(pb)));
+        }
+    }
+#endif
+    for (; i < half; i++) {  /* portable C, and the last 16 bytes of a row whose H / 2 is not a multiple of 32 */
+        const int g = 2 * i / w->group;
+        int32_t e = 0, o = 0;
+        for (int k = 0; k < nlive; k++) {
+            const uint8_t b = q0[live[k] * row_q + 2 * half + i];
+            e += w->cq[k * groups + g] * (b & 0x0f);
+            o += w->cq[k * groups + g] * (b >> 4);
+        }
+        ye[i] += w->sc[g] * (float)(e - w->zint[g]);
+        yo[i] += w->sc[g] * (float)(o - w->zint[g]);
+    }
+}
+
+static void run_rows_q8(const WorkQ8 *w) {
+    const int half = w->hidden / 2, groups = w->hidden / w->group;
+    const size_t row_q = (size_t)3 * half, row_s = (size_t)3 * groups;
+    float act[Q8_TILE * Q8_NBLOCK];
+    for (int64_t b0 = w->b0; b0 < w->b1;) {
+        int64_t b1 = (b0 / Q8_NBLOCK + 1) * Q8_NBLOCK;
+        if (b1 > w->b1) b1 = w->b1;
+        const int n = (int)(b1 - b0);
+        const uint8_t *q0 = w->qweight + (b0 - w->j0) * row_q;
+        const uint16_t *s0 = w->scales + (b0 - w->j0) * row_s;
+        const uint8_t *z0 = w->zeros ? w->zeros + (b0 - w->j0) * row_s : NULL;
+        for (int t0 = 0; t0 < w->tokens; t0 += Q8_TILE) {
+            const int nt = w->tokens - t0 < Q8_TILE ? w->tokens - t0 : Q8_TILE;
+            for (int j = 0; j < n; j++) {
+                int used = 0;
+                for (int t = 0; t < nt; t++) used |= !w->kt || b0 + j < w->kt[t0 + t];
+                for (int t = 0; t < Q8_TILE; t++) act[t * Q8_NBLOCK + j] = 0.0f;
+                if (!used) continue;  /* no token of this tile reads row j */
+                const uint8_t *q = q0 + j * row_q;
+                const uint16_t *s = s0 + j * row_s;
+                const uint8_t *z = z0 ? z0 + j * row_s : NULL;
+                float gate[Q8_TILE], up[Q8_TILE];
+                q8_gate_up(w, q, s, z, t0, nt, gate, up);
+                for (int t = 0; t < nt; t++) {
+                    if (w->kt && b0 + j >= w->kt[t0 + t]) continue;
+                    act[t * Q8_NBLOCK + j] = gate[t] / (1.0f + expf(-gate[t])) * up[t];
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                const float *a = act + t * Q8_NBLOCK;
+                int live[Q8_NBLOCK], nlive = 0;
+                for (int j = 0; j < n; j++)
+                    if (a[j] != 0.0f) live[nlive++] = j;
+                if (nlive) q8_down(w, q0, s0, z0, live, nlive, t0 + t, a);
+            }
+        }
+        b0 = b1;
+    }
+}
+
+/* crisp_expert_rows_f32's contract with 8-bit activations (see the section's header). */
+int crisp_expert_rows_q8(const float *x, int64_t tokens, int64_t hidden, int64_t group,
+                         const uint8_t *qweight, const uint16_t *scales, const uint8_t *zeros,
+                         const int64_t *kt, int64_t j0, int64_t j1, const float *weights, float *out,
+                         int64_t nthreads) {
+    if (tokens <= 0 || j1 <= j0) return 0;
+    if (tokens > MAX_TOKENS || hidden % group || group % 32 || nthreads < 1) return -2;
+    const int64_t half = hidden / 2, groups = hidden / group, blocks = hidden / Q8_XBLOCK;
+    const int64_t nblocks = (j1 - 1) / Q8_NBLOCK - j0 / Q8_NBLOCK + 1;  /* neuron blocks met by [j0, j1) */
+    if (nthreads > nblocks) nthreads = nblocks;
+    const size_t per_thread = (size_t)tokens * (size_t)hidden;
+    int8_t *xq = malloc(2 * (size_t)tokens * (size_t)half);
+    float *xf = malloc(sizeof(float) * (size_t)tokens * (size_t)(blocks + hidden / 8));
+    int16_t *xs16 = calloc((size_t)tokens * (size_t)half, sizeof(int16_t));
+    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)tokens * (size_t)blocks);
+    float *acc = calloc((size_t)nthreads * per_thread, sizeof(float));
+    WorkQ8 *work = malloc(sizeof(WorkQ8) * (size_t)nthreads);
+    /* per thread: sc, zint (G each), cf (Q8_NBLOCK x G floats), cq (Q8_NBLOCK x G), pairs (G x Q8_NBLOCK / 2 int16) */
+    const size_t scratch_per = (size_t)groups * (8 + 4 * Q8_NBLOCK + Q8_NBLOCK + Q8_NBLOCK);
+    char *scratch = malloc((size_t)nthreads * scratch_per);
+    int rc = 0;
+    if (!xq || !xf || !xs16 || !xsum || !acc || !work || !scratch) { rc = -1; goto done; }
+    int8_t *xeq = xq, *xoq = xq + tokens * half;
+    float *sx = xf, *sxr = xf + tokens * blocks;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *xt = x + t * hidden;
+        for (int64_t b = 0; b < blocks; b++) {
+            float amax = 0.0f;
+            for (int k = 0; k < Q8_XBLOCK; k++) {
+                const float m = fabsf(xt[b * Q8_XBLOCK + k]);
+                amax = m > amax ? m : amax;
+            }
+            const float s = amax / 127.0f;
+            int32_t sum = 0;
+            for (int k = 0; k < Q8_XBLOCK; k++) {
+                const int64_t h = b * Q8_XBLOCK + k;
+                const int8_t v = s > 0.0f ? (int8_t)nearbyintf(xt[h] / s) : 0;
+                (h & 1 ? xoq : xeq)[t * half + h / 2] = v;
+                sum += v;
+            }
+            sx[t * blocks + b] = s;
+            xsum[t * blocks + b] = sum;
+            for (int k = 0; k < 4; k++) sxr[t * (hidden / 8) + 4 * b + k] = s;
+            xs16[t * half + 8 * b] = (int16_t)sum;  /* |sum| <= 32 x 127: an int16 */
+        }
+    }
+    for (int64_t p = 0; p < nthreads; p++) {
+        WorkQ8 *w = &work[p];
+        w->xeq = xeq; w->xoq = xoq; w->sx = sx; w->xsum = xsum; w->sxr = sxr; w->xs16 = xs16;
+        w->qweight = qweight; w->scales = scales; w->zeros = zeros; w->kt = kt; w->j0 = j0;
+        w->tokens = (int)tokens; w->hidden = (int)hidden; w->group = (int)group;
+        /* whole neuron blocks per thread: the first block starts at j0, the others on multiples of Q8_NBLOCK */
+        const int64_t first = j0 / Q8_NBLOCK;
+        const int64_t lo = first + nblocks * p / nthreads, hi = first + nblocks * (p + 1) / nthreads;
+        w->b0 = p == 0 ? j0 : lo * Q8_NBLOCK;
+        w->b1 = p == nthreads - 1 ? j1 : hi * Q8_NBLOCK;
+        w->ye = acc + (size_t)p * per_thread; w->yo = w->ye + tokens * half;
+        char *mine = scratch + (size_t)p * scratch_per;
+        w->sc = (float *)mine;
+        w->zint = (int32_t *)(mine + 4 * groups);
+        w->cf = (float *)(mine + 8 * groups);
+        w->pairs = (int16_t *)(mine + (8 + 4 * Q8_NBLOCK) * groups);
+        w->cq = (int8_t *)(mine + (8 + 5 * Q8_NBLOCK) * groups);
+    }
+    const int team_size = (int)(nthreads < omp_get_num_procs() ? nthreads : omp_get_num_procs());
+#pragma omp parallel num_threads(team_size)
+    {
+        const int team = omp_get_num_threads();
+        for (int64_t p = omp_get_thread_num(); p < nthreads; p += team) run_rows_q8(&work[p]);
+    }
+    for (int64_t t = 0; t < tokens; t++) {
+        const float wt = weights[t];
+        for (int64_t i = 0; i < half; i++) {
+            float e = 0.0f, o = 0.0f;
+            for (int64_t p = 0; p < nthreads; p++) {
+                e += work[p].ye[t * half + i];
+                o += work[p].yo[t * half + i];
+            }
+            out[t * hidden + 2 * i] += wt * e;
+            out[t * hidden + 2 * i + 1] += wt * o;
+        }
+    }
+done:
+    free(xq); free(xf); free(xs16); free(xsum); free(acc); free(work); free(scratch);
+    return rc;
+}
+
+int crisp_native_abi(void) { return 3; }
 
 /* The vector width this build computes with: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (portable C). */
 int crisp_native_vector_bits(void) { return CRISP_SIMD; }

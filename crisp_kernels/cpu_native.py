@@ -38,7 +38,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_expert_native.c")
 # -fopenmp links libgomp.so.1, resolved to the copy torch has loaded (its intra-op threads: see the source)
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-std=c11")
-ABI = 2  # crisp_native_abi() of the source this module calls
+ABI = 3  # crisp_native_abi() of the source this module calls
 # The C kernel's token limit (MAX_TOKENS): a decode step sends 1-16 tokens to an expert; more are
 # refused (ValueError), the caller takes another path.
 MAX_TOKENS = 64
@@ -71,6 +71,20 @@ class NativeKernel:
         fp32 contiguous. ``crisp_kernels.cpu_expert`` checks the format; what the C code's pointer
         arithmetic relies on is checked here again (~10 us; a Mixtral expert takes >= 3 ms), so a bad
         call raises instead of reading or writing past a tensor."""
+        self._rows(self.lib.crisp_expert_rows_f32, x, qweight, scales, zeros, group, token_widths, row_start,
+                   row_stop, weights, out, threads)
+
+    def rows_q8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                group: int, token_widths: torch.Tensor | None, row_start: int, row_stop: int,
+                weights: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+        """:meth:`rows_f32` with 8-bit activations and integer dot products (llama.cpp's Q8_0 arithmetic):
+        what is quantized is ``crisp_kernels.cpu_expert_q8``'s docstring; its ``expert_mlp_q8_ref`` is
+        the reference."""
+        self._rows(self.lib.crisp_expert_rows_q8, x, qweight, scales, zeros, group, token_widths, row_start,
+                   row_stop, weights, out, threads)
+
+    @staticmethod
+    def _rows(fn, x, qweight, scales, zeros, group, token_widths, row_start, row_stop, weights, out, threads) -> None:
         tokens, hidden = x.shape
         if tokens > MAX_TOKENS:
             raise ValueError(f"x: the native CPU kernel takes at most {MAX_TOKENS} tokens, got {tokens}")
@@ -79,10 +93,9 @@ class NativeKernel:
         row_q = qweight.data_ptr() + row_start * qweight.stride(0)
         row_s = scales.data_ptr() + row_start * scales.stride(0) * scales.element_size()
         row_z = None if zeros is None else zeros.data_ptr() + row_start * zeros.stride(0)
-        rc = self.lib.crisp_expert_rows_f32(
-            x.data_ptr(), tokens, hidden, group, row_q, row_s, row_z,
-            None if token_widths is None else token_widths.data_ptr(), row_start, row_stop,
-            weights.data_ptr(), out.data_ptr(), threads)
+        rc = fn(x.data_ptr(), tokens, hidden, group, row_q, row_s, row_z,
+                None if token_widths is None else token_widths.data_ptr(), row_start, row_stop,
+                weights.data_ptr(), out.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory, -2 bad sizes); "
                                "out is unchanged")
@@ -188,6 +201,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.crisp_expert_rows_f32.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, p, i64]
     lib.crisp_expert_rows_f32.restype = ctypes.c_int
+    lib.crisp_expert_rows_q8.argtypes = lib.crisp_expert_rows_f32.argtypes
+    lib.crisp_expert_rows_q8.restype = ctypes.c_int
     lib.crisp_native_abi.argtypes = []
     lib.crisp_native_abi.restype = ctypes.c_int
     lib.crisp_native_vector_bits.argtypes = []

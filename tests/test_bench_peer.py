@@ -197,12 +197,16 @@ def test_quantized_gguf_stays_near_the_fp32_model(tiny_ggufs, quant):
     assert got["decode_s"] > 0 and got["prompt_s"] > 0
 
 
-def test_cpu_profile_fits_bandwidth_and_latency_from_the_kernel_widths():
-    # 1 ms fixed + 10 GB/s: two widths give both back
+def test_cpu_profiles_fit_bandwidth_and_latency_per_kernel_from_the_widths():
+    # native-fp32: 1 ms fixed + 10 GB/s; native-q8: 0.5 ms + 16 GB/s; two widths each give both back
+    rates = {"native-fp32": (1e-3, 10e9), "native-q8": (0.5e-3, 16e9)}
     kernel = {"threads": 2, "read_gbps": 20.0, "kernel": [
-        {"prefix_bytes": b, "ms": 1e3 * (1e-3 + b / 10e9), "width_frac": f, "gbps": 0.0, "pct_read": 0.0}
-        for f, b in ((0.5, 50e6), (1.0, 100e6))]}
-    prof = peer.cpu_profile(kernel)
-    assert prof["cpu_bytes_per_s"] == pytest.approx(10e9, rel=1e-9)
-    assert prof["cpu_latency_s"] == pytest.approx(1e-3, rel=1e-6)
-    assert prof["read_bytes_per_s"] == 20e9 and prof["threads"] == 2
+        {"impl": impl, "prefix_bytes": b, "ms": 1e3 * (lat + b / bw), "width_frac": f, "gbps": 0.0, "pct_read": 0.0}
+        for impl, (lat, bw) in rates.items() for f, b in ((0.5, 50e6), (1.0, 100e6))]}
+    profs = peer.cpu_profiles(kernel)
+    assert [p["impl"] for p in profs] == list(rates)
+    for prof in profs:
+        lat, bw = rates[prof["impl"]]
+        assert prof["cpu_bytes_per_s"] == pytest.approx(bw, rel=1e-9)
+        assert prof["cpu_latency_s"] == pytest.approx(lat, rel=1e-6)
+        assert prof["read_bytes_per_s"] == 20e9 and prof["threads"] == 2

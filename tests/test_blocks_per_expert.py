@@ -494,7 +494,7 @@ def test_cpu_knob_as_for_v5_models(family, cpu):
             assert stats["cpu"]["mode"] == cpu
             if cpu == "on":
                 assert stats["cpu"]["placement"] == "cpu_only" and stats["cpu_runs"] > 0 and stats["bytes_h2d"] == 0
-                assert stats["cpu"]["experts"]["precision"] == ("fp32" if exact else "bf16")
+                assert stats["cpu"]["experts"]["precision"] == ("fp32" if exact else "q8")
                 assert check.record()["within_tolerance"] and check.steps == len(layers)  # one batched forward
             else:
                 assert stats["cpu"]["placement"] == "gpu" and stats["cpu_runs"] == 0

@@ -24,7 +24,7 @@ def test_step_check_runs_on_the_cpu():
         ("hybrid", "cold"), ("hybrid", "one_resident"), ("hybrid_split", "cold"), ("hybrid_split", "one_resident")]
     for r in records:
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0
-        assert r["cpu_experts"] + r["split_experts"] <= 2 and r["cpu"]["precision"] == "bf16"
+        assert r["cpu_experts"] + r["split_experts"] <= 2 and r["cpu"]["precision"] == "q8"
 
 
 @pytest.mark.parametrize("resident", [0, 1])

@@ -1,7 +1,7 @@
 """`crisp-bench e2e --placements` on the committed tiny Mixtral: the hybrid path and its baselines run end
 to end on this CPU; every layer step of a CPU placement equals the float64 reference at the widths it served within
-the precision contract (bf16: 2u per CPU expert; fp32: 1e-5), and with the exact fp32 CPU path the logits equal the
-same plan's under the GPU placement (the same widths served)."""
+the precision contract (bf16: 2u per CPU expert; fp32: 1e-5; q8: 2**-5), and with the exact fp32 CPU path the
+logits equal the same plan's under the GPU placement (the same widths served)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ MODEL, TEXT = ROOT / "models" / "tiny-mixtral", ROOT / "data" / "stdlib-heldout.
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").is_file() or not TEXT.is_file(), reason="committed tiny model absent")
-@pytest.mark.parametrize("precision, kernel", [("bf16", "torch"), ("fp32", "torch"), ("bf16", "native")])
+@pytest.mark.parametrize("precision, kernel", [("bf16", "torch"), ("fp32", "torch"), ("bf16", "native"),
+                                               ("q8", "native")])
 def test_e2e_placements_equal_the_reference(tmp_path, capsys, precision, kernel):
     pytest.importorskip("transformers")
     out = tmp_path / "e2e.json"
@@ -34,12 +35,14 @@ def test_e2e_placements_equal_the_reference(tmp_path, capsys, precision, kernel)
             # 12 tokens + 3 warm-up, 4 MoE layers: every step checked, each within its bound
             assert r["steps_checked"] == 4 * 15 and r["within_tolerance"], (plan, placement, r["max_err_over_bound"])
             assert r["cpu_precision"] == precision
-            if precision == "fp32" or kernel == "native":  # the native kernel computes in fp32 too
+            if precision == "fp32" or (precision, kernel) == ("bf16", "native"):  # the native kernel: fp32 under bf16
                 # float32 logits of a 128-wide model: a different summation order moves them by ~1e-6; 1e-4 is a bug
                 assert r["max_logit_diff_vs_gpu"] <= 1e-4, (plan, placement, r["max_logit_diff_vs_gpu"])
                 assert r["accuracy"] == pytest.approx(recs[plan]["accuracy"])
                 assert r["cpu_experts"]["prepared_experts"] == 0
                 assert r["cpu_experts"]["impl"] == ("native-fp32" if kernel == "native" else "dequant-fp32")
+            elif precision == "q8":  # the native kernel on the host rows, 8-bit activations: no copy
+                assert r["cpu_experts"]["impl"] == "native-q8" and r["cpu_experts"]["prepared_experts"] == 0
             elif r["cpu_runs_per_token"] > 0:  # the bf16 path read int4pack copies, built for the experts it ran
                 assert 0 < r["cpu_experts"]["prepared_experts"] <= 4 * 8
         assert recs[f"{plan}/cpu_only"]["cpu_runs_per_token"] > 0 and recs[f"{plan}/cpu_only"]["bytes_per_token"] == 0
