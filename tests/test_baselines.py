@@ -86,6 +86,33 @@ def test_matched_baselines_equal_brute_force(top_k, num_dominant, ties, padding,
     assert abs(got - target) == pytest.approx(_brute_skip(routing, target, top_k, num_dominant), abs=1e-9)
 
 
+@pytest.mark.parametrize("top_k,num_dominant,ties,padding", CASES)
+@pytest.mark.parametrize("target_fraction", [0.15, 0.4, 0.55, 0.8, 1.0])
+def test_matched_at_most_is_the_closest_not_above(top_k, num_dominant, ties, padding, target_fraction):
+    """at_most (a search within a bytes budget): the most neurons per token that do not exceed the target, over every
+    width / threshold; width 1 and skip-every-auxiliary when nothing fits."""
+    routing = _routing(top_k, 40, seed=top_k * 10 + num_dominant, ties=ties, padding=padding)
+    target = target_fraction * top_k * INTER * len(LAYERS)
+    width = matched_uniform_width(routing, target, num_experts=E, intermediate_size=INTER, at_most=True)
+    widths = [w for w in range(1, INTER + 1)
+              if neurons_per_token(CrispPlan.uniform(E, top_k, INTER, LAYERS, w), routing) <= target + 1e-9]
+    assert width == (max(widths) if widths else 1)
+
+    thr = matched_skip_threshold(routing, target, num_experts=E, intermediate_size=INTER, num_dominant=num_dominant,
+                                 at_most=True)
+
+    def cost(t):
+        return neurons_per_token(CrispPlan.skip_aux(E, top_k, INTER, LAYERS, threshold=t, num_dominant=num_dominant),
+                                 routing)
+
+    fitting = [cost(t) for t in [None, 0.0] + sorted({float(x) for _, w in routing.values() for x in w.reshape(-1)})
+               if cost(t) <= target + 1e-9]
+    assert cost(thr) == pytest.approx(max(fitting) if fitting else cost(None), abs=1e-9)
+    assert not fitting or cost(thr) <= target + 1e-9
+    plans = equal_bytes_plans(_crisp_plan(top_k, num_dominant, seed=3), routing, target, at_most=True)
+    assert plans["uniform"].uniform_width == width and plans["skip_aux"].skip_threshold == thr
+
+
 @pytest.mark.parametrize("top_k,num_dominant", [(2, 1), (6, 2), (6, 3)])
 def test_equal_bytes_plans_match_the_crisp_plan(top_k, num_dominant):
     routing = _routing(top_k, 64, seed=7)
