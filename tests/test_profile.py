@@ -226,3 +226,71 @@ def test_search_over_cold_widths(tiny, profiled, tmp_path):
     # the option needs the search
     assert prof.main(["--model", str(model), "--data", str(text), "--out", str(tmp_path / "x"), "--quiet",
                       "--search-cold-widths", "0,0.25"]) == 2
+
+
+def _best(records, kind):
+    return min(r["loss"] for r in records if r.get("kind", "crisp") == kind)
+
+
+def test_search_scores_the_baselines_at_the_target(tiny, profiled):
+    """Skip-aux and uniform are points of the byte search: each the closest to the target at or below it, scored on
+    the same held-out windows; the plan written has the lowest loss of all and its kind is recorded."""
+    pack = load_pack(profiled)
+    search = pack.info["search"]
+    inter = pack.plan.intermediate_size
+    baselines = search["baselines"]
+    assert sorted(b["kind"] for b in baselines) == ["skip_aux", "uniform"]  # top-2: one dominant count
+    assert all(b["bytes_fraction"] <= 0.55 + 1e-9 for b in baselines)
+    (uniform,) = (b for b in baselines if b["kind"] == "uniform")
+    assert uniform["uniform_width"] == 17 and (uniform["uniform_width"] + 1) / inter > 0.55  # the widest that fits
+    everything = search["candidates"] + baselines
+    assert search["chosen"]["loss"] == min(r["loss"] for r in everything)
+    assert all(search["chosen"]["loss"] <= b["loss"] for b in baselines)
+    assert search["best_loss_by_kind"] == {k: _best(everything, k) for k in ("crisp", "skip_aux", "uniform")}
+    assert search["chosen_kind"] == search["chosen"].get("kind", "crisp") == pack.plan.policy.value
+
+
+@pytest.mark.parametrize("favoured, policy", [("crisp", PolicyKind.CRISP), ("skip_aux", PolicyKind.SKIP_AUX),
+                                              ("uniform", PolicyKind.UNIFORM)])
+def test_search_writes_the_kind_with_the_lowest_held_out_loss(tiny, tmp_path, monkeypatch, capsys, favoured, policy):
+    """A scorer that makes every other kind worse by 1 nat: the search writes the favoured kind's best plan, a valid
+    plan of that policy the pack and runtime load, says so in pack.json and in one log line, and its held-out loss
+    is at most each baseline's."""
+    import dataclasses
+
+    from crisp_tools.profiler import search as ps
+
+    real = ps.held_out_scores
+
+    def scored(inputs, weights, plan):
+        got = real(inputs, weights, plan)
+        return got if plan.policy.value == favoured else dataclasses.replace(got, nll=got.nll + 1.0)
+
+    monkeypatch.setattr(ps, "held_out_scores", scored)
+    _, model, text = tiny
+    out = tmp_path / "pack"
+    args = [a for a in PROFILE_ARGS if a != "--quiet"]
+    assert prof.main(["--model", str(model), "--data", str(text), "--out", str(out), *args]) == 0
+    pack = load_pack(out)
+    search = pack.info["search"]
+    assert search["chosen_kind"] == favoured and pack.plan.policy is policy
+    assert all(search["chosen"]["loss"] <= b["loss"] for b in search["baselines"])
+    assert search["chosen"]["loss"] == search["best_loss_by_kind"][favoured] == min(search["best_loss_by_kind"].values())
+    assert search["chosen"]["bytes_fraction"] <= 0.55 + 1e-9
+    if favoured == "crisp":
+        assert search["chosen"] in search["candidates"] and "baseline" not in pack.plan.description
+    else:
+        assert search["chosen"] in search["baselines"] and search["chosen"]["kind"] == favoured
+        assert "baseline from crisp-profile" in pack.plan.description
+        expected = (pack.plan.uniform_width if policy is PolicyKind.UNIFORM else pack.plan.skip_threshold)
+        assert expected == search["chosen"]["uniform_width" if policy is PolicyKind.UNIFORM else "skip_threshold"]
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if f"search: chose {favoured} (held-out" in line]) == 1
+    # the runtime serves the plan written
+    from crisp_runtime import apply
+
+    loaded, _ = load_model(model)
+    handle = apply(loaded, pack)
+    with torch.no_grad():
+        loaded(input_ids=torch.tensor(list(text.read_bytes()[:32])).view(1, 32))
+    assert handle.stats()["tokens"] > 0
