@@ -275,13 +275,14 @@ def test_search_writes_the_kind_with_the_lowest_held_out_loss(tiny, tmp_path, mo
     search = pack.info["search"]
     assert search["chosen_kind"] == favoured and pack.plan.policy is policy
     assert all(search["chosen"]["loss"] <= b["loss"] for b in search["baselines"])
-    assert search["chosen"]["loss"] == search["best_loss_by_kind"][favoured] == min(search["best_loss_by_kind"].values())
+    best = search["best_loss_by_kind"]
+    assert search["chosen"]["loss"] == best[favoured] == min(best.values())
     assert search["chosen"]["bytes_fraction"] <= 0.55 + 1e-9
     if favoured == "crisp":
         assert search["chosen"] in search["candidates"] and "baseline" not in pack.plan.description
     else:
         assert search["chosen"] in search["baselines"] and search["chosen"]["kind"] == favoured
-        assert "baseline from crisp-profile" in pack.plan.description
+        assert pack.plan.description.startswith(("Skip-auxiliary baseline:", "Uniform-width baseline:"))
         expected = (pack.plan.uniform_width if policy is PolicyKind.UNIFORM else pack.plan.skip_threshold)
         assert expected == search["chosen"]["uniform_width" if policy is PolicyKind.UNIFORM else "skip_threshold"]
     err = capsys.readouterr().err
@@ -294,3 +295,41 @@ def test_search_writes_the_kind_with_the_lowest_held_out_loss(tiny, tmp_path, mo
     with torch.no_grad():
         loaded(input_ids=torch.tensor(list(text.read_bytes()[:32])).view(1, 32))
     assert handle.stats()["tokens"] > 0
+
+
+@pytest.mark.parametrize("target, num_dominant, expected", [
+    (0.54, None, [("skip_aux", 1), ("uniform", None), ("skip_aux", 2), ("skip_aux", 3)]),  # top-6: 1, 2, 3 fit
+    (0.30, None, [("skip_aux", 1), ("uniform", None)]),  # two dominants alone are 33%
+    (0.54, 2, [("skip_aux", 2), ("uniform", None)]),  # --num-dominant 2
+])
+def test_baselines_of_a_top6_search(target, num_dominant, expected):
+    """Top-6: one skip-aux per searched dominant count and one uniform width, each the most bytes at or below the
+    target (on the routing the search measures every candidate's bytes on)."""
+    from types import SimpleNamespace
+
+    from crisp_tools.profiler.search import baseline_plans, bytes_fraction
+
+    from crisp_runtime.planning.baselines import dominant_and_aux_weights
+    from crisp_runtime.planning.plan import CrispPlan, TierWidths
+
+    e, k, inter, layers, tokens = 16, 6, 32, (1, 2), 200
+    g = torch.Generator().manual_seed(0)
+    routing = {lid: (torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]),
+                     torch.rand(tokens, k, generator=g).softmax(dim=1)) for lid in layers}
+    plan = CrispPlan(PolicyKind.CRISP, e, k, inter, layers, tier_widths=TierWidths(inter, 4, 0))
+    inputs = SimpleNamespace(cfg=SimpleNamespace(search_target_bytes=target, num_dominant=num_dominant), top_k=k)
+    got = baseline_plans(inputs, plan, routing)
+    assert [(r["kind"], r.get("num_dominant")) for r, _ in got] == expected
+    for rec, base in got:
+        assert rec["bytes_fraction"] == bytes_fraction(base, routing) <= target + 1e-9
+        if rec["kind"] == "uniform":
+            assert base.uniform_width == int(target * inter)  # the widest uniform width within the target
+        else:
+            assert base.num_dominant == rec["num_dominant"] and base.skip_threshold == rec["skip_threshold"]
+            # one more auxiliary slot kept (the next lower weight) would exceed the target
+            weights = dominant_and_aux_weights(routing, e, base.num_dominant)[1].tolist()
+            below = base.skip_threshold if base.skip_threshold is not None else float("inf")
+            aux = sorted(w for w in weights if w < below)
+            if aux:
+                wider = CrispPlan.skip_aux(e, k, inter, layers, threshold=aux[-1], num_dominant=base.num_dominant)
+                assert bytes_fraction(wider, routing) > target

@@ -227,19 +227,21 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ru
     return chosen, info
 
 
+def baseline_description(base: CrispPlan) -> str:
+    """What a skip-aux or uniform plan does, in one sentence (a chosen baseline's description starts with it)."""
+    if base.policy is PolicyKind.UNIFORM:
+        return (f"Uniform-width baseline: every routed expert runs its first {base.uniform_width} of "
+                f"{base.intermediate_size} neurons.")
+    kept = ("every other routed expert is skipped" if base.skip_threshold is None else
+            f"every other routed expert runs full width when its routing weight is >= {base.skip_threshold:.6g} "
+            "and is skipped otherwise")
+    return (f"Skip-auxiliary baseline: the {base.num_dominant} heaviest routed expert(s) of a token by routing weight "
+            f"run full width, {kept}.")
+
+
 def _baseline_described(base: CrispPlan, rec: dict, target: float, crisp_loss: float) -> CrispPlan:
     """The baseline the search chose, its description saying what it is and why it was chosen."""
-    full = base.intermediate_size
-    if base.policy is PolicyKind.UNIFORM:
-        what = (f"Uniform-width baseline from crisp-profile: every routed expert runs its first {base.uniform_width} "
-                f"of {full} neurons.")
-    else:
-        kept = ("every other routed expert is skipped" if base.skip_threshold is None else
-                f"every other routed expert runs full width when its routing weight is >= {base.skip_threshold:.6g} "
-                "and is skipped otherwise")
-        what = (f"Skip-auxiliary baseline from crisp-profile: the {base.num_dominant} heaviest routed expert(s) of a "
-                f"token by routing weight run full width, {kept}.")
     return dataclasses.replace(base, description=(
-        f"{what} Chosen by a search for <= {target:.0%} of full-width bytes per token on held-out calibration "
-        f"windows (lowest loss): held-out loss {rec['loss']:.4f} against {crisp_loss:.4f} for the best CRISP tier "
-        f"setting."))
+        f"{baseline_description(base)} Chosen by crisp-profile's search for <= {target:.0%} of full-width bytes "
+        f"per token on held-out calibration windows (lowest loss): held-out loss {rec['loss']:.4f} against "
+        f"{crisp_loss:.4f} for the best CRISP tier setting."))
