@@ -229,7 +229,7 @@ class Evaluator:
                 ahead = paired_advantage(full[0].correct, crisp[0].correct, base[0].correct)
                 crisp_record[f"advantage_vs_{name}"] = ahead.loss
                 crisp_record[f"advantage_vs_{name}_se"] = finite_or_none(ahead.standard_error)
-                self.log(f"CRISP vs {name} at equal bytes: {ahead.loss:+.2%} +- {ahead.standard_error:.2%} "
+                self.log(f"{what} vs {name} at equal bytes: {ahead.loss:+.2%} +- {ahead.standard_error:.2%} "
                          f"of the full width's accuracy (paired, {ahead.windows} windows)")
             if frontier:
                 records += self._frontier(run, n_tok, matched_width=neurons, matched_threshold=threshold)
@@ -500,18 +500,19 @@ def main(argv: list[str] | None = None) -> int:
         return ca.interrupted("crisp-eval", resumable=False)
     print(format_table(records))
     v = verdict(records)
+    what = "CRISP" if ev.pack_plan.policy is PolicyKind.CRISP else f"The pack plan ({ev.pack_plan.policy.value})"
     loss = v["crisp_relative_accuracy_loss"]
     met = {True: "met", False: "NOT met", None: "unknown: full width scores 0"}[
         None if v["accuracy_target_met"] is None else v["bytes_target_met"] and v["accuracy_target_met"]]
     print(
-        f"\nCRISP at {v['crisp_bytes_fraction']:.1%} of full-width bytes: relative accuracy loss "
+        f"\n{what} at {v['crisp_bytes_fraction']:.1%} of full-width bytes: relative accuracy loss "
         f"{'undefined' if loss is None else f'{loss:.2%}'} (target <= 3.6% at <= 55%: {met}); "
         f"beats uniform: {v['beats_uniform']}, beats skip-aux: {v['beats_skip_aux']}"
     )
     for name in ("uniform", "skip_aux"):
         ahead, se = v[f"advantage_vs_{name}"], v[f"advantage_vs_{name}_se"]
         if ahead is not None:
-            print(f"CRISP ahead of {name} at equal bytes: {ahead:+.2%}"
+            print(f"{what} ahead of {name} at equal bytes: {ahead:+.2%}"
                   f"{'' if se is None else f' +- {se:.2%}'} of the full width's accuracy (paired by window)")
     if args.json:
         dump_json(args.json, {"model": args.model, "crisp": args.crisp, "data": args.data,
