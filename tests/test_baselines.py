@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from crisp_runtime.planning.baselines import (
+    baseline_description,
     dominant_and_aux_weights,
     equal_bytes_plans,
     matched_skip_threshold,
@@ -155,3 +156,19 @@ def test_skip_threshold_extremes():
 def test_bad_routing_is_refused(bad):
     with pytest.raises(ValueError, match="routing"):
         matched_uniform_width(bad, 10.0, num_experts=E, intermediate_size=INTER)
+
+
+@pytest.mark.parametrize("plan, text", [
+    (CrispPlan.uniform(E, 2, INTER, LAYERS, 9), "every routed expert runs its first 9 of 24 neurons"),
+    (CrispPlan.skip_aux(E, 6, INTER, LAYERS, threshold=0.25, num_dominant=3),
+     "the 3 heaviest routed expert(s) of a token by routing weight run full width, every other routed expert runs "
+     "full width when its routing weight is >= 0.25 and is skipped otherwise"),
+    (CrispPlan.skip_aux(E, 2, INTER, LAYERS), "every other routed expert is skipped"),
+])
+def test_baseline_description_says_what_the_plan_does(plan, text):
+    assert text in baseline_description(plan)
+
+
+def test_baseline_description_refuses_other_plans():
+    with pytest.raises(ValueError, match="skip_aux or uniform"):
+        baseline_description(_crisp_plan(2, 1, seed=0))

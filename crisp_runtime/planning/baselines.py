@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 import torch
 
-from crisp_runtime.planning.plan import CrispPlan, PlanError
+from crisp_runtime.planning.plan import CrispPlan, PlanError, PolicyKind
 
 #: {layer_id: (top_k_index (T, k) int, top_k_weights (T, k) float)}: every MoE layer over the same T tokens.
 Routing = Mapping[int, tuple[torch.Tensor, torch.Tensor]]
@@ -162,3 +162,17 @@ def equal_bytes_plans(crisp: CrispPlan, routing: Routing, target: float | None =
         "skip_aux": CrispPlan.skip_aux(e, k, inter, ids, threshold=threshold, num_dominant=crisp.num_dominant),
         "crisp": crisp,
     }
+
+
+def baseline_description(base: CrispPlan) -> str:
+    """What a skip-aux or uniform plan does, in one sentence (a chosen baseline's description starts with it)."""
+    if base.policy not in (PolicyKind.UNIFORM, PolicyKind.SKIP_AUX):
+        raise ValueError(f"baseline_description: a skip_aux or uniform plan, not {base.policy.value!r}")
+    if base.policy is PolicyKind.UNIFORM:
+        return (f"Uniform-width baseline: every routed expert runs its first {base.uniform_width} of "
+                f"{base.intermediate_size} neurons.")
+    kept = ("every other routed expert is skipped" if base.skip_threshold is None else
+            f"every other routed expert runs full width when its routing weight is >= {base.skip_threshold:.6g} "
+            "and is skipped otherwise")
+    return (f"Skip-auxiliary baseline: the {base.num_dominant} heaviest routed expert(s) of a token by routing weight "
+            f"run full width, {kept}.")

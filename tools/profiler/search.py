@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from crisp_runtime.planning.baselines import equal_bytes_plans, full_plan, neurons_per_token
-from crisp_runtime.planning.plan import CrispPlan, PolicyKind, TierCutoffs, TierWidths
+from crisp_runtime.planning.baselines import baseline_description, equal_bytes_plans, full_plan, neurons_per_token
+from crisp_runtime.planning.plan import CrispPlan, TierCutoffs, TierWidths
 
 from ..calibration import CliError, MaskedExperts, TokenScores, score_windows
 from .planning import description, initial_plan, layer_plans
@@ -225,18 +225,6 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ru
             "full_width": {"loss": full_scores.loss, "accuracy": full_scores.accuracy},
             "best_loss_by_kind": best_by_kind, "baselines": baseline_records, "candidates": results}
     return chosen, info
-
-
-def baseline_description(base: CrispPlan) -> str:
-    """What a skip-aux or uniform plan does, in one sentence (a chosen baseline's description starts with it)."""
-    if base.policy is PolicyKind.UNIFORM:
-        return (f"Uniform-width baseline: every routed expert runs its first {base.uniform_width} of "
-                f"{base.intermediate_size} neurons.")
-    kept = ("every other routed expert is skipped" if base.skip_threshold is None else
-            f"every other routed expert runs full width when its routing weight is >= {base.skip_threshold:.6g} "
-            "and is skipped otherwise")
-    return (f"Skip-auxiliary baseline: the {base.num_dominant} heaviest routed expert(s) of a token by routing weight "
-            f"run full width, {kept}.")
 
 
 def _baseline_described(base: CrispPlan, rec: dict, target: float, crisp_loss: float) -> CrispPlan:

@@ -70,7 +70,7 @@ from crisp_bench.traces import record_trace, routing
 
 from crisp_kernels.tail_layout import PLAIN, TailLayout
 from crisp_runtime import cli_args as ca
-from crisp_runtime.planning.baselines import equal_bytes_plans, full_plan
+from crisp_runtime.planning.baselines import baseline_description, equal_bytes_plans, full_plan
 from crisp_runtime.planning.plan import CrispPlan, PlanError, PolicyKind, TierWidths
 from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
 from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
@@ -84,7 +84,6 @@ from ..loss_estimate import finite_or_none, relative_loss
 from ..serving_eval import ServingCase, run_case, score_plan, total_expert_bytes
 from ..tail_emulation import tier_widths_arg
 from .config import DEFAULT_ACCURACY_WINDOWS, accuracy_window_count
-from .search import baseline_description
 
 __all__ = ["SERVING_KEY", "Candidate", "CandidateServing", "PackVariant", "ThroughputGoal", "candidates",
            "check_tier_widths", "default_candidates", "goal_from_config", "plan_serving", "search_throughput",
