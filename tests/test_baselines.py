@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from crisp_runtime.planning.baselines import (
+    baseline_description,
     dominant_and_aux_weights,
     equal_bytes_plans,
     matched_skip_threshold,
@@ -86,6 +87,33 @@ def test_matched_baselines_equal_brute_force(top_k, num_dominant, ties, padding,
     assert abs(got - target) == pytest.approx(_brute_skip(routing, target, top_k, num_dominant), abs=1e-9)
 
 
+@pytest.mark.parametrize("top_k,num_dominant,ties,padding", CASES)
+@pytest.mark.parametrize("target_fraction", [0.15, 0.4, 0.55, 0.8, 1.0])
+def test_matched_at_most_is_the_closest_not_above(top_k, num_dominant, ties, padding, target_fraction):
+    """at_most (a search within a bytes budget): the most neurons per token that do not exceed the target, over every
+    width / threshold; width 1 and skip-every-auxiliary when nothing fits."""
+    routing = _routing(top_k, 40, seed=top_k * 10 + num_dominant, ties=ties, padding=padding)
+    target = target_fraction * top_k * INTER * len(LAYERS)
+    width = matched_uniform_width(routing, target, num_experts=E, intermediate_size=INTER, at_most=True)
+    widths = [w for w in range(1, INTER + 1)
+              if neurons_per_token(CrispPlan.uniform(E, top_k, INTER, LAYERS, w), routing) <= target + 1e-9]
+    assert width == (max(widths) if widths else 1)
+
+    thr = matched_skip_threshold(routing, target, num_experts=E, intermediate_size=INTER, num_dominant=num_dominant,
+                                 at_most=True)
+
+    def cost(t):
+        return neurons_per_token(CrispPlan.skip_aux(E, top_k, INTER, LAYERS, threshold=t, num_dominant=num_dominant),
+                                 routing)
+
+    fitting = [cost(t) for t in [None, 0.0] + sorted({float(x) for _, w in routing.values() for x in w.reshape(-1)})
+               if cost(t) <= target + 1e-9]
+    assert cost(thr) == pytest.approx(max(fitting) if fitting else cost(None), abs=1e-9)
+    assert not fitting or cost(thr) <= target + 1e-9
+    plans = equal_bytes_plans(_crisp_plan(top_k, num_dominant, seed=3), routing, target, at_most=True)
+    assert plans["uniform"].uniform_width == width and plans["skip_aux"].skip_threshold == thr
+
+
 @pytest.mark.parametrize("top_k,num_dominant", [(2, 1), (6, 2), (6, 3)])
 def test_equal_bytes_plans_match_the_crisp_plan(top_k, num_dominant):
     routing = _routing(top_k, 64, seed=7)
@@ -128,3 +156,19 @@ def test_skip_threshold_extremes():
 def test_bad_routing_is_refused(bad):
     with pytest.raises(ValueError, match="routing"):
         matched_uniform_width(bad, 10.0, num_experts=E, intermediate_size=INTER)
+
+
+@pytest.mark.parametrize("plan, text", [
+    (CrispPlan.uniform(E, 2, INTER, LAYERS, 9), "every routed expert runs its first 9 of 24 neurons"),
+    (CrispPlan.skip_aux(E, 6, INTER, LAYERS, threshold=0.25, num_dominant=3),
+     "the 3 heaviest routed expert(s) of a token by routing weight run full width, every other routed expert runs "
+     "full width when its routing weight is >= 0.25 and is skipped otherwise"),
+    (CrispPlan.skip_aux(E, 2, INTER, LAYERS), "every other routed expert is skipped"),
+])
+def test_baseline_description_says_what_the_plan_does(plan, text):
+    assert text in baseline_description(plan)
+
+
+def test_baseline_description_refuses_other_plans():
+    with pytest.raises(ValueError, match="skip_aux or uniform"):
+        baseline_description(_crisp_plan(2, 1, seed=0))

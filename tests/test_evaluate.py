@@ -422,3 +422,38 @@ def test_verdict_is_unknown_not_met_when_full_width_scores_zero():
     assert v["accuracy_target_met"] is None and v["bytes_target_met"] is True
     records[1]["relative_accuracy_loss_vs_full"] = 0.05
     assert verdict(records)["accuracy_target_met"] is False
+
+
+@pytest.mark.parametrize("kind", ["skip_aux", "uniform"])
+def test_a_baseline_pack_plan_is_evaluated_as_the_pack_plan(setup, tmp_path, capsys, kind):
+    """A profiler search may store a baseline as the pack's plan: crisp-eval evaluates it as the pack plan, says which
+    kind it is, and its matched baseline of the same kind is the same width (uniform: paired difference 0) or a
+    threshold matched on the full-width routing to the bytes the plan ran (skip-aux: within 1% of the full width's
+    bytes and one paired standard error); the CRISP-only frontier rows (cap, promoted auxiliaries) are left out."""
+    from crisp_runtime.planning.plan import CrispPlan
+    _, model, held, out = setup
+    pack = load_pack(out)
+    p = pack.plan
+    base = (CrispPlan.skip_aux(p.num_experts, p.top_k, p.intermediate_size, p.layer_ids, threshold=0.3)
+            if kind == "skip_aux" else
+            CrispPlan.uniform(p.num_experts, p.top_k, p.intermediate_size, p.layer_ids, p.intermediate_size // 2))
+    folder = tmp_path / "baseline-pack"
+    from crisp_runtime.storage.pack import FILES_KEY, save_pack
+
+    reserved = ("format", "version", "quant", FILES_KEY)
+    save_pack(folder, pack.layers, plan=base, info={k: v for k, v in pack.info.items() if k not in reserved})
+    path = tmp_path / "eval.json"
+    assert ev.main(["--model", str(model), "--crisp", str(folder), "--data", str(held), "--seq-len", "32",
+                    "--samples", "24", "--json", str(path), "--frontier", "--threads", "1"]) == 0
+    assert f"The pack plan ({kind}) ahead of {kind} at equal bytes:" in capsys.readouterr().out
+    records = json.loads(path.read_text())["records"]
+    (own,) = (r for r in records if r["policy"] == "crisp")
+    assert own["label"] == f"{kind} (pack plan)"
+    (matched,) = (r for r in records if r["policy"] == kind and "frontier" not in r["label"])
+    if kind == "uniform":
+        assert own["advantage_vs_uniform"] == 0.0 and matched["bytes_per_token"] == own["bytes_per_token"]
+        assert matched["loss"] == own["loss"]
+    else:
+        assert abs(matched["bytes_fraction_of_full"] - own["bytes_fraction_of_full"]) < 0.01
+        assert abs(own["advantage_vs_skip_aux"]) <= (own["advantage_vs_skip_aux_se"] or 0.0)
+    assert not any("width_cap" in r or "aux_full_weight" in r for r in records)

@@ -132,7 +132,7 @@ def test_a_derived_pack_never_inherits_a_stored_choice(tmp_path, monkeypatch):
 def test_other_tier_widths_are_searched_and_the_chosen_ones_stored(tail, tmp_path, monkeypatch):
     """--search-tier-widths: the real default_candidates over a small space (one plan-width candidate per tier
     widths); the fastest within a bound of 1 is chosen and its tier widths are the new pack's plan's."""
-    def small(intermediate_size=None, tier_widths=(None,)):
+    def small(intermediate_size=None, tier_widths=(None,), baselines=()):  # the baselines: their own test
         return [tp.Candidate(prefetch=PrefetchWidth.PLAN, kind=tp.CandidateServing.PLAN, tier_widths=tw)
                 for tw in tier_widths]
 

@@ -226,3 +226,110 @@ def test_search_over_cold_widths(tiny, profiled, tmp_path):
     # the option needs the search
     assert prof.main(["--model", str(model), "--data", str(text), "--out", str(tmp_path / "x"), "--quiet",
                       "--search-cold-widths", "0,0.25"]) == 2
+
+
+def _best(records, kind):
+    return min(r["loss"] for r in records if r.get("kind", "crisp") == kind)
+
+
+def test_search_scores_the_baselines_at_the_target(tiny, profiled):
+    """Skip-aux and uniform are points of the byte search: each the closest to the target at or below it, scored on
+    the same held-out windows; the plan written has the lowest loss of all and its kind is recorded."""
+    pack = load_pack(profiled)
+    search = pack.info["search"]
+    inter = pack.plan.intermediate_size
+    baselines = search["baselines"]
+    assert sorted(b["kind"] for b in baselines) == ["skip_aux", "uniform"]  # top-2: one dominant count
+    assert all(b["bytes_fraction"] <= 0.55 + 1e-9 for b in baselines)
+    (uniform,) = (b for b in baselines if b["kind"] == "uniform")
+    assert uniform["uniform_width"] == 17 and (uniform["uniform_width"] + 1) / inter > 0.55  # the widest that fits
+    everything = search["candidates"] + baselines
+    assert search["chosen"]["loss"] == min(r["loss"] for r in everything)
+    assert all(search["chosen"]["loss"] <= b["loss"] for b in baselines)
+    assert search["best_loss_by_kind"] == {k: _best(everything, k) for k in ("crisp", "skip_aux", "uniform")}
+    assert search["chosen_kind"] == search["chosen"].get("kind", "crisp") == pack.plan.policy.value
+
+
+@pytest.mark.parametrize("favoured, policy", [("crisp", PolicyKind.CRISP), ("skip_aux", PolicyKind.SKIP_AUX),
+                                              ("uniform", PolicyKind.UNIFORM)])
+def test_search_writes_the_kind_with_the_lowest_held_out_loss(tiny, tmp_path, monkeypatch, capsys, favoured, policy):
+    """A scorer that makes every other kind worse by 1 nat: the search writes the favoured kind's best plan, a valid
+    plan of that policy the pack and runtime load, says so in pack.json and in one log line, and its held-out loss
+    is at most each baseline's."""
+    import dataclasses
+
+    from crisp_tools.profiler import search as ps
+
+    real = ps.held_out_scores
+
+    def scored(inputs, weights, plan):
+        got = real(inputs, weights, plan)
+        return got if plan.policy.value == favoured else dataclasses.replace(got, nll=got.nll + 1.0)
+
+    monkeypatch.setattr(ps, "held_out_scores", scored)
+    _, model, text = tiny
+    out = tmp_path / "pack"
+    args = [a for a in PROFILE_ARGS if a != "--quiet"]
+    assert prof.main(["--model", str(model), "--data", str(text), "--out", str(out), *args]) == 0
+    pack = load_pack(out)
+    search = pack.info["search"]
+    assert search["chosen_kind"] == favoured and pack.plan.policy is policy
+    assert all(search["chosen"]["loss"] <= b["loss"] for b in search["baselines"])
+    best = search["best_loss_by_kind"]
+    assert search["chosen"]["loss"] == best[favoured] == min(best.values())
+    assert search["chosen"]["bytes_fraction"] <= 0.55 + 1e-9
+    if favoured == "crisp":
+        assert search["chosen"] in search["candidates"] and "baseline" not in pack.plan.description
+    else:
+        assert search["chosen"] in search["baselines"] and search["chosen"]["kind"] == favoured
+        assert pack.plan.description.startswith(("Skip-auxiliary baseline:", "Uniform-width baseline:"))
+        expected = (pack.plan.uniform_width if policy is PolicyKind.UNIFORM else pack.plan.skip_threshold)
+        assert expected == search["chosen"]["uniform_width" if policy is PolicyKind.UNIFORM else "skip_threshold"]
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if f"search: chose {favoured} (held-out" in line]) == 1
+    # the runtime serves the plan written
+    from crisp_runtime import apply
+
+    loaded, _ = load_model(model)
+    handle = apply(loaded, pack)
+    with torch.no_grad():
+        loaded(input_ids=torch.tensor(list(text.read_bytes()[:32])).view(1, 32))
+    assert handle.stats()["tokens"] > 0
+
+
+@pytest.mark.parametrize("target, num_dominant, expected", [
+    (0.54, None, [("skip_aux", 1), ("uniform", None), ("skip_aux", 2), ("skip_aux", 3)]),  # top-6: 1, 2, 3 fit
+    (0.30, None, [("skip_aux", 1), ("uniform", None)]),  # two dominants alone are 33%
+    (0.54, 2, [("skip_aux", 2), ("uniform", None)]),  # --num-dominant 2
+])
+def test_baselines_of_a_top6_search(target, num_dominant, expected):
+    """Top-6: one skip-aux per searched dominant count and one uniform width, each the most bytes at or below the
+    target (on the routing the search measures every candidate's bytes on)."""
+    from types import SimpleNamespace
+
+    from crisp_tools.profiler.search import baseline_plans, bytes_fraction
+
+    from crisp_runtime.planning.baselines import dominant_and_aux_weights
+    from crisp_runtime.planning.plan import CrispPlan, TierWidths
+
+    e, k, inter, layers, tokens = 16, 6, 32, (1, 2), 200
+    g = torch.Generator().manual_seed(0)
+    routing = {lid: (torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]),
+                     torch.rand(tokens, k, generator=g).softmax(dim=1)) for lid in layers}
+    plan = CrispPlan(PolicyKind.CRISP, e, k, inter, layers, tier_widths=TierWidths(inter, 4, 0))
+    inputs = SimpleNamespace(cfg=SimpleNamespace(search_target_bytes=target, num_dominant=num_dominant), top_k=k)
+    got = baseline_plans(inputs, plan, routing)
+    assert [(r["kind"], r.get("num_dominant")) for r, _ in got] == expected
+    for rec, base in got:
+        assert rec["bytes_fraction"] == bytes_fraction(base, routing) <= target + 1e-9
+        if rec["kind"] == "uniform":
+            assert base.uniform_width == int(target * inter)  # the widest uniform width within the target
+        else:
+            assert base.num_dominant == rec["num_dominant"] and base.skip_threshold == rec["skip_threshold"]
+            # one more auxiliary slot kept (the next lower weight) would exceed the target
+            weights = dominant_and_aux_weights(routing, e, base.num_dominant)[1].tolist()
+            below = base.skip_threshold if base.skip_threshold is not None else float("inf")
+            aux = sorted(w for w in weights if w < below)
+            if aux:
+                wider = CrispPlan.skip_aux(e, k, inter, layers, threshold=aux[-1], num_dominant=base.num_dominant)
+                assert bytes_fraction(wider, routing) > target

@@ -84,8 +84,13 @@ def test_other_tier_widths_repeat_the_whole_space_once_each():
 
     _, plan, _ = load_pack_dir(PACK)
     own, wide = plan.tier_widths, TierWidths(256, 128, 64)
-    base = tp.default_candidates(plan)
+    with_baselines = tp.default_candidates(plan)
+    base = [c for c in with_baselines if c.baseline is None]
+    # the baselines once, last (they replace the plan: no tier widths)
+    assert [c.baseline for c in with_baselines[len(base):]] == list(tp.SEARCH_BASELINES)
     cands = tp.default_candidates(plan, [wide, own, wide])  # the plan's own and a repeat are searched once
+    assert cands[-2:] == with_baselines[-2:]
+    cands = cands[:-2]
     assert len(cands) == 2 * len(base) and len({c.label for c in cands}) == len(cands)
     assert cands[: len(base)] == base and {c.tier_widths for c in cands[len(base):]} == {wide}
     for c, b in zip(cands[len(base):], base, strict=True):  # the same knobs at the other widths
@@ -93,7 +98,7 @@ def test_other_tier_widths_repeat_the_whole_space_once_each():
         served = c.plan_for(plan)
         assert served.tier_widths == wide and served.layers == plan.layers and served.width_cap == c.width_cap
         assert served == tp.dataclasses.replace(b.plan_for(plan), tier_widths=wide)
-    assert tp.default_candidates(plan, [own]) == base
+    assert tp.default_candidates(plan, [own]) == with_baselines
     band = tp.Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=0.4, kind=tp.CandidateServing.PLAN,
                         tier_widths=TierWidths(256, 96, 48))
     assert band.label == "plan-tiers256.96.48-aux0.4+prefetch-plan"
@@ -198,6 +203,58 @@ def test_search_decodes_and_stores_the_chosen_auxiliary_weight(tiny, monkeypatch
     assert decoded_plans["crisp-floor0.5-aux0.3"] == plan.promoted(0.3)
     speed = {r["candidate"]: r["bytes_per_token"] for r in record.search["candidates"]}
     assert speed["floor0.5-aux0.3"] > speed["floor0.5"]  # the promoted plan was the one simulated
+
+
+@pytest.mark.parametrize("within", [{"crisp"}, {"skip_aux"}, {"uniform"}, {"crisp", "skip_aux", "uniform"}])
+def test_the_baselines_at_the_plan_s_bytes_are_candidates(tiny, monkeypatch, within):
+    """Skip-aux and uniform at the plan's bytes per token (at or below, on the traced routing) are served in place of
+    the plan; scripted accuracies put only the kinds in ``within`` inside the bound. The fastest of those is chosen
+    whichever kind it is, the plan returned (what the pack stores) is that baseline when one wins, the record says
+    which kind won and holds every baseline's speed and loss."""
+    from crisp_bench.traces import record_trace, routing
+
+    from crisp_runtime.planning.baselines import equal_bytes_plans, neurons_per_token
+
+    model, layers, plan, windows = tiny
+    scored_plans = []
+
+    def fake_score_plan(model, pack, served, windows):
+        scored_plans.append(served)
+        n = windows.shape[1] - 1
+        correct = torch.ones(windows.shape[0], n, dtype=torch.bool)
+        if served.policy.value not in within | {"full"}:
+            correct.view(-1)[:8] = False  # 8 of 38: 21%, over the 10% bound
+        return TokenScores(torch.zeros(windows.shape[0], n), correct)
+
+    monkeypatch.setattr(tp, "score_plan", fake_score_plan)
+    cands = [tp.Candidate(prefetch=PrefetchWidth.PLAN, kind=tp.CandidateServing.PLAN),
+             tp.Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=0.3, kind=tp.CandidateServing.PLAN),
+             *(tp.Candidate(prefetch=PrefetchWidth.PLAN, kind=tp.CandidateServing.PLAN, baseline=b)
+               for b in tp.SEARCH_BASELINES)]
+    lines = []
+    goal = tp.ThroughputGoal(0.25, 0.1, confidence=0.5)
+    record, chosen_plan = tp.search_throughput(model, layers, plan, windows, goal, cands=cands, log=lines.append)
+    search = record.search
+    route = routing(record_trace(model, windows))
+    matched = equal_bytes_plans(plan, route, at_most=True)
+    by_kind = {b["kind"]: b for b in search["baselines"]}
+    assert sorted(by_kind) == ["skip_aux", "uniform"]
+    assert by_kind["uniform"]["uniform_width"] == matched["uniform"].uniform_width
+    assert by_kind["skip_aux"]["skip_threshold"] == matched["skip_aux"].skip_threshold
+    assert by_kind["skip_aux"]["num_dominant"] == plan.num_dominant
+    for kind in by_kind:  # at the plan's bytes or fewer, on the routing the speed is simulated on
+        assert neurons_per_token(matched[kind], route) <= neurons_per_token(plan, route) + 1e-9
+        assert "accuracy_loss" in by_kind[kind]  # scored even when slower than the choice
+    speed = {r["candidate"]: r["tokens_per_s"] for r in search["candidates"]}
+    kind_of = {r["candidate"]: r.get("kind", "crisp") for r in search["candidates"]}
+    want = max((c for c in speed if kind_of[c] in within), key=lambda c: speed[c])
+    assert search["chosen"]["candidate"] == want and search["chosen_kind"] == kind_of[want]
+    assert all(speed[want] >= speed[c] for c in speed if kind_of[c] in within)  # never slower than one within
+    assert chosen_plan.policy.value == kind_of[want]
+    if kind_of[want] != "crisp":
+        assert chosen_plan.widths_digest() == matched[kind_of[want]].widths_digest()
+        assert "baseline" in chosen_plan.description
+    assert sum(f"throughput: chose {kind_of[want]} (" in ln for ln in lines) == 1
 
 
 def _scripted_decode(losses: list[list[int]], decoded: list[tuple[str, int]]):
@@ -321,8 +378,12 @@ def test_profile_stores_the_throughput_choice(tmp_path):
     record = serving_record(pack.info)
     assert record is not None and record.gpu_budget_fraction == 0.5
     search = record.search
-    space = tp.candidates(intermediate_size=pack.plan.intermediate_size)  # a CRISP plan: its knobs searched too
+    # a CRISP plan: its knobs searched too, and the baselines at its bytes
+    space = tp.candidates(intermediate_size=pack.plan.intermediate_size, baselines=tp.SEARCH_BASELINES)
     assert len(search["candidates"]) == len(space) and search["windows"] == [2, 12]
+    assert search["chosen_kind"] == pack.plan.policy.value
+    assert sorted(b["kind"] for b in search["baselines"]) == ["skip_aux", "uniform"]
+    assert all("accuracy_loss" in b for b in search["baselines"])  # scored beside the chosen one, even when slower
     assert search["accuracy_windows"] == [3, 12]
     assert "held-out calibration" in search["accuracy_text"]
     # a bound of 1.0 admits anything: the fastest simulated candidate is the one stored

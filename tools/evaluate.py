@@ -86,7 +86,9 @@ class Evaluator:
         recorded = (self.info.get("model") or {}).get("weights_sha256")
         if recorded and recorded != model_fingerprint(self.model, self.refs)["weights_sha256"]:
             raise CliError(f"--crisp {pack_dir}: the pack was made from other weights than --model {model_dir}")
-        if self.plan is None or self.plan.policy is not PolicyKind.CRISP:
+        # A profiler search may store a baseline (skip_aux / uniform) when it beat every CRISP setting: evaluated
+        # as the pack plan, its paired difference to the matched baseline of its own kind is then ~0.
+        if self.plan is None or self.plan.policy is PolicyKind.FULL:
             raise CliError(f"--crisp {pack_dir}: the pack has no CRISP plan (plan.json); run crisp-profile")
         self.tail_layout, self.reference = self._reference(pack_dir, reference_dir)
         self.windows = contiguous_windows(texts, samples, seq_len)
@@ -204,7 +206,8 @@ class Evaluator:
                                         else self.neurons(self.plan.width_cap)),
                                        ("aux_full_weight", self.plan.aux_full_weight),
                                        ("aux_skip_weight", self.plan.aux_skip_weight)) if v is not None}
-            records.append(self._record("crisp", "CRISP (pack plan)", crisp[1], crisp[0], n_tok, **knobs))
+            what = "CRISP" if self.plan.policy is PolicyKind.CRISP else self.plan.policy.value
+            records.append(self._record("crisp", f"{what} (pack plan)", crisp[1], crisp[0], n_tok, **knobs))
             # uniform and skip-aux matched to CRISP's measured bytes per token on the full-width run's routing
             routing = {i: trace.layer(i) for i in self.layer_ids}
             plans = equal_bytes_plans(self.plan, routing, target=crisp[1] / self.neuron_bytes)
@@ -226,7 +229,7 @@ class Evaluator:
                 ahead = paired_advantage(full[0].correct, crisp[0].correct, base[0].correct)
                 crisp_record[f"advantage_vs_{name}"] = ahead.loss
                 crisp_record[f"advantage_vs_{name}_se"] = finite_or_none(ahead.standard_error)
-                self.log(f"CRISP vs {name} at equal bytes: {ahead.loss:+.2%} +- {ahead.standard_error:.2%} "
+                self.log(f"{what} vs {name} at equal bytes: {ahead.loss:+.2%} +- {ahead.standard_error:.2%} "
                          f"of the full width's accuracy (paired, {ahead.windows} windows)")
             if frontier:
                 records += self._frontier(run, n_tok, matched_width=neurons, matched_threshold=threshold)
@@ -258,6 +261,8 @@ class Evaluator:
             got = run(self._plan("skip_aux", threshold=th))
             out.append(self._record("skip_aux", f"skip auxiliary if weight < {th:g} (frontier)", got[1], got[0],
                                     n_tok, skip_threshold=th))
+        if self.plan.policy is not PolicyKind.CRISP:  # a baseline pack plan has no cap or auxiliary weight
+            return out
         for cap in sorted({max(1, round(f * neurons)) for f in CRISP_CAPS}):
             # the cap in the pack's rows, recorded in neurons (as uniform widths are)
             got = run(self.plan.capped(rows_for_neurons(cap, first.tail_start)))
@@ -495,18 +500,19 @@ def main(argv: list[str] | None = None) -> int:
         return ca.interrupted("crisp-eval", resumable=False)
     print(format_table(records))
     v = verdict(records)
+    what = "CRISP" if ev.pack_plan.policy is PolicyKind.CRISP else f"The pack plan ({ev.pack_plan.policy.value})"
     loss = v["crisp_relative_accuracy_loss"]
     met = {True: "met", False: "NOT met", None: "unknown: full width scores 0"}[
         None if v["accuracy_target_met"] is None else v["bytes_target_met"] and v["accuracy_target_met"]]
     print(
-        f"\nCRISP at {v['crisp_bytes_fraction']:.1%} of full-width bytes: relative accuracy loss "
+        f"\n{what} at {v['crisp_bytes_fraction']:.1%} of full-width bytes: relative accuracy loss "
         f"{'undefined' if loss is None else f'{loss:.2%}'} (target <= 3.6% at <= 55%: {met}); "
         f"beats uniform: {v['beats_uniform']}, beats skip-aux: {v['beats_skip_aux']}"
     )
     for name in ("uniform", "skip_aux"):
         ahead, se = v[f"advantage_vs_{name}"], v[f"advantage_vs_{name}_se"]
         if ahead is not None:
-            print(f"CRISP ahead of {name} at equal bytes: {ahead:+.2%}"
+            print(f"{what} ahead of {name} at equal bytes: {ahead:+.2%}"
                   f"{'' if se is None else f' +- {se:.2%}'} of the full width's accuracy (paired by window)")
     if args.json:
         dump_json(args.json, {"model": args.model, "crisp": args.crisp, "data": args.data,

@@ -10,7 +10,8 @@ folder, without profiling again (a 4-bit pack, or a 2-bit tail pack of ``crisp_t
         --data data/stdlib-heldout.txt --mode decode --stored-serving --prefetch-window rtx4090-pcie4/mixtral-8x7b
 
 The search (``crisp_tools.profiler.throughput``) chooses the serving policy, the prefetch and the plan's auxiliary
-weight, skip weight and width cap (and its tier widths among ``--search-tier-widths``) with the most simulated
+weight, skip weight and width cap (and its tier widths among ``--search-tier-widths``; or skip-aux / uniform at the
+plan's bytes in its place, said in pack.json ``serving.search.chosen_kind``) with the most simulated
 tokens/s at ``--budget`` (a fraction of the 4-bit expert bytes: on a tail pack the same GPU memory as on its 4-bit
 source) on ``--hardware-profile``, within ``--max-accuracy-loss`` on windows of the held-out calibration part of
 ``--data`` (the last ``--holdout-fraction``, the profiler's split and draw: give the calibration text, never the

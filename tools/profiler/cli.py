@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--search-target-bytes every N whose dominants alone fit the target is searched)")
     p.add_argument("--search-target-bytes", type=ca.float_in(0.0, 1.0, low_open=True), default=None, metavar="FRACTION",
                    help="search tier cut-offs and Warm width for <= FRACTION of full-width bytes per token "
-                        "(lowest loss on held-out calibration windows); overrides --hot-mass/--cold-mass/--warm-width")
+                        "(lowest loss on held-out calibration windows); overrides --hot-mass/--cold-mass/--warm-width. "
+                        "Skip-aux and uniform width at <= FRACTION are candidates too: when one has the lowest loss "
+                        "the pack's plan is that baseline (pack.json search.chosen_kind)")
     p.add_argument("--search-samples", type=ca.positive_int, default=32,
                    help="held-out calibration windows for the search")
     p.add_argument("--search-cold-widths", type=_cold_widths, default=(0.0,), metavar="F[,F...]",
@@ -87,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-for-throughput", dest="throughput_budget", type=ca.float_in(0.0, 1.0, low_open=True),
                    default=None, metavar="BUDGET",
                    help="also choose the serving policy / prefetch and the plan's auxiliary weight, skip weight and "
-                        "width cap with the most simulated tokens/s at this GPU budget (fraction of all expert bytes) "
+                        "width cap (or skip-aux / uniform at the plan's bytes in its place) with the most simulated "
+                        "tokens/s at this GPU budget (fraction of all expert bytes) "
                         "on --hardware-profile, within --max-accuracy-loss measured on held-out calibration windows "
                         "(decoded through the runtime, or one batch forward where the serving follows the plan); "
                         "stored in pack.json 'serving' (crisp_runtime.storage.serving_record) and the pack's plan")

@@ -20,7 +20,13 @@ The plan's tiers and widths are chosen before, by bytes (``search.py``); this se
   :data:`SEARCH_CAPS`;
 - with ``tier_widths`` given (``--search-tier-widths``), the whole space again at each other Hot / Warm / Cold
   width of the non-dominant expert (the tiers and dominant labels stay the plan's): a wider Warm width costs bytes
-  but buys the accuracy a lower dominant floor spends.
+  but buys the accuracy a lower dominant floor spends;
+- the simple baselines in place of the plan, at its bytes per token: skip-auxiliary by routing weight (the plan's
+  dominant count) and one uniform width, each the closest at or below the plan's neurons per token on the traced
+  routing (``crisp_runtime.planning.baselines.equal_bytes_plans(..., at_most=True)``), served at their widths with
+  plan-width prefetch. The fastest candidate within the bound is chosen whichever kind it is, so the choice is never
+  slower than a baseline that meets the bound; when a baseline wins, the pack's plan is that baseline and the
+  record says so (``search.chosen_kind``; ``search.baselines`` holds their speed and loss, scored even when slower).
 
 Speed: each candidate replays a routing trace recorded on the held-out calibration windows (with
 the next layer's predictions) through the simulator's library API (``crisp_bench.simulate``, the
@@ -60,11 +66,11 @@ from crisp_bench.profiles import get_profile
 from crisp_bench.shapes import TARGETS, ModelShape
 from crisp_bench.simulate import SimPolicy, simulate_decode, target_window
 from crisp_bench.tail_sim import TailMapping, mapped_target
-from crisp_bench.traces import record_trace
+from crisp_bench.traces import record_trace, routing
 
 from crisp_kernels.tail_layout import PLAIN, TailLayout
 from crisp_runtime import cli_args as ca
-from crisp_runtime.planning.baselines import full_plan
+from crisp_runtime.planning.baselines import baseline_description, equal_bytes_plans, full_plan
 from crisp_runtime.planning.plan import CrispPlan, PlanError, PolicyKind, TierWidths
 from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
 from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
@@ -135,6 +141,8 @@ SEARCH_AUX_WEIGHTS = (None, 0.3, 0.4)
 SEARCH_EXACT_BANDS = ((None, None), (None, 0.3), (None, 0.4), (0.3, 0.3), (0.4, 0.4), (0.15, 0.3), (0.2, 0.4),
                       (0.25, 0.4), (0.3, 0.4), (0.35, 0.45))
 SEARCH_CAPS = (None, 0.875, 0.75)
+# The baselines a CRISP plan's search also serves in its place, at its bytes per token.
+SEARCH_BASELINES = (PolicyKind.SKIP_AUX, PolicyKind.UNIFORM)
 
 
 class CandidateServing(enum.Enum):
@@ -156,8 +164,19 @@ class Candidate:
     width_cap: int | None = None  # the plan's CrispPlan.width_cap in neurons (None: uncapped)
     kind: CandidateServing = CandidateServing.RESIDENT
     tier_widths: TierWidths | None = None  # the plan's CrispPlan.tier_widths in neurons (None: the plan's own)
+    # serve this baseline instead of the plan, at the plan's bytes per token (None: the plan); the matched plan is set
+    # by matched_on, on the search's routing
+    baseline: PolicyKind | None = None
+    matched: CrispPlan | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.baseline is not None:
+            if self.baseline not in SEARCH_BASELINES:
+                raise ValueError(f"Candidate: baseline must be one of {', '.join(b.value for b in SEARCH_BASELINES)}, "
+                                 f"got {self.baseline!r}")
+            if self.kind is not CandidateServing.PLAN or (self.aux_full_weight, self.aux_skip_weight, self.width_cap,
+                                                          self.tier_widths) != (None,) * 4:
+                raise ValueError("Candidate: a baseline is served at its own widths, without plan knobs")
         if self.kind is CandidateServing.PLAN and (self.dominant_floor != 1.0 or self.widen is not DominantWiden.NEVER
                                                    or self.prefetch not in (None, PrefetchWidth.PLAN)):
             raise ValueError(f"Candidate: serving at the plan's widths has no dominant floor, widening or "
@@ -179,11 +198,30 @@ class Candidate:
         tw = self.tier_widths
         tiers = "" if tw is None else f"-tiers{tw.hot}.{tw.warm}.{tw.cold}"
         head = "plan" if self.exact else f"floor{self.dominant_floor:g}{widen}"
+        if self.baseline is not None:
+            head = f"baseline-{self.baseline.value}"
         return f"{head}{tiers}{aux}{skip}{cap}{pf}"
+
+    @property
+    def kind_served(self) -> str | None:
+        """What a record's ``kind`` says: the baseline's policy, None for the plan (its own policy)."""
+        return None if self.baseline is None else self.baseline.value
+
+    def matched_on(self, plan: CrispPlan, route) -> Candidate:
+        """This candidate with its baseline matched to ``plan``'s neurons per token on ``route``
+        (``crisp_runtime.planning.baselines.Routing``; at or below them); itself when it serves the plan."""
+        if self.baseline is None:
+            return self
+        base = equal_bytes_plans(plan, route, at_most=True)[self.baseline.value]
+        return dataclasses.replace(self, matched=base)
 
     def plan_for(self, plan: CrispPlan) -> CrispPlan:
         """The plan this candidate serves: ``plan`` with the candidate's weights, cap and tier widths (``plan``
-        itself when they are its own)."""
+        itself when they are its own), or its baseline matched to ``plan`` (:meth:`matched_on`)."""
+        if self.baseline is not None:
+            if self.matched is None or self.matched.layer_ids != plan.layer_ids:
+                raise ValueError(f"Candidate {self.label}: the baseline is not matched to this plan (matched_on)")
+            return self.matched
         if plan.policy is not PolicyKind.CRISP:
             if (self.aux_full_weight, self.aux_skip_weight, self.width_cap, self.tier_widths) != (None,) * 4:
                 raise ValueError(f"Candidate {self.label}: plan knobs apply to CRISP plans only, not "
@@ -209,13 +247,15 @@ def candidates(floors: Sequence[float] = SEARCH_FLOORS,
                aux_full_weights: Sequence[float | None] = SEARCH_AUX_WEIGHTS, *,
                exact_bands: Sequence[tuple[float | None, float | None]] = SEARCH_EXACT_BANDS,
                caps: Sequence[float | None] = SEARCH_CAPS, intermediate_size: int | None = None,
-               tier_widths: Sequence[TierWidths | None] = (None,)) -> list[Candidate]:
+               tier_widths: Sequence[TierWidths | None] = (None,),
+               baselines: Sequence[PolicyKind] = ()) -> list[Candidate]:
     """The search space (module docstring). Served from what is resident, per auxiliary weight and floor: no
     prefetch, PLAN prefetch, and below full width SERVING prefetch without and with AHEAD widening (at full width
     those equal PLAN): 18 per weight. At the plan's widths (``intermediate_size`` given: a CRISP plan's neurons),
     per (skip weight, auxiliary weight) band of ``exact_bands`` and cap of ``caps``: PLAN prefetch (a prefetch at
     the plan's widths never delays a demanded copy, and at floor 1 it was 1.89x full-width LRU against 1.72x
-    without in a search at 25%). All of it once per entry of ``tier_widths`` (None: the plan's own)."""
+    without in a search at 25%). All of it once per entry of ``tier_widths`` (None: the plan's own). Then each of
+    ``baselines`` once, at its widths with plan-width prefetch (matched to the plan in the search)."""
     out = []
     for tw in tier_widths:
         for w in aux_full_weights:
@@ -232,6 +272,7 @@ def candidates(floors: Sequence[float] = SEARCH_FLOORS,
                     neurons = None if cap is None else max(1, round(cap * intermediate_size))
                     out.append(Candidate(prefetch=PrefetchWidth.PLAN, aux_full_weight=w, aux_skip_weight=s,
                                          width_cap=neurons, kind=CandidateServing.PLAN, tier_widths=tw))
+    out += [Candidate(prefetch=PrefetchWidth.PLAN, kind=CandidateServing.PLAN, baseline=b) for b in baselines]
     return out
 
 
@@ -314,15 +355,16 @@ def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: Mod
 
 def default_candidates(plan: CrispPlan, tier_widths: Sequence[TierWidths] = ()) -> list[Candidate]:
     """:func:`candidates` for ``plan``: a CRISP plan's knobs at its neurons, at its own tier widths and at each of
-    ``tier_widths`` (``--search-tier-widths``; those equal to its own or repeated are tried once); other plans'
-    serving alone (ValueError with ``tier_widths``)."""
+    ``tier_widths`` (``--search-tier-widths``; those equal to its own or repeated are tried once), and the baselines
+    at its bytes (:data:`SEARCH_BASELINES`); other plans' serving alone (ValueError with ``tier_widths``)."""
     if plan.policy is not PolicyKind.CRISP:
         if tier_widths:
             raise ValueError(f"--search-tier-widths: tier widths apply to CRISP plans only, not {plan.policy.value!r}")
         return candidates(aux_full_weights=(None,))
     check_tier_widths(tier_widths, plan.intermediate_size)
     others = [tw for tw in dict.fromkeys(tier_widths) if tw != plan.tier_widths]
-    return candidates(intermediate_size=plan.intermediate_size, tier_widths=(None, *others))
+    return candidates(intermediate_size=plan.intermediate_size, tier_widths=(None, *others),
+                      baselines=SEARCH_BASELINES)
 
 
 def check_tier_widths(tier_widths: Sequence[TierWidths], intermediate_size: int) -> None:
@@ -397,11 +439,16 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
         raise ValueError(f"search_throughput: accuracy_windows must be (M, L >= 2) token ids, got "
                          f"{tuple(accuracy_windows.shape)}")
     for c in cands:  # a knob the plan refuses (a skip weight over its auxiliary weight), before minutes of work
+        if c.baseline is not None:
+            continue  # matched on the trace below
         try:
             c.plan_for(plan)
         except (PlanError, ValueError) as exc:
             raise ValueError(f"search_throughput: candidate {c.label}: {exc}") from None
     trace = record_trace(model, windows, source=source)
+    if any(c.baseline is not None for c in cands):
+        route = routing(trace)
+        cands = [c.matched_on(plan, route) for c in cands]
     first = next(iter(reference_layers.values()))
     shape = target_shape(goal, trace, first.hidden_size)
     warmup = min(32, trace.num_tokens // 4)
@@ -443,9 +490,17 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
                              next(iter(v.layers.values())).intermediate_size)
 
     by_label = {c.label: c for c in cands}
+    for r in sims:  # a baseline's record says what it served
+        c = by_label[r["candidate"]]
+        if c.baseline is not None:
+            served = c.plan_for(plan)
+            what = ({"uniform_width": served.uniform_width} if c.baseline is PolicyKind.UNIFORM
+                    else {"skip_threshold": served.skip_threshold, "num_dominant": served.num_dominant})
+            r.update(kind=c.baseline.value, **what)
     packs: dict[str, CrispPack] = {}
-    chosen = None
-    for r in sorted(sims, key=lambda r: -r["tokens_per_s"]):
+
+    def scored(r: dict) -> bool:
+        """Score ``r``'s candidate on the accuracy windows into ``r``; whether it is accepted."""
         c, v = by_label[r["candidate"]], variant_of[id(r)]
         pack = packs.setdefault(v.layout.name, CrispPack(v.layers, plan))
         mode = "batch" if c.exact else "decode"
@@ -466,14 +521,26 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
         log(f"throughput: {c.label}{f' ({v.layout.name})' if several else ''}: accuracy loss {est.loss:.2%} +- "
             f"{est.standard_error:.2%} over {est.windows}/{total} windows ({r['accuracy_decision']}; "
             f"{'batch: the plan widths' if c.exact else 'decoded, runtime in the loop'})")
-        if accepted:
-            chosen = (c, r, v)
+        return accepted
+
+    chosen = None
+    for r in sorted(sims, key=lambda r: -r["tokens_per_s"]):
+        if scored(r):
+            chosen = (by_label[r["candidate"]], r, variant_of[id(r)])
             break
     if chosen is None:
         raise ValueError(f"search_throughput: no candidate loses <= {goal.max_accuracy_loss:.2%} at "
                          f"{goal.confidence:.0%} confidence on the {source}; raise the bound, the budget or the "
                          "accuracy windows, or lower the confidence")
     c, r, v = chosen
+    baselines = [b for b in sims if "kind" in b]
+    for b in baselines:  # their loss beside the chosen one's, also when slower (exact: one batch forward each)
+        if "accuracy_loss" not in b:
+            scored(b)
+    kind = c.plan_for(plan).policy.value
+    log(f"throughput: chose {kind} ({c.label}): {r['tokens_per_s']:.2f} tok/s, accuracy loss {r['accuracy_loss']:.2%}; "
+        + ", ".join(f"{b['kind']} {b['tokens_per_s']:.2f} tok/s at {b['accuracy_loss']:.2%} ({b['accuracy_decision']})"
+                    for b in baselines))
     search = {"objective": "simulated tokens/s", "profile": goal.profile, "target": shape.name,
               "tail_layout": v.layout.name, **({"tail_layouts": [x.layout.name for x in variants]} if several else {}),
               "accuracy_reference": "4-bit full width" + ("" if reference_layers is variants[0].layers
@@ -482,7 +549,7 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
               "z": z, "accuracy_text": source, "accuracy_prefetch_window": window_of(v).name,
               "windows": list(windows.shape), "accuracy_windows": list(accuracy_windows.shape),
               "full_width_accuracy": next(iter(references.values())).accuracy, "full_lru_tokens_per_s": base_tps,
-              "chosen": r, "candidates": sims}
+              "chosen_kind": kind, "chosen": r, "baselines": baselines, "candidates": sims}
     return (ServingRecord(c.serving(), c.prefetch_policy(), goal.eviction, goal.budget, search),
             _described(c, plan), v)
 
@@ -492,6 +559,10 @@ def _described(c: Candidate, plan: CrispPlan) -> CrispPlan:
     chosen = c.plan_for(plan)
     if chosen is plan:
         return plan
+    if c.baseline is not None:
+        return dataclasses.replace(chosen, description=(
+            f"{baseline_description(chosen)} Served in place of the CRISP plan at its bytes per token or fewer (the "
+            "throughput search for simulated tokens/s found it the fastest within the accuracy bound)."))
     said = []
     if c.tier_widths is not None:
         said.append(f"the non-dominant expert of a Hot / Warm / Cold combination runs at {c.tier_widths.hot} / "
