@@ -32,13 +32,14 @@ from pathlib import Path
 
 def crisp_cpu_experts(precision: str, threads: int | None = None):
     """The CRISP engine's ``CpuExpertsConfig`` for a ``crisp-bench peer --crisp-precisions`` name: "fp32", the
-    default config (the native kernel in fp32); "q8", its 8-bit-activation arithmetic (``Precision.Q8``)."""
+    native kernel in fp32 (``Precision.BF16``: fp32 where the kernel builds); "q8", its 8-bit-activation arithmetic
+    (``Precision.Q8``, the default)."""
     from crisp_kernels.cpu_expert import Precision
     from crisp_runtime.cpu.experts import CpuExpertsConfig
 
     if precision not in ("fp32", "q8"):
         raise ValueError(f"precision: expected fp32 or q8, got {precision!r}")
-    return CpuExpertsConfig(threads=threads, **({"precision": Precision.Q8} if precision == "q8" else {}))
+    return CpuExpertsConfig(threads=threads, precision=Precision.Q8 if precision == "q8" else Precision.BF16)
 
 
 def rss_mib() -> dict:

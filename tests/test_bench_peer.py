@@ -210,3 +210,15 @@ def test_cpu_profiles_fit_bandwidth_and_latency_per_kernel_from_the_widths():
         assert prof["cpu_bytes_per_s"] == pytest.approx(bw, rel=1e-9)
         assert prof["cpu_latency_s"] == pytest.approx(lat, rel=1e-6)
         assert prof["read_bytes_per_s"] == 20e9 and prof["threads"] == 2
+
+
+def test_the_crisp_engines_arithmetics_are_the_named_ones():
+    from crisp_kernels import cpu_native
+    from crisp_kernels.cpu_expert import CpuImpl
+
+    if not cpu_native.available():
+        pytest.skip("the native CPU kernel does not build here")
+    assert peer_engines.crisp_cpu_experts("fp32").impl is CpuImpl.NATIVE_FP32
+    assert peer_engines.crisp_cpu_experts("q8", 2).impl is CpuImpl.NATIVE_Q8
+    with pytest.raises(ValueError, match="precision"):
+        peer_engines.crisp_cpu_experts("int4")
