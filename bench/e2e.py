@@ -45,7 +45,7 @@ from crisp_runtime.cpu.experts import EXACT, TOLERANCE, CpuExpertsConfig, CpuKer
 from crisp_runtime.cpu.knob import measure_cpu_bytes_per_s
 from crisp_runtime.execution.runtime import RuntimeConfig
 from crisp_runtime.hf.dropin import apply
-from crisp_runtime.hf.moe_layers import max_positions, record_routing
+from crisp_runtime.hf.moe_layers import max_positions
 from crisp_runtime.planning.serving import ServingPolicy
 from crisp_runtime.residency.ledger import pin_most_used
 from crisp_runtime.scheduling.scheduler import CostModel, Placement
@@ -62,6 +62,7 @@ from .common import (
     rel,
     sync,
 )
+from .sim_policies import DEFAULT_POLICY
 from .simulate import BudgetTooSmall
 
 PLACEMENTS = ("gpu", "hybrid", "hybrid_split", "static_hybrid", "cpu_only")  # scheduler.Placement values
@@ -179,6 +180,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--placements", type=common.csv_choices(PLACEMENTS), default=["gpu"],
                    help=f"where experts run, comma separated: {', '.join(PLACEMENTS)} (default gpu; the others use the "
                    "host CPU: the hybrid placements and their baselines)")
+    p.add_argument("--default", action="store_true",
+                   help=f"also decode with what apply(model, pack, gpu_budget=B) runs given only the budget (record "
+                   f"'{DEFAULT_POLICY}', with stats()['serving']; `simulate --compare` matches it with the simulator's "
+                   "record of the same name)")
     p.add_argument("--cpu-precision", choices=CPU_PRECISIONS, default="q8",
                    help="the precision the CPU placements promise: q8 (default: the native kernel with 8-bit "
                    "activations and integer dots, within 2**-5 of the reference), bf16 (the native kernel in fp32, or "
@@ -220,18 +225,13 @@ def run(args) -> int:
 
     # The reference: the unquantized model, and its routing on these tokens (to match uniform's bytes).
     ref = decode(model, ids, warm)
-    with torch.no_grad(), record_routing(model) as routing:
-        model(input_ids=ids[:-1].unsqueeze(0).to(device), use_cache=False)
-    layer_ids = sorted(routing.index)
-    first = pack.layers[layer_ids[0]]
-    trace = tr.Trace(
-        torch.stack([routing.layer(i)[0] for i in layer_ids]).numpy(),
-        torch.stack([routing.layer(i)[1] for i in layer_ids]).numpy(), layer_ids,
-        {"num_experts": first.num_experts, "top_k": top_k, "intermediate_size": first.intermediate_size},
-    )
+    # the routing of these tokens and the next layer's experts predicted from it (what the default's prefetch
+    # reads): the simulator replays the same decisions (`simulate --trace ... --compare`)
+    with torch.no_grad():
+        trace = tr.record_trace(model, ids[:-1].unsqueeze(0),
+                                source=f"{args.text} (the e2e tokens; warm-up {warm})")
     if getattr(args, "record_trace", None):
-        trace.meta.update(model=str(args.model), source=f"{args.text} (the e2e tokens; warm-up {warm})",
-                          hidden_size=first.hidden_size, warmup=warm)
+        trace.meta.update(model=str(args.model), warmup=warm)
         trace.save(args.record_trace)  # atomically
         print(f"routing of the decoded tokens saved to {args.record_trace} (simulate it with --warmup {warm})")
     plans = tr.policy_plans(trace, pack.plan if pack.plan is not None and pack.plan.policy.value == "crisp" else None)
@@ -284,6 +284,8 @@ def run(args) -> int:
                 records.append(rec)
         finally:
             handle.restore()
+    if getattr(args, "default", False):
+        records.append(_default_record(model, pack, ids, warm, budget, args.budget, device))
     full = next((r for r in records if r["policy"] == "full"), None)
     for r in records:
         if full is not None:
@@ -324,6 +326,27 @@ def run(args) -> int:
                           plans={k: json.loads(json.dumps(v.to_dict()))["policy"] for k, v in plans.items()})
         print(f"wrote {args.json}")
     return 0
+
+
+def _default_record(model, pack, ids, warm: int, budget: int, fraction: float, device) -> dict:
+    """The record ``crisp-default``: the decode of what ``apply(model, pack, gpu_budget=budget)`` runs with no
+    other argument (the pack's stored choice for the budget, else the default rule; ``stats()["serving"]``)."""
+    handle = apply(model, pack, gpu_budget=budget)
+    try:
+        prog = report.Progress(f"e2e {DEFAULT_POLICY}")
+        prog(0, 1)
+        res = decode(model, ids, warm, handle)
+        prog(1, 1)
+        st = handle.stats()
+    finally:
+        handle.restore()
+    serving = st.get("serving") or {}
+    return {"policy": DEFAULT_POLICY, "tokens_per_s": res["tokens_per_s"], "ms_per_token": 1e3 / res["tokens_per_s"],
+            "bytes_per_token": st["bytes_h2d_per_token"], "bytes_read_per_token": st["bytes_read_per_token"],
+            "hit_rate": st["hit_rate"], "accuracy": res["accuracy"], "tokens": res["tokens"], "budget_bytes": budget,
+            "budget_fraction": fraction, "device": str(device), "placement": (st.get("cpu") or {}).get("placement"),
+            "cpu_runs_per_token": st["cpu_runs"] / max(1, st["tokens"]), "serving": json.loads(json.dumps(
+                serving, default=str))}
 
 
 def _placement_config(placement: str, pack, cpu_experts: CpuExpertsConfig):

@@ -23,8 +23,10 @@
 #  6. kernel-tests   the kernel, ops and experts-module tests compiled on CUDA (TRITON_INTERPRET=0,
 #                    CRISP_TEST_DEVICES=cuda: the `device` fixture yields only cuda)
 #  7. transfer       pinned H2D prefix copies, and the `measured` hardware profile
-#  8. e2e            end-to-end decode of the committed tiny Mixtral under every policy (routing
-#                    recorded), then 9. simulate-measured: the measured profile against that run
+#  8. e2e            end-to-end decode of the committed tiny Mixtral under every policy and under what
+#                    apply(model, pack, gpu_budget=B) runs by default (`--default`: record crisp-default;
+#                    routing and next-layer predictions recorded), then 9. simulate-measured: the measured
+#                    profile against that run, crisp-default's prediction against its decode included
 # 10. layer          layer steps of the real runtime vs the flow-shop bound, per order
 # 11. kernels        the kernel benchmark (Mixtral-8x7B, DeepSeek-MoE-16B, Qwen3-30B-A3B shapes), 2-bit tails beside
 # 12. cpu-kernel     the CPU expert kernels (native C against torch's int4pack op, same rounds) on the
@@ -107,7 +109,7 @@ step kernel-tests 240 "$py" -m pytest -q "${pytest_opts[@]}" --durations=15 --ju
   tests/test_tail_kernels.py tests/test_tail_rows.py
 step transfer 60 "${cb[@]}" transfer --shapes tiny,mixtral --profile-out "$out/measured-profile.json" \
   --json "$out/transfer.json"
-step e2e 120 "${cb[@]}" e2e --tokens 128 --record-trace "$out/e2e-trace.npz" --json "$out/e2e.json" \
+step e2e 150 "${cb[@]}" e2e --tokens 128 --default --record-trace "$out/e2e-trace.npz" --json "$out/e2e.json" \
   --plot "$out/e2e.png"
 step simulate-measured 30 "${cb[@]}" simulate --profile "$out/measured-profile.json" --target native \
   --trace "$out/e2e-trace.npz" --plan models/tiny-mixtral-crisp --compare "$out/e2e.json" \

@@ -657,12 +657,19 @@ def _compare_e2e(path, records, budget) -> list[dict]:
             raise CliError(f"--compare {path}: records[{i}] must be an object with a string 'policy'")
         for key in ("tokens_per_s", "bytes_per_token"):
             v = m.get(key)
-            if m["policy"] in POLICIES and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-                raise CliError(f"--compare {path}: records[{i}].{key} must be a positive number, got {v!r}")
+            # the default may copy nothing (everything it serves resident, or computed on the CPU)
+            zero_ok = m["policy"] == DEFAULT_POLICY and key == "bytes_per_token"
+            numeric = not isinstance(v, bool) and isinstance(v, (int, float)) and (v >= 0 if zero_ok else v > 0)
+            if m["policy"] in (*POLICIES, DEFAULT_POLICY) and not numeric:
+                raise CliError(f"--compare {path}: records[{i}].{key} must be a "
+                               f"{'non-negative' if zero_ok else 'positive'} number, got {v!r}")
     rows = []
     for m in measured:
         order = "widest_first" if str(m.get("device", "cpu")).startswith("cuda") else "serial"
-        p = _pick(records, f"{m['policy']}/plan/lru", order, budget)
+        if m["policy"] == DEFAULT_POLICY:  # what apply runs given only the budget: the record of the same name
+            p = next((r for r in records if r["policy"] == DEFAULT_POLICY and r["budget_fraction"] == budget), None)
+        else:
+            p = _pick(records, f"{m['policy']}/plan/lru", order, budget)
         if p is None:
             continue
         err = p["tokens_per_s"] / m["tokens_per_s"] - 1.0

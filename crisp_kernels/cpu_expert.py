@@ -356,6 +356,7 @@ def expert_mlp_cpu_accumulate_(
     *,
     config: CpuExpertConfig = DEFAULT_CONFIG,
     row_start: int = 0,
+    threads: int | None = None,
 ) -> None:
     """``out += weights[:, None] * expert_k(x)`` on the CPU, reading the first ``width`` rows only.
 
@@ -371,6 +372,9 @@ def expert_mlp_cpu_accumulate_(
     part with ``row_start == 0`` (the GPU's in a split), added once there; this kernel refuses
     biased experts anyway (see ``_check_supported``). 0 <= row_start <= width; row_start == width
     adds nothing.
+
+    threads: the native kernel's threads (None: this thread's torch intra-op threads); the torch paths use
+    this thread's torch threads.
     """
     prepared = packed if isinstance(packed, CpuExpert) else None
     host = prepared.packed if prepared is not None else packed
@@ -391,6 +395,8 @@ def expert_mlp_cpu_accumulate_(
         raise TypeError(f"config: expected a CpuExpertConfig, got {type(config).__name__}")
     if isinstance(row_start, bool) or not isinstance(row_start, int) or not 0 <= row_start <= width:
         raise ValueError(f"row_start: expected an int in [0, width = {width}], got {row_start!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads: expected None or a positive int, got {threads!r}")
     if row_start == width or tokens == 0:
         return
     impl = choose_impl(packed, x.dtype, tokens, config)
@@ -404,7 +410,7 @@ def expert_mlp_cpu_accumulate_(
         kernel = cpu_native.load()
         rows = kernel.rows_q8 if impl is CpuImpl.NATIVE_Q8 else kernel.rows_f32
         rows(x.float().contiguous(), host.qweight, host.scales, host.zeros, host.fmt.group_size,
-             kt, row_start, stop, weights.contiguous(), out, torch.get_num_threads())
+             kt, row_start, stop, weights.contiguous(), out, torch.get_num_threads() if threads is None else threads)
         return
     keep = None  # (T, width - row_start): token t uses neuron row_start + j
     if token_widths is not None:

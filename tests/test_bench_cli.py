@@ -108,15 +108,21 @@ def test_layer(tiny_model, tmp_path):
 
 
 def test_simulate_compare_with_e2e(tiny_model, tmp_path):
+    """e2e --default decodes what apply runs given only the budget (crisp-default, its serving choice recorded);
+    its trace holds the next-layer predictions that choice's prefetch reads, so the simulator predicts the same
+    record and --compare sets the two side by side."""
     e2e = tmp_path / "e2e.json"
     assert main(["e2e", "--model", str(tiny_model / "tiny"), "--text", str(tiny_model / "text.txt"), "--tokens", "8",
-                 "--policies", "full,crisp", "--json", str(e2e), "--threads", "1",
+                 "--policies", "full,crisp", "--default", "--json", str(e2e), "--threads", "1",
                  "--record-trace", str(tmp_path / "e2e.npz")]) == 0
+    default = next(r for r in _json(e2e)["records"] if r["policy"] == "crisp-default")
+    assert default["tokens_per_s"] > 0 and 0 <= default["accuracy"] <= 1 and default["serving"]
+    assert tr.Trace.load(tmp_path / "e2e.npz").predicted is not None
     out = tmp_path / "s.json"
     assert main(["simulate", "--trace", str(tmp_path / "e2e.npz"), "--plan", str(tiny_model / "tiny-crisp"),
                  "--target", "native", "--warmup", "2", "--compare", str(e2e), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["comparison"]
-    assert {r["policy"] for r in rows} == {"full", "crisp"} and all("error" in r for r in rows)
+    assert {r["policy"] for r in rows} == {"full", "crisp", "crisp-default"} and all("error" in r for r in rows)
 
 
 def test_transfer_and_measured_profile(tmp_path, monkeypatch):

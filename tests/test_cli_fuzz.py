@@ -84,6 +84,7 @@ BENCH = (
     + _cases("bench peer", {"--json": ["", "DIR", "MISSING"], "--threads": [*THREADS, ",", "1,0"],
                             "--models": ["huge", "", "tiny,x", "TINY"], "--tokens": POS_INT, "--prompt": POS_INT,
                             "--rounds": POS_INT, "--quants": ["Q8_0", "", "q4_0", "Q4_0,x"],
+                            "--crisp-precisions": ["bf16", "", "Q8", "fp32,x"],
                             "--accuracy-windows": POS_INT, "--window": SEQ_LEN, "--text": [""],
                             "--kernel-repeats": POS_INT, "--work-dir": [""]})
     + _cases("bench layer", {**OUTPUT_OPTIONS, **MODEL_OPTIONS, "--budget": BENCH_FRACTION, "--steps": POS_INT,

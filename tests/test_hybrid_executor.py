@@ -180,9 +180,9 @@ def test_hybrid_uses_both_sides_and_beats_the_fixed_placements_in_the_model():
 
 def _h1_style_kernel(calls):
     """A kernel with H1's signature (x = the expert's tokens, out per expert), built on the reference."""
-    def kernel(x, packed, token_widths, width, weights, out, *, config, row_start=0):
+    def kernel(x, packed, token_widths, width, weights, out, *, config, row_start=0, threads=None):
         assert row_start == 0  # cpu_only: whole experts
-        calls.append((threading.current_thread().name, torch.get_num_threads()))
+        calls.append((threading.current_thread().name, threads))
         packed = packed.packed if isinstance(packed, CpuExpert) else packed
         rows = torch.arange(x.shape[0])
         expert_mlp_accumulate_unchecked_(out, x.float(), packed, width, rows, weights, token_widths, Backend.TORCH)
@@ -190,33 +190,49 @@ def _h1_style_kernel(calls):
 
 
 @pytest.mark.parametrize("threads", [None, 1, 3])
-def test_worker_thread_lazy_and_closed_and_adapter(threads):
+def test_steps_without_gpu_tasks_run_on_the_calling_thread(threads):
+    """cpu_only: no GPU task in any step, so the CPU rows run on the calling thread (no hand-off to the worker,
+    which never starts), the native kernel at ``threads`` (None: the caller's torch threads)."""
     runtime = CrispRuntime(LAYERS, PLANS["uniform"], device="cpu", gpu_budget=min_budget_bytes(LAYERS, TOP_K),
                            config=RuntimeConfig(serving="cpu_only", cost=COST,
                                                 cpu_experts=CpuExpertsConfig(threads=threads)))
-    assert not runtime._cpu.started
     calls = []
     runtime._cpu.kernel = _h1_style_kernel(calls)
     mine = torch.get_num_threads()
-    want = threads if threads is not None else max(1, mine - 1)
-    for round_ in range(2):  # after close(), a later step starts a new thread
+    for round_ in range(2):
         x, index, weights = make_step(5, round_)
         out = runtime.forward(1, x, index, weights)
         assert rel_err(out, reference(1, x, index, weights, runtime.last_served[1].widths)) < 1e-5
-        assert runtime._cpu.started
-        assert calls and all(name.startswith("crisp-cpu-experts") and n == want for name, n in calls)
-        # the worker's thread count is its own: this thread's, and torch's default for new threads, unchanged
+        here = threading.current_thread().name
+        assert calls and all(c == (here, threads if threads is not None else mine) for c in calls)
+        assert not runtime._cpu.started and torch.get_num_threads() == mine
+        assert runtime.cache.used == 0  # cpu_only: nothing copied
+        calls.clear()
+    runtime.close()
+
+
+@pytest.mark.parametrize("threads", [None, 1, 3])
+def test_worker_thread_lazy_and_closed(threads):
+    """The worker (a step with GPU tasks hands its CPU rows to it): started on first use with its own torch
+    threads, the caller's and torch's default for new threads unchanged; close() stops it, a later job starts
+    a new one."""
+    from crisp_runtime.cpu.experts import CpuWorker
+
+    worker = CpuWorker(threads)
+    assert not worker.started
+    mine = torch.get_num_threads()
+    want = threads if threads is not None else max(1, mine - 1)
+    for _ in range(2):
+        name, n = worker.submit(lambda: (threading.current_thread().name, torch.get_num_threads())).result()
+        assert worker.started and name.startswith("crisp-cpu-experts") and n == want == worker.threads
         assert torch.get_num_threads() == mine
         fresh: list[int] = []
         t = threading.Thread(target=lambda out=fresh: out.append(torch.get_num_threads()))
         t.start()
         t.join()
         assert fresh == [mine]
-        assert runtime.cpu_stats()["experts"]["worker_threads"] == want
-        assert runtime.cache.used == 0  # cpu_only: nothing copied
-        runtime.close()
-        assert not runtime._cpu.started
-        calls.clear()
+        worker.close()
+        assert not worker.started
 
 
 def test_worker_exception_reaches_the_caller():

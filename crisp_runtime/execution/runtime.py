@@ -380,17 +380,21 @@ class CrispRuntime:
         if not cpu_parts:
             self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks)
             return
-        job = self._submit_cpu(layer_id, step, x, top_k_weights, cpu_parts, stats)
-        try:
-            if n_gpu:  # the GPU tasks come first in the step's order (a split task's prefix among them)
+        work = self._cpu_job(layer_id, step, x, top_k_weights, cpu_parts, stats)
+        if not n_gpu:  # nothing for this thread to drive meanwhile: the CPU rows here, no hand-off to the worker
+            partial = self._cpu.run_here(work)
+        else:
+            job = self._cpu.submit(work)
+            try:  # the GPU tasks come first in the step's order (a split task's prefix among them)
                 self._run_gpu(layer_id, step, x, top_k_weights, out, stats, step.tasks[:n_gpu])
-        finally:
-            partial = job.result()  # re-raises the worker's exception; never leaves it writing
+            finally:
+                partial = job.result()  # re-raises the worker's exception; never leaves it writing
         out += partial.to(self.device, non_blocking=self.device.type == "cuda")  # the one small join copy
 
-    def _submit_cpu(self, layer_id: int, step: StepPlan, x, top_k_weights, tasks, stats: LayerStats):
-        """Hand the step's CPU rows to the worker: each task's ``cpu_rows`` (a CPU task's [0, width), a split
-        task's [split_at, width)); returns the future of their (T, H) float32 partial."""
+    def _cpu_job(self, layer_id: int, step: StepPlan, x, top_k_weights, tasks, stats: LayerStats):
+        """The step's CPU rows as one job: each task's ``cpu_rows`` (a CPU task's [0, width), a split task's
+        [split_at, width)); ``job(threads=None)`` returns their (T, H) float32 partial (None: on the worker, at
+        its own threads)."""
         cpu, nb = self._cpu, self._nb[layer_id]
         all_weights = top_k_weights.detach().reshape(-1).to("cpu", torch.float32)
         x_cpu = x.detach().to("cpu")  # (T, H): one small device-to-host copy of the activations
@@ -405,13 +409,13 @@ class CrispRuntime:
             if row_start:
                 stats.cpu_splits += 1
 
-        def work():
+        def work(threads: int | None = None):
             partial = torch.zeros(x_cpu.shape, dtype=torch.float32)
             for expert, width, row_start, r, w, tw in parts:
-                cpu.accumulate_(partial, x_cpu, layer_id, expert, width, r, w, tw, row_start)
+                cpu.accumulate_(partial, x_cpu, layer_id, expert, width, r, w, tw, row_start, threads)
             return partial
 
-        return self._cpu.submit(work)
+        return work
 
     def _task_inputs(self, step: StepPlan, tasks, top_k_weights, gpu_placement: bool) -> tuple:
         """Per task, what its kernel reads: the token rows, their routing weights and per-token widths."""
