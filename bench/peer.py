@@ -298,10 +298,10 @@ def bench_model(inputs: ModelInputs, args, ids: list[int], windows: list[list[in
             log(f"{inputs.name}: round {r + 1}/{args.rounds} done")
         rss = {key: w.ask(op="rss") for key, w in workers.items()}
         # 5. where CRISP's decode step goes (after the timed rounds: the timers cost ~1 us per hook)
-        meta["crisp_breakdown"] = [dict(threads=key[2], width=width, **workers[key].ask(
+        meta["crisp_breakdown"] = [dict(threads=key[2], width=width, quant=key[1], **workers[key].ask(
             op="breakdown", ids=ids, prompt=args.prompt, width=width)) for key, width in points if key[0] == "crisp"]
         for b in meta["crisp_breakdown"]:
-            log(f"{inputs.name}: CRISP {b['width']} width, {b['threads']} threads, per token: step "
+            log(f"{inputs.name}: CRISP {b['quant']} {b['width']} width, {b['threads']} threads, per token: step "
                 f"{1e3 * b['step_s']:.2f} ms = CPU kernel {1e3 * b['kernel_s']:.2f} + MoE outside the kernel "
                 f"{1e3 * b['moe_outside_kernel_s']:.2f} + attention {1e3 * b['attention_s']:.2f} + lm head "
                 f"{1e3 * b['lm_head_s']:.2f} + rest {1e3 * b['rest_s']:.2f} ms ({b['layers']} layers)")
