@@ -48,7 +48,9 @@ WIDTHS = ("full", "plan")
 CRISP_QUANT = "crisp-int4-g64"  # our format: 4-bit, group 64 along H, fp16 scales, uint8 zero points
 # CRISP's CPU kernel arithmetics (CpuExpertsConfig.precision), each an engine of its own: fp32 activations,
 # and 8-bit activations with integer dots (llama.cpp's own arithmetic for Q4_0 x Q8_0)
-CRISP_PRECISIONS = {"fp32": CRISP_QUANT, "q8": CRISP_QUANT + "-q8"}
+CRISP_PRECISIONS = {"fp32": CRISP_QUANT, "q8": CRISP_QUANT + "-q8",
+                    # and attention's linear layers in 4-bit rows too (RuntimeConfig(dense="q4")), as Q4_0 stores them
+                    "q8-dense4": CRISP_QUANT + "-q8-dense4"}
 # Conversion check: an F32 GGUF computes what the fp32 model does up to summation order (~1e-6 relative);
 # F16 rounds the weights (bf16 values: exact) and llama.cpp's F16 matmul rounds the activations to fp16
 # (2**-11 relative each, accumulated over a few layers): 1e-2 leaves a wrong conversion (a missing rope
@@ -370,9 +372,11 @@ def add_parser(subparsers) -> None:
                    help="llama.cpp quantizations (default: Q4_0,Q4_K_M)")
     p.add_argument("--crisp-precisions", type=common.csv_choices(tuple(CRISP_PRECISIONS)),
                    default=list(CRISP_PRECISIONS),
-                   help="CRISP's CPU kernel arithmetics, each timed as an engine of its own: fp32 (fp32 activations) "
-                   "and q8 (8-bit activations and integer dot products, as llama.cpp's Q4_0 path); comma separated "
-                   f"(default: both; records' quant {CRISP_PRECISIONS['fp32']} / {CRISP_PRECISIONS['q8']})")
+                   help="CRISP's CPU configurations, each timed as an engine of its own: fp32 (the expert kernel with "
+                   "fp32 activations), q8 (8-bit activations and integer dot products, as llama.cpp's Q4_0 path; the "
+                   "default) and q8-dense4 (q8, and attention's linear layers in 4-bit rows: RuntimeConfig(dense='q4'));"
+                   " comma separated (default: all; records' quant "
+                   f"{', '.join(CRISP_PRECISIONS.values())})")
     p.add_argument("--accuracy-windows", type=common.positive_int, default=16,
                    help="held-out windows for the tiny model's accuracy (default 16)")
     p.add_argument("--window", type=_window, default=128, help="tokens per accuracy window (default 128)")

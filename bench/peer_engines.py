@@ -29,17 +29,29 @@ import sys
 import time
 from pathlib import Path
 
+CRISP_VARIANTS = ("fp32", "q8", "q8-dense4")
+
 
 def crisp_cpu_experts(precision: str, threads: int | None = None):
     """The CRISP engine's ``CpuExpertsConfig`` for a ``crisp-bench peer --crisp-precisions`` name: "fp32", the
-    native kernel in fp32 (``Precision.BF16``: fp32 where the kernel builds); "q8", its 8-bit-activation arithmetic
-    (``Precision.Q8``, the default)."""
+    native kernel in fp32 (``Precision.BF16``: fp32 where the kernel builds); "q8" and "q8-dense4", its
+    8-bit-activation arithmetic (``Precision.Q8``, the default)."""
     from crisp_kernels.cpu_expert import Precision
     from crisp_runtime.cpu.experts import CpuExpertsConfig
 
-    if precision not in ("fp32", "q8"):
-        raise ValueError(f"precision: expected fp32 or q8, got {precision!r}")
-    return CpuExpertsConfig(threads=threads, precision=Precision.Q8 if precision == "q8" else Precision.BF16)
+    if precision not in CRISP_VARIANTS:
+        raise ValueError(f"precision: expected one of {CRISP_VARIANTS}, got {precision!r}")
+    return CpuExpertsConfig(threads=threads, precision=Precision.BF16 if precision == "fp32" else Precision.Q8)
+
+
+def crisp_runtime_config(precision: str, threads: int | None = None):
+    """The CRISP engine's ``RuntimeConfig``: the experts as :func:`crisp_cpu_experts`; "q8-dense4" also has
+    attention's linear layers in 4-bit rows (``RuntimeConfig(dense="q4")``); the fp32 experts dropped once packed
+    (``keep_original=False``: the serving footprint)."""
+    from crisp_runtime.execution.runtime import RuntimeConfig
+
+    return RuntimeConfig(keep_original=False, cpu_experts=crisp_cpu_experts(precision, threads),
+                         dense="q4" if precision == "q8-dense4" else "keep")
 
 
 def rss_mib() -> dict:
@@ -100,7 +112,6 @@ class CrispEngine:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from crisp_runtime.execution.runtime import RuntimeConfig
         from crisp_runtime.hf.dropin import apply
         from crisp_runtime.planning.plan import CrispPlan
         from crisp_runtime.storage.pack import load_pack
@@ -122,10 +133,8 @@ class CrispEngine:
         self._plans = {"plan": pack.plan, "full": CrispPlan.full(first.num_experts, pack.plan.top_k,
                                                                   first.intermediate_size, sorted(pack.layers))}
         self._pending_reference = reference
-        experts = crisp_cpu_experts(precision, threads)
-        self._apply = lambda: apply(self.model, pack, serving="cpu_only", cpu="on", gpu_budget=budget,
-                                    config=RuntimeConfig(keep_original=False,
-                                                         cpu_experts=experts))
+        config = crisp_runtime_config(precision, threads)
+        self._apply = lambda: apply(self.model, pack, serving="cpu_only", cpu="on", gpu_budget=budget, config=config)
         self.handle = None if reference else self._apply()
         self.width = None
         self.info = {"torch": torch.__version__, "plan_bytes_fraction": None}

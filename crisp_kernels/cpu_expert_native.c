@@ -651,8 +651,9 @@ static float q8_dot_scalar(const WorkQ8 *w, const uint8_t *q, const uint16_t *s,
 #if Q8_SIMD
 /* Two to Q8_TILE tokens' (or one token's) gate and up dots of one neuron: each 32-byte step (two x blocks, one
  * per 128-bit lane) is unpacked once for the tile; per token, 4 vpmaddubsw give the step's integer sums. */
-INLINE void q8_gate_up_nt(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0,
-                          const int NT, float *gate, float *up) {
+INLINE void q8_dots_nt(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0,
+                       const int NT, const int R, float *gate, float *up) {
+    /* R = 2: an expert row's gate (q, s, z) and up (H / 2 bytes, G scales and zeros on); R = 1: one row (gate) */
     const int half = w->hidden / 2, groups = w->hidden / w->group, full = half / 32 * 32;
     const uint8_t *qu = q + half;
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
@@ -662,23 +663,24 @@ INLINE void q8_gate_up_nt(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, 
         const int ga = 2 * i / w->group, gb = (2 * i + 32) / w->group;
         __m256 sg, su;
         __m256i zg, zu;  /* the zero points as int16, per 128-bit lane */
+        const int ua = R == 2 ? groups + ga : ga, ub = R == 2 ? groups + gb : gb;  /* R = 1: the up lanes unused */
         if (ga == gb) {
             sg = _mm256_set1_ps(_cvtsh_ss(s[ga]));
-            su = _mm256_set1_ps(_cvtsh_ss(s[groups + ga]));
+            su = _mm256_set1_ps(_cvtsh_ss(s[ua]));
             zg = _mm256_set1_epi16(z ? z[ga] : 8);
-            zu = _mm256_set1_epi16(z ? z[groups + ga] : 8);
+            zu = _mm256_set1_epi16(z ? z[ua] : 8);
         } else {
             sg = _mm256_setr_m128(_mm_set1_ps(_cvtsh_ss(s[ga])), _mm_set1_ps(_cvtsh_ss(s[gb])));
-            su = _mm256_setr_m128(_mm_set1_ps(_cvtsh_ss(s[groups + ga])), _mm_set1_ps(_cvtsh_ss(s[groups + gb])));
+            su = _mm256_setr_m128(_mm_set1_ps(_cvtsh_ss(s[ua])), _mm_set1_ps(_cvtsh_ss(s[ub])));
             zg = _mm256_setr_m128i(_mm_set1_epi16(z ? z[ga] : 8), _mm_set1_epi16(z ? z[gb] : 8));
-            zu = _mm256_setr_m128i(_mm_set1_epi16(z ? z[groups + ga] : 8), _mm_set1_epi16(z ? z[groups + gb] : 8));
+            zu = _mm256_setr_m128i(_mm_set1_epi16(z ? z[ua] : 8), _mm_set1_epi16(z ? z[ub] : 8));
         }
-        if (!(i & 63)) {  /* the next row's gate and up bytes (see prefetch_next_row) */
-            _mm_prefetch((const char *)(q + 3 * (size_t)half + i), _MM_HINT_T0);
-            _mm_prefetch((const char *)(qu + 3 * (size_t)half + i), _MM_HINT_T0);
+        if (!(i & 63)) {  /* the next row's bytes (see prefetch_next_row): 3 H / 2 on in an expert, H / 2 in a dense matrix */
+            _mm_prefetch((const char *)(q + (R == 2 ? 3 : 1) * (size_t)half + i), _MM_HINT_T0);
+            if (R == 2) _mm_prefetch((const char *)(qu + 3 * (size_t)half + i), _MM_HINT_T0);
         }
         const __m256i bg = _mm256_loadu_si256((const __m256i *)(q + i));
-        const __m256i bu = _mm256_loadu_si256((const __m256i *)(qu + i));
+        const __m256i bu = R == 2 ? _mm256_loadu_si256((const __m256i *)(qu + i)) : bg;
         const __m256i gl = _mm256_and_si256(bg, m4), gh = _mm256_and_si256(_mm256_srli_epi16(bg, 4), m4);
         const __m256i ul = _mm256_and_si256(bu, m4), uh = _mm256_and_si256(_mm256_srli_epi16(bu, 4), m4);
         UNROLL_TILE
@@ -698,22 +700,32 @@ INLINE void q8_gate_up_nt(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, 
                 _mm256_add_epi16(_mm256_maddubs_epi16(ul, xe), _mm256_maddubs_epi16(uh, xo)), ones),
                 _mm256_madd_epi16(zu, xs));
             ag[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pg), _mm256_mul_ps(sx, sg), ag[t]);
-            au[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pu), _mm256_mul_ps(sx, su), au[t]);
+            if (R == 2) au[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pu), _mm256_mul_ps(sx, su), au[t]);
         }
     }
     for (int t = 0; t < NT; t++) {
         gate[t] = hsum8(ag[t]) + q8_dot_scalar(w, q, s, z, t0 + t, full, half);
-        up[t] = hsum8(au[t]) + q8_dot_scalar(w, qu, s + groups, z ? z + groups : NULL, t0 + t, full, half);
+        if (R == 2) up[t] = hsum8(au[t]) + q8_dot_scalar(w, qu, s + groups, z ? z + groups : NULL, t0 + t, full, half);
     }
 }
 
 static void q8_gate_up(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt,
                        float *gate, float *up) {
     switch (nt) {  /* a constant NT per case keeps the tile in registers */
-        case 1: q8_gate_up_nt(w, q, s, z, t0, 1, gate, up); break;
-        case 2: q8_gate_up_nt(w, q, s, z, t0, 2, gate, up); break;
-        case 3: q8_gate_up_nt(w, q, s, z, t0, 3, gate, up); break;
-        default: q8_gate_up_nt(w, q, s, z, t0, Q8_TILE, gate, up); break;
+        case 1: q8_dots_nt(w, q, s, z, t0, 1, 2, gate, up); break;
+        case 2: q8_dots_nt(w, q, s, z, t0, 2, 2, gate, up); break;
+        case 3: q8_dots_nt(w, q, s, z, t0, 3, 2, gate, up); break;
+        default: q8_dots_nt(w, q, s, z, t0, Q8_TILE, 2, gate, up); break;
+    }
+}
+
+/* One dense row's dots with nt <= Q8_TILE tokens (crisp_dense_q8). */
+static void q8_row(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt, float *dot) {
+    switch (nt) {
+        case 1: q8_dots_nt(w, q, s, z, t0, 1, 1, dot, NULL); break;
+        case 2: q8_dots_nt(w, q, s, z, t0, 2, 1, dot, NULL); break;
+        case 3: q8_dots_nt(w, q, s, z, t0, 3, 1, dot, NULL); break;
+        default: q8_dots_nt(w, q, s, z, t0, Q8_TILE, 1, dot, NULL); break;
     }
 }
 #else
@@ -724,6 +736,10 @@ static void q8_gate_up(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, con
         gate[t] = q8_dot_scalar(w, q, s, z, t0 + t, 0, half);
         up[t] = q8_dot_scalar(w, q + half, s + groups, z ? z + groups : NULL, t0 + t, 0, half);
     }
+}
+
+static void q8_row(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t0, int nt, float *dot) {
+    for (int t = 0; t < nt; t++) dot[t] = q8_dot_scalar(w, q, s, z, t0 + t, 0, w->hidden / 2);
 }
 #endif
 
@@ -885,28 +901,11 @@ static void run_rows_q8(const WorkQ8 *w) {
     }
 }
 
-/* crisp_expert_rows_f32's contract with 8-bit activations (see the section's header). */
-int crisp_expert_rows_q8(const float *x, int64_t tokens, int64_t hidden, int64_t group,
-                         const uint8_t *qweight, const uint16_t *scales, const uint8_t *zeros,
-                         const int64_t *kt, int64_t j0, int64_t j1, const float *weights, float *out,
-                         int64_t nthreads) {
-    if (tokens <= 0 || j1 <= j0) return 0;
-    if (tokens > MAX_TOKENS || hidden % group || group % 32 || nthreads < 1) return -2;
-    const int64_t half = hidden / 2, groups = hidden / group, blocks = hidden / Q8_XBLOCK;
-    const int64_t nblocks = (j1 - 1) / Q8_NBLOCK - j0 / Q8_NBLOCK + 1;  /* neuron blocks met by [j0, j1) */
-    if (nthreads > nblocks) nthreads = nblocks;
-    const size_t per_thread = (size_t)tokens * (size_t)hidden;
-    int8_t *xq = malloc(2 * (size_t)tokens * (size_t)half);
-    float *xf = malloc(sizeof(float) * (size_t)tokens * (size_t)(blocks + hidden / 8));
-    int16_t *xs16 = calloc((size_t)tokens * (size_t)half, sizeof(int16_t));
-    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)tokens * (size_t)blocks);
-    float *acc = calloc((size_t)nthreads * per_thread, sizeof(float));
-    WorkQ8 *work = malloc(sizeof(WorkQ8) * (size_t)nthreads);
-    /* per thread: sc, zint (G each), cf (Q8_NBLOCK x G floats), cq (Q8_NBLOCK x G), pairs (G x Q8_NBLOCK / 2 int16) */
-    const size_t scratch_per = (size_t)groups * (8 + 4 * Q8_NBLOCK + Q8_NBLOCK + Q8_NBLOCK);
-    char *scratch = malloc((size_t)nthreads * scratch_per);
-    int rc = 0;
-    if (!xq || !xf || !xs16 || !xsum || !acc || !work || !scratch) { rc = -1; goto done; }
+/* x (T, H) quantized into the buffers (xq: 2 T H / 2 int8; xf: T (H / 32 + H / 8) floats; xs16: T H / 2 int16,
+ * zeroed; xsum: T H / 32) and their views in w (see WorkQ8). */
+static void q8_quantize_x(const float *x, int64_t tokens, int64_t hidden, int8_t *xq, float *xf, int16_t *xs16,
+                          int32_t *xsum, WorkQ8 *w) {
+    const int64_t half = hidden / 2, blocks = hidden / Q8_XBLOCK;
     int8_t *xeq = xq, *xoq = xq + tokens * half;
     float *sx = xf, *sxr = xf + tokens * blocks;
     for (int64_t t = 0; t < tokens; t++) {
@@ -931,9 +930,35 @@ int crisp_expert_rows_q8(const float *x, int64_t tokens, int64_t hidden, int64_t
             xs16[t * half + 8 * b] = (int16_t)sum;  /* |sum| <= 32 x 127: an int16 */
         }
     }
+    w->xeq = xeq; w->xoq = xoq; w->sx = sx; w->xsum = xsum; w->sxr = sxr; w->xs16 = xs16;
+}
+
+/* crisp_expert_rows_f32's contract with 8-bit activations (see the section's header). */
+int crisp_expert_rows_q8(const float *x, int64_t tokens, int64_t hidden, int64_t group,
+                         const uint8_t *qweight, const uint16_t *scales, const uint8_t *zeros,
+                         const int64_t *kt, int64_t j0, int64_t j1, const float *weights, float *out,
+                         int64_t nthreads) {
+    if (tokens <= 0 || j1 <= j0) return 0;
+    if (tokens > MAX_TOKENS || hidden % group || group % 32 || nthreads < 1) return -2;
+    const int64_t half = hidden / 2, groups = hidden / group, blocks = hidden / Q8_XBLOCK;
+    const int64_t nblocks = (j1 - 1) / Q8_NBLOCK - j0 / Q8_NBLOCK + 1;  /* neuron blocks met by [j0, j1) */
+    if (nthreads > nblocks) nthreads = nblocks;
+    const size_t per_thread = (size_t)tokens * (size_t)hidden;
+    int8_t *xq = malloc(2 * (size_t)tokens * (size_t)half);
+    float *xf = malloc(sizeof(float) * (size_t)tokens * (size_t)(blocks + hidden / 8));
+    int16_t *xs16 = calloc((size_t)tokens * (size_t)half, sizeof(int16_t));
+    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)tokens * (size_t)blocks);
+    float *acc = calloc((size_t)nthreads * per_thread, sizeof(float));
+    WorkQ8 *work = malloc(sizeof(WorkQ8) * (size_t)nthreads);
+    /* per thread: sc, zint (G each), cf (Q8_NBLOCK x G floats), cq (Q8_NBLOCK x G), pairs (G x Q8_NBLOCK / 2 int16) */
+    const size_t scratch_per = (size_t)groups * (8 + 4 * Q8_NBLOCK + Q8_NBLOCK + Q8_NBLOCK);
+    char *scratch = malloc((size_t)nthreads * scratch_per);
+    int rc = 0;
+    if (!xq || !xf || !xs16 || !xsum || !acc || !work || !scratch) { rc = -1; goto done; }
+    q8_quantize_x(x, tokens, hidden, xq, xf, xs16, xsum, &work[0]);
     for (int64_t p = 0; p < nthreads; p++) {
         WorkQ8 *w = &work[p];
-        w->xeq = xeq; w->xoq = xoq; w->sx = sx; w->xsum = xsum; w->sxr = sxr; w->xs16 = xs16;
+        *w = work[0];  /* x's quantization, shared */
         w->qweight = qweight; w->scales = scales; w->zeros = zeros; w->kt = kt; w->j0 = j0;
         w->tokens = (int)tokens; w->hidden = (int)hidden; w->group = (int)group;
         /* whole neuron blocks per thread: the first block starts at j0, the others on multiples of Q8_NBLOCK */
@@ -972,7 +997,50 @@ done:
     return rc;
 }
 
-int crisp_native_abi(void) { return 3; }
+/* out (T, rows) = x (T, H) times the rows' 4-bit codes (rows, H / 2) with their fp16 scales and uint8 zero points
+ * (rows, G), NULL zeros: 8: a dense layer's y = x W^T in the format's rows, with the expert kernel's 8-bit
+ * activations and integer dots (q8_dots_nt, one row). Rows go to threads in contiguous ranges; each output is one
+ * row's dot, so the result does not depend on nthreads. Returns 0, -1 out of memory, -2 bad sizes. */
+int crisp_dense_q8(const float *x, int64_t tokens, int64_t hidden, int64_t group, const uint8_t *qweight,
+                   const uint16_t *scales, const uint8_t *zeros, int64_t rows, float *out, int64_t nthreads) {
+    if (tokens <= 0 || rows <= 0) return 0;
+    if (tokens > MAX_TOKENS || hidden % group || group % 32 || nthreads < 1) return -2;
+    const int64_t half = hidden / 2, groups = hidden / group, blocks = hidden / Q8_XBLOCK;
+    if (nthreads > rows) nthreads = rows;
+    int8_t *xq = malloc(2 * (size_t)tokens * (size_t)half);
+    float *xf = malloc(sizeof(float) * (size_t)tokens * (size_t)(blocks + hidden / 8));
+    int16_t *xs16 = calloc((size_t)tokens * (size_t)half, sizeof(int16_t));
+    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)tokens * (size_t)blocks);
+    int rc = 0;
+    if (!xq || !xf || !xs16 || !xsum) { rc = -1; goto done; }
+    WorkQ8 w;
+    memset(&w, 0, sizeof w);
+    q8_quantize_x(x, tokens, hidden, xq, xf, xs16, xsum, &w);
+    w.tokens = (int)tokens; w.hidden = (int)hidden; w.group = (int)group;
+    const int team_size = (int)(nthreads < omp_get_num_procs() ? nthreads : omp_get_num_procs());
+#pragma omp parallel num_threads(team_size)
+    {
+        const int team = omp_get_num_threads();
+        for (int64_t p = omp_get_thread_num(); p < nthreads; p += team) {
+            for (int64_t o = rows * p / nthreads; o < rows * (p + 1) / nthreads; o++) {
+                const uint8_t *q = qweight + o * half;
+                const uint16_t *s = scales + o * groups;
+                const uint8_t *z = zeros ? zeros + o * groups : NULL;
+                for (int t0 = 0; t0 < (int)tokens; t0 += Q8_TILE) {
+                    const int nt = (int)tokens - t0 < Q8_TILE ? (int)tokens - t0 : Q8_TILE;
+                    float dot[Q8_TILE];
+                    q8_row(&w, q, s, z, t0, nt, dot);
+                    for (int t = 0; t < nt; t++) out[(t0 + t) * rows + o] = dot[t];
+                }
+            }
+        }
+    }
+done:
+    free(xq); free(xf); free(xs16); free(xsum);
+    return rc;
+}
+
+int crisp_native_abi(void) { return 4; }
 
 /* The vector width this build computes with: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (portable C). */
 int crisp_native_vector_bits(void) { return CRISP_SIMD; }

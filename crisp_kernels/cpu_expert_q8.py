@@ -60,25 +60,31 @@ def _codes(packed: PackedExpert, start: int, stop: int) -> tuple[torch.Tensor, t
     return q, scales, zeros
 
 
+def quantized_dots(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group: int) -> torch.Tensor:
+    """(T, n) float64: each row's dot with x quantized to 8 bits (:func:`quantize_blocks`), the kernel's
+    ``sum_b s_g sx_b (sum_h xq_h q_h - z_g sum_h xq_h)`` with exact integer inner sums.
+
+    x: (T, H) fp32; q: (n, H) codes, scales / zeros: (n, G), all float64."""
+    xq, sx = quantize_blocks(x.float(), X_BLOCK)  # (T, H), (T, H/32)
+    tokens, hidden = x.shape
+    n = q.shape[0]
+    xb = xq.double().view(tokens, hidden // X_BLOCK, X_BLOCK)
+    per_group = group // X_BLOCK
+    isum = torch.einsum("tbk,jbk->tjb", xb, q.view(n, hidden // X_BLOCK, X_BLOCK))  # exact integers
+    z = zeros.repeat_interleave(per_group, dim=1)  # (n, B)
+    s = scales.repeat_interleave(per_group, dim=1)
+    exact = isum - z.unsqueeze(0) * xb.sum(-1).unsqueeze(1)
+    return (exact * s.unsqueeze(0) * sx.double().unsqueeze(1)).sum(-1)
+
+
 def _activations(x: torch.Tensor, packed: PackedExpert, start: int, stop: int,
                  token_widths: torch.Tensor | None) -> torch.Tensor:
     """a: (T, n) float64, the rows' silu(gate) up from the quantized x, 0 past each token's width."""
     g = packed.fmt.group_size
     q, scales, zeros = _codes(packed, start, stop)
-    xq, sx = quantize_blocks(x, X_BLOCK)  # (T, H), (T, H/32)
-    tokens, hidden = x.shape
-    n = stop - start
-    xb = xq.double().view(tokens, hidden // X_BLOCK, X_BLOCK)
-    per_group = g // X_BLOCK
-    out = []
-    for proj in (Proj.GATE, Proj.UP):
-        qb = q[:, proj].view(n, hidden // X_BLOCK, X_BLOCK)
-        isum = torch.einsum("tbk,jbk->tjb", xb, qb)  # exact integers
-        z = zeros[:, proj].repeat_interleave(per_group, dim=1)  # (n, B)
-        s = scales[:, proj].repeat_interleave(per_group, dim=1)
-        exact = isum - z.unsqueeze(0) * xb.sum(-1).unsqueeze(1)
-        out.append((exact * s.unsqueeze(0) * sx.double().unsqueeze(1)).sum(-1))
-    a = F.silu(out[0]) * out[1]
+    gate, up = (quantized_dots(x, q[:, proj], scales[:, proj], zeros[:, proj], g) for proj in (Proj.GATE, Proj.UP))
+    a = F.silu(gate) * up
     if token_widths is not None:
         keep = torch.arange(start, stop).unsqueeze(0) < token_widths.to(torch.int64).unsqueeze(1)
         a = a * keep

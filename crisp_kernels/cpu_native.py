@@ -38,7 +38,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_expert_native.c")
 # -fopenmp links libgomp.so.1, resolved to the copy torch has loaded (its intra-op threads: see the source)
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-std=c11")
-ABI = 3  # crisp_native_abi() of the source this module calls
+ABI = 4  # crisp_native_abi() of the source this module calls
 # The C kernel's token limit (MAX_TOKENS): a decode step sends 1-16 tokens to an expert; more are
 # refused (ValueError), the caller takes another path.
 MAX_TOKENS = 64
@@ -83,6 +83,30 @@ class NativeKernel:
         self._rows(self.lib.crisp_expert_rows_q8, x, qweight, scales, zeros, group, token_widths, row_start,
                    row_stop, weights, out, threads)
 
+    def dense_q8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 group: int, out: torch.Tensor, threads: int) -> None:
+        """``out = x W^T`` for a dense matrix in the format's rows (``crisp_kernels.dense_q8``), with 8-bit
+        activations: x (T, H) fp32 contiguous, T <= MAX_TOKENS; qweight (O, H/2) uint8, scales (O, G) fp16,
+        zeros (O, G) uint8 or None; out (T, O) fp32 contiguous, overwritten. Checked here (a bad call raises
+        before the C code runs)."""
+        tokens, hidden = x.shape
+        if tokens > MAX_TOKENS:
+            raise ValueError(f"x: the native CPU kernel takes at most {MAX_TOKENS} tokens, got {tokens}")
+        rows = qweight.shape[0] if qweight.dim() == 2 else -1
+        groups = hidden // group if group > 0 else 0
+        tensors = {"x": (x, torch.float32, (tokens, hidden)), "out": (out, torch.float32, (tokens, rows)),
+                   "qweight": (qweight, torch.uint8, (rows, hidden // 2)),
+                   "scales": (scales, torch.float16, (rows, groups))}
+        if zeros is not None:
+            tensors["zeros"] = (zeros, torch.uint8, (rows, groups))
+        _check_tensors(tensors)
+        if group not in (32, 64, 128) or hidden % group:
+            raise ValueError(f"group: expected 32, 64 or 128 dividing H = {hidden}, got {group}")
+        rc = self.lib.crisp_dense_q8(x.data_ptr(), tokens, hidden, group, qweight.data_ptr(), scales.data_ptr(),
+                                     None if zeros is None else zeros.data_ptr(), rows, out.data_ptr(), threads)
+        if rc != 0:
+            raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory, -2 bad sizes)")
+
     @staticmethod
     def _rows(fn, x, qweight, scales, zeros, group, token_widths, row_start, row_stop, weights, out, threads) -> None:
         tokens, hidden = x.shape
@@ -112,15 +136,19 @@ def _check_call(x, qweight, scales, zeros, group, token_widths, row_start, row_s
         tensors["zeros"] = (zeros, torch.uint8, (qweight.shape[0], 3, groups))
     if token_widths is not None:
         tensors["token_widths"] = (token_widths, torch.int64, (tokens,))
-    for name, (t, dtype, shape) in tensors.items():
-        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name}: the native CPU kernel needs a contiguous {dtype} {shape} CPU tensor, got "
-                             f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (strided)'} on {t.device}")
+    _check_tensors(tensors)
     if group not in (32, 64, 128) or hidden % group:
         raise ValueError(f"group: expected 32, 64 or 128 dividing H = {hidden}, got {group}")
     if not 0 <= row_start <= row_stop <= qweight.shape[0]:
         raise ValueError(f"rows: expected 0 <= row_start <= row_stop <= {qweight.shape[0]}, got [{row_start}, "
                          f"{row_stop})")
+
+
+def _check_tensors(tensors: dict) -> None:
+    for name, (t, dtype, shape) in tensors.items():
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: the native CPU kernel needs a contiguous {dtype} {shape} CPU tensor, got "
+                             f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (strided)'} on {t.device}")
 
 
 def cache_dir() -> Path:
@@ -203,6 +231,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.crisp_expert_rows_f32.restype = ctypes.c_int
     lib.crisp_expert_rows_q8.argtypes = lib.crisp_expert_rows_f32.argtypes
     lib.crisp_expert_rows_q8.restype = ctypes.c_int
+    lib.crisp_dense_q8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i64]
+    lib.crisp_dense_q8.restype = ctypes.c_int
     lib.crisp_native_abi.argtypes = []
     lib.crisp_native_abi.restype = ctypes.c_int
     lib.crisp_native_vector_bits.argtypes = []

@@ -220,5 +220,9 @@ def test_the_crisp_engines_arithmetics_are_the_named_ones():
         pytest.skip("the native CPU kernel does not build here")
     assert peer_engines.crisp_cpu_experts("fp32").impl is CpuImpl.NATIVE_FP32
     assert peer_engines.crisp_cpu_experts("q8", 2).impl is CpuImpl.NATIVE_Q8
+    assert peer_engines.crisp_runtime_config("q8").dense.value == "keep"
+    dense = peer_engines.crisp_runtime_config("q8-dense4", 1)
+    assert dense.dense.value == "q4" and dense.cpu_experts.impl is CpuImpl.NATIVE_Q8 and not dense.keep_original
+    assert tuple(peer.CRISP_PRECISIONS) == peer_engines.CRISP_VARIANTS
     with pytest.raises(ValueError, match="precision"):
         peer_engines.crisp_cpu_experts("int4")

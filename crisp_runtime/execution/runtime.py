@@ -53,6 +53,7 @@ from crisp_kernels.expert_mlp import (
     resolve_backend,
 )
 from crisp_kernels.format import rows_for_neurons
+from crisp_runtime.cpu.dense import DenseWeights
 from crisp_runtime.cpu.experts import CpuExperts, CpuExpertsConfig
 from crisp_runtime.execution.stats import LayerStats, RuntimeStats
 from crisp_runtime.planning.plan import CrispPlan
@@ -94,8 +95,10 @@ class RuntimeConfig:
     synchronous path (CPU, or ``async_copies=False``) also each expert's load and compute time,
     the device synchronised after each (``CrispRuntime.last_timings``, ``stats.copy_ms``).
     device: where the experts run (None = the device of the model's other parameters).
-    cpu_experts: how the CPU computes the experts a CPU placement gives it (precision bf16 / fp32,
+    cpu_experts: how the CPU computes the experts a CPU placement gives it (precision q8 / bf16 / fp32,
     when the int4pack copy is built, the worker's threads: ``crisp_runtime.cpu.experts``).
+    dense: what ``apply`` does with attention's dense layers: ``"keep"`` (default) or ``"q4"`` (4-bit rows with
+    8-bit activations on the CPU, for CPU-only serving: ``crisp_runtime.cpu.dense``; restore puts them back).
     """
 
     kernel_backend: Backend | str | None = None
@@ -110,8 +113,14 @@ class RuntimeConfig:
     order: TaskOrder | str = TaskOrder.JOHNSON
     prefetch: PrefetchPolicy | None = None
     cpu_experts: CpuExpertsConfig = field(default_factory=CpuExpertsConfig)
+    dense: DenseWeights | str = DenseWeights.KEEP
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "dense", DenseWeights(self.dense))
+        except ValueError:
+            raise ValueError(f"RuntimeConfig.dense: expected one of {[d.value for d in DenseWeights]}, "
+                             f"got {self.dense!r}") from None
         if not isinstance(self.cpu_experts, CpuExpertsConfig):
             raise TypeError(f"RuntimeConfig.cpu_experts: expected a CpuExpertsConfig, got "
                             f"{type(self.cpu_experts).__name__}")

@@ -400,6 +400,7 @@ class BlockHandle(CrispHandle):
         if not self.active:
             return
         self.runtime.close()  # the CPU worker thread of hybrid execution, if one was started
+        self._restore_dense()
         for ref in self.refs:
             ref.module.__dict__.pop(_BLOCK_STATE, None)
             ref.module.__dict__.pop("forward", None)
@@ -500,6 +501,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
             state = _BlockState(ref, runtime, prefetcher)
             ref.module.__dict__[_BLOCK_STATE] = state
             ref.module.__dict__["forward"] = functools.partial(_block_forward, state)
+        handle._swap_dense()
     except BaseException:
         handle.restore()
         raise

@@ -185,6 +185,7 @@ class ExpertsHandle(CrispHandle):
         if not self.active:
             return
         self.runtime.close()  # the CPU worker thread of hybrid execution, if one was started
+        self._restore_dense()
         kept = True
         for ref in self.refs:
             module = ref.module
@@ -428,6 +429,7 @@ def _apply_to_experts(model, refs: list[MoeLayerRef], source, *, plan: CrispPlan
                                         always_call=True),
         ]
         model.set_experts_implementation(IMPLEMENTATION_NAME)
+        handle._swap_dense()
     except BaseException:
         handle.restore()
         raise

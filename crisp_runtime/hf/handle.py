@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from crisp_kernels import PackedLayer
+from crisp_runtime.cpu.dense import DenseSwap, swap_dense
 from crisp_runtime.execution.runtime import CrispRuntime, RuntimeConfig, min_budget_bytes, plan_for_layers
 from crisp_runtime.planning.plan import CrispPlan, PlanError
 from crisp_runtime.planning.serving import make_serving
@@ -187,6 +188,16 @@ class CrispHandle(abc.ABC):
         self.refs = refs
         self.runtime = runtime
         self.active = True
+        self.dense: DenseSwap | None = None  # attention's layers replaced (RuntimeConfig.dense), if any
+
+    def _swap_dense(self) -> None:
+        """Replace attention's dense layers as ``RuntimeConfig.dense`` says (the caller restores on failure)."""
+        cpu = self.runtime.config.cpu_experts
+        self.dense = swap_dense(self.model, self.runtime.config.dense, threads=cpu.threads)
+
+    def _restore_dense(self) -> None:
+        if self.dense is not None:
+            self.dense.restore()
 
     @property
     def plan(self) -> CrispPlan:
@@ -231,6 +242,8 @@ class CrispHandle(abc.ABC):
                         "peak_bytes": cache.peak, "policy": self.plan.policy.value}
         out["cpu"] = self.runtime.cpu_stats()  # apply(cpu=...)'s decision, and how the CPU's experts run
         out["serving"] = serving_stats(self.runtime)
+        out["dense"] = {"weights": self.runtime.config.dense.value,
+                        **({} if self.dense is None else self.dense.info())}
         return out
 
     def reset_stats(self) -> None:

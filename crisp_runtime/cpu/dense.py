@@ -1,0 +1,107 @@
+"""Attention's dense layers in 4-bit rows on the CPU (``RuntimeConfig.dense``): CPU-only serving's other half.
+
+Under ``cpu_only`` every expert is computed by the CPU kernel from 4-bit rows, but attention's projections stay
+the model's own fp32 ``nn.Linear`` layers: on a Mixtral-shaped model with 605 MB of 4-bit experts they read
+201 MB a token against the experts' 151 MB, 11.7 of a token's 33 ms on one core of a 2-core AMD EPYC VM, where
+llama.cpp's Q4_0 stores them at 4.5 bits (docs/cpu-kernel.md). ``DenseWeights.Q4`` replaces every
+``nn.Linear`` inside a module named ``*self_attn`` by :class:`Q4Linear`: its weight packed once into the experts'
+4-bit row format (``crisp_kernels.dense_q8.pack_dense``) and computed by the native kernel with 8-bit
+activations. The router, the norms, the embeddings and the lm head are left alone. ``restore()`` puts the original
+modules (the same objects) back. The native kernel is needed (a C compiler at first use); the weights must be on
+the CPU.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from crisp_kernels import QuantFormat
+from crisp_kernels.dense_q8 import DenseQ4, dense_q8, pack_dense
+
+ATTENTION_SUFFIX = "self_attn"  # transformers' attention modules (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
+
+
+class DenseWeights(enum.Enum):
+    """What ``apply`` does with attention's dense layers."""
+
+    KEEP = "keep"  # the model's own layers (default)
+    Q4 = "q4"  # 4-bit rows, 8-bit activations, on the CPU (for cpu_only serving without a GPU)
+
+
+class Q4Linear(nn.Module):
+    """An ``nn.Linear`` computed from its weight in 4-bit rows (``crisp_kernels.dense_q8``)."""
+
+    def __init__(self, packed: DenseQ4, threads: int | None = None) -> None:
+        super().__init__()
+        self.packed = packed
+        self.threads = threads
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_q8(x, self.packed, self.threads)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, 4-bit rows "
+                f"g{self.packed.fmt.group_size}, {self.packed.nbytes:,} B")
+
+
+@dataclass
+class DenseSwap:
+    """The layers :func:`swap_dense` replaced: ``(parent, attribute, original module)``; :meth:`restore` undoes it."""
+
+    swapped: list = field(default_factory=list)
+    nbytes: int = 0  # of the packed rows
+    original_nbytes: int = 0  # of the weights they replace
+
+    def restore(self) -> None:
+        """Put the original modules back (idempotent)."""
+        while self.swapped:
+            parent, name, original = self.swapped.pop()
+            setattr(parent, name, original)
+
+    def info(self) -> dict:
+        return {"layers": len(self.swapped), "bytes": self.nbytes, "original_bytes": self.original_nbytes}
+
+
+def attention_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Every ``nn.Linear`` directly inside a module whose name ends with ``self_attn``, as (parent, name, linear)."""
+    out = []
+    for name, module in model.named_modules():
+        if name.split(".")[-1] != ATTENTION_SUFFIX:
+            continue
+        for child_name, child in module.named_children():
+            if type(child) is nn.Linear:
+                out.append((module, child_name, child))
+    return out
+
+
+def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None = None,
+               threads: int | None = None) -> DenseSwap | None:
+    """Replace attention's linear layers per ``dense`` (None for KEEP); refuses layers not on the CPU or whose
+    in_features the format's group does not divide, before replacing any."""
+    dense = DenseWeights(dense)
+    if dense is DenseWeights.KEEP:
+        return None
+    fmt = QuantFormat() if fmt is None else fmt
+    found = attention_linears(model)
+    if not found:
+        raise ValueError(f"dense={dense.value!r}: the model has no nn.Linear inside a '*{ATTENTION_SUFFIX}' module")
+    for _, name, linear in found:
+        if linear.weight.device.type != "cpu" or linear.weight.is_meta:
+            raise ValueError(f"dense={dense.value!r}: attention's {name} is on {linear.weight.device}; 4-bit dense "
+                             "layers run on the CPU (CPU-only serving)")
+        if linear.in_features % fmt.group_size:
+            raise ValueError(f"dense={dense.value!r}: attention's {name} has in_features {linear.in_features}, not a "
+                             f"multiple of the group size {fmt.group_size}")
+    swap = DenseSwap()
+    for parent, name, linear in found:
+        packed = pack_dense(linear.weight, fmt, linear.bias)
+        setattr(parent, name, Q4Linear(packed, threads))
+        swap.swapped.append((parent, name, linear))
+        swap.nbytes += packed.nbytes
+        swap.original_nbytes += linear.weight.nbytes + (0 if linear.bias is None else linear.bias.nbytes)
+    return swap
