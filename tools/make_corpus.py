@@ -49,6 +49,7 @@ SPLITS = ("train", "calib", "heldout")
 # GNU licence texts: "Everyone is permitted to copy and distribute verbatim copies of this license document".
 PROSE_SOURCES = ("GPL-3", "LGPL-3", "GPL-2", "GFDL-1.3")
 PROSE_FILE = "prose-heldout.txt"
+LICENCES = "/usr/share/common-licenses"  # where Debian's base-files installs them
 
 
 def split_of(relpath: str) -> str:
@@ -140,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="standard library root (default: this interpreter's)")
     parser.add_argument("--prose", action="store_true",
                         help=f"write only {PROSE_FILE} (held-out English prose: GNU licence texts) into --out")
-    parser.add_argument("--licences", default="/usr/share/common-licenses",
-                        help="with --prose: folder of the licence texts (default: /usr/share/common-licenses)")
+    parser.add_argument("--licences", default=None,
+                        help=f"with --prose: folder of the licence texts (default: {LICENCES})")
     args = parser.parse_args(argv)
+    if args.licences is not None and not args.prose:
+        parser.error("argument --licences: only with --prose")
     if args.prose:
+        args.licences = LICENCES if args.licences is None else args.licences
         if not os.path.isdir(args.licences):
             parser.error(f"argument --licences: {args.licences} is not a folder")
         if os.path.exists(args.out) and not os.path.isdir(args.out):
