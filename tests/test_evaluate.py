@@ -58,6 +58,15 @@ def test_eval_engines_agree_and_bytes_match(setup, tmp_path, capsys):
     assert abs(by_rt["uniform"]["bytes_per_token"] - by_rt["crisp"]["bytes_per_token"]) <= step / 2 + 1e-9
     assert abs(by_rt["skip_aux"]["bytes_fraction_of_full"] - by_rt["crisp"]["bytes_fraction_of_full"]) < 0.05
     assert "crisp" in table and "uniform" in table and "relative accuracy loss" in table
+    # each equal-bytes row's relative loss carries its standard error, paired by window with the full width
+    # (24 windows: finite); the advantages are differences of those losses
+    for name in ("crisp", "uniform", "skip_aux", "skip_aux_all"):
+        assert by_rt[name]["relative_accuracy_loss_vs_full_se"] >= 0.0
+    assert "relative_accuracy_loss_vs_full_se" not in by_rt["full"]
+    assert runtime["verdict"]["crisp_relative_accuracy_loss_se"] == by_rt["crisp"]["relative_accuracy_loss_vs_full_se"]
+    for name in ("uniform", "skip_aux"):
+        assert by_rt["crisp"][f"advantage_vs_{name}"] == pytest.approx(
+            by_rt[name]["relative_accuracy_loss_vs_full"] - by_rt["crisp"]["relative_accuracy_loss_vs_full"], abs=1e-12)
 
 
 def setup_intermediate(setup):

@@ -18,7 +18,7 @@ from crisp_kernels.io import DigestStatus, PackCheck, PackIntegrityError, read_p
 from crisp_runtime import CrispPlan, PlanError, load_pack, save_pack, verify_pack
 from crisp_runtime.storage.pack import FingerprintStatus, PackMismatchError, check_weights_fingerprint, weights_sha256
 
-OLD_PACK = Path(__file__).resolve().parents[1] / "models" / "tiny-mixtral-crisp"  # written before digests
+COMMITTED_PACK = Path(__file__).resolve().parents[1] / "models" / "tiny-mixtral-crisp"
 
 
 def _plan(layers, width=8):
@@ -29,6 +29,25 @@ def _plan(layers, width=8):
 @pytest.fixture
 def layers():
     return random_layers()
+
+
+@pytest.fixture(scope="module")
+def old_pack(tmp_path_factory) -> Path:
+    """The committed tiny-Mixtral pack as a pack written before digests: no ``tensor_sha256`` in the experts
+    file's metadata and no ``files`` binding in pack.json (the two fields digests added), everything else as is."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("old") / "tiny-mixtral-crisp"
+    shutil.copytree(COMMITTED_PACK, out)
+    path = out / "experts.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "tensor_sha256"}
+    save_file(load_file(str(path)), str(path), metadata=meta)
+    info = json.loads((out / "pack.json").read_text())
+    info.pop("files", None)
+    (out / "pack.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+    return out
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -97,10 +116,11 @@ def test_bad_payload_values_refused_at_load(tmp_path, layers, tensor, value, mat
         load_pack(tmp_path / "p")
 
 
-def test_old_pack_without_digests_loads_and_reports_unavailable():
-    pack = load_pack(OLD_PACK, check=PackCheck.DIGESTS)
+def test_old_pack_without_digests_loads_and_reports_unavailable(old_pack):
+    assert verify_pack(COMMITTED_PACK).tensors is DigestStatus.VERIFIED  # the fixture removed what it checks
+    pack = load_pack(old_pack, check=PackCheck.DIGESTS)
     assert pack.digests is DigestStatus.UNAVAILABLE and pack.plan is not None
-    result = verify_pack(OLD_PACK)
+    result = verify_pack(old_pack)
     assert (result.tensors, result.binding) == (DigestStatus.UNAVAILABLE, DigestStatus.UNAVAILABLE)
 
 
@@ -247,9 +267,9 @@ def test_plan_path_that_is_not_a_file_is_an_error(tmp_path, layers, kind):
         load_pack(tmp_path / "p")
 
 
-def test_old_pack_with_plan_directory_is_an_error(tmp_path):
+def test_old_pack_with_plan_directory_is_an_error(tmp_path, old_pack):
     """Without the pack.json binding (an old pack), a plan.json folder is still refused, not ignored."""
-    shutil.copytree(OLD_PACK, tmp_path / "old")
+    shutil.copytree(old_pack, tmp_path / "old")
     (tmp_path / "old" / "plan.json").unlink()
     (tmp_path / "old" / "plan.json").mkdir()
     with pytest.raises(PlanError, match="plan.json: not a regular file"):
@@ -332,9 +352,9 @@ def test_weights_fingerprint_is_the_one_crisp_profile_records(tiny_model):
 # ----------------------------------------------------------------------------- crisp-pack verify
 
 
-def test_verify_command(tmp_path, layers, capsys):
+def test_verify_command(tmp_path, layers, old_pack, capsys):
     save_pack(tmp_path / "good", layers, plan=_plan(layers))
-    assert pack_mod.main(["verify", str(tmp_path / "good"), str(OLD_PACK)]) == 0
+    assert pack_mod.main(["verify", str(tmp_path / "good"), str(old_pack)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"ok: {tmp_path / 'good'}: 2 layers, a plan; tensor digests: verified")
     assert "tensor digests: unavailable" in out[1]

@@ -57,7 +57,7 @@ from .calibration import (
     stored_weights,
     threads,
 )
-from .loss_estimate import finite_or_none, paired_advantage
+from .loss_estimate import finite_or_none, paired_advantage, relative_loss
 from .tail_emulation import INFO_EMULATION, emulation_of, reference_pack
 
 DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: the three of the results tables
@@ -225,6 +225,10 @@ class Evaluator:
             ska = run(self._plan("skip_aux"))
             records.append(self._record("skip_aux_all", "skip auxiliary always", ska[1], ska[0], n_tok))
             crisp_record = next(r for r in records if r["policy"] == "crisp")
+            # the standard error of each equal-bytes row's relative loss, paired by window with the full width
+            for rec, got in zip(records[-4:], (crisp, uni, sk, ska), strict=True):
+                rec["relative_accuracy_loss_vs_full_se"] = finite_or_none(
+                    relative_loss(full[0].correct, got[0].correct).standard_error)
             for name, base in (("uniform", uni), ("skip_aux", sk)):  # paired on the same windows, at equal bytes
                 ahead = paired_advantage(full[0].correct, crisp[0].correct, base[0].correct)
                 crisp_record[f"advantage_vs_{name}"] = ahead.loss
@@ -353,6 +357,7 @@ def verdict(records: list[dict], max_bytes=0.55, max_loss=0.036) -> dict:
     return {
         "crisp_bytes_fraction": c["bytes_fraction_of_full"],
         "crisp_relative_accuracy_loss": c["relative_accuracy_loss_vs_full"],
+        "crisp_relative_accuracy_loss_se": c.get("relative_accuracy_loss_vs_full_se"),
         "bytes_target_met": c["bytes_fraction_of_full"] <= max_bytes,
         # None when the full-width model scores 0 (the relative loss is undefined), never a silent pass.
         "accuracy_target_met": None if loss is None else loss <= max_loss,

@@ -17,7 +17,15 @@ The capped splits keep whole files, in sorted order, while they fit under the ca
 The split depends on the relative paths only; the contents depend on the Python version
 (recorded in data/README.md).
 
+With ``--prose``, only the held-out English prose is written instead (data/prose-heldout.txt):
+four GNU licence texts, whose own terms permit verbatim copies, from the folder where Debian's
+base-files installs them (``/usr/share/common-licenses``), in the order of ``PROSE_SOURCES`` with
+the same header lines. None of them is Python source, so neither the training nor the
+calibration text contains them; GPL-1, LGPL-2.1 and GFDL-1.2 are left out because a third to
+nine tenths of their 40-byte substrings recur in GPL-2 or GFDL-1.3.
+
 Usage: python tools/make_corpus.py [--out data] [--cap-bytes 400000]
+       python tools/make_corpus.py --prose [--out data] [--licences /usr/share/common-licenses]
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ from crisp_runtime.storage.outputs import write_text  # noqa: E402
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 GENERATED_MARKER = "Python Character Mapping Codec"  # header of gencodec.py's output
 SPLITS = ("train", "calib", "heldout")
+# GNU licence texts: "Everyone is permitted to copy and distribute verbatim copies of this license document".
+PROSE_SOURCES = ("GPL-3", "LGPL-3", "GPL-2", "GFDL-1.3")
+PROSE_FILE = "prose-heldout.txt"
+LICENCES = "/usr/share/common-licenses"  # where Debian's base-files installs them
 
 
 def split_of(relpath: str) -> str:
@@ -75,15 +87,36 @@ def stdlib_sources(root: str) -> list[tuple[str, str]]:
     return out
 
 
+def chunk_of(name: str, text: str) -> str:
+    """One document of a corpus file: its header line ``# ==== <name> ====``, then its text, ending in a newline."""
+    chunk = f"# ==== {name} ====\n{text}"
+    return chunk if chunk.endswith("\n") else chunk + "\n"
+
+
+def build_prose(licence_dir: str, out_dir: str) -> dict[str, int]:
+    """Write data/prose-heldout.txt from the licence texts PROSE_SOURCES; returns the bytes of each."""
+    chunks, sizes = [], {}
+    for name in PROSE_SOURCES:
+        path = os.path.join(licence_dir, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise SystemExit(f"error: argument --licences: cannot read {path}: {e.strerror}") from None
+        chunks.append(chunk_of(f"common-licenses/{name}", text))
+        sizes[name] = len(chunks[-1].encode("utf-8"))
+    os.makedirs(out_dir, exist_ok=True)
+    write_text(os.path.join(out_dir, PROSE_FILE), "\n".join(chunks))
+    return sizes
+
+
 def build(root: str, out_dir: str, cap_bytes: int) -> dict[str, dict[str, int]]:
     """Write data/stdlib-{train,calib,heldout}.txt; returns per-split file and byte counts."""
     chunks: dict[str, list[str]] = {s: [] for s in SPLITS}
     stats = {s: {"files": 0, "bytes": 0, "files_over_cap": 0} for s in SPLITS}
     for rel, text in stdlib_sources(root):
         split = split_of(rel)
-        chunk = f"# ==== {rel} ====\n{text}"
-        if not chunk.endswith("\n"):
-            chunk += "\n"
+        chunk = chunk_of(rel, text)
         size = len(chunk.encode("utf-8"))
         if split != "train" and stats[split]["bytes"] + size > cap_bytes:
             stats[split]["files_over_cap"] += 1
@@ -106,7 +139,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="size cap of the calib and held-out files, whole files only (default: 400000)")
     parser.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"],
                         help="standard library root (default: this interpreter's)")
+    parser.add_argument("--prose", action="store_true",
+                        help=f"write only {PROSE_FILE} (held-out English prose: GNU licence texts) into --out")
+    parser.add_argument("--licences", default=None,
+                        help=f"with --prose: folder of the licence texts (default: {LICENCES})")
     args = parser.parse_args(argv)
+    if args.licences is not None and not args.prose:
+        parser.error("argument --licences: only with --prose")
+    if args.prose:
+        args.licences = LICENCES if args.licences is None else args.licences
+        if not os.path.isdir(args.licences):
+            parser.error(f"argument --licences: {args.licences} is not a folder")
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            parser.error(f"argument --out: {args.out} exists and is not a folder")
+        for name, size in build_prose(args.licences, args.out).items():
+            print(f"{name:8s} {size:6d} bytes")
+        return 0
     if not os.path.isdir(args.stdlib):
         parser.error(f"argument --stdlib: {args.stdlib} is not a folder")
     out, src = os.path.realpath(args.out), os.path.realpath(args.stdlib)
