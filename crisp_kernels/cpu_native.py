@@ -84,24 +84,27 @@ class NativeKernel:
                    row_stop, weights, out, threads)
 
     def dense_q8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 group: int, out: torch.Tensor, threads: int) -> None:
+                 group: int, out: torch.Tensor, threads: int, *, weights_checked: bool = False) -> None:
         """``out = x W^T`` for a dense matrix in the format's rows (``crisp_kernels.dense_q8``), with 8-bit
         activations: x (T, H) fp32 contiguous, T <= MAX_TOKENS; qweight (O, H/2) uint8, scales (O, G) fp16,
         zeros (O, G) uint8 or None; out (T, O) fp32 contiguous, overwritten. Checked here (a bad call raises
-        before the C code runs)."""
+        before the C code runs); ``weights_checked``: qweight / scales / zeros / group are a ``DenseQ4``'s,
+        validated when it was made, and only x and out are checked."""
         tokens, hidden = x.shape
         if tokens > MAX_TOKENS:
             raise ValueError(f"x: the native CPU kernel takes at most {MAX_TOKENS} tokens, got {tokens}")
         rows = qweight.shape[0] if qweight.dim() == 2 else -1
-        groups = hidden // group if group > 0 else 0
-        tensors = {"x": (x, torch.float32, (tokens, hidden)), "out": (out, torch.float32, (tokens, rows)),
-                   "qweight": (qweight, torch.uint8, (rows, hidden // 2)),
-                   "scales": (scales, torch.float16, (rows, groups))}
-        if zeros is not None:
-            tensors["zeros"] = (zeros, torch.uint8, (rows, groups))
+        tensors = {"x": (x, torch.float32, (tokens, qweight.shape[-1] * 2)),
+                   "out": (out, torch.float32, (tokens, rows))}
+        if not weights_checked:
+            groups = hidden // group if group > 0 else 0
+            tensors |= {"qweight": (qweight, torch.uint8, (rows, hidden // 2)),
+                        "scales": (scales, torch.float16, (rows, groups))}
+            if zeros is not None:
+                tensors["zeros"] = (zeros, torch.uint8, (rows, groups))
+            if group not in (32, 64, 128) or hidden % group:
+                raise ValueError(f"group: expected 32, 64 or 128 dividing H = {hidden}, got {group}")
         _check_tensors(tensors)
-        if group not in (32, 64, 128) or hidden % group:
-            raise ValueError(f"group: expected 32, 64 or 128 dividing H = {hidden}, got {group}")
         rc = self.lib.crisp_dense_q8(x.data_ptr(), tokens, hidden, group, qweight.data_ptr(), scales.data_ptr(),
                                      None if zeros is None else zeros.data_ptr(), rows, out.data_ptr(), threads)
         if rc != 0:
