@@ -516,6 +516,27 @@ static void pack_tiles(const float *xe, const float *xo, int tokens, int half, f
 }
 #endif
 
+/* out[t] += weights[t] (sum over the threads' accumulators, in thread order): thread p's (T, H) accumulator at
+ * acc + p T H, its even elements first ((T, H/2) ye), then its odd ones (yo). */
+static void add_thread_sums(const float *acc, int64_t nthreads, int64_t tokens, int64_t hidden, const float *weights,
+                            float *out) {
+    const int64_t half = hidden / 2;
+    const size_t per_thread = (size_t)tokens * (size_t)hidden;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float wt = weights[t];
+        for (int64_t i = 0; i < half; i++) {
+            float e = 0.0f, o = 0.0f;
+            for (int64_t p = 0; p < nthreads; p++) {
+                const float *ye = acc + (size_t)p * per_thread;
+                e += ye[t * half + i];
+                o += ye[tokens * half + t * half + i];
+            }
+            out[t * hidden + 2 * i] += wt * e;
+            out[t * hidden + 2 * i + 1] += wt * o;
+        }
+    }
+}
+
 /* out[t, :] += weights[t] * sum_{j0 <= j < j1, j < kt[t]} a_tj down_j, for T tokens.
  * x: (T, H) fp32; qweight/scales/zeros: the expert's rows from row j0 on; kt: (T,) int64 or NULL;
  * weights: (T,) fp32; out: (T, H) fp32. Returns 0, or -1 when a buffer cannot be allocated, -2 for
@@ -561,18 +582,7 @@ int crisp_expert_rows_f32(const float *x, int64_t tokens, int64_t hidden, int64_
         const int team = omp_get_num_threads();
         for (int64_t p = omp_get_thread_num(); p < nthreads; p += team) run_rows(&work[p]);
     }
-    for (int64_t t = 0; t < tokens; t++) {
-        const float wt = weights[t];
-        for (int64_t i = 0; i < half; i++) {
-            float e = 0.0f, o = 0.0f;
-            for (int64_t p = 0; p < nthreads; p++) {
-                e += work[p].ye[t * half + i];
-                o += work[p].yo[t * half + i];
-            }
-            out[t * hidden + 2 * i] += wt * e;
-            out[t * hidden + 2 * i + 1] += wt * o;
-        }
-    }
+    add_thread_sums(acc, nthreads, tokens, hidden, weights, out);
 done:
     free(xs); free(acc); free(work);
     return rc;
@@ -980,18 +990,7 @@ int crisp_expert_rows_q8(const float *x, int64_t tokens, int64_t hidden, int64_t
         const int team = omp_get_num_threads();
         for (int64_t p = omp_get_thread_num(); p < nthreads; p += team) run_rows_q8(&work[p]);
     }
-    for (int64_t t = 0; t < tokens; t++) {
-        const float wt = weights[t];
-        for (int64_t i = 0; i < half; i++) {
-            float e = 0.0f, o = 0.0f;
-            for (int64_t p = 0; p < nthreads; p++) {
-                e += work[p].ye[t * half + i];
-                o += work[p].yo[t * half + i];
-            }
-            out[t * hidden + 2 * i] += wt * e;
-            out[t * hidden + 2 * i + 1] += wt * o;
-        }
-    }
+    add_thread_sums(acc, nthreads, tokens, hidden, weights, out);
 done:
     free(xq); free(xf); free(xs16); free(xsum); free(acc); free(work); free(scratch);
     return rc;

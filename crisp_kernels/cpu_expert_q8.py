@@ -114,13 +114,9 @@ def expert_mlp_q8_ref(x: torch.Tensor, packed: PackedExpert, width: int, *, toke
     tokens, hidden = x.shape
     if row_start >= width or tokens == 0:
         return torch.zeros(tokens, hidden, dtype=torch.float64)
-    g = packed.fmt.group_size
     a = _activations(x.float(), packed, row_start, width, token_widths)
     cq, sc, _ = _coefficients(a, packed, row_start, width)
-    q, _, zeros = _codes(packed, row_start, width)
-    n = width - row_start
-    centred = (q[:, Proj.DOWN] .view(n, hidden // g, g) - zeros[:, Proj.DOWN].unsqueeze(-1))  # (n, G, g)
-    y = torch.einsum("tjg,jgk->tgk", cq.double() * sc.double(), centred)
+    y = torch.einsum("tjg,jgk->tgk", cq.double() * sc.double(), _down_centred(packed, row_start, width))
     return y.reshape(tokens, hidden)
 
 
@@ -132,12 +128,15 @@ def boundary_allowance(x: torch.Tensor, packed: PackedExpert, width: int, *,
     tokens, hidden = x.shape
     if row_start >= width or tokens == 0:
         return torch.zeros(tokens, hidden, dtype=torch.float64)
-    g = packed.fmt.group_size
     a = _activations(x.float(), packed, row_start, width, token_widths)
     _, sc, quotient = _coefficients(a, packed, row_start, width)
     near = ((quotient - quotient.floor() - 0.5).abs() < BOUNDARY_SLACK) & (sc > 0)
-    q, _, zeros = _codes(packed, row_start, width)
-    n = width - row_start
-    centred = (q[:, Proj.DOWN].view(n, hidden // g, g) - zeros[:, Proj.DOWN].unsqueeze(-1)).abs()
-    y = torch.einsum("tjg,jgk->tgk", near.double() * sc.double(), centred)
+    y = torch.einsum("tjg,jgk->tgk", near.double() * sc.double(), _down_centred(packed, row_start, width).abs())
     return y.reshape(tokens, hidden)
+
+
+def _down_centred(packed: PackedExpert, start: int, stop: int) -> torch.Tensor:
+    """(n, G, g) float64: rows [start, stop)'s down codes minus their zero points, by group of H."""
+    g = packed.fmt.group_size
+    q, _, zeros = _codes(packed, start, stop)
+    return q[:, Proj.DOWN].view(stop - start, -1, g) - zeros[:, Proj.DOWN].unsqueeze(-1)
