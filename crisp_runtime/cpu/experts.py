@@ -23,13 +23,13 @@ a frozen :class:`CpuExpertsConfig` (``RuntimeConfig.cpu_experts``):
 - **precision** ``Q8`` (default): the native kernel quantizes the activations to 8 bits (blocks of 32, as
   llama.cpp's Q8_0) and the down coefficients likewise (blocks of 16 neurons), and its dots are integer sums
   (``crisp_kernels.cpu_expert_q8``): within 2**-5 of the float64 reference per expert, measured 0.85-1.2%;
-  1.5x the fp32 kernel's speed at T = 1 (a Mixtral-shaped H 2048 expert, 1 thread, 2-core AMD EPYC VM:
-  2.05 against 3.10 ms); next-token accuracy of the tiny Mixtral under ``cpu_only``: 0.702 against 0.703
-  with fp32 activations (``crisp-bench peer``). Where the native kernel cannot run, ``Q8`` takes the
-  ``BF16`` paths below. ``BF16``: the native kernel in fp32, or else the activations are rounded to bf16 on
-  the CPU and the 64-neuron
-  blocks of the prefix go through torch's int4pack op (bf16 operands and outputs, fp32 sums of the
-  partial products and fp32 accumulation into the partial output); each expert's contribution is
+  1.6x the fp32 kernel's speed at T = 1 (a Mixtral-shaped H 2048 expert, 1 thread, 2-core AMD EPYC VM:
+  9.3 against 5.9 GB/s, ``crisp-bench peer``'s kernel measurement); next-token accuracy of the tiny Mixtral
+  under ``cpu_only``: 0.702 against 0.703 with fp32 activations (``crisp-bench peer``). Where the native
+  kernel cannot run, ``Q8`` takes the ``BF16`` paths below. ``BF16``: the native kernel in fp32, or else the
+  activations are rounded to bf16 on the CPU and the 64-neuron blocks of the prefix go through torch's
+  int4pack op (bf16 operands and outputs, fp32 sums of the partial products and fp32 accumulation into the
+  partial output); each expert's contribution is
   within 2u of bf16 (2 * 2**-8 = 7.8e-3, the kernels' tolerance) of the float64 reference at the
   served width, in relative norm. ``FP32``: the exact chunked-dequant path on the host rows (1e-5),
   ~45x slower (docs/cpu-kernel.md, 1 thread).
