@@ -41,16 +41,16 @@ from crisp_runtime import cli_args as ca
 from . import common, report
 from . import peer_models as pm
 from .common import DEFAULT_TEXT, CliError
+from .peer_engines import CRISP_VARIANTS
 
 MODELS = ("tiny", "large")
 ENGINES = ("llama.cpp", "crisp")
 WIDTHS = ("full", "plan")
 CRISP_QUANT = "crisp-int4-g64"  # our format: 4-bit, group 64 along H, fp16 scales, uint8 zero points
-# CRISP's CPU kernel arithmetics (CpuExpertsConfig.precision), each an engine of its own: fp32 activations,
-# and 8-bit activations with integer dots (llama.cpp's own arithmetic for Q4_0 x Q8_0)
-CRISP_PRECISIONS = {"fp32": CRISP_QUANT, "q8": CRISP_QUANT + "-q8",
-                    # and attention's linear layers in 4-bit rows too (RuntimeConfig(dense="q4")), as Q4_0 stores them
-                    "q8-dense4": CRISP_QUANT + "-q8-dense4"}
+# CRISP's CPU configurations (peer_engines.CRISP_VARIANTS), each an engine of its own, and their records' quant:
+# fp32 activations; 8-bit activations with integer dots (llama.cpp's own arithmetic for Q4_0 x Q8_0); and those
+# with attention's linear layers in 4-bit rows too (RuntimeConfig(dense="q4"), as Q4_0 stores them)
+CRISP_PRECISIONS = {v: CRISP_QUANT + ("" if v == "fp32" else f"-{v}") for v in CRISP_VARIANTS}
 # Conversion check: an F32 GGUF computes what the fp32 model does up to summation order (~1e-6 relative);
 # F16 rounds the weights (bf16 values: exact) and llama.cpp's F16 matmul rounds the activations to fp16
 # (2**-11 relative each, accumulated over a few layers): 1e-2 leaves a wrong conversion (a missing rope

@@ -18,12 +18,10 @@ Shapes: odd intermediate sizes, H / 2 not a multiple of 32 bytes (the kernel's 1
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from test_cpu_expert import expert, inputs
-from test_cpu_native import NARROWER_BITS, NARROWER_BUILDS, _cpu_flags
+from test_cpu_native import NARROWER_BUILDS, narrower_kernel
 
 from crisp_kernels import cpu_native
 from crisp_kernels.cpu_expert import (
@@ -208,12 +206,7 @@ def test_the_accumulate_entry_point_runs_it():
 @pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
 def test_narrower_builds_equal_its_own_arithmetic(tmp_path, build):
     """The portable C path (no AVX2) and the AVX2 path compute the same quantized arithmetic."""
-    if os.uname().machine not in ("x86_64", "AMD64"):
-        pytest.skip("-mno-avx2 / -mno-avx512f are x86 flags")
-    if build == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip("this CPU has no AVX2 / FMA")
-    kernel = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, *NARROWER_BUILDS[build])))
-    assert kernel.vector_bits == NARROWER_BITS[build]
+    kernel = narrower_kernel(tmp_path, build)
     for shape in (SHAPES[0], SHAPES[2]):
         packed = expert(*shape)
         for tokens in (1, 5):

@@ -99,16 +99,22 @@ NARROWER_BUILDS = {"portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma"), "avx2"
 NARROWER_BITS = {"portable": 0, "avx2": 256}
 
 
-@pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
-@pytest.mark.parametrize("shape", SHAPES)
-def test_narrower_builds_equal_the_reference(tmp_path, shape, build):
-    """What a CPU with fewer vector instructions runs, against the float64 reference."""
+def narrower_kernel(tmp_path, build: str):
+    """The kernel built for ``build`` (a NARROWER_BUILDS key) into tmp_path; skips where this host cannot run it."""
     if os.uname().machine not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx2 / -mno-avx512f are x86 flags")
     if build == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2 / FMA")
     kernel = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, *NARROWER_BUILDS[build])))
     assert kernel.vector_bits == NARROWER_BITS[build]  # the path it was built for, not the native one
+    return kernel
+
+
+@pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_narrower_builds_equal_the_reference(tmp_path, shape, build):
+    """What a CPU with fewer vector instructions runs, against the float64 reference."""
+    kernel = narrower_kernel(tmp_path, build)
     packed = expert(*shape)
     for tokens in (1, 5, 6, 11):
         x, weights, widths = inputs(tokens, shape[0], torch.float32, shape[1], per_token=True)

@@ -9,11 +9,9 @@ back after ``restore()``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from test_cpu_native import NARROWER_BITS, NARROWER_BUILDS, _cpu_flags
+from test_cpu_native import NARROWER_BUILDS, narrower_kernel
 from torch import nn
 
 from crisp_kernels import QuantFormat, cpu_native
@@ -62,12 +60,7 @@ def test_leading_dimensions_dtype_and_threads():
 
 @pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
 def test_narrower_builds_equal_the_reference(tmp_path, build, monkeypatch):
-    if os.uname().machine not in ("x86_64", "AMD64"):
-        pytest.skip("-mno-avx2 / -mno-avx512f are x86 flags")
-    if build == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip("this CPU has no AVX2 / FMA")
-    kernel = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, *NARROWER_BUILDS[build])))
-    assert kernel.vector_bits == NARROWER_BITS[build]
+    kernel = narrower_kernel(tmp_path, build)
     monkeypatch.setattr(cpu_native, "load", lambda: kernel)
     for shape in (SHAPES[0], SHAPES[2]):
         packed, _, _ = _packed(*shape)
