@@ -64,9 +64,25 @@ def test_eval_engines_agree_and_bytes_match(setup, tmp_path, capsys):
         assert by_rt[name]["relative_accuracy_loss_vs_full_se"] >= 0.0
     assert "relative_accuracy_loss_vs_full_se" not in by_rt["full"]
     assert runtime["verdict"]["crisp_relative_accuracy_loss_se"] == by_rt["crisp"]["relative_accuracy_loss_vs_full_se"]
+    crisp_bpt = by_rt["crisp"]["bytes_per_token"]
     for name in ("uniform", "skip_aux"):
+        base = by_rt[name]
+        assert by_rt["crisp"][f"advantage_vs_{name}_nearest"] == pytest.approx(
+            base["relative_accuracy_loss_vs_full"] - by_rt["crisp"]["relative_accuracy_loss_vs_full"], abs=1e-12)
+        # at exactly the plan's bytes: two runs of the family bracket them and are interpolated by bytes
+        eq = base["equal_bytes"]
         assert by_rt["crisp"][f"advantage_vs_{name}"] == pytest.approx(
-            by_rt[name]["relative_accuracy_loss_vs_full"] - by_rt["crisp"]["relative_accuracy_loss_vs_full"], abs=1e-12)
+            base["equal_bytes_relative_accuracy_loss_vs_full"] - by_rt["crisp"]["relative_accuracy_loss_vs_full"],
+            abs=1e-12)
+        if eq["interpolated"]:
+            lo, hi, w = eq["below"], eq["above"], eq["weight_below"]
+            assert lo["bytes_per_token"] <= crisp_bpt <= hi["bytes_per_token"] and 0.0 <= w <= 1.0
+            assert w * lo["bytes_per_token"] + (1 - w) * hi["bytes_per_token"] == pytest.approx(crisp_bpt)
+            acc = {r["knob"]: r["accuracy"] for r in eq["runs"]}
+            assert base["equal_bytes_accuracy"] == pytest.approx(
+                w * acc[lo["knob"]] + (1 - w) * acc[hi["knob"]], abs=1e-12)
+        else:  # no bracket: the nearest run, which is the matched row itself here
+            assert eq["bytes_per_token"] == base["bytes_per_token"]
 
 
 def setup_intermediate(setup):
@@ -466,3 +482,77 @@ def test_a_baseline_pack_plan_is_evaluated_as_the_pack_plan(setup, tmp_path, cap
         assert abs(matched["bytes_fraction_of_full"] - own["bytes_fraction_of_full"]) < 0.01
         assert abs(own["advantage_vs_skip_aux"]) <= (own["advantage_vs_skip_aux_se"] or 0.0)
     assert not any("width_cap" in r or "aux_full_weight" in r for r in records)
+
+
+class _FakeScores:
+    """What equal_bytes_baseline reads of a run's TokenScores: per-position nll and hits."""
+
+    def __init__(self, hits: float):
+        self.nll = torch.full((2, 3), 1.0 - hits)
+        self.correct = torch.full((2, 3), hits)
+        self.accuracy = hits
+
+
+def _bracket_case(kind, bytes_of, target_bpt, runs_allowed=3):
+    """equal_bytes_baseline over a synthetic family: a plan's bytes per token come from ``bytes_of(knob)``
+    (drift included), its accuracy is bytes / 1000; matching uses the real equal_bytes_plans."""
+    from types import SimpleNamespace
+
+    from crisp_runtime.planning.plan import CrispPlan
+
+    plan = CrispPlan.full(4, 2, 10, (0,))
+    # routing: 5 tokens, top-2 of 4 experts, auxiliary weights 0.1 .. 0.5 (distinct), one layer
+    index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
+    weights = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4], [0.5, 0.5]])
+    routing = {0: (index, weights)}
+    made = []
+
+    def run(p):
+        knob = p.uniform_width if kind == "uniform" else p.skip_threshold
+        made.append(knob)
+        b = bytes_of(knob)
+        return _FakeScores(b / 1000), b
+
+    this = SimpleNamespace(plan=CrispPlan.skip_aux(4, 2, 10, (0,), threshold=0.3, num_dominant=1)
+                           if kind == "skip_aux" else plan, neuron_bytes=1.0, full_bpt=20.0,
+                           log=lambda *a: None, BRACKET_RUNS=runs_allowed)
+    matched = ev.equal_bytes_plans(this.plan, routing, target=target_bpt)[kind]
+    first = run(matched)
+    scores, detail = ev.Evaluator.equal_bytes_baseline(this, run, kind, routing, matched, first, target_bpt)
+    return scores, detail, made
+
+
+@pytest.mark.parametrize("target", [11.0, 12.5, 14.9, 15.0, 17.2])
+def test_equal_bytes_uniform_brackets_and_interpolates(target):
+    """Uniform width w reads 2 w neurons per token (top-2): the two widths around the target are run and mixed so
+    that the mixed bytes equal the target; the mixed accuracy is the same mix (linear in bytes here)."""
+    scores, detail, made = _bracket_case("uniform", lambda w: 2.0 * w, target)
+    assert detail["interpolated"]
+    lo, hi = detail["below"]["bytes_per_token"], detail["above"]["bytes_per_token"]
+    assert lo <= target <= hi and hi - lo <= 2.0
+    assert float(scores.correct.double().mean()) == pytest.approx(target / 1000)
+    assert len(made) == len(set(made))  # never the same width twice
+
+
+def test_equal_bytes_skip_aux_corrects_drift():
+    """Runs reading 6 neurons per token more than predicted on the full-width routing (routing moved downstream):
+    the partner is aimed past the target by the drift, so one extra run brackets it (aimed without the drift
+    correction it would land at 18 > 17, above again, and take a second)."""
+    def measured(threshold):  # kept auxiliary slots of weights 0.1 .. 0.5 (10 neurons each), 1 dominant, + 6
+        kept = sum(1 for w in (0.1, 0.2, 0.3, 0.4, 0.5) if threshold is not None and w >= threshold)
+        return (5 * 10 + kept * 10) / 5 + 6.0
+
+    target = 17.0
+    scores, detail, made = _bracket_case("skip_aux", measured, target)
+    assert detail["interpolated"] and len(made) == 2
+    assert detail["below"]["bytes_per_token"] <= target <= detail["above"]["bytes_per_token"]
+    w, lo, hi = detail["weight_below"], detail["below"]["bytes_per_token"], detail["above"]["bytes_per_token"]
+    assert w * lo + (1 - w) * hi == pytest.approx(target)
+
+
+def test_equal_bytes_without_a_bracket_reports_the_nearest():
+    """A family that cannot reach the target (every width reads more) ends with the nearest run, said so."""
+    scores, detail, made = _bracket_case("uniform", lambda w: 100.0 + w, 12.0, runs_allowed=2)
+    assert not detail["interpolated"]
+    assert detail["bytes_per_token"] == min(r["bytes_per_token"] for r in detail["runs"])
+    assert len(made) <= 3

@@ -33,7 +33,7 @@ from crisp_kernels.format import rows_for_neurons
 from crisp_kernels.tail_layout import PLAIN
 from crisp_runtime import cli_args as ca
 from crisp_runtime.execution.runtime import plan_for_layers
-from crisp_runtime.planning.baselines import equal_bytes_plans
+from crisp_runtime.planning.baselines import equal_bytes_plans, neurons_per_token
 from crisp_runtime.planning.plan import CrispPlan, PolicyKind
 from crisp_runtime.storage.outputs import OutputPathError, check_outputs
 
@@ -43,6 +43,7 @@ from .calibration import (
     EVAL_SEQ_LEN,
     CliError,
     MaskedExperts,
+    TokenScores,
     check_seq_len,
     check_vocab,
     contiguous_windows,
@@ -229,10 +230,24 @@ class Evaluator:
             for rec, got in zip(records[-4:], (crisp, uni, sk, ska), strict=True):
                 rec["relative_accuracy_loss_vs_full_se"] = finite_or_none(
                     relative_loss(full[0].correct, got[0].correct).standard_error)
-            for name, base in (("uniform", uni), ("skip_aux", sk)):  # paired on the same windows, at equal bytes
-                ahead = paired_advantage(full[0].correct, crisp[0].correct, base[0].correct)
+            by_policy = {r["policy"]: r for r in records}
+            for name, base in (("uniform", uni), ("skip_aux", sk)):  # paired on the same windows
+                # the matched run reads a little more or less than the plan (routing moves downstream): the
+                # comparison at exactly the plan's bytes interpolates between two runs of the baseline that
+                # bracket them (equal_bytes_baseline); the matched run's own difference is kept as _nearest
+                nearest = paired_advantage(full[0].correct, crisp[0].correct, base[0].correct)
+                crisp_record[f"advantage_vs_{name}_nearest"] = nearest.loss
+                crisp_record[f"advantage_vs_{name}_nearest_se"] = finite_or_none(nearest.standard_error)
+                exact, detail = self.equal_bytes_baseline(run, name, routing, plans[name], base, crisp[1])
+                ahead = paired_advantage(full[0].correct, crisp[0].correct, exact.correct)
                 crisp_record[f"advantage_vs_{name}"] = ahead.loss
                 crisp_record[f"advantage_vs_{name}_se"] = finite_or_none(ahead.standard_error)
+                loss = relative_loss(full[0].correct, exact.correct)
+                by_policy[name].update({
+                    "equal_bytes_accuracy": exact.accuracy, "equal_bytes_perplexity": exact.perplexity,
+                    "equal_bytes_relative_accuracy_loss_vs_full": loss.loss,
+                    "equal_bytes_relative_accuracy_loss_vs_full_se": finite_or_none(loss.standard_error),
+                    "equal_bytes": detail})
                 self.log(f"{what} vs {name} at equal bytes: {ahead.loss:+.2%} +- {ahead.standard_error:.2%} "
                          f"of the full width's accuracy (paired, {ahead.windows} windows)")
             if frontier:
@@ -278,6 +293,51 @@ class Evaluator:
             out.append(self._record("crisp", f"CRISP, auxiliaries of weight >= {weight:g} at full width (frontier)",
                                     got[1], got[0], n_tok, aux_full_weight=weight))
         return out
+
+    #: extra runs of a baseline to bracket the plan's bytes (each a whole pass over the windows)
+    BRACKET_RUNS = 3
+
+    def equal_bytes_baseline(self, run, kind: str, routing, matched: CrispPlan, got: tuple, target_bpt: float
+                             ) -> tuple[TokenScores, dict]:
+        """``kind``'s scores at exactly ``target_bpt`` bytes per token: the matched run ``got`` (scores, bytes)
+        and up to BRACKET_RUNS more of the same family (uniform widths, skip-aux thresholds, matched by
+        ``equal_bytes_plans`` on the full-width ``routing`` to a target corrected by the last run's drift from
+        its prediction), interpolated per position between the two runs that bracket ``target_bpt`` (weights
+        in proportion to their bytes' distance): the paired comparison then gives the baseline neither more
+        nor fewer bytes than the plan. Without a bracket (a family at its end, or drift the runs did not
+        cross) the nearest run, said so in the detail."""
+        def knob(plan):
+            return plan.uniform_width if kind == "uniform" else plan.skip_threshold
+
+        def predicted(plan):
+            return neurons_per_token(plan, routing) * self.neuron_bytes
+
+        points = [(matched, got[0], float(got[1]))]
+        for attempt in range(self.BRACKET_RUNS):
+            if any(b <= target_bpt for _, _, b in points) and any(b >= target_bpt for _, _, b in points):
+                break
+            plan, _, last = points[-1]
+            aim = target_bpt - (last - predicted(plan)) + (target_bpt - last) * 2 ** attempt  # past it, other side
+            candidate = equal_bytes_plans(self.plan, routing, target=max(aim, 0.0) / self.neuron_bytes)[kind]
+            if any(knob(candidate) == knob(p) for p, _, _ in points):
+                continue  # the family has no other point there: a farther aim next
+            scores, bpt = run(candidate)
+            points.append((candidate, scores, float(bpt)))
+            self.log(f"{kind} at {knob(candidate)!r}: bytes/token {bpt:,.0f} ({bpt / self.full_bpt:.1%}), "
+                     f"bracketing the plan's {target_bpt / self.full_bpt:.1%}")
+        below = [p for p in points if p[2] <= target_bpt]
+        above = [p for p in points if p[2] >= target_bpt]
+        runs = [{"knob": knob(p), "bytes_per_token": b, "accuracy": s.accuracy} for p, s, b in points]
+        if not below or not above:
+            nearest = min(points, key=lambda p: abs(p[2] - target_bpt))
+            return nearest[1], {"interpolated": False, "bytes_per_token": nearest[2], "runs": runs}
+        lo, hi = max(below, key=lambda p: p[2]), min(above, key=lambda p: p[2])
+        w_lo = 1.0 if hi[2] == lo[2] else (hi[2] - target_bpt) / (hi[2] - lo[2])
+        scores = TokenScores(w_lo * lo[1].nll.double() + (1 - w_lo) * hi[1].nll.double(),
+                             w_lo * lo[1].correct.double() + (1 - w_lo) * hi[1].correct.double())
+        return scores, {"interpolated": True, "bytes_per_token": target_bpt, "weight_below": w_lo,
+                        "below": {"knob": knob(lo[0]), "bytes_per_token": lo[2]},
+                        "above": {"knob": knob(hi[0]), "bytes_per_token": hi[2]}, "runs": runs}
 
     def _record(self, policy, label, bpt, scores, n_tok, **extra):
         rec = {"policy": policy, "label": label, "bytes_per_token": float(bpt), "perplexity": scores.perplexity,
@@ -361,8 +421,9 @@ def verdict(records: list[dict], max_bytes=0.55, max_loss=0.036) -> dict:
         "bytes_target_met": c["bytes_fraction_of_full"] <= max_bytes,
         # None when the full-width model scores 0 (the relative loss is undefined), never a silent pass.
         "accuracy_target_met": None if loss is None else loss <= max_loss,
-        "beats_uniform": c["accuracy"] > by["uniform"]["accuracy"],
-        "beats_skip_aux": c["accuracy"] > by["skip_aux"]["accuracy"],
+        # against each baseline at exactly the plan's bytes (its equal_bytes interpolation) where measured
+        "beats_uniform": c["accuracy"] > by["uniform"].get("equal_bytes_accuracy", by["uniform"]["accuracy"]),
+        "beats_skip_aux": c["accuracy"] > by["skip_aux"].get("equal_bytes_accuracy", by["skip_aux"]["accuracy"]),
         # (acc_crisp - acc_baseline) / acc_full, paired per window, with its standard error (None: not measured)
         "advantage_vs_uniform": c.get("advantage_vs_uniform"),
         "advantage_vs_uniform_se": c.get("advantage_vs_uniform_se"),
