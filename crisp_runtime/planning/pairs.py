@@ -30,9 +30,10 @@ class CombinationKey(enum.Enum):
 
     LEADING_PAIR: the two heaviest routed experts of a token, unordered, ``(a, b)`` with ``a <= b``.
     LEADING_EXPERT: the heaviest routed expert alone, ``(e,)``. Why: on the tiny DeepSeek-shaped model (top-6 of
-    64) the leading expert predicted the damage of skipping a token's three lightest routed experts better than
-    the leading pair in two of its three MoE layers (out-of-sample R^2 of the per-token KL 0.033 / 0.051 against
-    -0.036 / 0.022 on held-out calibration windows), with 64 combinations per layer against 2,016 to count.
+    64) the leading expert predicted the damage of skipping a token's three lightest routed experts as well as the
+    leading pair (out-of-sample R^2 of the per-token KL 0.017 / 0.041 / 0.040 against 0.015 / 0.045 / 0.021 in its
+    three MoE layers, ``bench/results/key-study-tiny-deepseek.json``) with 64 combinations per layer to count
+    against 2,016.
     """
 
     LEADING_PAIR = "leading-pair-by-routing-weight"
