@@ -537,6 +537,8 @@ def test_constructor_refuses_a_combination_of_the_other_key():
     with pytest.raises(PlanError, match=r"combination \(0, 1\) is not one expert id"):
         CrispPlan.crisp(8, 6, FULL, {0: LayerPlan({(0, 1): Tier.HOT}, {})}, TierWidths(FULL, 40, 0),
                         combination_key=CombinationKey.LEADING_EXPERT)
+    with pytest.raises(PlanError, match="combination_key applies to CRISP plans only"):
+        CrispPlan(PolicyKind.SKIP_AUX, 8, 6, FULL, (0,), combination_key=CombinationKey.LEADING_EXPERT)
     with pytest.raises(PlanError, match="combination_key must be a CombinationKey"):
         CrispPlan.crisp(8, 6, FULL, {0: LayerPlan({}, {})}, TierWidths(FULL, 40, 0),
                         combination_key="leading-expert-by-routing-weight")

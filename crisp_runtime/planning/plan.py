@@ -315,6 +315,9 @@ class CrispPlan:
                 raise PlanError(f"plan: width_cap applies to CRISP plans only, not {self.policy.value!r}")
             if not 1 <= self.width_cap <= full:
                 raise PlanError(f"plan: width_cap must lie in [1, {full}] (or be None: uncapped), got {self.width_cap}")
+        if self.combination_key is not CombinationKey.LEADING_PAIR and self.policy is not PolicyKind.CRISP:
+            raise PlanError(f"plan: combination_key applies to CRISP plans only (their tiers), not "
+                            f"{self.policy.value!r}")
         for name in ("aux_full_weight", "aux_skip_weight"):  # the CRISP plan's routing-weight bands
             v = getattr(self, name)
             if v is None:
