@@ -32,8 +32,9 @@ DEFAULT_WARM_WIDTH = 0.0625
 # (routing weight) on calibration windows (docs/profile-and-eval.md), so per-token information
 # beats a per-pair label there.
 DOMINANCE_RULES = ("auto", "routing-weight", "measured")
-# What the tiers are keyed on (crisp_runtime.planning.pairs.CombinationKey): "auto" searches both keys with
-# --search-target-bytes at top-k > 2 (the leading pair elsewhere: at top-2 it is the whole combination).
+# What the tiers are keyed on (crisp_runtime.planning.pairs.CombinationKey): "auto" searches both keys at top-k > 2
+# with --search-target-bytes (tiers per key) and --plan-for-throughput (the plan's tiers over the other key too);
+# the leading pair elsewhere (at top-2 it is the whole combination).
 COMBINATION_KEYS = ("auto", "leading-pair", "leading-expert")
 _KEY_OPTIONS = {"leading-pair": CombinationKey.LEADING_PAIR, "leading-expert": CombinationKey.LEADING_EXPERT}
 IMPORTANCE_KINDS = ("weighted", "mean-abs")
@@ -122,7 +123,7 @@ class ProfileConfig:
     def candidate_keys(self, top_k: int) -> list[CombinationKey]:
         """The combination keys this run's plans may take (see COMBINATION_KEYS), the leading pair first."""
         if self.combination_key == "auto":
-            wide = top_k > 2 and self.search_target_bytes is not None
+            wide = top_k > 2 and (self.search_target_bytes is not None or self.throughput_budget is not None)
             return [CombinationKey.LEADING_PAIR] + ([CombinationKey.LEADING_EXPERT] if wide else [])
         return [_KEY_OPTIONS[self.combination_key]]
 

@@ -26,7 +26,7 @@ import torch
 
 from crisp_runtime.planning.baselines import baseline_description, equal_bytes_plans, full_plan, neurons_per_token
 from crisp_runtime.planning.pairs import CombinationKey
-from crisp_runtime.planning.plan import CrispPlan, TierCutoffs, TierWidths
+from crisp_runtime.planning.plan import CrispPlan, PolicyKind, TierCutoffs, TierWidths
 
 from ..calibration import CliError, MaskedExperts, TokenScores, score_windows
 from .planning import description, initial_plan, layer_plans
@@ -239,6 +239,26 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ke
     if len(keys) > 1:
         info["best_crisp_loss_by_key"] = best_by_key
     return chosen, info
+
+
+def rekeyed_plans(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, search: dict | None) -> list[CrispPlan]:
+    """A CRISP ``plan``'s tiers over each other key this run may use (``ProfileConfig.candidate_keys``), at its
+    cut-offs (the search's choice, else the command line's), with its widths and knobs and the routing-weight rule:
+    the throughput search's extra candidates. None for another policy or a single key."""
+    keys = inputs.cfg.candidate_keys(inputs.top_k)
+    if plan.policy is not PolicyKind.CRISP or len(keys) < 2:
+        return []
+    chosen = (search or {}).get("chosen", {})
+    cut = TierCutoffs(chosen["hot_mass"], chosen["cold_mass"]) if "hot_mass" in chosen else inputs.cutoffs
+    out = []
+    for key in keys:
+        if key is plan.combination_key:
+            continue
+        tiers = plan.with_tiers(layers=layer_plans(inputs, stats, cut, "routing-weight", key), combination_key=key)
+        out.append(dataclasses.replace(tiers, description=description(
+            inputs, cut, plan.tier_widths.warm, "routing-weight", plan.num_dominant, cold=plan.tier_widths.cold,
+            key=key)))
+    return out
 
 
 def _baseline_described(base: CrispPlan, rec: dict, target: float, crisp_loss: float) -> CrispPlan:
