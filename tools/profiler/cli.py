@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "calibration windows (auto, default)")
     p.add_argument("--combination-key", default="auto", choices=COMBINATION_KEYS,
                    help="what the tiers are keyed on: the two heaviest routed experts of a token (leading-pair, the "
-                        "paper's key) or the heaviest alone (leading-expert); auto: with --search-target-bytes at "
-                        "top-k > 2 both are searched (lowest held-out calibration loss), else leading-pair")
+                        "paper's key) or the heaviest alone (leading-expert); auto: at top-k > 2 both are searched "
+                        "by --search-target-bytes (lowest held-out calibration loss) and --plan-for-throughput (the "
+                        "plan's tiers over the other key too), else leading-pair")
     p.add_argument("--num-dominant", type=ca.positive_int, default=None, metavar="N",
                    help="routed experts per token at full width (1..top_k-1; default 1, or with "
                         "--search-target-bytes every N whose dominants alone fit the target is searched)")
