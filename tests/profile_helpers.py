@@ -16,13 +16,13 @@ PROFILE_ARGS = ["--samples", "24", "--seq-len", "32", "--batch-size", "8", "--do
                 "--search-samples", "8", "--threads", "1", "--quiet"]
 
 
-def make_tiny_mixtral(directory: Path, seed: int = 0) -> Path:
+def make_tiny_mixtral(directory: Path, seed: int = 0, *, experts: int = 4, top_k: int = 2) -> Path:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
     config = MixtralConfig(
         vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=1, max_position_embeddings=64, num_local_experts=experts, num_experts_per_tok=top_k,
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     model = MixtralForCausalLM(config)

@@ -11,7 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 from crisp_bench import cli as bench_cli
-from crisp_tools import evaluate, evidence, make_corpus, plan_throughput, tail_emulation, tail_pack, train_tiny_moe
+from crisp_tools import (
+    evaluate,
+    evidence,
+    key_study,
+    make_corpus,
+    plan_throughput,
+    tail_emulation,
+    tail_pack,
+    train_tiny_moe,
+)
 from crisp_tools import profiler as prof
 
 POS_INT = ["0", "-1", "-3", "1.5", "abc", "", "nan", "1e3", "0x10"]
@@ -45,6 +54,7 @@ PROFILE = _cases("profile", {
     "--importance": ["mean", ""], "--hot-mass": UNIT, "--cold-mass": UNIT, "--warm-width": UNIT,
     "--holdout-fraction": OPEN_UNIT, "--dominance-samples": POS_INT, "--dominance-min-tokens": POS_INT,
     "--dominance-max-windows": POS_INT, "--dominance": ["best", ""], "--search-target-bytes": HALF_OPEN_UNIT,
+    "--combination-key": ["pair", "", "leading-pair-by-routing-weight", "Leading-Expert"],
     "--search-samples": POS_INT, "--search-cold-widths": ["", "1", "-0.1", "0,1.5", "0,0", "abc", "nan", ","],
     "--model": [""], "--data": [""], "--out": [""], "--work-dir": [""],
     "--num-dominant": POS_INT, "--plan-for-throughput": HALF_OPEN_UNIT, "--max-accuracy-loss": UNIT,
@@ -66,6 +76,11 @@ EVIDENCE = _cases("evidence", {
     "--model": [""], "--crisp": [""], "--data": [""],
     "--samples": POS_INT, "--seq-len": SEQ_LEN, "--batch-size": POS_INT, "--top-pairs": POS_INT,
     "--threads": THREADS, "--json": ["", "DIR", "MISSING"], "--markdown": ["", "DIR", "MISSING"],
+})
+KEY_STUDY = _cases("key-study", {
+    "--model": [""], "--crisp": [""], "--data": [""], "--fit-samples": POS_INT, "--test-samples": POS_INT,
+    "--holdout-fraction": OPEN_UNIT, "--num-dominant": POS_INT, "--seq-len": SEQ_LEN, "--batch-size": POS_INT,
+    "--seed": SEED, "--threads": THREADS, "--json": ["", "DIR", "MISSING"],
 })
 OUTPUT_OPTIONS = {"--json": ["", "DIR", "MISSING"], "--plot": ["", "DIR", "MISSING", "x.txt"], "--threads": THREADS}
 MODEL_OPTIONS = {"--model": [""], "--pack": [""], "--text": [""]}
@@ -136,7 +151,7 @@ TRAIN = _cases("train", {
     "--family": ["gpt2", "", "Mixtral"], "--moe-intermediate-size": POS_INT, "--shared-experts": POS_INT,
     "--dense-layers": POS_INT,
 })
-ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL_PACK + PLAN_THROUGHPUT
+ALL = PROFILE + EVAL + EVIDENCE + KEY_STUDY + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL_PACK + PLAN_THROUGHPUT
 # The size of the campaign when it was written; shrinking a table must be a decision, not an accident.
 # 660: the 22 cases of `python -m crisp_bench.kernels`'s own --shapes/--widths/--tokens/--json went with
 # that second command line (its other options moved to `crisp-bench kernels`, their cases with them).
@@ -144,8 +159,9 @@ ALL = PROFILE + EVAL + EVIDENCE + BENCH + CORPUS + TRAIN + TAIL_EMULATION + TAIL
 # 866: kernels --tail-start. 991: plan-throughput's 76, --simulation-workers, earlier growth.
 # 1013: --search-tier-widths of crisp-profile and plan-throughput, plan-throughput --reference-crisp and
 # --tail-layouts. 1019: bench report's --results, --table, --markdown. 1055: --gpu-budget, --heldout-data,
-# --heldout-windows and --budget-search of crisp-profile and plan-throughput.
-RECORDED_CASES = 1055
+# --heldout-windows and --budget-search of crisp-profile and plan-throughput. 1203: crisp-profile --combination-key,
+# key_study's 68, earlier growth.
+RECORDED_CASES = 1203
 
 
 def _prog_argv(tool: str, tmp_path):
@@ -158,6 +174,8 @@ def _prog_argv(tool: str, tmp_path):
         return evaluate.main, ["--model", model, "--crisp", pack, "--data", data, "--quiet"]
     if tool == "evidence":
         return evidence.main, ["--model", model, "--crisp", pack, "--data", data, "--quiet"]
+    if tool == "key-study":
+        return key_study.main, ["--model", model, "--crisp", pack, "--data", data, "--quiet"]
     if tool == "bench":
         return bench_cli.main, []
     if tool.startswith("bench "):
@@ -243,6 +261,7 @@ def test_unknown_choice_lists_the_choices(capsys):
 
 def test_case_count():
     counts = {name: len(t) for name, t in (("crisp-profile", PROFILE), ("crisp-eval", EVAL), ("evidence", EVIDENCE),
+                                            ("key_study", KEY_STUDY),
                                             ("crisp-bench", BENCH), ("make_corpus", CORPUS),
                                             ("train_tiny_moe", TRAIN), ("tail_emulation", TAIL_EMULATION),
                                             ("tail_pack", TAIL_PACK), ("plan_throughput", PLAN_THROUGHPUT))}
@@ -264,6 +283,7 @@ def test_every_option_of_the_main_tools_is_in_the_tables():
 
     covered = {(t, o) for t, o, _ in ALL}
     parsers = {"profile": prof.build_parser(), "eval": evaluate.build_parser(), "evidence": evidence.build_parser(),
+               "key-study": key_study.build_parser(),
                "bench": bench_cli.build_parser(), "tail-emulation": tail_emulation.build_parser(),
                "tail-pack": tail_pack.build_parser(), "plan-throughput": plan_throughput.build_parser()}
     sub = next(a for a in parsers["bench"]._actions if isinstance(a, argparse._SubParsersAction))

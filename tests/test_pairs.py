@@ -1,4 +1,5 @@
-"""Leading-pair codes, counts and skew (crisp_runtime.planning.pairs) against plain-Python definitions."""
+"""Combination keys, leading-pair codes, counts and skew (crisp_runtime.planning.pairs) against plain-Python
+definitions."""
 
 from __future__ import annotations
 
@@ -7,7 +8,19 @@ import itertools
 import pytest
 import torch
 
-from crisp_runtime.planning.pairs import counts_by_pair, leading_pairs, pair_codes, pair_counts, pair_skew
+from crisp_runtime.planning.pairs import (
+    CombinationKey,
+    combination_code,
+    combination_codes,
+    combination_counts,
+    combination_of,
+    counts_by_combination,
+    counts_by_pair,
+    leading_pairs,
+    pair_codes,
+    pair_counts,
+    pair_skew,
+)
 from crisp_runtime.planning.plan import CrispPlan, LayerPlan, Tier, TierWidths, pair_key
 
 
@@ -52,6 +65,46 @@ def test_leading_pair_is_what_the_plan_keys_on(top_k):
     widths = plan.token_widths(0, index, weights)
     hot_tokens = (widths == inter).sum(dim=1) == top_k
     assert torch.equal(hot_tokens, codes == hot)
+
+
+@pytest.mark.parametrize("key", list(CombinationKey))
+@pytest.mark.parametrize("top_k,ties", [(2, False), (6, False), (6, True)])
+def test_combination_keys_match_plain_python(key, top_k, ties):
+    """Each key names a token's combination from its two heaviest experts (ties: router order): the leading pair
+    unordered, or the heaviest expert alone; codes, counts and the count dict agree with that."""
+    E = 12
+    index, weights = _routing(300, E, top_k, seed=11 + top_k, ties=ties)
+    codes = combination_codes(key, index, weights, E)
+    expect = {}
+    for t in range(index.shape[0]):
+        order = sorted(range(top_k), key=lambda j: -float(weights[t, j]))
+        a, b = int(index[t, order[0]]), int(index[t, order[1]])
+        combo = (min(a, b), max(a, b)) if key is CombinationKey.LEADING_PAIR else (a,)
+        assert combination_of(key, a, b) == combo
+        assert int(codes[t]) == combination_code(key, combo, E) < key.code_count(E)
+        expect[combo] = expect.get(combo, 0) + 1
+    counts = combination_counts(key, index, weights, E)
+    assert counts.shape == (key.code_count(E),) and counts_by_combination(key, counts, E) == expect
+
+
+@pytest.mark.parametrize("key", list(CombinationKey))
+@pytest.mark.parametrize("top_k,tokens", [(6, 100), (6, 8), (2, 100)])
+def test_combination_is_what_the_plan_keys_on(key, top_k, tokens):
+    """A plan with one Hot combination per layer and every other one Cold: exactly the tokens of that combination
+    run all their routed experts full width (vectorized and small-step lookups alike)."""
+    E, inter = 12, 8
+    index, weights = _routing(tokens, E, top_k, seed=9)
+    codes = combination_codes(key, index, weights, E)
+    hot = int(codes.mode().values)
+    every = ([pair_key(x, y) for x, y in itertools.combinations(range(E), 2)] if key is CombinationKey.LEADING_PAIR
+             else [(e,) for e in range(E)])
+    tiers = {c: Tier.COLD for c in every}
+    (hot_combo,) = [c for c in every if combination_code(key, c, E) == hot]
+    tiers[hot_combo] = Tier.HOT
+    plan = CrispPlan.crisp(E, top_k, inter, {0: LayerPlan(tiers, {})}, TierWidths(inter, 4, 0), combination_key=key)
+    widths = plan.token_widths(0, index, weights)
+    hot_tokens = (widths == inter).sum(dim=1) == top_k
+    assert torch.equal(hot_tokens, codes == hot) and bool(hot_tokens.any())
 
 
 def test_skew_definition():

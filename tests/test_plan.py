@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from crisp_runtime.planning.pairs import CombinationKey
 from crisp_runtime.planning.plan import (
     CrispPlan,
     LayerPlan,
@@ -29,6 +30,14 @@ def _crisp_plan(num_experts=8, top_k=2, num_dominant=1, unseen=Tier.WARM):
     )
 
 
+def _lead_plan(top_k=6, num_dominant=3, unseen=Tier.COLD):
+    """A plan keyed on the leading expert: one-expert combinations, no dominant labels."""
+    tiers = {(0,): Tier.HOT, (2,): Tier.WARM, (5,): Tier.COLD, (7,): Tier.COLD}
+    return CrispPlan.crisp(8, top_k, FULL, {0: LayerPlan(tiers, {}), 3: LayerPlan({}, {})}, TierWidths(FULL, 40, 0),
+                           unseen_tier=unseen, num_dominant=num_dominant,
+                           combination_key=CombinationKey.LEADING_EXPERT)
+
+
 def _widths_by_hand(plan: CrispPlan, index, weights):
     """A direct, per-token re-statement of the plan's rules (the module docstring), for comparison."""
     out = []
@@ -45,7 +54,7 @@ def _widths_by_hand(plan: CrispPlan, index, weights):
         ranks = {pos: r for r, pos in enumerate(by_weight)}
         if plan.policy is PolicyKind.CRISP and len(by_weight) >= 2:
             a, b = idx_row[by_weight[0]], idx_row[by_weight[1]]
-            key = (min(a, b), max(a, b))
+            key = (min(a, b), max(a, b)) if plan.combination_key is CombinationKey.LEADING_PAIR else (a,)
             lp = plan.layers.get(0)
             tier = lp.tiers.get(key, plan.unseen_tier)
             dom = lp.dominant.get(key, a)
@@ -93,10 +102,11 @@ def test_crisp_widths_follow_tiers_and_dominance():
                                     "crisp_cap1", "crisp_cap_full", "crisp_top4_cap64", "crisp_aux0.3",
                                     "crisp_aux0", "crisp_aux1", "crisp_top4_aux0.15_cap64",
                                     "crisp_skip0.2_aux0.4", "crisp_skip0.3", "crisp_top4_skip0.1_aux0.3_cap64",
-                                    "crisp_skip1"])
+                                    "crisp_skip1", "lead_top6", "lead_top2", "lead_top6_skip0.1_aux0.2_cap64"])
 def test_widths_match_a_per_token_restatement(policy):
     gen = torch.Generator().manual_seed(7)
-    top_k = 4 if "top4" in policy else 2  # the top-4 plans get top-4 routing (num_dominant 2: two auxiliaries)
+    # the top-4 plans get top-4 routing (num_dominant 2: two auxiliaries), the top-6 ones top-6 (3 auxiliaries)
+    top_k = 4 if "top4" in policy else 6 if "top6" in policy else 2
     plans = {
         "full": CrispPlan.full(8, top_k, FULL, [0]),
         "uniform": CrispPlan.uniform(8, top_k, FULL, [0], 33),
@@ -122,6 +132,11 @@ def test_widths_match_a_per_token_restatement(policy):
         "crisp_top4_skip0.1_aux0.3_cap64": _crisp_plan(top_k=4, num_dominant=2, unseen=Tier.COLD).capped(64)
         .promoted(0.3).skipping(0.1),
         "crisp_skip1": _crisp_plan().skipping(1.0),
+        # keyed on the leading expert: top-6 with 3 dominants, top-2 (the key is then one member of the pair), and
+        # with the bands and a cap
+        "lead_top6": _lead_plan(),
+        "lead_top2": _lead_plan(top_k=2, num_dominant=1, unseen=Tier.WARM),
+        "lead_top6_skip0.1_aux0.2_cap64": _lead_plan().capped(64).promoted(0.2).skipping(0.1),
     }
     plan = plans[policy]
     index = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(200)])
@@ -294,7 +309,7 @@ def test_equal_thresholds_make_skip_aux(threshold):
 
 def test_json_round_trip_and_validation(tmp_path):
     for plan in (_crisp_plan(), CrispPlan.full(8, 2, FULL, [0, 3]), CrispPlan.uniform(8, 2, FULL, [1], 7),
-                 CrispPlan.skip_aux(8, 2, FULL, [0], threshold=0.25)):
+                 CrispPlan.skip_aux(8, 2, FULL, [0], threshold=0.25), _lead_plan(), _lead_plan().skipping(0.1)):
         path = tmp_path / f"{plan.policy.value}.json"
         plan.save(path)
         loaded = CrispPlan.load(path)
@@ -456,3 +471,74 @@ def test_tier_cutoffs_refuse_impossible_masses():
         TierCutoffs(0.8, 0.3)
     with pytest.raises(PlanError, match=r"\[0, 1\]"):
         TierCutoffs(-0.1, 0.0)
+
+
+@pytest.mark.parametrize("make, key", [(_crisp_plan, "leading-pair-by-routing-weight"),
+                                       (_lead_plan, "leading-expert-by-routing-weight")])
+def test_combination_key_in_json(tmp_path, make, key):
+    """plan.json names the key and lists its combinations ([a, b] or [e]); the key changes the widths digest."""
+    plan = make()
+    data = plan.to_dict()
+    assert data["combination_key"] == key
+    assert {len(entry["experts"]) for entry in data["layers"]["0"]} == {plan.combination_key.size}
+    assert CrispPlan.from_dict(json.loads(json.dumps(data))) == plan
+    other = CombinationKey.LEADING_EXPERT if plan.combination_key is CombinationKey.LEADING_PAIR else None
+    if other is not None:  # the same tiers read as leading experts are another plan
+        relabelled = plan.with_tiers(layers={0: LayerPlan({(0,): Tier.HOT}, {}), 3: LayerPlan({}, {})},
+                                     combination_key=other)
+        assert relabelled.widths_digest() != plan.with_tiers(layers={0: LayerPlan({(0, 0): Tier.HOT}, {}),
+                                                                     3: LayerPlan({}, {})}).widths_digest()
+
+
+def test_plan_without_combination_key_loads_as_leading_pair(tmp_path):
+    """A plan.json written before the key was a choice (no combination_key) reads as the leading-pair key, and
+    writes back with it named."""
+    data = _crisp_plan().to_dict()
+    del data["combination_key"]
+    plan = CrispPlan.from_dict(data)
+    assert plan.combination_key is CombinationKey.LEADING_PAIR and plan == _crisp_plan()
+    assert plan.to_dict()["combination_key"] == "leading-pair-by-routing-weight"
+
+
+@pytest.mark.parametrize("pack", ["models/tiny-mixtral-crisp", "models/tiny-deepseek-crisp"])
+def test_committed_plans_write_back_byte_identical(pack):
+    """The committed packs' plan.json (top-2 CRISP and top-6) parse and serialize to the same bytes: adding the key
+    changed no existing plan or its digest."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / pack / "plan.json"
+    text = path.read_text()
+    plan = CrispPlan.from_dict(json.loads(text))
+    assert json.dumps(plan.to_dict(), indent=1) == text
+    if plan.policy is PolicyKind.CRISP and plan.top_k == 2:
+        assert plan.combination_key is CombinationKey.LEADING_PAIR
+
+
+@pytest.mark.parametrize(
+    ("make", "mutate", "match"),
+    [
+        (_lead_plan, lambda d: d["layers"]["0"][0].update(experts=[0, 1]),
+         r"layers.0\[0\].experts: expected one expert \[e\]"),
+        (_crisp_plan, lambda d: d["layers"]["0"][0].update(experts=[0]),
+         r"layers.0\[0\].experts: expected a pair \[a, b\]"),
+        (_lead_plan, lambda d: d["layers"]["0"][0].update(dominant=0), "has no dominant label"),
+        (_lead_plan, lambda d: d["layers"]["0"][0].update(experts=[8]), r"an expert id in \[0, 8\)"),
+        (_crisp_plan, lambda d: d.update(combination_key="full-set"),
+         "field combination_key: 'full-set' is not one of"),
+        (_lead_plan, lambda d: d.update(combination_key=None), "field combination_key: None is not one of"),
+    ],
+)  # fmt: skip
+def test_combination_key_refusals(tmp_path, make, mutate, match):
+    with pytest.raises(PlanError, match=match):
+        _load_mutated(tmp_path, make(), mutate)
+
+
+def test_constructor_refuses_a_combination_of_the_other_key():
+    with pytest.raises(PlanError, match=r"combination \(0, 1\) is not one expert id"):
+        CrispPlan.crisp(8, 6, FULL, {0: LayerPlan({(0, 1): Tier.HOT}, {})}, TierWidths(FULL, 40, 0),
+                        combination_key=CombinationKey.LEADING_EXPERT)
+    with pytest.raises(PlanError, match="combination_key applies to CRISP plans only"):
+        CrispPlan(PolicyKind.SKIP_AUX, 8, 6, FULL, (0,), combination_key=CombinationKey.LEADING_EXPERT)
+    with pytest.raises(PlanError, match="combination_key must be a CombinationKey"):
+        CrispPlan.crisp(8, 6, FULL, {0: LayerPlan({}, {})}, TierWidths(FULL, 40, 0),
+                        combination_key="leading-expert-by-routing-weight")

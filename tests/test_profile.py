@@ -15,6 +15,7 @@ from crisp_tools.calibration import load_model, reorder_expert_weights  # noqa: 
 from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text  # noqa: E402
 
 from crisp_kernels.format import dequantize_layer, pack_layer  # noqa: E402
+from crisp_runtime.planning.pairs import CombinationKey  # noqa: E402
 from crisp_runtime.planning.plan import PolicyKind, Tier  # noqa: E402
 from crisp_runtime.storage.pack import load_pack  # noqa: E402
 
@@ -333,3 +334,69 @@ def test_baselines_of_a_top6_search(target, num_dominant, expected):
             if aux:
                 wider = CrispPlan.skip_aux(e, k, inter, layers, threshold=aux[-1], num_dominant=base.num_dominant)
                 assert bytes_fraction(wider, routing) > target
+
+
+@pytest.fixture(scope="module")
+def tiny_top4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-top4")
+    return make_tiny_mixtral(root / "model", experts=8, top_k=4), write_text(root / "calib.txt")
+
+
+@pytest.mark.parametrize("favoured", list(CombinationKey))
+def test_top4_search_scores_both_combination_keys(tiny_top4, tmp_path, monkeypatch, favoured):
+    """At top-k > 2 the byte search scores every tier setting under both keys (leading pair, leading expert), each
+    within the target with tiers over that key's counted combinations; with a scorer favouring one key's CRISP plans
+    the pack's plan is keyed on it, its tiers are the chosen setting's, and the runtime serves it."""
+    import dataclasses
+
+    from crisp_tools.profiler import search as ps
+
+    real = ps.held_out_scores
+
+    def scored(inputs, weights, plan):
+        got = real(inputs, weights, plan)
+        keep = plan.policy is PolicyKind.CRISP and plan.combination_key is favoured
+        return got if keep else dataclasses.replace(got, nll=got.nll + 1.0)
+
+    monkeypatch.setattr(ps, "held_out_scores", scored)
+    model, text = tiny_top4
+    out = tmp_path / "pack"
+    assert prof.main(["--model", str(model), "--data", str(text), "--out", str(out), *PROFILE_ARGS]) == 0
+    pack = load_pack(out)
+    search = pack.info["search"]
+    keys = {c["combination_key"] for c in search["candidates"]}
+    assert keys == {k.value for k in CombinationKey}
+    assert all(c["bytes_fraction"] <= 0.55 + 1e-9 for c in search["candidates"])
+    # a leading expert has no label to measure: its candidates use the routing-weight rule only
+    assert {c["dominance"] for c in search["candidates"]
+            if c["combination_key"] == CombinationKey.LEADING_EXPERT.value} == {"routing-weight"}
+    best = search["best_crisp_loss_by_key"]
+    assert best == {k: min(c["loss"] for c in search["candidates"] if c["combination_key"] == k) for k in keys}
+    assert search["chosen_kind"] == "crisp" and search["chosen"]["combination_key"] == favoured.value
+    plan = pack.plan
+    assert plan.combination_key is favoured and favoured.value.split("-by-")[0].replace("-", " ") in plan.description
+    for layer in plan.layers.values():  # combinations of the favoured key only
+        assert layer.tiers and {len(c) for c in layer.tiers} == {favoured.size}
+    from crisp_runtime import apply
+
+    loaded, _ = load_model(model)
+    handle = apply(loaded, pack)
+    with torch.no_grad():
+        loaded(input_ids=torch.tensor(list(text.read_bytes()[:32])).view(1, 32))
+    assert handle.stats()["tokens"] > 0
+
+
+@pytest.mark.parametrize("option, top_k, search, expected", [
+    ("auto", 4, True, list(CombinationKey)),
+    ("auto", 4, False, [CombinationKey.LEADING_PAIR]),
+    ("auto", 2, True, [CombinationKey.LEADING_PAIR]),  # top-2: the pair is the whole combination
+    ("leading-expert", 2, True, [CombinationKey.LEADING_EXPERT]),
+    ("leading-pair", 6, True, [CombinationKey.LEADING_PAIR]),
+])
+def test_combination_key_option(option, top_k, search, expected):
+    from crisp_tools.profiler.config import ProfileConfig
+
+    cfg = ProfileConfig(model="m", data=["d"], out="o", combination_key=option,
+                        search_target_bytes=0.5 if search else None)
+    assert cfg.candidate_keys(top_k) == expected
+    assert cfg.candidate_rules(CombinationKey.LEADING_EXPERT) == ["routing-weight"]

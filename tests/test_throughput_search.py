@@ -112,6 +112,50 @@ def test_other_tier_widths_repeat_the_whole_space_once_each():
         tp.Candidate(tier_widths=wide).plan_for(tp.full_plan(plan))
 
 
+def _lead_tiers(plan):
+    """``plan``'s tiers over the leading expert (odd experts Warm, even ones Cold), its widths and knobs kept."""
+    from crisp_runtime.planning.pairs import CombinationKey
+    from crisp_runtime.planning.plan import LayerPlan, Tier
+
+    layers = {lid: LayerPlan({(e,): Tier.WARM if e % 2 else Tier.COLD for e in range(plan.num_experts)}, {})
+              for lid in plan.layer_ids}
+    return plan.with_tiers(layers=layers, combination_key=CombinationKey.LEADING_EXPERT)
+
+
+def test_the_plan_s_tiers_over_another_key_repeat_the_space_once():
+    """With the plan's tiers over another combination key, every plan-serving candidate is searched again on them
+    (the same knobs, the other key's tiers); the baselines stay once, last."""
+    from crisp_runtime.planning.pairs import CombinationKey
+
+    _, plan, _ = load_pack_dir(PACK)
+    lead = _lead_tiers(plan)
+    plain = tp.default_candidates(plan)
+    base = [c for c in plain if c.baseline is None]
+    cands = tp.default_candidates(plan, rekeyed=[lead])
+    assert cands[: len(base)] == base and cands[-2:] == plain[-2:]
+    keyed = cands[len(base):-2]
+    assert len(keyed) == len(base) and len({c.label for c in cands}) == len(cands)
+    for c, b in zip(keyed, base, strict=True):
+        assert c.combination_key is CombinationKey.LEADING_EXPERT and c.label.count("-key-leading-expert") == 1
+        served = c.plan_for(plan)
+        assert served.combination_key is CombinationKey.LEADING_EXPERT and served.layers == lead.layers
+        assert served == tp.dataclasses.replace(b.plan_for(plan), layers=lead.layers,
+                                                combination_key=CombinationKey.LEADING_EXPERT)
+    assert tp._described(keyed[0], plan).layers == lead.layers
+    with pytest.raises(ValueError, match="needs the plan's tiers over it"):
+        tp.Candidate(combination_key=CombinationKey.LEADING_EXPERT)
+    with pytest.raises(ValueError, match="without plan knobs"):
+        tp.Candidate(kind=tp.CandidateServing.PLAN, baseline=tp.SEARCH_BASELINES[0],
+                     combination_key=CombinationKey.LEADING_EXPERT, rekeyed=lead)
+    with pytest.raises(ValueError, match="CRISP plans only"):
+        tp.default_candidates(tp.full_plan(plan), rekeyed=[lead])
+    with pytest.raises(ValueError, match="the plan's own key"):
+        tp.default_candidates(plan, rekeyed=[plan])
+    other = tp.dataclasses.replace(lead, tier_widths=tp.TierWidths(256, 1, 0))
+    with pytest.raises(ValueError, match="not of this plan"):
+        tp.Candidate(combination_key=CombinationKey.LEADING_EXPERT, rekeyed=other).plan_for(plan)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"budget": 0.0}, "budget"), ({"budget": 1.5}, "budget"), ({"budget": True}, "budget"),
     ({"budget": 0.25, "max_accuracy_loss": -0.1}, "max_accuracy_loss"),
@@ -395,6 +439,35 @@ def test_profile_stores_the_throughput_choice(tmp_path):
     assert (pack.plan.aux_full_weight, pack.plan.aux_skip_weight, pack.plan.width_cap) == (
         chosen.aux_full_weight, chosen.aux_skip_weight, chosen.width_cap)
     assert search["chosen"]["accuracy_mode"] == ("batch" if chosen.exact else "decode")
+
+
+def test_profile_searches_the_other_key_for_throughput_at_top4(tmp_path):
+    """At top-k > 2 the throughput search also serves the plan's tiers over the other combination key (at the plan's
+    cut-offs); the pack's plan is keyed as the chosen candidate says."""
+    from crisp_tools import profiler as prof
+    from profile_helpers import PROFILE_ARGS, make_tiny_mixtral, write_text
+
+    from crisp_runtime.planning.pairs import CombinationKey
+
+    model = make_tiny_mixtral(tmp_path / "model", experts=8, top_k=4)
+    text = write_text(tmp_path / "calib.txt")
+    out = tmp_path / "pack"
+    args = [a for i, a in enumerate(PROFILE_ARGS) if a != "--search-target-bytes" and (
+        i == 0 or PROFILE_ARGS[i - 1] != "--search-target-bytes")]
+    rc = prof.main(["--model", str(model), "--data", str(text), "--out", str(out), *args, "--num-dominant", "2",
+                    "--plan-for-throughput", "0.5", "--max-accuracy-loss", "1.0", "--throughput-windows", "2",
+                    "--throughput-accuracy-windows", "2", "--throughput-seq-len", "12"])
+    assert rc == 0
+    pack = load_pack(out)
+    search = serving_record(pack.info).search
+    labels = [r["candidate"] for r in search["candidates"]]
+    space = tp.candidates(intermediate_size=pack.plan.intermediate_size, baselines=tp.SEARCH_BASELINES)
+    keyed = [lab for lab in labels if "-key-leading-expert" in lab]
+    assert len(labels) == 2 * len(space) - len(tp.SEARCH_BASELINES) and len(keyed) == len(space) - 2
+    chosen = search["chosen"]["candidate"]
+    if pack.plan.policy.value == "crisp":
+        expected = CombinationKey.LEADING_EXPERT if "-key-" in chosen else CombinationKey.LEADING_PAIR
+        assert pack.plan.combination_key is expected
 
 
 def test_profile_refuses_a_bad_hardware_profile_before_any_work(tmp_path, capsys):

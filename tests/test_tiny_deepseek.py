@@ -118,9 +118,23 @@ def test_apply_full_width_equals_dequantized_eager(model, pack, windows):
     assert (_logits(model, windows) - expected).abs().max() > 10 * ATOL
 
 
-def test_crisp_plan_runtime_equals_reference_engine(model, pack, windows):
-    """The pack's plan through apply() = the dequantized experts masked to the plan's widths."""
+def _leading_expert_plan(layers):
+    """Tiers over the leading expert (every third expert Hot, Warm or Cold), 2 dominants, Warm at 5 neurons."""
+    from crisp_runtime.planning.pairs import CombinationKey
+    from crisp_runtime.planning.plan import LayerPlan, Tier, TierWidths
+
+    tiers = {(e,): (Tier.HOT, Tier.WARM, Tier.COLD)[e % 3] for e in range(E)}
+    return CrispPlan.crisp(E, TOP_K, MOE_I, {lid: LayerPlan(tiers, {}) for lid in layers}, TierWidths(MOE_I, 5, 0),
+                           num_dominant=2, combination_key=CombinationKey.LEADING_EXPERT)
+
+
+@pytest.mark.parametrize("which", ["pack plan", "leading-expert tiers"])
+def test_crisp_plan_runtime_equals_reference_engine(model, pack, windows, which):
+    """A plan through apply() (the pack's, and one keyed on the leading expert) = the dequantized experts masked to
+    the plan's widths."""
     layers, plan, _ = pack
+    if which != "pack plan":
+        plan = _leading_expert_plan(layers)
     refs = find_moe_layers(model)
     weights = {lid: stored_weights(layer) for lid, layer in layers.items()}
     with MaskedExperts(model, refs, weights=weights, widths_fn=plan.token_widths, record=True) as inst:
@@ -128,7 +142,7 @@ def test_crisp_plan_runtime_equals_reference_engine(model, pack, windows):
     neuron_bytes = layers[refs[0].layer_id].fmt.neuron_nbytes(refs[0].hidden_size)
     planned = sum(int(plan.token_widths(lid, torch.cat(inst.trace.index[lid]),
                                         torch.cat(inst.trace.weights[lid])).sum()) for lid in sorted(layers))
-    with apply(model, PACK_DIR) as handle:
+    with apply(model, PACK_DIR, plan=plan) as handle:
         got = _logits(model, windows)
         stats = handle.stats()
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)

@@ -31,12 +31,15 @@ The same machinery expresses the baselines every comparison needs (``PolicyKind`
 width everywhere, one uniform width, and skipping the auxiliary expert(s) (always, or when the
 routing weight is under a threshold).
 
-Routing wider than top-2 (DeepSeek top-6, Qwen top-4/8, OLMoE top-8): the combination key is
-the *leading pair*, the two experts with the highest routing weights of a token. Top-2 is the
+Routing wider than top-2 (DeepSeek top-6, Qwen top-4/8, OLMoE top-8): the combination key
+(``combination_key``, :class:`~crisp_runtime.planning.pairs.CombinationKey`) is the *leading pair*, the two
+experts with the highest routing weights of a token, or the *leading expert* alone. Top-2 is the
 paper's case, where the pair is the whole combination; for wider routing the full k-sets are
-too many to count densely (C(64, 6) = 75M), while pairs stay countable (C(64, 2) = 2,016).
-Ranks within a token: the pair's dominant expert is rank 0, the other pair member rank 1,
-the remaining routed experts ranks 2..k-1 by decreasing routing weight. A combination's
+too many to count densely (C(64, 6) = 75M), while pairs stay countable (C(64, 2) = 2,016) and
+leading experts are 64. A plan keyed on the leading expert lists one-expert combinations ``(e,)``, stores no
+dominant label (the leading expert is the heaviest, rank 0, by definition), and gives every token whose heaviest
+expert is ``e`` the tier of ``e``. Ranks within a token: the pair's dominant expert is rank 0, the other pair
+member rank 1, the remaining routed experts ranks 2..k-1 by decreasing routing weight. A combination's
 dominant expert is either a fixed label (measured offline by masking each member) or, when the
 plan stores none for it (``null`` in JSON), the heavier expert of each token by routing weight:
 on the trained tiny Mixtral a fixed per-pair label lost to the per-token routing weight at
@@ -65,9 +68,10 @@ import torch
 
 from crisp_kernels.format import rows_for_neurons
 
+from .pairs import CombinationKey, codes_of_sorted, combination_code, combination_of
+
 PLAN_FORMAT = "crisp-plan"
 PLAN_VERSION = 1
-COMBINATION_KEY = "leading-pair-by-routing-weight"
 # Steps with at most this many routed slots (T * k) take the plain-Python lookup.
 _SMALL_STEP_SLOTS = 64
 # dtypes whose tolist() gives the same Python values as after the lookup's int64 / float32 conversion
@@ -75,6 +79,7 @@ _LIST_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.u
 _LIST_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 Pair = tuple[int, int]
+Combination = tuple[int, ...]  # a Pair under the leading-pair key, (e,) under the leading-expert key
 
 
 class PlanError(ValueError):
@@ -130,37 +135,41 @@ class TierCutoffs:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Tier and dominant expert of every combination (leading pair) seen in one layer."""
+    """Tier and dominant expert of every combination (a leading pair, or a leading expert ``(e,)``: the plan's
+    ``combination_key``) seen in one layer."""
 
-    tiers: Mapping[Pair, Tier]
-    dominant: Mapping[Pair, int]  # pairs absent here: the heavier expert of each token is dominant
+    tiers: Mapping[Combination, Tier]
+    dominant: Mapping[Combination, int]  # combinations absent here: the heavier expert of each token is dominant
     # Lookup tables built on first use; not part of equality.
     _tables: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def tables(self, num_experts: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tier code (E, E) int64, dominant expert (E, E) int64), symmetric; -1 = unseen. On the CPU,
-        or a copy on ``device`` made once (the compiled all-resident path reads them on the GPU, no copy)."""
+    def tables(self, num_experts: int, device: torch.device | None = None,
+               key: CombinationKey = CombinationKey.LEADING_PAIR) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tier code, dominant expert), each (``key.code_count(E)``,) int64 indexed by the combination's code
+        (``crisp_runtime.planning.pairs.codes_of_sorted``); -1 = unseen / no label. On the CPU, or a copy on
+        ``device`` made once (the compiled all-resident path reads them on the GPU, no copy)."""
         if device is not None and device.type != "cpu":
-            key = (num_experts, device)
-            if key not in self._tables:
-                self._tables[key] = tuple(t.to(device) for t in self.tables(num_experts))
-            return self._tables[key]
-        if num_experts not in self._tables:
-            tier = torch.full((num_experts, num_experts), _UNSEEN_CODE, dtype=torch.int64)
-            dom = torch.full((num_experts, num_experts), -1, dtype=torch.int64)
-            for (a, b), t in self.tiers.items():
-                tier[a, b] = tier[b, a] = _TIER_CODE[t]
-                d = self.dominant.get((a, b), -1)
-                dom[a, b] = dom[b, a] = d
-            self._tables[num_experts] = (tier, dom)
-        return self._tables[num_experts]
+            slot = (num_experts, key, device)
+            if slot not in self._tables:
+                self._tables[slot] = tuple(t.to(device) for t in self.tables(num_experts, key=key))
+            return self._tables[slot]
+        slot = (num_experts, key)
+        if slot not in self._tables:
+            tier = torch.full((key.code_count(num_experts),), _UNSEEN_CODE, dtype=torch.int64)
+            dom = torch.full((key.code_count(num_experts),), -1, dtype=torch.int64)
+            for combination, t in self.tiers.items():
+                code = combination_code(key, combination, num_experts)
+                tier[code] = _TIER_CODE[t]
+                dom[code] = self.dominant.get(combination, -1)
+            self._tables[slot] = (tier, dom)
+        return self._tables[slot]
 
 
 _NO_PAIRS = LayerPlan({}, {})  # a CRISP layer without profiled pairs: every pair unseen
 
 
 def pair_key(a: int, b: int) -> Pair:
-    return (a, b) if a <= b else (b, a)
+    return combination_of(CombinationKey.LEADING_PAIR, a, b)
 
 
 @dataclass(frozen=True)
@@ -182,6 +191,7 @@ class CrispPlan:
     aux_full_weight: float | None = None  # CRISP: an auxiliary of routing weight >= this runs at the dominant width
     aux_skip_weight: float | None = None  # CRISP: an auxiliary of routing weight < this is skipped
     description: str = ""
+    combination_key: CombinationKey = CombinationKey.LEADING_PAIR  # CRISP: what the tiers are keyed on
 
     def __post_init__(self) -> None:
         self.validate()
@@ -221,22 +231,26 @@ class CrispPlan:
         aux_full_weight: float | None = None,
         aux_skip_weight: float | None = None,
         description: str = "",
+        combination_key: CombinationKey = CombinationKey.LEADING_PAIR,
     ) -> CrispPlan:
         return cls(
             PolicyKind.CRISP, num_experts, top_k, intermediate_size, tuple(sorted(layers)), tier_widths=tier_widths,
             layers=dict(layers), unseen_tier=unseen_tier, num_dominant=num_dominant, width_cap=width_cap,
             aux_full_weight=aux_full_weight, aux_skip_weight=aux_skip_weight, description=description,
+            combination_key=combination_key,
         )
 
     def with_tiers(self, tier_widths: TierWidths | None = None, layers: Mapping[int, LayerPlan] | None = None,
-                   unseen_tier: Tier | None = None) -> CrispPlan:
-        """A copy of a CRISP plan with other widths, tiers or unseen tier (for searches)."""
+                   unseen_tier: Tier | None = None, combination_key: CombinationKey | None = None) -> CrispPlan:
+        """A copy of a CRISP plan with other widths, tiers (keyed on ``combination_key``, default the plan's) or
+        unseen tier (for searches)."""
         return CrispPlan.crisp(
             self.num_experts, self.top_k, self.intermediate_size, self.layers if layers is None else layers,
             self.tier_widths if tier_widths is None else tier_widths,
             unseen_tier=self.unseen_tier if unseen_tier is None else unseen_tier,
             num_dominant=self.num_dominant, width_cap=self.width_cap, aux_full_weight=self.aux_full_weight,
             aux_skip_weight=self.aux_skip_weight, description=self.description,
+            combination_key=self.combination_key if combination_key is None else combination_key,
         )
 
     def capped(self, width_cap: int | None) -> CrispPlan:
@@ -301,6 +315,9 @@ class CrispPlan:
                 raise PlanError(f"plan: width_cap applies to CRISP plans only, not {self.policy.value!r}")
             if not 1 <= self.width_cap <= full:
                 raise PlanError(f"plan: width_cap must lie in [1, {full}] (or be None: uncapped), got {self.width_cap}")
+        if self.combination_key is not CombinationKey.LEADING_PAIR and self.policy is not PolicyKind.CRISP:
+            raise PlanError(f"plan: combination_key applies to CRISP plans only (their tiers), not "
+                            f"{self.policy.value!r}")
         for name in ("aux_full_weight", "aux_skip_weight"):  # the CRISP plan's routing-weight bands
             v = getattr(self, name)
             if v is None:
@@ -322,23 +339,29 @@ class CrispPlan:
             unknown = set(self.layers) - set(self.layer_ids)
             if unknown:
                 raise PlanError(f"plan: layers {sorted(unknown)} are not among layer_ids {list(self.layer_ids)}")
+            key = self.combination_key
+            what = "a pair of expert ids" if key is CombinationKey.LEADING_PAIR else "one expert id (e,)"
             for layer_id, lp in self.layers.items():
                 if not isinstance(lp, LayerPlan):
                     raise PlanError(f"plan: layer {layer_id} must be a LayerPlan, got {type(lp).__name__}")
-                for pair, tier in lp.tiers.items():
-                    if not isinstance(pair, tuple) or len(pair) != 2 or not all(_is_integer(e) for e in pair):
-                        raise PlanError(f"plan: layer {layer_id} combination {pair!r} is not a pair of expert ids")
-                    a, b = pair
-                    if not (0 <= a < self.num_experts and 0 <= b < self.num_experts) or a > b:
+                for combo, tier in lp.tiers.items():
+                    if not isinstance(combo, tuple) or len(combo) != key.size or not all(_is_integer(e) for e in combo):
+                        raise PlanError(f"plan: layer {layer_id} combination {combo!r} is not {what} "
+                                        f"(combination_key {key.value!r})")
+                    if not all(0 <= e < self.num_experts for e in combo) or list(combo) != sorted(combo):
                         raise PlanError(
-                            f"plan: layer {layer_id} combination {(a, b)} is not an ordered pair of expert ids "
+                            f"plan: layer {layer_id} combination {combo} is not "
+                            f"{'an ordered pair of expert ids' if key.size == 2 else 'an expert id'} "
                             f"in [0, {self.num_experts})"
                         )
                     if not isinstance(tier, Tier):
-                        raise PlanError(f"plan: layer {layer_id} combination {(a, b)} has tier {tier!r}")
-                    d = lp.dominant.get((a, b))
-                    if d is not None and d not in (a, b):
-                        raise PlanError(f"plan: layer {layer_id} combination {(a, b)}: dominant {d} is not a or b")
+                        raise PlanError(f"plan: layer {layer_id} combination {combo} has tier {tier!r}")
+                    d = lp.dominant.get(combo)
+                    if d is not None and key is CombinationKey.LEADING_EXPERT:
+                        raise PlanError(f"plan: layer {layer_id} combination {combo}: a leading-expert combination "
+                                        f"has no dominant label (its expert is the heaviest), got {d}")
+                    if d is not None and d not in combo:
+                        raise PlanError(f"plan: layer {layer_id} combination {combo}: dominant {d} is not a or b")
 
     def _check_types(self) -> None:
         """Integers must be integers: bools, floats and strings are refused (``uniform_width=True`` would
@@ -383,6 +406,9 @@ class CrispPlan:
                 if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                     raise PlanError(f"plan: {name} must be a number in [0, 1] or None, got {v!r}")
                 object.__setattr__(self, name, float(v))
+        if not isinstance(self.combination_key, CombinationKey):
+            raise PlanError(f"plan: combination_key must be a CombinationKey "
+                            f"({', '.join(k.name for k in CombinationKey)}), got {self.combination_key!r}")
         if not isinstance(self.unseen_tier, Tier):
             raise PlanError(f"plan: unseen_tier must be a Tier ({', '.join(t.name for t in Tier)}), "
                             f"got {self.unseen_tier!r}")
@@ -511,7 +537,7 @@ class CrispPlan:
             if policy is PolicyKind.SKIP_AUX:
                 aux = [full if skip_thr is not None and w[pos] >= skip_thr else 0 for pos in range(k)]
             else:
-                tier, swap = self._pair_tier(layer_id, [experts[pos] for pos in by_weight[:2]])
+                tier, swap = self._combination_tier(layer_id, [experts[pos] for pos in by_weight[:2]])
                 if swap:
                     ranks[by_weight[0]], ranks[by_weight[1]] = 1, 0
                 aux = [tier_width[tier]] * k
@@ -543,11 +569,12 @@ class CrispPlan:
         cap = self.dominant_width
         return {Tier.HOT: min(tw.hot, cap), Tier.WARM: min(tw.warm, cap), Tier.COLD: min(tw.cold, cap)}
 
-    def _pair_tier(self, layer_id: int, pair: list[int]) -> tuple[Tier, bool]:
-        """(tier of a token's leading pair, whether its second expert is the dominant one)."""
+    def _combination_tier(self, layer_id: int, pair: list[int]) -> tuple[Tier, bool]:
+        """(tier of a token's combination, whether its second-heaviest expert is the dominant one), from its
+        leading pair ``[heaviest, second]``."""
         if len(pair) < 2:
             return Tier.HOT, False
-        key = pair_key(pair[0], pair[1])
+        key = combination_of(self.combination_key, pair[0], pair[1])
         lp = self.layers.get(layer_id)
         tier = lp.tiers.get(key) if lp is not None else None
         if tier is None:
@@ -599,12 +626,14 @@ class CrispPlan:
             code = torch.full((num_tokens,), _TIER_CODE[Tier.HOT], dtype=torch.int64, device=device)
             return tier_width[code].unsqueeze(1).expand(num_tokens, k), rank
         lp = self.layers.get(layer_id)
-        tier_table, dom_table = (_NO_PAIRS if lp is None else lp).tables(self.num_experts, device)
+        tier_table, dom_table = (_NO_PAIRS if lp is None else lp).tables(self.num_experts, device,
+                                                                         self.combination_key)
         a = sorted_index[:, 0].clamp(0, self.num_experts - 1)
         b = sorted_index[:, 1].clamp(0, self.num_experts - 1)
-        code = tier_table[a, b]
+        combination = codes_of_sorted(self.combination_key, a, b, self.num_experts)
+        code = tier_table[combination]
         code = torch.where(code == _UNSEEN_CODE, _TIER_CODE[self.unseen_tier], code)
-        dom = dom_table[a, b]
+        dom = dom_table[combination]
         # The second-heaviest expert is dominant: swap ranks 0 and 1.
         swap = (dom == sorted_index[:, 1]) & (sorted_index[:, 0] != sorted_index[:, 1])
         # (slice stores, not rank[swap, 0] = 1: a boolean index is data-dependent, a graph break under torch.compile)
@@ -631,7 +660,7 @@ class CrispPlan:
         if self.policy is PolicyKind.SKIP_AUX:
             out["skip_threshold"] = self.skip_threshold
         if self.policy is PolicyKind.CRISP:
-            out["combination_key"] = COMBINATION_KEY
+            out["combination_key"] = self.combination_key.value
             out["tier_widths"] = {"hot": self.tier_widths.hot, "warm": self.tier_widths.warm,
                                   "cold": self.tier_widths.cold}
             out["unseen_tier"] = self.unseen_tier.value
@@ -643,8 +672,8 @@ class CrispPlan:
                 out["aux_skip_weight"] = self.aux_skip_weight
             out["layers"] = {
                 str(layer_id): [
-                    {"experts": list(pair), "tier": tier.value, "dominant": lp.dominant.get(pair)}
-                    for pair, tier in sorted(lp.tiers.items())
+                    {"experts": list(combo), "tier": tier.value, "dominant": lp.dominant.get(combo)}
+                    for combo, tier in sorted(lp.tiers.items())
                 ]
                 for layer_id, lp in sorted(self.layers.items())
             }
@@ -701,9 +730,9 @@ class CrispPlan:
             return cls(policy, skip_threshold=None if threshold is None else float(threshold), **common)
         if policy is PolicyKind.FULL:
             return cls(policy, **common)
-        if data.get("combination_key") != COMBINATION_KEY:
-            raise PlanError(f"plan is malformed: field combination_key: {data.get('combination_key')!r} is unknown "
-                            f"(expected {COMBINATION_KEY!r})")
+        # a plan written before the key was a choice has no combination_key: it is keyed on the leading pair
+        key = (_json_enum(data, "combination_key", CombinationKey) if "combination_key" in data
+               else CombinationKey.LEADING_PAIR)
         tw = data.get("tier_widths")
         if not isinstance(tw, Mapping) or set(tw) != {"hot", "warm", "cold"}:
             raise PlanError(f"plan is malformed: field tier_widths: expected {{'hot': int, 'warm': int, "
@@ -720,7 +749,7 @@ class CrispPlan:
                     and str(int(layer_key)) == layer_key):
                 raise PlanError(f"plan is malformed: field layers: key {layer_key!r} is not a layer id "
                                 f"(a decimal integer)")
-            layers[int(layer_key)] = _json_layer_plan(entries, f"layers.{layer_key}")
+            layers[int(layer_key)] = _json_layer_plan(entries, f"layers.{layer_key}", key)
         missing = sorted(set(ids) - set(layers))
         if missing:
             raise PlanError(f"plan is malformed: field layers: no entry for layers {missing} of layer_ids "
@@ -734,7 +763,8 @@ class CrispPlan:
                 raise PlanError(f"plan is malformed: field {name}: expected null or a number in [0, 1], got {v!r}")
             weights[name] = None if v is None else float(v)
         return cls(policy, tier_widths=tier_widths, layers=layers,
-                   unseen_tier=_json_enum(data, "unseen_tier", Tier), width_cap=cap, **weights, **common)
+                   unseen_tier=_json_enum(data, "unseen_tier", Tier), width_cap=cap, **weights, **common,
+                   combination_key=key)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, atomically."""
@@ -840,7 +870,7 @@ def _json_enum(data: Mapping, key: str, kind: type[enum.Enum], name: str | None 
     return kind(value)
 
 
-def _json_layer_plan(entries, where: str) -> LayerPlan:
+def _json_layer_plan(entries, where: str, key: CombinationKey) -> LayerPlan:
     if not isinstance(entries, list):
         raise PlanError(f"plan is malformed: field {where}: expected a list of combinations, "
                         f"got {type(entries).__name__}")
@@ -852,10 +882,11 @@ def _json_layer_plan(entries, where: str) -> LayerPlan:
                             f"'dominant': int or null}}, "
                             f"got {entry!r}"[:300])
         experts = entry["experts"]
-        if not isinstance(experts, list) or len(experts) != 2:
-            raise PlanError(f"plan is malformed: field {at}.experts: expected a pair [a, b], got {experts!r}")
-        pair = (_json_int(experts, 0, f"{at}.experts[0]", minimum=0), _json_int(experts, 1, f"{at}.experts[1]",
-                                                                                 minimum=0))
+        if not isinstance(experts, list) or len(experts) != key.size:
+            expected = "a pair [a, b]" if key.size == 2 else "one expert [e]"
+            raise PlanError(f"plan is malformed: field {at}.experts: expected {expected} (combination_key "
+                            f"{key.value!r}), got {experts!r}")
+        pair = tuple(_json_int(experts, j, f"{at}.experts[{j}]", minimum=0) for j in range(key.size))
         if pair in tiers:
             raise PlanError(f"plan is malformed: field {at}.experts: combination {list(pair)} is listed twice")
         tiers[pair] = _json_enum(entry, "tier", Tier, f"{at}.tier")
@@ -867,16 +898,16 @@ def _json_layer_plan(entries, where: str) -> LayerPlan:
 # ---------------------------------------------------------------------- tiers from statistics
 
 
-def assign_tiers(counts: Mapping[Pair, int], cutoffs: TierCutoffs) -> dict[Pair, Tier]:
+def assign_tiers(counts: Mapping[Combination, int], cutoffs: TierCutoffs) -> dict[Combination, Tier]:
     """Hot / Warm / Cold for each counted combination, by share of activations (see TierCutoffs).
 
-    Ties in count are broken by the pair itself so the result is deterministic.
+    Ties in count are broken by the combination itself so the result is deterministic.
     """
     total = sum(counts.values())
     if total <= 0:
         return {}
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
-    tiers: dict[Pair, Tier] = {}
+    tiers: dict[Combination, Tier] = {}
     carried = 0
     for pair, count in ranked:
         # Hot until the mass before this pair reaches hot_mass (so at least one pair is hot when hot_mass > 0).

@@ -13,6 +13,7 @@ from crisp_runtime.storage.outputs import OutputPathError
 from ..calibration import DTYPES, CliError
 from ..placement import PLACEMENT_CHOICES
 from .config import (
+    COMBINATION_KEYS,
     DEFAULT_COLD_MASS,
     DEFAULT_HOT_MASS,
     DEFAULT_WARM_WIDTH,
@@ -72,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dominant expert of a combination: a per-pair label measured by masking (measured), the "
                         "heavier expert of each token (routing-weight), or whichever has the lower loss on held-out "
                         "calibration windows (auto, default)")
+    p.add_argument("--combination-key", default="auto", choices=COMBINATION_KEYS,
+                   help="what the tiers are keyed on: the two heaviest routed experts of a token (leading-pair, the "
+                        "paper's key) or the heaviest alone (leading-expert); auto: at top-k > 2 both are searched "
+                        "by --search-target-bytes (lowest held-out calibration loss) and --plan-for-throughput (the "
+                        "plan's tiers over the other key too), else leading-pair")
     p.add_argument("--num-dominant", type=ca.positive_int, default=None, metavar="N",
                    help="routed experts per token at full width (1..top_k-1; default 1, or with "
                         "--search-target-bytes every N whose dominants alone fit the target is searched)")

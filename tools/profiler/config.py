@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from crisp_runtime.planning.pairs import CombinationKey
+
 from ..calibration import EVAL_SEQ_LEN
 
 # The calibration statistics checkpoint inside a run's work folder (resumed after an interruption).
@@ -30,6 +32,11 @@ DEFAULT_WARM_WIDTH = 0.0625
 # (routing weight) on calibration windows (docs/profile-and-eval.md), so per-token information
 # beats a per-pair label there.
 DOMINANCE_RULES = ("auto", "routing-weight", "measured")
+# What the tiers are keyed on (crisp_runtime.planning.pairs.CombinationKey): "auto" searches both keys at top-k > 2
+# with --search-target-bytes (tiers per key) and --plan-for-throughput (the plan's tiers over the other key too);
+# the leading pair elsewhere (at top-2 it is the whole combination).
+COMBINATION_KEYS = ("auto", "leading-pair", "leading-expert")
+_KEY_OPTIONS = {"leading-pair": CombinationKey.LEADING_PAIR, "leading-expert": CombinationKey.LEADING_EXPERT}
 IMPORTANCE_KINDS = ("weighted", "mean-abs")
 # --throughput-accuracy-windows' default floor: 128 x 128 decoded windows hold a standard error of ~0.2-0.3 point
 # of relative loss near 2% (a search at 25%), 16 x 128 held ~1.4
@@ -68,6 +75,7 @@ class ProfileConfig:
     dominance_max_windows: int = 8
     dominance: str = "auto"
     num_dominant: int | None = None  # None: 1, or searched with search_target_bytes (search.py)
+    combination_key: str = "auto"  # COMBINATION_KEYS
     search_target_bytes: float | None = None
     search_samples: int = 32
     # Widths (fractions of I) the search tries for the auxiliary of a Cold pair: (0.0,) is the paper's rule
@@ -112,6 +120,16 @@ class ProfileConfig:
         """--plan-for-throughput's scored windows (:func:`accuracy_window_count`)."""
         return accuracy_window_count(self.throughput_windows, self.throughput_accuracy_windows)
 
-    def candidate_rules(self) -> list[str]:
-        """The dominance rules this run compares ("auto": the measured labels first, then routing weight)."""
+    def candidate_keys(self, top_k: int) -> list[CombinationKey]:
+        """The combination keys this run's plans may take (see COMBINATION_KEYS), the leading pair first."""
+        if self.combination_key == "auto":
+            wide = top_k > 2 and (self.search_target_bytes is not None or self.throughput_budget is not None)
+            return [CombinationKey.LEADING_PAIR] + ([CombinationKey.LEADING_EXPERT] if wide else [])
+        return [_KEY_OPTIONS[self.combination_key]]
+
+    def candidate_rules(self, key: CombinationKey = CombinationKey.LEADING_PAIR) -> list[str]:
+        """The dominance rules this run compares under ``key`` ("auto": the measured labels first, then routing
+        weight; a leading-expert combination has one expert, the heaviest: the routing-weight rule only)."""
+        if key is CombinationKey.LEADING_EXPERT:
+            return ["routing-weight"]
         return ["measured", "routing-weight"] if self.dominance == "auto" else [self.dominance]

@@ -7,7 +7,7 @@ from .config import ProfileConfig
 from .dominance import measure_dominance
 from .inputs import ProfileInputs, ProgressLog, prepare
 from .output import pack_layers, profile_info, write_pack
-from .search import choose_plan
+from .search import choose_plan, rekeyed_plans
 from .statistics import calibration_pass, neuron_order, resume_or_start
 from .throughput import SERVING_KEY, check_gpu_budget_config, goal_from_config, plan_budgets, plan_serving
 
@@ -57,7 +57,8 @@ class Profiler:
             plan, plan_info, search = choose_plan(inputs, stats, packed, log)
             serving = None
             if self.goal is not None:  # the chosen serving, and the plan with its auxiliary weight if it took one
-                serving, plan = plan_serving(inputs, self.goal, packed, plan, log)
+                serving, plan = plan_serving(inputs, self.goal, packed, plan, log,
+                                             rekeyed_plans(inputs, stats, plan, search))
             choices = None
             if self.cfg.gpu_budget is not None:  # one stored choice per budget, the plan kept
                 choices = plan_budgets(inputs, packed, plan, log)

@@ -1,7 +1,8 @@
 """``crisp-profile``: the plan to write, chosen on held-out calibration windows.
 
 With ``--search-target-bytes F``: tier cut-offs, the Warm width, the dominance rule and (top-k > 2)
-the number of dominant experts that minimise the loss on held-out *calibration* windows (the last
+the number of dominant experts and the combination key (leading pair or leading expert,
+``--combination-key auto``) that minimise the loss on held-out *calibration* windows (the last
 ``--holdout-fraction`` of the calibration text, never the evaluation text) with expert bytes per
 token <= F x full width. Without it, ``--dominance auto`` keeps the rule with the lower held-out
 loss at the command line's cut-offs.
@@ -24,7 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from crisp_runtime.planning.baselines import baseline_description, equal_bytes_plans, full_plan, neurons_per_token
-from crisp_runtime.planning.plan import CrispPlan, TierCutoffs, TierWidths
+from crisp_runtime.planning.pairs import CombinationKey
+from crisp_runtime.planning.plan import CrispPlan, PolicyKind, TierCutoffs, TierWidths
 
 from ..calibration import CliError, MaskedExperts, TokenScores, score_windows
 from .planning import description, initial_plan, layer_plans
@@ -59,26 +61,27 @@ def choose_plan(inputs: ProfileInputs, stats: Stats, packed, log: Callable[[str]
                 ) -> tuple[CrispPlan, dict, dict | None]:
     """(plan, pack.json's plan record, pack.json's search record or None): see the module docstring."""
     cfg = inputs.cfg
-    rules = cfg.candidate_rules()
-    plan, plan_info = initial_plan(inputs, stats, rules[0], log)
+    keys = cfg.candidate_keys(inputs.top_k)
+    rules = cfg.candidate_rules(keys[0])
+    plan, plan_info = initial_plan(inputs, stats, rules[0], log, keys[0])
     plan_info["dominance_rule"] = rules[0]
     if cfg.search_target_bytes is not None:
-        plan, search = search_plan(inputs, stats, plan, packed, rules, log)
+        plan, search = search_plan(inputs, stats, plan, packed, keys, log)
         plan_info["dominance_rule"] = search["chosen"].get("dominance")  # None: a uniform width has no dominants
         return plan, plan_info, search
     if len(rules) > 1:
         plan, plan_info["dominance_rule"], plan_info["dominance_choice"] = choose_rule(
-            inputs, stats, packed, rules, log)
+            inputs, stats, packed, rules, log, keys[0])
     return plan, plan_info, None
 
 
-def choose_rule(inputs: ProfileInputs, stats: Stats, packed, rules: list[str], log: Callable[[str], None]
-                ) -> tuple[CrispPlan, str, dict]:
+def choose_rule(inputs: ProfileInputs, stats: Stats, packed, rules: list[str], log: Callable[[str], None],
+                key: CombinationKey = CombinationKey.LEADING_PAIR) -> tuple[CrispPlan, str, dict]:
     """--dominance auto without a search: the rule whose plan has the lower held-out calibration loss."""
     weights = inputs.experts.packed_weights(packed)
     losses, plans = {}, {}
     for rule in rules:
-        plans[rule] = initial_plan(inputs, stats, rule, log)[0]
+        plans[rule] = initial_plan(inputs, stats, rule, log, key)[0]
         losses[rule] = held_out_scores(inputs, weights, plans[rule]).loss
     best = min(rules, key=lambda r: losses[r])
     log("dominance: " + ", ".join(f"{r} loss {v:.4f}" for r, v in losses.items()) + f"; chose {best}")
@@ -125,25 +128,28 @@ def baseline_plans(inputs: ProfileInputs, plan: CrispPlan, routing) -> list[tupl
     return out
 
 
-def _candidates(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, rules: list[str], routing) -> list[tuple]:
-    """(hot, cold, warm, cold width, cutoffs, rule, plan with its dominant count) of every setting within the
-    target: the widest Warm width that fits, for each cut-off pair, Cold width, dominant count and rule."""
+def _candidates(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, keys: list[CombinationKey], routing
+                ) -> list[tuple]:
+    """(hot, cold, warm, cold width, cutoffs, rule, plan with its dominant count and key) of every setting within
+    the target: the widest Warm width that fits, for each cut-off pair, Cold width, dominant count, key and rule."""
     cfg, inter, top_k = inputs.cfg, inputs.inter, inputs.top_k
     target = cfg.search_target_bytes
     # neurons of a Cold auxiliary (0 = the paper's rule); at least one neuron for a width asked above 0
     cold_widths = sorted({0 if f == 0 else max(1, round(f * inter)) for f in cfg.search_cold_widths})
     candidates = []
-    for dominants in dominant_counts(inputs):
-        with_d = CrispPlan.crisp(inputs.num_experts, top_k, inter, plan.layers, plan.tier_widths,
-                                 unseen_tier=plan.unseen_tier, num_dominant=dominants)
+    for key, dominants in ((key, d) for key in keys for d in dominant_counts(inputs)):
+        with_d = CrispPlan.crisp(inputs.num_experts, top_k, inter, {}, plan.tier_widths,
+                                 unseen_tier=plan.unseen_tier, num_dominant=dominants, combination_key=key)
         # two or more dominants: both leading-pair members full width, a per-pair label changes nothing
-        rules_d = rules if dominants == 1 else ["routing-weight"]
+        rules_d = cfg.candidate_rules(key) if dominants == 1 else ["routing-weight"]
         for hot in SEARCH_HOT:
             for cold in SEARCH_COLD:
                 if hot + cold > 1.0:
                     continue
+                if hot == cold == 0.0 and key is not keys[0]:
+                    continue  # every combination Warm (unseen ones too): the same widths under every key
                 cut = TierCutoffs(hot, cold)
-                tiers = layer_plans(inputs, stats, cut, rules_d[0])
+                tiers = layer_plans(inputs, stats, cut, rules_d[0], key)
                 for cold_width in cold_widths:
                     if cold_width and cold == 0.0:
                         continue  # no Cold tier: every Cold width is the same plan as 0
@@ -161,7 +167,7 @@ def _candidates(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, rules: lis
     return candidates
 
 
-def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, rules: list[str],
+def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, keys: list[CombinationKey],
                 log: Callable[[str], None]) -> tuple[CrispPlan, dict]:
     """The candidate with the lowest held-out calibration loss within the bytes target (a CRISP tier setting or a
     baseline), and the search record; every candidate is scored by :func:`held_out_scores`."""
@@ -172,14 +178,16 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ru
         full_scores = score_windows(model, inputs.search_windows, cfg.batch_size)
         routing = {lid: (torch.cat(inst.trace.index[lid]), torch.cat(inst.trace.weights[lid]))
                    for lid in inputs.layer_ids}
-    candidates = _candidates(inputs, stats, plan, rules, routing)
+    candidates = _candidates(inputs, stats, plan, keys, routing)
     baselines = baseline_plans(inputs, plan, routing)
     log(f"search: {len(candidates)} candidates and {len(baselines)} baselines within {target:.0%} of full-width "
         f"bytes")
     results = []
     best = None
+    best_by_key: dict[str, float] = {}
     for hot, cold, warm, cold_width, cut, rule, with_d in candidates:
-        cand = with_d.with_tiers(TierWidths(inter, warm, cold_width), layer_plans(inputs, stats, cut, rule))
+        key = with_d.combination_key
+        cand = with_d.with_tiers(TierWidths(inter, warm, cold_width), layer_plans(inputs, stats, cut, rule, key))
         sc = held_out_scores(inputs, weights, cand)
         rec = {"hot_mass": hot, "cold_mass": cold, "warm_width": warm, "dominance": rule,
                "bytes_fraction": bytes_fraction(cand, routing), "loss": sc.loss, "accuracy": sc.accuracy}
@@ -187,7 +195,10 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ru
             rec["cold_width"] = cold_width
         if inputs.top_k > 2:
             rec["num_dominant"] = cand.num_dominant
+        if len(keys) > 1 or key is not CombinationKey.LEADING_PAIR:
+            rec["combination_key"] = key.value
         results.append(rec)
+        best_by_key[key.value] = min(best_by_key.get(key.value, rec["loss"]), rec["loss"])
         if best is None or rec["loss"] < best[0]["loss"]:
             best = (rec, cand, cut, warm, rule)
     if best is None:
@@ -197,12 +208,13 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ru
     cold_width = cand.tier_widths.cold
     log(f"search: best CRISP hot_mass={rec['hot_mass']} cold_mass={rec['cold_mass']} warm_width={warm} "
         + (f"cold_width={cold_width} " if cold_width else "") +
-        f"dominance={rule} num_dominant={cand.num_dominant} "
+        f"dominance={rule} num_dominant={cand.num_dominant} key={cand.combination_key.value} "
         f"(bytes {rec['bytes_fraction']:.1%}, loss {rec['loss']:.4f} vs full {full_scores.loss:.4f})")
     chosen = CrispPlan.crisp(
         inputs.num_experts, inputs.top_k, inter, cand.layers, cand.tier_widths, unseen_tier=cand.unseen_tier,
-        num_dominant=cand.num_dominant,
-        description=description(inputs, cut, warm, rule, cand.num_dominant, cold=cold_width)
+        num_dominant=cand.num_dominant, combination_key=cand.combination_key,
+        description=description(inputs, cut, warm, rule, cand.num_dominant, cold=cold_width,
+                                key=cand.combination_key)
         + f" Tier cut-offs and Warm width chosen by a search for "
         f"<= {target:.0%} of full-width bytes per token on held-out calibration windows (lowest loss).",
     )
@@ -224,7 +236,29 @@ def search_plan(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, packed, ru
     info = {"target_bytes_fraction": target, "chosen_kind": kind, "chosen": rec,
             "full_width": {"loss": full_scores.loss, "accuracy": full_scores.accuracy},
             "best_loss_by_kind": best_by_kind, "baselines": baseline_records, "candidates": results}
+    if len(keys) > 1:
+        info["best_crisp_loss_by_key"] = best_by_key
     return chosen, info
+
+
+def rekeyed_plans(inputs: ProfileInputs, stats: Stats, plan: CrispPlan, search: dict | None) -> list[CrispPlan]:
+    """A CRISP ``plan``'s tiers over each other key this run may use (``ProfileConfig.candidate_keys``), at its
+    cut-offs (the search's choice, else the command line's), with its widths and knobs and the routing-weight rule:
+    the throughput search's extra candidates. None for another policy or a single key."""
+    keys = inputs.cfg.candidate_keys(inputs.top_k)
+    if plan.policy is not PolicyKind.CRISP or len(keys) < 2:
+        return []
+    chosen = (search or {}).get("chosen", {})
+    cut = TierCutoffs(chosen["hot_mass"], chosen["cold_mass"]) if "hot_mass" in chosen else inputs.cutoffs
+    out = []
+    for key in keys:
+        if key is plan.combination_key:
+            continue
+        tiers = plan.with_tiers(layers=layer_plans(inputs, stats, cut, "routing-weight", key), combination_key=key)
+        out.append(dataclasses.replace(tiers, description=description(
+            inputs, cut, plan.tier_widths.warm, "routing-weight", plan.num_dominant, cold=plan.tier_widths.cold,
+            key=key)))
+    return out
 
 
 def _baseline_described(base: CrispPlan, rec: dict, target: float, crisp_loss: float) -> CrispPlan:

@@ -9,9 +9,9 @@ routing weight for e, summed over the tokens routed to e:
 This is the magnitude of neuron j's contribution to the layer output, w_t * h_tj * down[:, j]
 (what dropping it removes), so weighting by the routing weight is not a heuristic: a neuron that
 only fires for tokens that give the expert a small weight contributes little. (``--importance
-mean-abs`` drops the weight, for comparison.) Also counted: the leading pair of every token
-(``crisp_runtime.planning.pairs``) and the routing weight each member gets within its pair (the dominance
-proxy). The permutation sorts each expert's neurons by decreasing importance.
+mean-abs`` drops the weight, for comparison.) Also counted: the leading pair and the leading expert of
+every token (the combination keys, ``crisp_runtime.planning.pairs``) and the routing weight each member gets
+within its pair (the dominance proxy). The permutation sorts each expert's neurons by decreasing importance.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from crisp_kernels.io import atomic_write
-from crisp_runtime.planning.pairs import leading_pairs, pair_counts
+from crisp_runtime.planning.pairs import CombinationKey, combination_counts, counts_by_combination, leading_pairs
 
 from ..calibration import MaskedExperts
 
 if TYPE_CHECKING:
     from .inputs import ProfileInputs
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: leading-expert counts beside the leading-pair counts
 
 
 class ProfileInterrupted(RuntimeError):
@@ -49,6 +49,7 @@ class Stats:
         self.imp_abs = torch.zeros(num_layers, num_experts, inter, dtype=torch.float64)
         self.expert_tokens = torch.zeros(num_layers, num_experts, dtype=torch.int64)
         self.pair_counts = torch.zeros(num_layers, num_experts, num_experts, dtype=torch.int64)  # [a, b], a < b
+        self.lead_counts = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # tokens led by each expert
         self.pair_weight = torch.zeros(num_layers, num_experts, num_experts, dtype=torch.float64)  # [m, other]
         self.dominance = torch.full((num_layers, num_experts, num_experts), float("nan"), dtype=torch.float64)
         self.next_batch = 0
@@ -125,7 +126,9 @@ def calibration_pass(inputs: ProfileInputs, stats: Stats, log: Callable[[str], N
                 i = slot[layer_id]
                 index = torch.cat(inst.trace.index[layer_id]).long()
                 weights = torch.cat(inst.trace.weights[layer_id])
-                stats.pair_counts[i] += pair_counts(index, weights, E)
+                for key, counts in ((CombinationKey.LEADING_PAIR, stats.pair_counts[i]),
+                                    (CombinationKey.LEADING_EXPERT, stats.lead_counts[i])):
+                    counts.view(-1).add_(combination_counts(key, index, weights, E))
                 first, second = leading_pairs(index, weights)
                 w_first = (weights * (index == first.unsqueeze(1))).sum(1).double()
                 w_second = (weights * (index == second.unsqueeze(1))).sum(1).double()
@@ -139,6 +142,12 @@ def calibration_pass(inputs: ProfileInputs, stats: Stats, log: Callable[[str], N
             log(f"statistics: batch {b + 1}/{num_batches} ({elapsed:.1f} s, ~{eta:.0f} s left)")
             if interrupt_after is not None and done_now >= interrupt_after and b + 1 < num_batches:
                 raise ProfileInterrupted(f"interrupted after {done_now} batches (test hook)")
+
+
+def key_counts(stats: Stats, i: int, key: CombinationKey, num_experts: int) -> dict[tuple[int, ...], int]:
+    """{combination: calibration tokens} of layer slot ``i`` under ``key``, those seen at least once."""
+    counts = stats.pair_counts[i] if key is CombinationKey.LEADING_PAIR else stats.lead_counts[i]
+    return counts_by_combination(key, counts, num_experts)
 
 
 def importance_scores(inputs: ProfileInputs, stats: Stats) -> torch.Tensor:

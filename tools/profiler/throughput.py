@@ -21,6 +21,9 @@ The plan's tiers and widths are chosen before, by bytes (``search.py``); this se
 - with ``tier_widths`` given (``--search-tier-widths``), the whole space again at each other Hot / Warm / Cold
   width of the non-dominant expert (the tiers and dominant labels stay the plan's): a wider Warm width costs bytes
   but buys the accuracy a lower dominant floor spends;
+- at top-k > 2 (``--combination-key auto``), the whole space again with the plan's tiers over the other
+  combination key at the same cut-offs (``Candidate.combination_key``; the profiler builds them:
+  ``search.rekeyed_plans``);
 - the simple baselines in place of the plan, at its bytes per token: skip-auxiliary by routing weight (the plan's
   dominant count) and one uniform width, each the closest at or below the plan's neurons per token on the traced
   routing (``crisp_runtime.planning.baselines.equal_bytes_plans(..., at_most=True)``), served at their widths with
@@ -71,6 +74,7 @@ from crisp_bench.traces import record_trace, routing
 from crisp_kernels.tail_layout import PLAIN, TailLayout
 from crisp_runtime import cli_args as ca
 from crisp_runtime.planning.baselines import baseline_description, equal_bytes_plans, full_plan
+from crisp_runtime.planning.pairs import CombinationKey
 from crisp_runtime.planning.plan import CrispPlan, PlanError, PolicyKind, TierWidths
 from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
 from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
@@ -168,6 +172,10 @@ class Candidate:
     # by matched_on, on the search's routing
     baseline: PolicyKind | None = None
     matched: CrispPlan | None = dataclasses.field(default=None, compare=False, repr=False)
+    # the plan's tiers over this combination key (None: the plan's own); ``rekeyed`` holds them, the same cut-offs,
+    # widths and knobs as the plan (default_candidates)
+    combination_key: CombinationKey | None = None
+    rekeyed: CrispPlan | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.baseline is not None:
@@ -175,8 +183,12 @@ class Candidate:
                 raise ValueError(f"Candidate: baseline must be one of {', '.join(b.value for b in SEARCH_BASELINES)}, "
                                  f"got {self.baseline!r}")
             if self.kind is not CandidateServing.PLAN or (self.aux_full_weight, self.aux_skip_weight, self.width_cap,
-                                                          self.tier_widths) != (None,) * 4:
+                                                          self.tier_widths, self.combination_key) != (None,) * 5:
                 raise ValueError("Candidate: a baseline is served at its own widths, without plan knobs")
+        if self.combination_key is not None and (self.rekeyed is None
+                                                 or self.rekeyed.combination_key is not self.combination_key):
+            raise ValueError(f"Candidate: combination key {self.combination_key} needs the plan's tiers over it "
+                             f"(rekeyed)")
         if self.kind is CandidateServing.PLAN and (self.dominant_floor != 1.0 or self.widen is not DominantWiden.NEVER
                                                    or self.prefetch not in (None, PrefetchWidth.PLAN)):
             raise ValueError(f"Candidate: serving at the plan's widths has no dominant floor, widening or "
@@ -197,10 +209,11 @@ class Candidate:
         cap = "" if self.width_cap is None else f"-cap{self.width_cap}"
         tw = self.tier_widths
         tiers = "" if tw is None else f"-tiers{tw.hot}.{tw.warm}.{tw.cold}"
+        key = "" if self.combination_key is None else f"-key-{self.combination_key.value.split('-by-')[0]}"
         head = "plan" if self.exact else f"floor{self.dominant_floor:g}{widen}"
         if self.baseline is not None:
             head = f"baseline-{self.baseline.value}"
-        return f"{head}{tiers}{aux}{skip}{cap}{pf}"
+        return f"{head}{key}{tiers}{aux}{skip}{cap}{pf}"
 
     @property
     def kind_served(self) -> str | None:
@@ -223,11 +236,17 @@ class Candidate:
                 raise ValueError(f"Candidate {self.label}: the baseline is not matched to this plan (matched_on)")
             return self.matched
         if plan.policy is not PolicyKind.CRISP:
-            if (self.aux_full_weight, self.aux_skip_weight, self.width_cap, self.tier_widths) != (None,) * 4:
+            if (self.aux_full_weight, self.aux_skip_weight, self.width_cap, self.tier_widths,
+                    self.combination_key) != (None,) * 5:
                 raise ValueError(f"Candidate {self.label}: plan knobs apply to CRISP plans only, not "
                                  f"{plan.policy.value!r}")
             return plan
-        out = dataclasses.replace(plan, aux_full_weight=self.aux_full_weight, aux_skip_weight=self.aux_skip_weight,
+        base = plan
+        if self.combination_key is not None:
+            if self.rekeyed.layer_ids != plan.layer_ids or self.rekeyed.tier_widths != plan.tier_widths:
+                raise ValueError(f"Candidate {self.label}: its re-keyed tiers are not of this plan")
+            base = self.rekeyed
+        out = dataclasses.replace(base, aux_full_weight=self.aux_full_weight, aux_skip_weight=self.aux_skip_weight,
                                   width_cap=self.width_cap,  # at once: a pack plan's own skip weight may exceed W
                                   tier_widths=plan.tier_widths if self.tier_widths is None else self.tier_widths)
         return plan if out == plan else out
@@ -353,18 +372,28 @@ def simulate_candidates(trace, plan: CrispPlan, goal: ThroughputGoal, shape: Mod
     return base_tps, out
 
 
-def default_candidates(plan: CrispPlan, tier_widths: Sequence[TierWidths] = ()) -> list[Candidate]:
+def default_candidates(plan: CrispPlan, tier_widths: Sequence[TierWidths] = (),
+                       rekeyed: Sequence[CrispPlan] = ()) -> list[Candidate]:
     """:func:`candidates` for ``plan``: a CRISP plan's knobs at its neurons, at its own tier widths and at each of
-    ``tier_widths`` (``--search-tier-widths``; those equal to its own or repeated are tried once), and the baselines
-    at its bytes (:data:`SEARCH_BASELINES`); other plans' serving alone (ValueError with ``tier_widths``)."""
+    ``tier_widths`` (``--search-tier-widths``; those equal to its own or repeated are tried once), all of them again
+    over each plan of ``rekeyed`` (the plan's tiers over another combination key), and the baselines at its bytes
+    (:data:`SEARCH_BASELINES`); other plans' serving alone (ValueError with ``tier_widths`` or ``rekeyed``)."""
     if plan.policy is not PolicyKind.CRISP:
-        if tier_widths:
-            raise ValueError(f"--search-tier-widths: tier widths apply to CRISP plans only, not {plan.policy.value!r}")
+        if tier_widths or rekeyed:
+            what = "--search-tier-widths: tier widths" if tier_widths else "combination keys"
+            raise ValueError(f"{what} apply to CRISP plans only, not {plan.policy.value!r}")
         return candidates(aux_full_weights=(None,))
     check_tier_widths(tier_widths, plan.intermediate_size)
     others = [tw for tw in dict.fromkeys(tier_widths) if tw != plan.tier_widths]
-    return candidates(intermediate_size=plan.intermediate_size, tier_widths=(None, *others),
-                      baselines=SEARCH_BASELINES)
+    out = candidates(intermediate_size=plan.intermediate_size, tier_widths=(None, *others),
+                     baselines=SEARCH_BASELINES)
+    own = [c for c in out if c.baseline is None]
+    for other in rekeyed:
+        if other.combination_key is plan.combination_key:
+            raise ValueError(f"rekeyed: a plan over the plan's own key {plan.combination_key.value!r}")
+        keyed = [dataclasses.replace(c, combination_key=other.combination_key, rekeyed=other) for c in own]
+        out = out[:len(out) - len(SEARCH_BASELINES)] + keyed + out[len(out) - len(SEARCH_BASELINES):]
+    return out
 
 
 def check_tier_widths(tier_widths: Sequence[TierWidths], intermediate_size: int) -> None:
@@ -557,6 +586,7 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
 def _described(c: Candidate, plan: CrispPlan) -> CrispPlan:
     """The plan ``c`` serves, its knobs said in its description (the pack stores it)."""
     chosen = c.plan_for(plan)
+    base = plan if c.rekeyed is None else c.rekeyed
     if chosen is plan:
         return plan
     if c.baseline is not None:
@@ -575,7 +605,7 @@ def _described(c: Candidate, plan: CrispPlan) -> CrispPlan:
         said.append(f"no slot runs wider than {c.width_cap} neurons")
     what = "; ".join(said) or "no auxiliary weight, skip weight or cap"
     return dataclasses.replace(chosen, description=(
-        f"{plan.description} {what[0].upper()}{what[1:]} (chosen by the throughput search for simulated "
+        f"{base.description} {what[0].upper()}{what[1:]} (chosen by the throughput search for simulated "
         "tokens/s).").strip())
 
 
@@ -646,8 +676,8 @@ def goal_from_config(cfg) -> ThroughputGoal | None:
         raise CliError(f"--plan-for-throughput / --hardware-profile: {exc}") from None
 
 
-def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Callable[[str], None]
-                 ) -> tuple[ServingRecord, CrispPlan]:
+def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Callable[[str], None],
+                 rekeyed: Sequence[CrispPlan] = ()) -> tuple[ServingRecord, CrispPlan]:
     """The profiler's step: :func:`search_throughput` (the serving record and the plan to store) on the
     held-out calibration windows (the last ``--holdout-fraction`` of ``--data``: disjoint from the statistics
     windows and from any evaluation text; ``inputs.throughput_windows``, ``--throughput-seq-len`` tokens each):
@@ -659,7 +689,7 @@ def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Cal
               f"the last {cfg.holdout_fraction:.0%} of --data; the first {windows.shape[0]} traced)")
     try:
         return search_throughput(inputs.model, packed, plan, windows, goal, accuracy_windows=accuracy_windows,
-                                 cands=default_candidates(plan, cfg.search_tier_widths), source=source,
+                                 cands=default_candidates(plan, cfg.search_tier_widths, rekeyed), source=source,
                                  workers=cfg.simulation_workers, log=log)
     except ValueError as exc:
         raise CliError(f"--plan-for-throughput: {exc}") from None
