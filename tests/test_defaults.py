@@ -380,8 +380,8 @@ def test_crisp_profile_refuses_gpu_budget_with_plan_for_throughput(tmp_path, cap
 
 
 # The committed packs' plans, as crisp-profile's byte-target search chose them: a CRISP tier plan on the tiny
-# Mixtral, the skip-auxiliary baseline on the tiny DeepSeek (held-out calibration loss 1.2666 against 1.2714 for
-# the best tier setting, pack.json "search").
+# Mixtral, the skip-auxiliary baseline on the tiny DeepSeek (held-out calibration loss 1.2666 against 1.2697 for
+# the best tier setting over both combination keys, pack.json "search").
 @pytest.mark.parametrize(("name", "plan_kind", "serving"), [("tiny-mixtral-crisp", "crisp", "resident"),
                                                             ("tiny-deepseek-crisp", "skip_aux", "plan")])
 def test_committed_packs_get_a_choice_and_say_where_it_came_from(name, plan_kind, serving):
