@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from crisp_bench import cli as bench_cli  # noqa: E402
 from crisp_bench import simulate_cmd  # noqa: E402
 from crisp_bench import traces as tr  # noqa: E402
-from crisp_tools import evaluate, evidence  # noqa: E402
+from crisp_tools import evaluate, evidence, key_study  # noqa: E402
 from crisp_tools import profiler as prof  # noqa: E402
 from crisp_tools.calibration import CliError  # noqa: E402
 from crisp_tools.workdir import MARKER, WorkFolder  # noqa: E402
@@ -220,12 +220,14 @@ def _eval(model, pack, text, *extra):
     ("eval", "--json", "pack.json"), ("eval", "--json", "DATA"), ("eval", "--json", "MODEL/config.json"),
     ("evidence", "--markdown", "plan.json"), ("evidence", "--json", "DATA"),
     ("evidence", "--json", "experts.safetensors"),
+    ("key_study", "--json", "pack.json"), ("key_study", "--json", "DATA"),
+    ("key_study", "--json", "MODEL/config.json"),
 ])
 def test_tool_outputs_never_overwrite_inputs(tiny, capsys, tool, option, target):
     root, model, text, pack = tiny
     path = {"DATA": text, "MODEL/config.json": model / "config.json"}.get(target, pack / target)
     before = snapshot(root)
-    fn = evaluate.main if tool == "eval" else evidence.main
+    fn = {"eval": evaluate.main, "evidence": evidence.main, "key_study": key_study.main}[tool]
     rc, err = run(fn, _eval(model, pack, text, option, str(path)), capsys)
     assert rc == 2
     one_line_error(err, option)
