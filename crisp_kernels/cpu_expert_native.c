@@ -621,13 +621,14 @@ typedef struct {
     const float *sx;          /* (T, H/32) block scales */
     const int32_t *xsum;      /* (T, H/32) sum of xq over a block */
     const float *sxr;         /* (T, H/8): each block's scale 4 times (one 256-bit step holds two blocks) */
-    const int16_t *xs16;      /* (T, H/2), H/4 used: per 32-byte step 16 int16, its two blocks' xsum in slots 0 and 8 */
+    const float *xsf;         /* (T, H/8): per 32-byte step 8 floats, its two blocks' xsum in slots 0 and 4, 0 elsewhere */
     const uint8_t *qweight;   /* (rows, 3, H/2), row 0 = neuron j0 */
     const uint16_t *scales;   /* (rows, 3, G) fp16 */
     const uint8_t *zeros;     /* (rows, 3, G) or NULL: 8 */
     const int64_t *kt;
     int64_t j0;
-    int tokens, hidden, group;
+    int tokens, hidden, group, gshift;  /* gshift: log2(group), a power of 2 (checked): groups by a shift, where
+                                         * a division per step cost 4% of a T = 1 gate/up pass */
     int64_t b0, b1;           /* this thread's absolute neurons */
     float *ye, *yo;           /* (T, H/2) accumulators */
     /* scratch for one block of neurons and one token: */
@@ -650,7 +651,7 @@ static float q8_dot_scalar(const WorkQ8 *w, const uint8_t *q, const uint16_t *s,
     const int32_t *xsum = w->xsum + (size_t)t * blocks;
     float acc = 0.0f;
     for (int i = i0; i < i1; i += Q8_XBLOCK / 2) {
-        const int g = 2 * i / w->group, b = 2 * i / Q8_XBLOCK;
+        const int g = ((2 * i) >> w->gshift), b = 2 * i / Q8_XBLOCK;
         int32_t isum = 0;
         for (int k = i; k < i + Q8_XBLOCK / 2; k++) isum += (q[k] & 0x0f) * xe[k] + (q[k] >> 4) * xo[k];
         acc += q8_scale(g, s) * sx[b] * (float)(isum - (z ? z[g] : 8) * xsum[b]);
@@ -670,20 +671,20 @@ INLINE void q8_dots_nt(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, con
     __m256 ag[Q8_TILE], au[Q8_TILE];
     for (int t = 0; t < NT; t++) ag[t] = au[t] = _mm256_setzero_ps();
     for (int i = 0; i < full; i += 32) {
-        const int ga = 2 * i / w->group, gb = (2 * i + 32) / w->group;
+        const int ga = ((2 * i) >> w->gshift), gb = ((2 * i + 32) >> w->gshift);
         __m256 sg, su;
-        __m256i zg, zu;  /* the zero points as int16, per 128-bit lane */
+        __m256 zgf, zuf;  /* the zero points as floats, per 128-bit lane */
         const int ua = R == 2 ? groups + ga : ga, ub = R == 2 ? groups + gb : gb;  /* R = 1: the up lanes unused */
         if (ga == gb) {
             sg = _mm256_set1_ps(_cvtsh_ss(s[ga]));
             su = _mm256_set1_ps(_cvtsh_ss(s[ua]));
-            zg = _mm256_set1_epi16(z ? z[ga] : 8);
-            zu = _mm256_set1_epi16(z ? z[ua] : 8);
+            zgf = _mm256_set1_ps(z ? (float)z[ga] : 8.0f);
+            zuf = _mm256_set1_ps(z ? (float)z[ua] : 8.0f);
         } else {
             sg = _mm256_setr_m128(_mm_set1_ps(_cvtsh_ss(s[ga])), _mm_set1_ps(_cvtsh_ss(s[gb])));
             su = _mm256_setr_m128(_mm_set1_ps(_cvtsh_ss(s[ua])), _mm_set1_ps(_cvtsh_ss(s[ub])));
-            zg = _mm256_setr_m128i(_mm_set1_epi16(z ? z[ga] : 8), _mm_set1_epi16(z ? z[gb] : 8));
-            zu = _mm256_setr_m128i(_mm_set1_epi16(z ? z[ua] : 8), _mm_set1_epi16(z ? z[ub] : 8));
+            zgf = _mm256_setr_m128(_mm_set1_ps(z ? (float)z[ga] : 8.0f), _mm_set1_ps(z ? (float)z[gb] : 8.0f));
+            zuf = _mm256_setr_m128(_mm_set1_ps(z ? (float)z[ua] : 8.0f), _mm_set1_ps(z ? (float)z[ub] : 8.0f));
         }
         if (!(i & 63)) {  /* the next row's bytes (see prefetch_next_row): 3 H / 2 on in an expert, H / 2 in a dense matrix */
             _mm_prefetch((const char *)(q + (R == 2 ? 3 : 1) * (size_t)half + i), _MM_HINT_T0);
@@ -704,18 +705,18 @@ INLINE void q8_dots_nt(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, con
             const __m256i xe = _mm256_loadu_si256((const __m256i *)(w->xeq + o));
             const __m256i xo = _mm256_loadu_si256((const __m256i *)(w->xoq + o));
             const __m256 sx = _mm256_loadu_ps(w->sxr + (size_t)(t0 + t) * (w->hidden / 8) + i / 4);
-            /* the step's two blocks' sums of xq, as int16 in the first slot of each lane: madd with the zero
-             * points gives z sum(xq) in the first int32 slot, subtracted exactly before the conversion (taken
-             * out of the sum in fp32 instead, it cancelled: 1.7e-4 relative on a one-neuron range) */
-            const __m256i xs = _mm256_loadu_si256((const __m256i *)(w->xs16 + (size_t)(t0 + t) * half + i / 2));
-            const __m256i pg = _mm256_sub_epi32(_mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(gl, xe), _mm256_maddubs_epi16(gh, xo)), ones),
-                _mm256_madd_epi16(zg, xs));
-            const __m256i pu = _mm256_sub_epi32(_mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(ul, xe), _mm256_maddubs_epi16(uh, xo)), ones),
-                _mm256_madd_epi16(zu, xs));
-            ag[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pg), _mm256_mul_ps(sx, sg), ag[t]);
-            if (R == 2) au[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pu), _mm256_mul_ps(sx, su), au[t]);
+            /* the step's two blocks' sums of xq, as floats in the first slot of each lane: z sum(xq) is
+             * subtracted from the converted integer sum by one fnmadd before the scales multiply, and exactly:
+             * both are integers below 2^24 (32 x 15 x 127), so fp32 holds them and their difference without
+             * rounding (taken out of the scaled sum instead, it cancelled: 1.7e-4 relative on a one-neuron
+             * range). One fnmadd where an integer madd and subtraction were: 3% of a T = 1 gate/up pass */
+            const __m256 xs = _mm256_loadu_ps(w->xsf + (size_t)(t0 + t) * (w->hidden / 8) + i / 4);
+            const __m256i pg = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(gl, xe), _mm256_maddubs_epi16(gh, xo)), ones);
+            const __m256i pu = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(ul, xe), _mm256_maddubs_epi16(uh, xo)), ones);
+            ag[t] = _mm256_fmadd_ps(_mm256_fnmadd_ps(zgf, xs, _mm256_cvtepi32_ps(pg)), _mm256_mul_ps(sx, sg), ag[t]);
+            if (R == 2) au[t] = _mm256_fmadd_ps(_mm256_fnmadd_ps(zuf, xs, _mm256_cvtepi32_ps(pu)), _mm256_mul_ps(sx, su), au[t]);
         }
     }
     for (int t = 0; t < NT; t++) {
@@ -785,8 +786,11 @@ static void q8_down(const WorkQ8 *w, const uint8_t *q0, const uint16_t *s0, cons
         const __m256 pos = _mm256_cmp_ps(sc, _mm256_setzero_ps(), _CMP_GT_OQ);
         const __m256 safe = _mm256_blendv_ps(_mm256_set1_ps(1.0f), sc, pos);
         __m256 zi = _mm256_setzero_ps();  /* sum_j cq z: |.| <= 16 x 127 x 15, exact in fp32 */
+        /* c / sc as c times 1 / sc: one division per 8 groups where there were nlive + 1; the quotient moves by
+         * ~1 fp32 ulp (x 127 < 1.6e-5), inside the reference's boundary slack (BOUNDARY_SLACK, 1e-3) */
+        const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), safe);
         for (int k = 0; k < nlive; k++) {
-            const __m256 r = _mm256_and_ps(pos, _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(c + k * groups + g0), safe),
+            const __m256 r = _mm256_and_ps(pos, _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(c + k * groups + g0), inv),
                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             const uint8_t *zr = z0 ? z0 + live[k] * row_s + 2 * groups + g0 : NULL;
             const __m256 zv = zr ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)zr)))
@@ -817,36 +821,47 @@ static void q8_down(const WorkQ8 *w, const uint8_t *q0, const uint16_t *s0, cons
         amax[g] = sc;
         w->zint[g] = zi;
     }
-    /* the byte pairs' coefficients (cq_j, cq_j') of each group, rows paired in order; an odd last row pairs with
-     * itself at coefficient 0 */
+    /* the byte pairs' coefficients (cq_j, cq_j') of each group, rows paired in order, pair-major ((npairs, G): 16
+     * groups a vector); an odd last row pairs with itself at coefficient 0 */
     const int npairs = (nlive + 1) / 2;
-    for (int g = 0; g < groups; g++)
-        for (int p = 0; p < npairs; p++) {
-            const int k = 2 * p;
-            const uint8_t lo = (uint8_t)w->cq[k * groups + g], hi = k + 1 < nlive ? (uint8_t)w->cq[(k + 1) * groups + g] : 0;
-            w->pairs[g * (Q8_NBLOCK / 2) + p] = (int16_t)(lo | (uint16_t)hi << 8);
+    for (int p = 0; p < npairs; p++) {
+        const int k = 2 * p;
+        const int8_t *lo = w->cq + k * groups, *hi = k + 1 < nlive ? w->cq + (k + 1) * groups : NULL;
+        int16_t *dst = w->pairs + p * groups;
+        int g = 0;
+#if Q8_SIMD
+        for (; g + 16 <= groups; g += 16) {
+            const __m128i l = _mm_loadu_si128((const __m128i *)(lo + g));
+            const __m128i h = hi ? _mm_loadu_si128((const __m128i *)(hi + g)) : _mm_setzero_si128();
+            _mm_storeu_si128((__m128i *)(dst + g), _mm_unpacklo_epi8(l, h));
+            _mm_storeu_si128((__m128i *)(dst + g + 8), _mm_unpackhi_epi8(l, h));
         }
+#endif
+        for (; g < groups; g++) dst[g] = (int16_t)((uint8_t)lo[g] | (uint16_t)(hi ? (uint8_t)hi[g] : 0) << 8);
+    }
     int i = 0;
 #if Q8_SIMD
     const int full = half / 32 * 32;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (; i < full; i += 32) {
-        const int ga = 2 * i / w->group, gb = (2 * i + 32) / w->group;
+        const int ga = ((2 * i) >> w->gshift), gb = ((2 * i + 32) >> w->gshift);
         __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                           _mm256_setzero_si256()};
-        const int16_t *pa = w->pairs + ga * (Q8_NBLOCK / 2), *pb = w->pairs + gb * (Q8_NBLOCK / 2);
+        const int16_t *pa = w->pairs + ga, *pb = w->pairs + gb;
         for (int k = 0; k < nlive; k += 2) {
             const int k2 = k + 1 < nlive ? k + 1 : k;
-            const __m256i cv = ga == gb ? _mm256_set1_epi16(pa[k / 2])
-                                        : _mm256_setr_m128i(_mm_set1_epi16(pa[k / 2]), _mm_set1_epi16(pb[k / 2]));
+            const __m256i cv = ga == gb ? _mm256_set1_epi16(pa[k / 2 * groups])
+                                        : _mm256_setr_m128i(_mm_set1_epi16(pa[k / 2 * groups]), _mm_set1_epi16(pb[k / 2 * groups]));
             const __m256i qa = _mm256_loadu_si256((const __m256i *)(q0 + live[k] * row_q + 2 * half + i));
             const __m256i qb = _mm256_loadu_si256((const __m256i *)(q0 + live[k2] * row_q + 2 * half + i));
-            const __m256i la = _mm256_and_si256(qa, m4), ha = _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4);
-            const __m256i lb = _mm256_and_si256(qb, m4), hb = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
-            acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(la, lb), cv));
-            acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(la, lb), cv));
-            acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ha, hb), cv));
-            acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ha, hb), cv));
+            /* the two rows' bytes interleaved first, then each nibble masked out of the (a, b) byte pairs: a 16-bit
+             * shift by 4 leaves a's high nibble in the low byte, b's in the high one (8 ops where unpacking each row
+             * and interleaving took 10) */
+            const __m256i u0 = _mm256_unpacklo_epi8(qa, qb), u1 = _mm256_unpackhi_epi8(qa, qb);
+            acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_and_si256(u0, m4), cv));
+            acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_and_si256(u1, m4), cv));
+            acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(u0, 4), m4), cv));
+            acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(u1, 4), m4), cv));
         }
         /* acc[0]: even elements of bytes i..i+7 (lane 0) and i+16..i+23 (lane 1); acc[1]: i+8.., i+24..;
          * acc[2], acc[3]: the odd elements likewise */
@@ -864,7 +879,7 @@ static void q8_down(const WorkQ8 *w, const uint8_t *q0, const uint16_t *s0, cons
     }
 #endif
     for (; i < half; i++) {  /* portable C, and the last 16 bytes of a row whose H / 2 is not a multiple of 32 */
-        const int g = 2 * i / w->group;
+        const int g = ((2 * i) >> w->gshift);
         int32_t e = 0, o = 0;
         for (int k = 0; k < nlive; k++) {
             const uint8_t b = q0[live[k] * row_q + 2 * half + i];
@@ -916,9 +931,9 @@ static void run_rows_q8(const WorkQ8 *w) {
     }
 }
 
-/* x (T, H) quantized into the buffers (xq: 2 T H / 2 int8; xf: T (H / 32 + H / 8) floats; xs16: T H / 2 int16,
+/* x (T, H) quantized into the buffers (xq: 2 T H / 2 int8; xf: T (H / 32 + H / 8) floats; xsf: T H / 8 floats,
  * zeroed; xsum: T H / 32) and their views in w (see WorkQ8). */
-static void q8_quantize_x(const float *x, int64_t tokens, int64_t hidden, int8_t *xq, float *xf, int16_t *xs16,
+static void q8_quantize_x(const float *x, int64_t tokens, int64_t hidden, int8_t *xq, float *xf, float *xsf,
                           int32_t *xsum, WorkQ8 *w) {
     const int64_t half = hidden / 2, blocks = hidden / Q8_XBLOCK;
     int8_t *xeq = xq, *xoq = xq + tokens * half;
@@ -942,10 +957,10 @@ static void q8_quantize_x(const float *x, int64_t tokens, int64_t hidden, int8_t
             sx[t * blocks + b] = s;
             xsum[t * blocks + b] = sum;
             for (int k = 0; k < 4; k++) sxr[t * (hidden / 8) + 4 * b + k] = s;
-            xs16[t * half + 8 * b] = (int16_t)sum;  /* |sum| <= 32 x 127: an int16 */
+            xsf[t * (hidden / 8) + 4 * b] = (float)sum;  /* |sum| <= 32 x 127: exact */
         }
     }
-    w->xeq = xeq; w->xoq = xoq; w->sx = sx; w->xsum = xsum; w->sxr = sxr; w->xs16 = xs16;
+    w->xeq = xeq; w->xoq = xoq; w->sx = sx; w->xsum = xsum; w->sxr = sxr; w->xsf = xsf;
 }
 
 /* crisp_expert_rows_f32's contract with 8-bit activations (see the section's header). */
@@ -954,14 +969,14 @@ int crisp_expert_rows_q8(const float *x, int64_t tokens, int64_t hidden, int64_t
                          const int64_t *kt, int64_t j0, int64_t j1, const float *weights, float *out,
                          int64_t nthreads) {
     if (tokens <= 0 || j1 <= j0) return 0;
-    if (tokens > MAX_TOKENS || hidden % group || group % 32 || nthreads < 1) return -2;
+    if (tokens > MAX_TOKENS || hidden % group || group % 32 || (group & (group - 1)) || nthreads < 1) return -2;
     const int64_t half = hidden / 2, groups = hidden / group, blocks = hidden / Q8_XBLOCK;
     const int64_t nblocks = (j1 - 1) / Q8_NBLOCK - j0 / Q8_NBLOCK + 1;  /* neuron blocks met by [j0, j1) */
     if (nthreads > nblocks) nthreads = nblocks;
     const size_t per_thread = (size_t)tokens * (size_t)hidden;
     int8_t *xq = malloc(2 * (size_t)tokens * (size_t)half);
     float *xf = malloc(sizeof(float) * (size_t)tokens * (size_t)(blocks + hidden / 8));
-    int16_t *xs16 = calloc((size_t)tokens * (size_t)half, sizeof(int16_t));
+    float *xsf = calloc((size_t)tokens * (size_t)(hidden / 8), sizeof(float));
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)tokens * (size_t)blocks);
     float *acc = calloc((size_t)nthreads * per_thread, sizeof(float));
     WorkQ8 *work = malloc(sizeof(WorkQ8) * (size_t)nthreads);
@@ -969,13 +984,13 @@ int crisp_expert_rows_q8(const float *x, int64_t tokens, int64_t hidden, int64_t
     const size_t scratch_per = (size_t)groups * (8 + 4 * Q8_NBLOCK + Q8_NBLOCK + Q8_NBLOCK);
     char *scratch = malloc((size_t)nthreads * scratch_per);
     int rc = 0;
-    if (!xq || !xf || !xs16 || !xsum || !acc || !work || !scratch) { rc = -1; goto done; }
-    q8_quantize_x(x, tokens, hidden, xq, xf, xs16, xsum, &work[0]);
+    if (!xq || !xf || !xsf || !xsum || !acc || !work || !scratch) { rc = -1; goto done; }
+    q8_quantize_x(x, tokens, hidden, xq, xf, xsf, xsum, &work[0]);
     for (int64_t p = 0; p < nthreads; p++) {
         WorkQ8 *w = &work[p];
         *w = work[0];  /* x's quantization, shared */
         w->qweight = qweight; w->scales = scales; w->zeros = zeros; w->kt = kt; w->j0 = j0;
-        w->tokens = (int)tokens; w->hidden = (int)hidden; w->group = (int)group;
+        w->tokens = (int)tokens; w->hidden = (int)hidden; w->group = (int)group; w->gshift = __builtin_ctzll(group);
         /* whole neuron blocks per thread: the first block starts at j0, the others on multiples of Q8_NBLOCK */
         const int64_t first = j0 / Q8_NBLOCK;
         const int64_t lo = first + nblocks * p / nthreads, hi = first + nblocks * (p + 1) / nthreads;
@@ -997,7 +1012,7 @@ int crisp_expert_rows_q8(const float *x, int64_t tokens, int64_t hidden, int64_t
     }
     add_thread_sums(acc, nthreads, tokens, hidden, weights, out);
 done:
-    free(xq); free(xf); free(xs16); free(xsum); free(acc); free(work); free(scratch);
+    free(xq); free(xf); free(xsf); free(xsum); free(acc); free(work); free(scratch);
     return rc;
 }
 
@@ -1008,19 +1023,19 @@ done:
 int crisp_dense_q8(const float *x, int64_t tokens, int64_t hidden, int64_t group, const uint8_t *qweight,
                    const uint16_t *scales, const uint8_t *zeros, int64_t rows, float *out, int64_t nthreads) {
     if (tokens <= 0 || rows <= 0) return 0;
-    if (tokens > MAX_TOKENS || hidden % group || group % 32 || nthreads < 1) return -2;
+    if (tokens > MAX_TOKENS || hidden % group || group % 32 || (group & (group - 1)) || nthreads < 1) return -2;
     const int64_t half = hidden / 2, groups = hidden / group, blocks = hidden / Q8_XBLOCK;
     if (nthreads > rows) nthreads = rows;
     int8_t *xq = malloc(2 * (size_t)tokens * (size_t)half);
     float *xf = malloc(sizeof(float) * (size_t)tokens * (size_t)(blocks + hidden / 8));
-    int16_t *xs16 = calloc((size_t)tokens * (size_t)half, sizeof(int16_t));
+    float *xsf = calloc((size_t)tokens * (size_t)(hidden / 8), sizeof(float));
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)tokens * (size_t)blocks);
     int rc = 0;
-    if (!xq || !xf || !xs16 || !xsum) { rc = -1; goto done; }
+    if (!xq || !xf || !xsf || !xsum) { rc = -1; goto done; }
     WorkQ8 w;
     memset(&w, 0, sizeof w);
-    q8_quantize_x(x, tokens, hidden, xq, xf, xs16, xsum, &w);
-    w.tokens = (int)tokens; w.hidden = (int)hidden; w.group = (int)group;
+    q8_quantize_x(x, tokens, hidden, xq, xf, xsf, xsum, &w);
+    w.tokens = (int)tokens; w.hidden = (int)hidden; w.group = (int)group; w.gshift = __builtin_ctzll(group);
     const int team_size = (int)(nthreads < omp_get_num_procs() ? nthreads : omp_get_num_procs());
 #pragma omp parallel num_threads(team_size)
     {
@@ -1051,7 +1066,7 @@ int crisp_dense_q8(const float *x, int64_t tokens, int64_t hidden, int64_t group
         }
     }
 done:
-    free(xq); free(xf); free(xs16); free(xsum);
+    free(xq); free(xf); free(xsf); free(xsum);
     return rc;
 }
 

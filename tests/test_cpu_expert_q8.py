@@ -40,9 +40,10 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native C
 
 OWN_TOL = 1e-5  # fp32 accumulation against the float64 evaluation of the same quantized arithmetic
 Q8 = CpuExpertConfig(Precision.Q8)
-# (H, I, group, symmetric): H = 96 and 160 leave a 16-byte tail per row; I odd and not a multiple of 16
+# (H, I, group, symmetric): H = 96 and 160 leave a 16-byte tail per row; I odd and not a multiple of 16;
+# H = 1088 has 17 groups (the down pass builds its coefficient pairs 16 groups a vector, then one alone)
 SHAPES = [(256, 200, 64, False), (96, 40, 32, False), (160, 77, 32, True), (384, 300, 128, False),
-          (2048, 150, 64, True)]
+          (2048, 150, 64, True), (1088, 70, 64, False)]
 
 
 def call(kernel, packed, x, widths, start, stop, weights, threads) -> torch.Tensor:
