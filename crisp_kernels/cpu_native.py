@@ -110,6 +110,16 @@ class NativeKernel:
         if rc != 0:
             raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory, -2 bad sizes)")
 
+    def bind(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+             q8: bool) -> BoundRows:
+        """An expert's host rows (as :meth:`rows_q8` / :meth:`rows_f32` take them), checked now, for
+        :meth:`BoundRows.one_token_` (8-bit activations where ``q8``, else fp32)."""
+        hidden = qweight.shape[-1] * 2 if qweight.dim() == 3 else -1
+        dummy = torch.zeros((1, max(hidden, 0)), dtype=torch.float32)
+        _check_call(dummy, qweight, scales, zeros, group, None, 0, 0, torch.zeros(1), dummy)
+        return BoundRows(self.lib.crisp_expert_rows_q8 if q8 else self.lib.crisp_expert_rows_f32, qweight, scales,
+                         zeros, group)
+
     @staticmethod
     def _rows(fn, x, qweight, scales, zeros, group, token_widths, row_start, row_stop, weights, out, threads) -> None:
         tokens, hidden = x.shape
@@ -123,6 +133,61 @@ class NativeKernel:
         rc = fn(x.data_ptr(), tokens, hidden, group, row_q, row_s, row_z,
                 None if token_widths is None else token_widths.data_ptr(), row_start, row_stop,
                 weights.data_ptr(), out.data_ptr(), threads)
+        if rc != 0:
+            raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory, -2 bad sizes); "
+                               "out is unchanged")
+
+
+@dataclass(frozen=True)
+class BoundRows:
+    """One expert's host rows checked once against the native kernel's contract (:meth:`NativeKernel.bind`),
+    for one-token calls that then check only the token's tensors and the row range.
+
+    Why: the per-call path (``expert_mlp_cpu_accumulate_`` -> :meth:`NativeKernel.rows_q8`) re-checks the
+    expert's format and its three tensors on every call, ~40 us of Python per expert and call on the 2-core
+    VM, against ~2 ms of kernel for a Mixtral-shaped expert; a decode step of a CPU-only model makes one such
+    call per routed expert and layer. The tensors are held, so the addresses stay valid.
+    """
+
+    fn: object  # the ctypes function: crisp_expert_rows_q8 or crisp_expert_rows_f32
+    qweight: torch.Tensor  # (W, 3, H/2) uint8, contiguous
+    scales: torch.Tensor  # (W, 3, G) fp16, contiguous
+    zeros: torch.Tensor | None  # (W, 3, G) uint8, contiguous, or None (symmetric)
+    group: int
+
+    @property
+    def hidden(self) -> int:
+        return self.qweight.shape[2] * 2
+
+    @property
+    def rows(self) -> int:
+        return self.qweight.shape[0]
+
+    def one_token_(self, x: torch.Tensor, weights: torch.Tensor, slot: int, out: torch.Tensor, row_start: int,
+                   row_stop: int, threads: int) -> None:
+        """``out += weights[slot] * sum over neurons row_start <= j < row_stop`` of the expert at x.
+
+        x, out: (1, H) fp32 contiguous CPU tensors; weights: (k,) fp32 contiguous CPU, its element ``slot`` the
+        routing weight. Checked here (a bad call raises before the C code runs)."""
+        hidden = self.hidden
+        for name, t, shape in (("x", x, (1, hidden)), ("out", out, (1, hidden))):
+            if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name}: expected a contiguous float32 {shape} CPU tensor, got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+        if (weights.dtype != torch.float32 or weights.dim() != 1 or not weights.is_contiguous()
+                or weights.device.type != "cpu" or not 0 <= slot < weights.shape[0]):
+            raise ValueError(f"weights: expected a contiguous float32 (k,) CPU tensor with element {slot}, got "
+                             f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
+        if not 0 <= row_start <= row_stop <= self.rows:
+            raise ValueError(f"rows: expected 0 <= row_start <= row_stop <= {self.rows}, got [{row_start}, "
+                             f"{row_stop})")
+        if row_start == row_stop:
+            return
+        q, s, z = self.qweight, self.scales, self.zeros  # row row_start's addresses: contiguous rows (checked)
+        row_z = None if z is None else z.data_ptr() + row_start * z.stride(0)
+        rc = self.fn(x.data_ptr(), 1, hidden, self.group, q.data_ptr() + row_start * q.stride(0),
+                     s.data_ptr() + row_start * s.stride(0) * 2, row_z, None, row_start, row_stop,
+                     weights.data_ptr() + 4 * slot, out.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory, -2 bad sizes); "
                                "out is unchanged")

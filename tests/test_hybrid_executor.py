@@ -494,6 +494,69 @@ def test_a_single_slot_adds_into_its_row_in_place(cpu, row, start):
     experts.close()
 
 
+@pytest.mark.parametrize("precision", ["q8", "bf16"])
+def test_one_token_steps_bind_each_experts_rows_once_and_equal_the_tensor_path(precision):
+    """A one-token cpu_only step on the native kernel calls each expert through its rows bound once
+    (``CpuExperts.bound``) and adds into the step's accumulator; its output is bitwise the tensor path's
+    (``_cpu_job``: the same kernel calls on a partial, then added to zeros)."""
+    config = CpuExpertsConfig(precision=precision, kernel="native")
+    runtime = CrispRuntime(WIDE, _plans(WIDE_INTER)["uniform"], device="cpu", gpu_budget=min_budget_bytes(WIDE, TOP_K),
+                           config=RuntimeConfig(serving="cpu_only", cost=COST, cpu_experts=config))
+    for i in range(4):
+        layer_id = LAYER_IDS[i % 2]
+        x, index, weights = make_step(1, 300 + i, WIDE_HIDDEN)
+        out = runtime.forward(layer_id, x, index, weights)
+        step = runtime.last_step[layer_id]
+        tensor_path = runtime._cpu_job(layer_id, step, x, weights, list(step.tasks), runtime.stats.layers[layer_id])
+        assert torch.equal(out, tensor_path(torch.get_num_threads()))  # the threads run_here gave
+        assert all(runtime._cpu._bound[(layer_id, t.expert)][1] is not None for t in step.tasks)
+    bound = runtime._cpu.bound(LAYER_IDS[0], 0)
+    assert bound is runtime._cpu.bound(LAYER_IDS[0], 0)  # kept
+    runtime.close()
+
+
+def test_bound_rows_follow_a_replaced_layer_and_check_their_calls():
+    """The bound rows are rebound for a layer replaced in the layers dict, a swapped-in kernel is called instead
+    of them, and a call with a bad token tensor, slot or row range raises before the C code runs (out
+    unchanged)."""
+    from crisp_runtime.cpu.experts import CpuExperts
+
+    experts = CpuExperts(dict(WIDE), CpuExpertsConfig(precision="bf16", kernel="native"))  # fp32 arithmetic
+    g = torch.Generator().manual_seed(14)
+    x, weights = torch.randn(1, WIDE_HIDDEN, generator=g), torch.tensor([0.3, 0.7])
+    first = torch.zeros(x.shape)
+    experts.accumulate_token_(first, x, 1, 0, 0, WIDE_INTER, weights, 1)
+    rows, widths = torch.tensor([0]), torch.tensor([WIDE_INTER])
+    assert rel_err(first, _rows_reference(x, WIDE_DEQ[1][0], rows, weights[1:], widths)) < 1e-5
+    other = random_layers(layer_ids=(1,), num_experts=E, inter=WIDE_INTER, hidden=WIDE_HIDDEN, seed=15)[1]
+    experts.layers[1] = other
+    second = torch.zeros(x.shape)
+    experts.accumulate_token_(second, x, 1, 0, 3, 50, weights, 0)  # rows [3, 50) of the new layer's expert
+    ref = (_rows_reference(x, dequantize_expert(other.expert(0), dtype=torch.float64), rows, weights[:1],
+                           torch.tensor([50]))
+           - _rows_reference(x, dequantize_expert(other.expert(0), dtype=torch.float64), rows, weights[:1],
+                             torch.tensor([3])))
+    assert rel_err(second, ref) < 1e-5
+    bound = experts.bound(1, 0)
+    keep = second.clone()
+    bad_calls = {"x": (torch.randn(1, WIDE_HIDDEN + 2), weights, 0, second, 0, 5),
+                 "out": (x, weights, 0, torch.zeros(1, WIDE_HIDDEN, dtype=torch.float64), 0, 5),
+                 "weights": (x, weights.double(), 0, second, 0, 5),
+                 "element 2": (x, weights, 2, second, 0, 5),
+                 "row_stop": (x, weights, 0, second, 6, 5),
+                 f"<= {WIDE_INTER}": (x, weights, 0, second, 0, WIDE_INTER + 1)}
+    for match, args in bad_calls.items():
+        with pytest.raises(ValueError, match=match):
+            bound.one_token_(*args, threads=1)
+    assert torch.equal(second, keep)
+    calls = []
+    experts.kernel = lambda *a, **k: calls.append(k)  # a swapped kernel: no bound rows, the tensor path's call
+    assert experts.bound(1, 1) is None
+    experts.accumulate_token_(second, x, 1, 1, 0, 9, weights, 0)
+    assert len(calls) == 1 and torch.equal(second, keep)
+    experts.close()
+
+
 def test_the_kept_expert_views_follow_a_replaced_layer():
     """CpuExperts keeps each expert's view of its host rows; a layer replaced in its layers dict (another
     tensor) is read afresh, not through the old view."""

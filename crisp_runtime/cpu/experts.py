@@ -69,6 +69,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from crisp_kernels import Backend, PackedExpert, cpu_native
+from crisp_kernels.checks import check_packed
 from crisp_kernels.cpu_expert import (
     CpuExpert,
     CpuExpertConfig,
@@ -264,6 +265,7 @@ class CpuExperts:
         self.worker = CpuWorker(config.threads)
         self._prepared: dict[tuple[int, int], CpuExpert] = {}
         self._views: dict[tuple[int, int], tuple[torch.Tensor, PackedExpert]] = {}
+        self._bound: dict[tuple[int, int], tuple[torch.Tensor, cpu_native.BoundRows | None]] = {}
         self._prepared_nbytes = 0
         # impl: the kernel at decode sizes (NATIVE_FP32 needs no second copy of the experts); layout: the
         # int4pack layout of this CPU (blocks of 64 rows with AVX-512, 32 with AVX2) when that op is used;
@@ -304,6 +306,40 @@ class CpuExperts:
             got = self._prepared[key] = prepare_expert(packed, self.layout)
             self._prepared_nbytes += got.nbytes
         return got
+
+    def bound(self, layer_id: int, expert: int) -> cpu_native.BoundRows | None:
+        """The expert's host rows bound to the native kernel (checked once, kept while they view the layer's
+        current tensor), or None where a call would take another path (not the native kernel, an expert the
+        kernel does not cover, or a kernel swapped in, as tests do)."""
+        key = (layer_id, expert)
+        layer = self.layers[layer_id]
+        got = self._bound.get(key)
+        if got is not None and got[0] is layer.qweight:
+            return got[1]
+        rows = None
+        if self.impl in (CpuImpl.NATIVE_FP32, CpuImpl.NATIVE_Q8) and self.kernel is expert_mlp_cpu_accumulate_:
+            packed = self._expert(layer_id, expert)
+            if isinstance(packed, PackedExpert) and covered(packed):
+                check_packed(packed)
+                q8 = self.impl is CpuImpl.NATIVE_Q8
+                rows = cpu_native.load().bind(packed.qweight, packed.scales, packed.zeros, packed.fmt.group_size, q8)
+        self._bound[key] = (layer.qweight, rows)
+        return rows
+
+    def accumulate_token_(self, partial: torch.Tensor, x: torch.Tensor, layer_id: int, expert: int, row_start: int,
+                          row_stop: int, weights: torch.Tensor, slot: int, threads: int | None = None) -> None:
+        """One token's :meth:`accumulate_`: ``partial += weights[slot] * expert_rows(x)`` over neurons
+        ``row_start <= j < row_stop``, through the rows bound once (:meth:`bound`), else :meth:`accumulate_`.
+
+        partial, x: (1, H) float32 contiguous on the CPU; weights: (k,) float32 contiguous on the CPU."""
+        rows = self.bound(layer_id, expert)
+        if rows is None:
+            one = torch.tensor([0])
+            self.accumulate_(partial, x, layer_id, expert, row_stop, one, weights[slot:slot + 1],
+                             torch.tensor([row_stop]), row_start, threads)
+            return
+        rows.one_token_(x, weights, slot, partial, row_start, row_stop,
+                        torch.get_num_threads() if threads is None else threads)
 
     def run_here(self, job):
         """Run a job (``job(threads)``) on the calling thread, with ``threads`` (else the caller's torch threads)
