@@ -225,11 +225,20 @@ class CrispEngine:
 
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
         original = cpu_native.NativeKernel._rows  # both arithmetics' calls go through it
+        original_token = cpu_native.BoundRows.one_token_  # and a one-token step's, through the bound rows
 
         def timed(*a, **k):
             t0 = time.perf_counter()
             try:
                 return original(*a, **k)
+            finally:
+                acc["kernel"] += time.perf_counter() - t0
+                kernel_calls[0] += 1
+
+        def timed_token(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return original_token(*a, **k)
             finally:
                 acc["kernel"] += time.perf_counter() - t0
                 kernel_calls[0] += 1
@@ -242,6 +251,7 @@ class CrispEngine:
                 for key in acc:
                     acc[key] = 0.0
                 cpu_native.NativeKernel._rows = staticmethod(timed)
+                cpu_native.BoundRows.one_token_ = timed_token
                 kernel_calls[0] = 0
                 t0 = time.perf_counter()
                 for i in range(prompt, len(ids)):
@@ -250,6 +260,7 @@ class CrispEngine:
                 total = time.perf_counter() - t0
         finally:
             cpu_native.NativeKernel._rows = staticmethod(original)
+            cpu_native.BoundRows.one_token_ = original_token
             for h in handles:
                 h.remove()
         n = len(ids) - prompt
