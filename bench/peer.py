@@ -43,7 +43,15 @@ from . import peer_models as pm
 from .common import DEFAULT_TEXT, CliError
 from .peer_engines import CRISP_VARIANTS
 
-MODELS = ("tiny", "large")
+MODELS = ("tiny", "large", "mixtral-layer")
+DEFAULT_MODELS = ("tiny", "large")
+# The random-weight models: "large" 4 layers of H 2048, I 5632 (151 MB of 4-bit experts read per token);
+# "mixtral-layer" one layer of Mixtral-8x7B's own shape (H 4096, I 14336, 32 heads / 8 KV heads, 8 experts top-2:
+# 198 MB of 4-bit experts per token in one layer, where "large" spreads 151 MB over four), so that the per-layer
+# cost outside the kernels weighs what it would in a Mixtral-8x7B.
+RANDOM_SHAPES = {"large": pm.LargeShape(),
+                 "mixtral-layer": pm.LargeShape(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
+                                                num_attention_heads=32, num_key_value_heads=8)}
 ENGINES = ("llama.cpp", "crisp")
 WIDTHS = ("full", "plan")
 CRISP_QUANT = "crisp-int4-g64"  # our format: 4-bit, group 64 along H, fp16 scales, uint8 zero points
@@ -164,7 +172,7 @@ def prepare(name: str, work: Path, threads: int, log=print) -> ModelInputs:
     if name == "tiny":
         model_dir, pack_dir = pm.TINY_MODEL, pm.TINY_PACK
     else:
-        model_dir = pm.large_model(pm.LargeShape(), work, log=log)
+        model_dir = pm.large_model(RANDOM_SHAPES[name], work, log=log)
         pack_dir = pm.profile_pack(model_dir, common.REPO_ROOT / "data" / "stdlib-calib.txt", work,
                                    threads=threads, log=log)
     ggufs = pm.gguf_files(model_dir, pm.PEER_QUANTS, work, threads=threads, log=log)
@@ -219,8 +227,9 @@ def cpu_profiles(kernel: dict) -> list[dict]:
     for impl in dict.fromkeys(k["impl"] for k in kernel["kernel"]):
         points = [(k["prefix_bytes"], k["ms"] / 1e3) for k in kernel["kernel"] if k["impl"] == impl]
         latency, per_byte = fit_affine(points)
-        out.append({"threads": kernel["threads"], "impl": impl, "cpu_bytes_per_s": 1 / per_byte,
-                    "cpu_latency_s": latency, "read_bytes_per_s": kernel["read_gbps"] * 1e9})
+        out.append({"model": kernel.get("model"), "threads": kernel["threads"], "impl": impl,
+                    "cpu_bytes_per_s": 1 / per_byte, "cpu_latency_s": latency,
+                    "read_bytes_per_s": kernel["read_gbps"] * 1e9})
     return out
 
 
@@ -359,9 +368,11 @@ def add_parser(subparsers) -> None:
         "interleaved rounds: batch-1 decode and prompt tokens/s, peak RSS, and on the tiny model next-token "
         "accuracy. Needs the 'peers' extra (pip install 'crisp-moe[peers]'). The large model (random weights, "
         "2.3 GB) and the GGUF files go to a work folder of this command, reused when complete.")
-    p.add_argument("--models", type=common.csv_choices(MODELS), default=list(MODELS),
+    p.add_argument("--models", type=common.csv_choices(MODELS), default=list(DEFAULT_MODELS),
                    help="tiny (the committed models/tiny-mixtral), large (random-weight H 2048, I 5632, 8 experts "
-                   "top-2, 4 layers: 605 MB of 4-bit experts); comma separated (default: both)")
+                   "top-2, 4 layers: 605 MB of 4-bit experts), mixtral-layer (random-weight, one layer of "
+                   "Mixtral-8x7B's shape: H 4096, I 14336, 793 MB of 4-bit experts; a 2.9 GB checkpoint, about "
+                   "10 GB of memory while a worker loads it); comma separated (default: tiny,large)")
     p.add_argument("--threads", dest="thread_counts", type=_thread_counts,
                    default=sorted({1, os.cpu_count() or 1}),
                    help="thread counts, comma separated, each engine run with each (default: 1 and all cores)")
@@ -408,11 +419,11 @@ def run(args) -> int:
     for name in args.models:
         inputs = prepare(name, work, max(args.thread_counts))
         recs, meta = bench_model(inputs, args, ids, windows if name == "tiny" else None)
-        if name == "large":
+        if name != "tiny":  # one expert of the model's shape, with the streaming read in the same rounds
             plan_frac = meta["plan_bytes_fraction"]
             for t in sorted(set(args.thread_counts)):
-                kernels.append(measure_kernel(inputs.model_dir, plan_frac, t, args.kernel_repeats,
-                                              args.crisp_precisions))
+                kernels.append(dict(model=name, **measure_kernel(inputs.model_dir, plan_frac, t, args.kernel_repeats,
+                                                                 args.crisp_precisions)))
         for r in recs:
             check_record(r)
         records += recs
@@ -424,7 +435,7 @@ def run(args) -> int:
                        title=f"{cpu_model}, {os.cpu_count()} cores; median of {args.rounds} interleaved rounds, "
                        f"prompt {args.prompt} + {args.tokens} decoded tokens"))
     for k in kernels:
-        print(f"CRISP CPU kernel, large expert, {k['threads']} threads: read {k['read_gbps']:.1f} GB/s; "
+        print(f"CRISP CPU kernel, {k['model']} expert, {k['threads']} threads: read {k['read_gbps']:.1f} GB/s; "
               + ", ".join(f"{x['impl']} k/I {x['width_frac']:.2f}: {x['gbps']:.1f} GB/s ({x['pct_read']:.0f}% of read)"
                           for x in k["kernel"]))
     if args.json:
