@@ -117,10 +117,22 @@ def test_large_shape_validates(bad):
         pm.LargeShape(**bad)
 
 
-def test_large_shape_default_has_half_a_gigabyte_of_4bit_experts():
-    shape = pm.LargeShape()
+@pytest.mark.parametrize("name", ["large", "mixtral-layer"])
+def test_random_models_have_half_a_gigabyte_of_4bit_experts(name):
+    from crisp_bench import peer
+
+    shape = peer.RANDOM_SHAPES[name]
     neuron_bytes = 3 * (shape.hidden_size // 2 + shape.hidden_size // 64 * 3)  # codes + fp16 scales + zeros
     assert shape.num_hidden_layers * shape.num_local_experts * shape.intermediate_size * neuron_bytes >= 0.5e9
+
+
+def test_the_mixtral_layer_has_mixtral_8x7bs_layer_shape_and_runs_only_when_asked():
+    from crisp_bench import peer
+
+    shape = peer.RANDOM_SHAPES["mixtral-layer"]
+    assert (shape.hidden_size, shape.intermediate_size, shape.num_attention_heads, shape.num_key_value_heads,
+            shape.num_local_experts, shape.num_experts_per_tok) == (4096, 14336, 32, 8, 8, 2)
+    assert peer.DEFAULT_MODELS == ("tiny", "large") and set(peer.DEFAULT_MODELS) < set(peer.MODELS)
 
 
 @pytest.mark.parametrize("n_head,head_dim", [(1, 4), (2, 8), (4, 2)])
