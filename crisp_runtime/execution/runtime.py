@@ -420,10 +420,7 @@ class CrispRuntime:
             row_start, width = t.cpu_rows
             parts.append((t.expert, width, row_start, torch.div(pos, step.top_k, rounding_mode="floor"),
                           all_weights[pos], step.flat_widths[t.start:t.stop]))
-            stats.cpu_runs += 1
-            stats.cpu_bytes_read += (width - row_start) * nb
-            if row_start:
-                stats.cpu_splits += 1
+        _count_cpu_rows(stats, tasks, nb)
 
         def work(threads: int | None = None, into: torch.Tensor | None = None):
             partial = torch.zeros(x_cpu.shape, dtype=torch.float32) if into is None else into
@@ -447,10 +444,7 @@ class CrispRuntime:
         for t in tasks:
             row_start, width = t.cpu_rows
             parts.append((t.expert, row_start, max(row_start, min(width, widths[t.start])), pos[t.start]))
-            stats.cpu_runs += 1
-            stats.cpu_bytes_read += (width - row_start) * nb
-            if row_start:
-                stats.cpu_splits += 1
+        _count_cpu_rows(stats, tasks, nb)
 
         def work(threads: int | None = None, into: torch.Tensor | None = None):
             partial = torch.zeros(x_cpu.shape, dtype=torch.float32) if into is None else into
@@ -703,6 +697,16 @@ def _count_copy(stats: LayerStats, decision: Decision) -> int:
     else:
         stats.widenings += 1
     return 0
+
+
+def _count_cpu_rows(stats: LayerStats, tasks, neuron_nbytes: int) -> None:
+    """A step's CPU rows in its layer's statistics: each task's ``cpu_rows`` (a split task's CPU part counts too)."""
+    for t in tasks:
+        row_start, width = t.cpu_rows
+        stats.cpu_runs += 1
+        stats.cpu_bytes_read += (width - row_start) * neuron_nbytes
+        if row_start:
+            stats.cpu_splits += 1
 
 
 def _add_served(stats: LayerStats, served: ServedSlots) -> None:
