@@ -247,7 +247,8 @@ def test_load_model_runs_the_stored_choice(stored_pack):
         with torch.no_grad():
             assert torch.isfinite(model(IDS).logits).all()
     finally:
-        handle.restore()
+        with pytest.warns(UserWarning, match="original expert weights were not kept"):  # load_model keeps none
+            handle.restore()
 
 
 def test_blocks_run_the_stored_choice(tmp_path):
