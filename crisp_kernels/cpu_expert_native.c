@@ -1070,7 +1070,85 @@ done:
     return rc;
 }
 
-int crisp_native_abi(void) { return 4; }
+/* ------------------------------------------------------------------------------------------------------------
+ * Dense layers with bf16 weights and fp32 activations (crisp_dense_bf16): out (T, rows) = x (T, H) W^T for W (rows, H)
+ * in bf16, its values widened exactly (a bf16 is the top half of an fp32) and multiplied by x in fp32. For
+ * attention's weights of a bf16 checkpoint loaded in fp32, the same values in half the bytes: a decode step of a
+ * model whose attention reads 201 MB a token in fp32 (docs/cpu-kernel.md) reads 101. Four rows per pass share
+ * each x vector and keep four independent accumulator chains; the token loop runs inside a pass, so a prefill
+ * re-reads the pass's four rows (4 H x 2 bytes) from L1 / L2, not from memory. Rows go to threads in contiguous
+ * ranges and each output is one row's dot, so the result does not depend on nthreads.
+ */
+#if CRISP_SIMD && defined(__AVX2__)
+INLINE __m256 bf16x8(const uint16_t *p) {  /* 8 bf16 as 8 fp32: zero-extend to 32 bits, shift into the top half */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+static float bf16_to_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* out[t * rows + o] for n (1 or 4) rows from o on, every token: sum_h x_th w_oh, the vector part over the first
+ * H / 8 * 8 elements, the rest in scalar code */
+static void bf16_rows(const float *x, int64_t tokens, int64_t hidden, const uint16_t *w, int64_t rows, int64_t o,
+                      int n, float *out) {
+    int64_t full = 0;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *xt = x + t * hidden;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if CRISP_SIMD && defined(__AVX2__)
+        full = hidden / 8 * 8;
+        if (n == 4) {
+            const uint16_t *a = w + o * hidden, *b = a + hidden, *c = b + hidden, *d = c + hidden;
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            for (int64_t h = 0; h < full; h += 8) {
+                const __m256 xv = _mm256_loadu_ps(xt + h);
+                s0 = _mm256_fmadd_ps(bf16x8(a + h), xv, s0);
+                s1 = _mm256_fmadd_ps(bf16x8(b + h), xv, s1);
+                s2 = _mm256_fmadd_ps(bf16x8(c + h), xv, s2);
+                s3 = _mm256_fmadd_ps(bf16x8(d + h), xv, s3);
+            }
+            acc[0] = hsum8(s0); acc[1] = hsum8(s1); acc[2] = hsum8(s2); acc[3] = hsum8(s3);
+        } else {
+            const uint16_t *a = w + o * hidden;
+            __m256 s0 = _mm256_setzero_ps();
+            for (int64_t h = 0; h < full; h += 8) s0 = _mm256_fmadd_ps(bf16x8(a + h), _mm256_loadu_ps(xt + h), s0);
+            acc[0] = hsum8(s0);
+        }
+#endif
+        for (int r = 0; r < n; r++) {
+            const uint16_t *row = w + (o + r) * hidden;
+            for (int64_t h = full; h < hidden; h++) acc[r] += bf16_to_float(row[h]) * xt[h];
+            out[t * rows + o + r] = acc[r];
+        }
+    }
+}
+
+/* Returns 0, -2 bad sizes. */
+int crisp_dense_bf16(const float *x, int64_t tokens, int64_t hidden, const uint16_t *w, int64_t rows, float *out,
+                     int64_t nthreads) {
+    if (tokens <= 0 || rows <= 0) return 0;
+    if (hidden <= 0 || nthreads < 1) return -2;
+    if (nthreads > rows) nthreads = rows;
+    const int team_size = (int)(nthreads < omp_get_num_procs() ? nthreads : omp_get_num_procs());
+#pragma omp parallel num_threads(team_size)
+    {
+        const int team = omp_get_num_threads();
+        for (int64_t p = omp_get_thread_num(); p < nthreads; p += team) {
+            const int64_t r1 = rows * (p + 1) / nthreads;
+            int64_t o = rows * p / nthreads;
+            for (; o + 4 <= r1; o += 4) bf16_rows(x, tokens, hidden, w, rows, o, 4, out);
+            for (; o < r1; o++) bf16_rows(x, tokens, hidden, w, rows, o, 1, out);
+        }
+    }
+    return 0;
+}
+
+int crisp_native_abi(void) { return 5; }
 
 /* The vector width this build computes with: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (portable C). */
 int crisp_native_vector_bits(void) { return CRISP_SIMD; }

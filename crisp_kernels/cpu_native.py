@@ -38,7 +38,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_expert_native.c")
 # -fopenmp links libgomp.so.1, resolved to the copy torch has loaded (its intra-op threads: see the source)
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-std=c11")
-ABI = 4  # crisp_native_abi() of the source this module calls
+ABI = 5  # crisp_native_abi() of the source this module calls
 # The C kernel's token limit (MAX_TOKENS): a decode step sends 1-16 tokens to an expert; more are
 # refused (ValueError), the caller takes another path.
 MAX_TOKENS = 64
@@ -109,6 +109,20 @@ class NativeKernel:
                                      None if zeros is None else zeros.data_ptr(), rows, out.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory, -2 bad sizes)")
+
+    def dense_bf16(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+        """``out = x W^T`` for W (O, H) in bf16, x (T, H) fp32 contiguous (T <= MAX_TOKENS), out (T, O) fp32
+        contiguous, overwritten: W's values widened exactly to fp32, the dots in fp32. Checked here (a bad call
+        raises before the C code runs)."""
+        tokens, hidden = x.shape
+        if tokens > MAX_TOKENS:
+            raise ValueError(f"x: the native CPU kernel takes at most {MAX_TOKENS} tokens, got {tokens}")
+        rows = weight.shape[0] if weight.dim() == 2 else -1
+        _check_tensors({"x": (x, torch.float32, (tokens, hidden)), "weight": (weight, torch.bfloat16, (rows, hidden)),
+                        "out": (out, torch.float32, (tokens, rows))})
+        rc = self.lib.crisp_dense_bf16(x.data_ptr(), tokens, hidden, weight.data_ptr(), rows, out.data_ptr(), threads)
+        if rc != 0:
+            raise RuntimeError(f"the native CPU kernel failed (code {rc}: -2 bad sizes)")
 
     def bind(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
              q8: bool) -> BoundRows:
@@ -301,6 +315,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.crisp_expert_rows_q8.restype = ctypes.c_int
     lib.crisp_dense_q8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i64]
     lib.crisp_dense_q8.restype = ctypes.c_int
+    lib.crisp_dense_bf16.argtypes = [p, i64, i64, p, i64, p, i64]
+    lib.crisp_dense_bf16.restype = ctypes.c_int
     lib.crisp_native_abi.argtypes = []
     lib.crisp_native_abi.restype = ctypes.c_int
     lib.crisp_native_vector_bits.argtypes = []

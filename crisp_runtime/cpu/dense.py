@@ -6,9 +6,11 @@ the model's own fp32 ``nn.Linear`` layers: on a Mixtral-shaped model with 605 MB
 llama.cpp's Q4_0 stores them at 4.5 bits (docs/cpu-kernel.md). ``DenseWeights.Q4`` replaces every
 ``nn.Linear`` inside a module named ``*self_attn`` by :class:`Q4Linear`: its weight packed once into the experts'
 4-bit row format (``crisp_kernels.dense_q8.pack_dense``) and computed by the native kernel with 8-bit
-activations. The router, the norms, the embeddings and the lm head are left alone. ``restore()`` puts the original
-modules (the same objects) back. The native kernel is needed (a C compiler at first use); the weights must be on
-the CPU.
+activations. ``DenseWeights.BF16`` replaces those whose weights are all bf16 values (a bf16 checkpoint loaded in
+fp32) by :class:`Bf16Linear`: the same values in half the bytes, fp32 arithmetic (``crisp_kernels.dense_bf16``), so
+the layer computes what it did up to the order of the sums; a weight bf16 does not hold is kept. The router, the
+norms, the embeddings and the lm head are left alone. ``restore()`` puts the original modules (the same objects)
+back. The native kernel is needed (a C compiler at first use); the weights must be on the CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from crisp_kernels import QuantFormat
+from crisp_kernels.dense_bf16 import DenseBf16, bf16_exact, dense_bf16, pack_dense_bf16
 from crisp_kernels.dense_q8 import DenseQ4, dense_q8, pack_dense
 
 ATTENTION_SUFFIX = "self_attn"  # transformers' attention modules (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
@@ -30,6 +33,9 @@ class DenseWeights(enum.Enum):
 
     KEEP = "keep"  # the model's own layers (default)
     Q4 = "q4"  # 4-bit rows, 8-bit activations, on the CPU (for cpu_only serving without a GPU)
+    # bf16 weights, fp32 activations, on the CPU: only layers whose weights are all bf16 values (a bf16 checkpoint
+    # loaded in fp32), so nothing is rounded; the others are kept
+    BF16 = "bf16"
 
 
 class Q4Linear(nn.Module):
@@ -49,6 +55,23 @@ class Q4Linear(nn.Module):
                 f"g{self.packed.fmt.group_size}, {self.packed.nbytes:,} B")
 
 
+class Bf16Linear(nn.Module):
+    """An ``nn.Linear`` whose weight's values are bf16, computed from it in bf16 with fp32 arithmetic
+    (``crisp_kernels.dense_bf16``): the original layer's result up to the order of the sums."""
+
+    def __init__(self, packed: DenseBf16, threads: int | None = None) -> None:
+        super().__init__()
+        self.packed = packed
+        self.threads = threads
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_bf16(x, self.packed, self.threads)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16, {self.packed.nbytes:,} B"
+
+
 @dataclass
 class DenseSwap:
     """The layers :func:`swap_dense` replaced: ``(parent, attribute, original module)``; :meth:`restore` undoes it."""
@@ -56,6 +79,7 @@ class DenseSwap:
     swapped: list = field(default_factory=list)
     nbytes: int = 0  # of the packed rows
     original_nbytes: int = 0  # of the weights they replace
+    kept: int = 0  # layers left as they were (DenseWeights.BF16: a weight bf16 does not hold exactly)
 
     def restore(self) -> None:
         """Put the original modules back (idempotent)."""
@@ -64,7 +88,8 @@ class DenseSwap:
             setattr(parent, name, original)
 
     def info(self) -> dict:
-        return {"layers": len(self.swapped), "bytes": self.nbytes, "original_bytes": self.original_nbytes}
+        return {"layers": len(self.swapped), "bytes": self.nbytes, "original_bytes": self.original_nbytes,
+                "kept": self.kept}
 
 
 def attention_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -81,7 +106,7 @@ def attention_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]
 
 def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None = None,
                threads: int | None = None) -> DenseSwap | None:
-    """Replace attention's linear layers per ``dense`` (None for KEEP); refuses layers not on the CPU or whose
+    """Replace attention's linear layers per ``dense`` (None for KEEP); refuses layers not on the CPU or (Q4) whose
     in_features the format's group does not divide, before replacing any."""
     dense = DenseWeights(dense)
     if dense is DenseWeights.KEEP:
@@ -92,15 +117,22 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
         raise ValueError(f"dense={dense.value!r}: the model has no nn.Linear inside a '*{ATTENTION_SUFFIX}' module")
     for _, name, linear in found:
         if linear.weight.device.type != "cpu" or linear.weight.is_meta:
-            raise ValueError(f"dense={dense.value!r}: attention's {name} is on {linear.weight.device}; 4-bit dense "
-                             "layers run on the CPU (CPU-only serving)")
-        if linear.in_features % fmt.group_size:
+            raise ValueError(f"dense={dense.value!r}: attention's {name} is on {linear.weight.device}; the replaced "
+                             "dense layers run on the CPU (CPU-only serving)")
+        if dense is DenseWeights.Q4 and linear.in_features % fmt.group_size:
             raise ValueError(f"dense={dense.value!r}: attention's {name} has in_features {linear.in_features}, not a "
                              f"multiple of the group size {fmt.group_size}")
     swap = DenseSwap()
     for parent, name, linear in found:
-        packed = pack_dense(linear.weight, fmt, linear.bias)
-        setattr(parent, name, Q4Linear(packed, threads))
+        if dense is DenseWeights.BF16:
+            if not bf16_exact(linear.weight):
+                swap.kept += 1
+                continue
+            packed = pack_dense_bf16(linear.weight, linear.bias)
+            setattr(parent, name, Bf16Linear(packed, threads))
+        else:
+            packed = pack_dense(linear.weight, fmt, linear.bias)
+            setattr(parent, name, Q4Linear(packed, threads))
         swap.swapped.append((parent, name, linear))
         swap.nbytes += packed.nbytes
         swap.original_nbytes += linear.weight.nbytes + (0 if linear.bias is None else linear.bias.nbytes)

@@ -98,8 +98,10 @@ class RuntimeConfig:
     device: where the experts run (None = the device of the model's other parameters).
     cpu_experts: how the CPU computes the experts a CPU placement gives it (precision q8 / bf16 / fp32,
     when the int4pack copy is built, the worker's threads: ``crisp_runtime.cpu.experts``).
-    dense: what ``apply`` does with attention's dense layers: ``"keep"`` (default) or ``"q4"`` (4-bit rows with
-    8-bit activations on the CPU, for CPU-only serving: ``crisp_runtime.cpu.dense``; restore puts them back).
+    dense: what ``apply`` does with attention's dense layers: ``"keep"`` (default), ``"q4"`` (4-bit rows with
+    8-bit activations on the CPU) or ``"bf16"`` (the layers whose weights are bf16 values kept in bf16, fp32
+    arithmetic: the same results up to summation order), for CPU-only serving: ``crisp_runtime.cpu.dense``;
+    restore puts them back.
     """
 
     kernel_backend: Backend | str | None = None
