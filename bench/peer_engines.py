@@ -29,13 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-CRISP_VARIANTS = ("fp32", "q8", "q8-dense4")
+CRISP_VARIANTS = ("fp32", "q8", "q8-dense4", "q8-dense16")
 
 
 def crisp_cpu_experts(precision: str, threads: int | None = None):
     """The CRISP engine's ``CpuExpertsConfig`` for a ``crisp-bench peer --crisp-precisions`` name: "fp32", the
     native kernel in fp32 (``Precision.BF16``: fp32 where the kernel builds); "q8" and "q8-dense4", its
-    8-bit-activation arithmetic (``Precision.Q8``, the default)."""
+    8-bit-activation arithmetic (``Precision.Q8``, the default), as are "q8-dense16"'s."""
     from crisp_kernels.cpu_expert import Precision
     from crisp_runtime.cpu.experts import CpuExpertsConfig
 
@@ -46,12 +46,13 @@ def crisp_cpu_experts(precision: str, threads: int | None = None):
 
 def crisp_runtime_config(precision: str, threads: int | None = None):
     """The CRISP engine's ``RuntimeConfig``: the experts as :func:`crisp_cpu_experts`; "q8-dense4" also has
-    attention's linear layers in 4-bit rows (``RuntimeConfig(dense="q4")``); the fp32 experts dropped once packed
-    (``keep_original=False``: the serving footprint)."""
+    attention's linear layers in 4-bit rows (``RuntimeConfig(dense="q4")``), "q8-dense16" those whose weights are
+    bf16 values in bf16 (``dense="bf16"``); the fp32 experts dropped once packed (``keep_original=False``: the
+    serving footprint)."""
     from crisp_runtime.execution.runtime import RuntimeConfig
 
-    return RuntimeConfig(keep_original=False, cpu_experts=crisp_cpu_experts(precision, threads),
-                         dense="q4" if precision == "q8-dense4" else "keep")
+    dense = {"q8-dense4": "q4", "q8-dense16": "bf16"}.get(precision, "keep")
+    return RuntimeConfig(keep_original=False, cpu_experts=crisp_cpu_experts(precision, threads), dense=dense)
 
 
 def rss_mib() -> dict:
