@@ -121,7 +121,8 @@ def test_swap_keeps_weights_bf16_cannot_hold_and_restores_the_same_objects():
     with torch.no_grad():
         want = [lin(x) for _, _, lin in attention_linears(model)]
     swap = swap_dense(model, "bf16", threads=1)
-    assert swap.info() == {"layers": 3, "bytes": swap.nbytes, "original_bytes": swap.original_nbytes, "kept": 1}
+    assert swap.info() == {"layers": 3, "bytes": swap.nbytes, "original_bytes": swap.original_nbytes, "kept": 1,
+                           "chosen": "bf16"}
     assert swap.nbytes < 0.6 * swap.original_nbytes
     layers = attention_linears(model)  # nn.Linear only: the kept one
     assert [name for _, name, _ in layers] == ["o_proj"] and layers[0][0] is model[1].self_attn
@@ -132,6 +133,41 @@ def test_swap_keeps_weights_bf16_cannot_hold_and_restores_the_same_objects():
         assert rel(g, w) <= 2 * OWN_TOL
     swap.restore()
     assert {name: m for name, m in model.named_modules()} == before
+
+
+def test_auto_takes_bf16_where_it_can_and_otherwise_replaces_nothing(monkeypatch):
+    torch.manual_seed(1)
+    model = nn.Sequential(_Block(64))
+    swap = swap_dense(model, "auto", threads=1)
+    assert swap.info()["chosen"] == "bf16" and swap.info()["layers"] == 2 and "reason" not in swap.info()
+    swap.restore()
+    fp32 = nn.Sequential(_Block(64))
+    with torch.no_grad():
+        for _, _, lin in attention_linears(fp32):
+            lin.weight.add_(1e-4)  # an fp32-trained model: bf16 holds none of its weights
+    swap = swap_dense(fp32, "auto")
+    assert swap.info()["layers"] == 0 and swap.info()["kept"] == 2
+    none = swap_dense(nn.Sequential(nn.Linear(8, 8)), "auto")  # where "bf16" or "q4" would refuse
+    assert none.info()["chosen"] == "keep" and "no nn.Linear" in none.info()["reason"]
+    monkeypatch.setattr(cpu_native, "available", lambda: False)
+    unbuilt = swap_dense(model, "auto")
+    assert unbuilt.info()["chosen"] == "keep" and "does not build" in unbuilt.info()["reason"]
+    assert all(type(m) is nn.Linear for _, _, m in attention_linears(model)) and len(attention_linears(model)) == 2
+
+
+def test_without_keep_original_the_fp32_weights_are_freed_and_restored_exactly():
+    torch.manual_seed(2)
+    model = nn.Sequential(_Block(64))
+    linears = [lin for _, _, lin in attention_linears(model)]
+    values = [lin.weight.detach().clone() for lin in linears]
+    swap = swap_dense(model, "bf16", keep_original=False)
+    assert all(lin.weight.numel() == 0 for lin in linears)  # freed while applied
+    biases = sum(lin.bias.nbytes for lin in linears if lin.bias is not None)
+    assert swap.original_nbytes == sum(v.nbytes for v in values) + biases  # counted before they were freed
+    swap.restore()
+    assert [lin for _, _, lin in attention_linears(model)] == linears
+    assert all(torch.equal(lin.weight, v) and lin.weight.dtype == torch.float32
+               for lin, v in zip(linears, values, strict=True))
 
 
 def test_runtime_config_takes_bf16():

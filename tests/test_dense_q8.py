@@ -129,7 +129,7 @@ def test_swap_refuses_before_replacing_anything():
 def test_runtime_config_dense_is_checked():
     from crisp_runtime import RuntimeConfig
 
-    assert RuntimeConfig(dense="q4").dense is DenseWeights.Q4 and RuntimeConfig().dense is DenseWeights.KEEP
+    assert RuntimeConfig(dense="q4").dense is DenseWeights.Q4 and RuntimeConfig().dense is DenseWeights.AUTO
     with pytest.raises(ValueError, match="RuntimeConfig.dense"):
         RuntimeConfig(dense="int3")
 

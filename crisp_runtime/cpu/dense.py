@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from crisp_kernels import QuantFormat
+from crisp_kernels import QuantFormat, cpu_native
 from crisp_kernels.dense_bf16 import DenseBf16, bf16_exact, dense_bf16, pack_dense_bf16
 from crisp_kernels.dense_q8 import DenseQ4, dense_q8, pack_dense
 
@@ -31,7 +31,10 @@ ATTENTION_SUFFIX = "self_attn"  # transformers' attention modules (Mixtral, Qwen
 class DenseWeights(enum.Enum):
     """What ``apply`` does with attention's dense layers."""
 
-    KEEP = "keep"  # the model's own layers (default)
+    # BF16 where attention's weights are on the CPU and the native kernel builds, else KEEP (default): exact, so
+    # a CPU-only model decodes faster with the same results
+    AUTO = "auto"
+    KEEP = "keep"  # the model's own layers
     Q4 = "q4"  # 4-bit rows, 8-bit activations, on the CPU (for cpu_only serving without a GPU)
     # bf16 weights, fp32 activations, on the CPU: only layers whose weights are all bf16 values (a bf16 checkpoint
     # loaded in fp32), so nothing is rounded; the others are kept
@@ -80,16 +83,25 @@ class DenseSwap:
     nbytes: int = 0  # of the packed rows
     original_nbytes: int = 0  # of the weights they replace
     kept: int = 0  # layers left as they were (DenseWeights.BF16: a weight bf16 does not hold exactly)
+    chosen: str = ""  # what was done: "bf16", "q4" or, for AUTO, "keep"
+    reason: str = ""  # why, for AUTO
+    # originals whose weight storage was released while applied (keep_original=False): refilled on restore from
+    # the bf16 copy, which holds their values exactly
+    released: dict = field(default_factory=dict)
 
     def restore(self) -> None:
         """Put the original modules back (idempotent)."""
         while self.swapped:
             parent, name, original = self.swapped.pop()
+            dtype = self.released.pop(id(original), None)
+            if dtype is not None:
+                original.weight.data = getattr(parent, name).packed.weight.to(dtype)
             setattr(parent, name, original)
 
     def info(self) -> dict:
-        return {"layers": len(self.swapped), "bytes": self.nbytes, "original_bytes": self.original_nbytes,
-                "kept": self.kept}
+        out = {"layers": len(self.swapped), "bytes": self.nbytes, "original_bytes": self.original_nbytes,
+               "kept": self.kept, "chosen": self.chosen}
+        return out | ({"reason": self.reason} if self.reason else {})
 
 
 def attention_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -104,15 +116,34 @@ def attention_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]
     return out
 
 
+def _auto_refusal(found) -> str:
+    """Why ``DenseWeights.AUTO`` keeps attention's layers ("" when it takes BF16)."""
+    if not found:
+        return f"no nn.Linear inside a '*{ATTENTION_SUFFIX}' module"
+    if any(linear.weight.device.type != "cpu" or linear.weight.is_meta for _, _, linear in found):
+        return "attention's weights are not on the CPU"
+    if not cpu_native.available():
+        return "the native CPU kernel does not build here"
+    return ""
+
+
 def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None = None,
-               threads: int | None = None) -> DenseSwap | None:
+               threads: int | None = None, keep_original: bool = True) -> DenseSwap | None:
     """Replace attention's linear layers per ``dense`` (None for KEEP); refuses layers not on the CPU or (Q4) whose
-    in_features the format's group does not divide, before replacing any."""
+    in_features the format's group does not divide, before replacing any. AUTO never refuses: it takes BF16 where
+    it can (``_auto_refusal``) and otherwise replaces nothing (the swap's ``reason`` says why).
+    keep_original=False: a BF16 layer's original weight storage is released while applied (its values are the
+    bf16 copy's, put back by ``restore``)."""
     dense = DenseWeights(dense)
     if dense is DenseWeights.KEEP:
         return None
     fmt = QuantFormat() if fmt is None else fmt
     found = attention_linears(model)
+    if dense is DenseWeights.AUTO:
+        reason = _auto_refusal(found)
+        if reason:
+            return DenseSwap(chosen="keep", reason=reason)
+        dense = DenseWeights.BF16
     if not found:
         raise ValueError(f"dense={dense.value!r}: the model has no nn.Linear inside a '*{ATTENTION_SUFFIX}' module")
     for _, name, linear in found:
@@ -122,7 +153,7 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
         if dense is DenseWeights.Q4 and linear.in_features % fmt.group_size:
             raise ValueError(f"dense={dense.value!r}: attention's {name} has in_features {linear.in_features}, not a "
                              f"multiple of the group size {fmt.group_size}")
-    swap = DenseSwap()
+    swap = DenseSwap(chosen=dense.value)
     for parent, name, linear in found:
         if dense is DenseWeights.BF16:
             if not bf16_exact(linear.weight):
@@ -136,4 +167,7 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
         swap.swapped.append((parent, name, linear))
         swap.nbytes += packed.nbytes
         swap.original_nbytes += linear.weight.nbytes + (0 if linear.bias is None else linear.bias.nbytes)
+        if dense is DenseWeights.BF16 and not keep_original and linear.weight.dtype != torch.bfloat16:
+            swap.released[id(linear)] = linear.weight.dtype  # (a bf16 weight is the copy itself: nothing to free)
+            linear.weight.data = torch.empty(0, dtype=linear.weight.dtype)
     return swap

@@ -98,10 +98,11 @@ class RuntimeConfig:
     device: where the experts run (None = the device of the model's other parameters).
     cpu_experts: how the CPU computes the experts a CPU placement gives it (precision q8 / bf16 / fp32,
     when the int4pack copy is built, the worker's threads: ``crisp_runtime.cpu.experts``).
-    dense: what ``apply`` does with attention's dense layers: ``"keep"`` (default), ``"q4"`` (4-bit rows with
+    dense: what ``apply`` does with attention's dense layers: ``"auto"`` (default: ``"bf16"`` where attention's
+    weights are on the CPU and the native kernel builds, else ``"keep"``), ``"keep"``, ``"q4"`` (4-bit rows with
     8-bit activations on the CPU) or ``"bf16"`` (the layers whose weights are bf16 values kept in bf16, fp32
-    arithmetic: the same results up to summation order), for CPU-only serving: ``crisp_runtime.cpu.dense``;
-    restore puts them back.
+    arithmetic: the same results up to summation order): ``crisp_runtime.cpu.dense``; restore puts them back
+    (with ``keep_original=False`` a bf16 layer's fp32 original is freed while applied and refilled exactly).
     """
 
     kernel_backend: Backend | str | None = None
@@ -116,7 +117,7 @@ class RuntimeConfig:
     order: TaskOrder | str = TaskOrder.JOHNSON
     prefetch: PrefetchPolicy | None = None
     cpu_experts: CpuExpertsConfig = field(default_factory=CpuExpertsConfig)
-    dense: DenseWeights | str = DenseWeights.KEEP
+    dense: DenseWeights | str = DenseWeights.AUTO
 
     def __post_init__(self) -> None:
         try:

@@ -193,7 +193,8 @@ class CrispHandle(abc.ABC):
     def _swap_dense(self) -> None:
         """Replace attention's dense layers as ``RuntimeConfig.dense`` says (the caller restores on failure)."""
         cpu = self.runtime.config.cpu_experts
-        self.dense = swap_dense(self.model, self.runtime.config.dense, threads=cpu.threads)
+        self.dense = swap_dense(self.model, self.runtime.config.dense, threads=cpu.threads,
+                                keep_original=self.runtime.config.keep_original)
 
     def _restore_dense(self) -> None:
         if self.dense is not None:
