@@ -170,6 +170,20 @@ def test_without_keep_original_the_fp32_weights_are_freed_and_restored_exactly()
                for lin, v in zip(linears, values, strict=True))
 
 
+@pytest.mark.parametrize("dense", ["bf16", "q4"])
+def test_state_dict_while_swapped_is_the_models_own(dense):
+    """save_pretrained while applied writes the original attention weights, never none or rounded ones."""
+    torch.manual_seed(3)
+    model = nn.Sequential(_Block(128), _Block(128))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    swap = swap_dense(model, dense, keep_original=False)  # bf16 frees the fp32 originals: rebuilt exactly
+    got = model.state_dict()
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    swap.restore()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
 def test_runtime_config_takes_bf16():
     from crisp_runtime import RuntimeConfig
 

@@ -114,6 +114,12 @@ def test_swap_replaces_attention_linears_and_restores_the_same_objects():
     assert {name: m for name, m in model.named_modules()} == before
 
 
+def test_a_q4_linear_without_its_original_refuses_to_be_saved():
+    packed, _, _ = _packed(*SHAPES[0])
+    with pytest.raises(RuntimeError, match="restore"):
+        Q4Linear(packed).state_dict()
+
+
 def test_swap_refuses_before_replacing_anything():
     model = nn.Sequential(_Block(128))
     model[0].self_attn.o_proj = nn.Linear(100, 128)  # 100 is no multiple of 64

@@ -42,16 +42,28 @@ class DenseWeights(enum.Enum):
 
 
 class Q4Linear(nn.Module):
-    """An ``nn.Linear`` computed from its weight in 4-bit rows (``crisp_kernels.dense_q8``)."""
+    """An ``nn.Linear`` computed from its weight in 4-bit rows (``crisp_kernels.dense_q8``). ``state_dict()`` holds
+    the original layer's ``weight`` and ``bias`` (``original``, kept by the swap), so ``save_pretrained`` while
+    applied writes the model's own attention weights, not nothing or the rounded ones."""
 
-    def __init__(self, packed: DenseQ4, threads: int | None = None) -> None:
+    def __init__(self, packed: DenseQ4, threads: int | None = None, original: nn.Linear | None = None) -> None:
         super().__init__()
         self.packed = packed
         self.threads = threads
         self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.__dict__["_original"] = original  # not a submodule: its parameters stay out of parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_q8(x, self.packed, self.threads)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        original = self.__dict__["_original"]
+        if original is None:
+            raise RuntimeError(f"state_dict(): {prefix}weight is held only in 4-bit rows (RuntimeConfig(dense='q4')); "
+                               "restore() the model before saving it")
+        for name, value in (("weight", original.weight), ("bias", original.bias)):
+            if value is not None:
+                destination[prefix + name] = value if keep_vars else value.detach()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, 4-bit rows "
@@ -60,16 +72,25 @@ class Q4Linear(nn.Module):
 
 class Bf16Linear(nn.Module):
     """An ``nn.Linear`` whose weight's values are bf16, computed from it in bf16 with fp32 arithmetic
-    (``crisp_kernels.dense_bf16``): the original layer's result up to the order of the sums."""
+    (``crisp_kernels.dense_bf16``): the original layer's result up to the order of the sums. ``state_dict()``
+    holds ``weight`` (and ``bias``) in the original's dtypes, the same values (bf16 holds them exactly), so
+    ``save_pretrained`` while applied writes the model's own attention weights."""
 
-    def __init__(self, packed: DenseBf16, threads: int | None = None) -> None:
+    def __init__(self, packed: DenseBf16, threads: int | None = None, weight_dtype: torch.dtype = torch.float32,
+                 bias_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.packed = packed
         self.threads = threads
         self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.weight_dtype, self.bias_dtype = weight_dtype, bias_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_bf16(x, self.packed, self.threads)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[prefix + "weight"] = self.packed.weight.to(self.weight_dtype)
+        if self.packed.bias is not None:
+            destination[prefix + "bias"] = self.packed.bias.to(self.bias_dtype or torch.float32)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16, {self.packed.nbytes:,} B"
@@ -160,10 +181,11 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
                 swap.kept += 1
                 continue
             packed = pack_dense_bf16(linear.weight, linear.bias)
-            setattr(parent, name, Bf16Linear(packed, threads))
+            setattr(parent, name, Bf16Linear(packed, threads, linear.weight.dtype,
+                                             None if linear.bias is None else linear.bias.dtype))
         else:
             packed = pack_dense(linear.weight, fmt, linear.bias)
-            setattr(parent, name, Q4Linear(packed, threads))
+            setattr(parent, name, Q4Linear(packed, threads, original=linear))
         swap.swapped.append((parent, name, linear))
         swap.nbytes += packed.nbytes
         swap.original_nbytes += linear.weight.nbytes + (0 if linear.bias is None else linear.bias.nbytes)
