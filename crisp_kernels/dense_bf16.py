@@ -69,23 +69,9 @@ def dense_bf16(x: torch.Tensor, packed: DenseBf16, threads: int | None = None) -
     chunks of ``cpu_native.MAX_TOKENS`` rows of x. threads: the kernel's (None: torch's intra-op threads)."""
     if not isinstance(packed, DenseBf16):
         raise TypeError(f"packed: expected a DenseBf16 (pack_dense_bf16), got {type(packed).__name__}")
-    if x.device.type != "cpu" or x.shape[-1] != packed.in_features:
-        raise ValueError(f"x: expected (..., {packed.in_features}) on the CPU, got {tuple(x.shape)} on {x.device}")
     kernel = cpu_native.load()
-    flat = x.reshape(-1, packed.in_features)
-    if flat.dtype != torch.float32 or not flat.is_contiguous():
-        flat = flat.float().contiguous()
-    tokens = flat.shape[0]
-    out = torch.empty(tokens, packed.out_features, dtype=torch.float32)
-    n = torch.get_num_threads() if threads is None else threads
-    step = cpu_native.MAX_TOKENS
-    for t0 in range(0, tokens, step):  # decode: one call on the whole tensors, no slices
-        xs, os_ = (flat, out) if tokens <= step else (flat[t0:t0 + step], out[t0:t0 + step])
-        kernel.dense_bf16(xs, packed.weight, os_, n)
-    if packed.bias is not None:
-        out += packed.bias
-    out = out.view(*x.shape[:-1], packed.out_features)
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return cpu_native.dense_chunks(x, packed.in_features, packed.out_features, packed.bias, threads,
+                                   lambda xs, out, n: kernel.dense_bf16(xs, packed.weight, out, n))
 
 
 # ----------------------------------------------------------------------------- reference

@@ -88,24 +88,13 @@ def dense_q8(x: torch.Tensor, packed: DenseQ4, threads: int | None = None) -> to
     ``cpu_native.MAX_TOKENS`` rows of x. threads: the kernel's (None: torch's intra-op threads)."""
     if not isinstance(packed, DenseQ4):
         raise TypeError(f"packed: expected a DenseQ4 (pack_dense), got {type(packed).__name__}")
-    if x.device.type != "cpu" or x.shape[-1] != packed.in_features:
-        raise ValueError(f"x: expected (..., {packed.in_features}) on the CPU, got {tuple(x.shape)} on {x.device}")
     kernel = cpu_native.load()
-    flat = x.reshape(-1, packed.in_features)
-    if flat.dtype != torch.float32 or not flat.is_contiguous():
-        flat = flat.float().contiguous()
-    tokens = flat.shape[0]
-    out = torch.empty(tokens, packed.out_features, dtype=torch.float32)
-    n = torch.get_num_threads() if threads is None else threads
-    step = cpu_native.MAX_TOKENS
-    for t0 in range(0, tokens, step):  # decode: one call on the whole tensors, no slices (~2 us each)
-        xs, os_ = (flat, out) if tokens <= step else (flat[t0:t0 + step], out[t0:t0 + step])
-        kernel.dense_q8(xs, packed.qweight, packed.scales, packed.zeros, packed.fmt.group_size, os_, n,
+
+    def call(xs, out, n):
+        kernel.dense_q8(xs, packed.qweight, packed.scales, packed.zeros, packed.fmt.group_size, out, n,
                         weights_checked=True)
-    if packed.bias is not None:
-        out += packed.bias
-    out = out.view(*x.shape[:-1], packed.out_features)
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    return cpu_native.dense_chunks(x, packed.in_features, packed.out_features, packed.bias, threads, call)
 
 
 # ----------------------------------------------------------------------------- reference
