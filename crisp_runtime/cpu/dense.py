@@ -1,8 +1,8 @@
-"""Attention's dense layers in 4-bit rows on the CPU (``RuntimeConfig.dense``): CPU-only serving's other half.
+"""Attention's dense layers in bf16 or 4-bit rows on the CPU (``RuntimeConfig.dense``): CPU-only serving's other half.
 
-Under ``cpu_only`` every expert is computed by the CPU kernel from 4-bit rows, but attention's projections stay
-the model's own fp32 ``nn.Linear`` layers: on a Mixtral-shaped model with 605 MB of 4-bit experts they read
-201 MB a token against the experts' 151 MB, 11.7 of a token's 33 ms on one core of a 2-core AMD EPYC VM, where
+Under ``cpu_only`` every expert is computed by the CPU kernel from 4-bit rows, but attention's projections are
+the model's own ``nn.Linear`` layers: on a Mixtral-shaped model with 605 MB of 4-bit experts they read 201 MB a
+token in fp32 against the experts' 151 MB, 11.7 of a token's 33 ms on one core of a 2-core AMD EPYC VM, where
 llama.cpp's Q4_0 stores them at 4.5 bits (docs/cpu-kernel.md). ``DenseWeights.Q4`` replaces every
 ``nn.Linear`` inside a module named ``*self_attn`` by :class:`Q4Linear`: its weight packed once into the experts'
 4-bit row format (``crisp_kernels.dense_q8.pack_dense``) and computed by the native kernel with 8-bit
