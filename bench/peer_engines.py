@@ -228,21 +228,15 @@ class CrispEngine:
         original = cpu_native.NativeKernel._rows  # both arithmetics' calls go through it
         original_token = cpu_native.BoundRows.one_token_  # and a one-token step's, through the bound rows
 
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                acc["kernel"] += time.perf_counter() - t0
-                kernel_calls[0] += 1
-
-        def timed_token(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return original_token(*a, **k)
-            finally:
-                acc["kernel"] += time.perf_counter() - t0
-                kernel_calls[0] += 1
+        def timing(fn):
+            def timed(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    acc["kernel"] += time.perf_counter() - t0
+                    kernel_calls[0] += 1
+            return timed
 
         x = torch.tensor(ids).unsqueeze(0)
         try:
@@ -251,8 +245,8 @@ class CrispEngine:
                 past = self._cache_of(out)
                 for key in acc:
                     acc[key] = 0.0
-                cpu_native.NativeKernel._rows = staticmethod(timed)
-                cpu_native.BoundRows.one_token_ = timed_token
+                cpu_native.NativeKernel._rows = staticmethod(timing(original))
+                cpu_native.BoundRows.one_token_ = timing(original_token)
                 kernel_calls[0] = 0
                 t0 = time.perf_counter()
                 for i in range(prompt, len(ids)):
