@@ -386,7 +386,8 @@ def add_parser(subparsers) -> None:
                    help="CRISP's CPU configurations, each timed as an engine of its own: fp32 (the expert kernel with "
                    "fp32 activations), q8 (8-bit activations and integer dot products, as llama.cpp's Q4_0 path, the "
                    "experts' default; attention as loaded: dense='keep'), q8-dense4 (q8, and attention's linear "
-                   "layers in 4-bit rows: RuntimeConfig(dense='q4')) and q8-dense16 (q8, and attention's layers whose "
+                   "layers in 4-bit rows: RuntimeConfig(dense='q4')), q8-dense8 (q8, and attention's layers in 8-bit "
+                   "blocks as llama.cpp's Q8_0: dense='q8') and q8-dense16 (q8, and attention's layers whose "
                    "weights are bf16 values in bf16: dense='bf16', what the default dense='auto' does on the CPU); "
                    "comma separated (default: all; records' quant "
                    f"{', '.join(CRISP_PRECISIONS.values())})")

@@ -29,13 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-CRISP_VARIANTS = ("fp32", "q8", "q8-dense4", "q8-dense16")
+CRISP_VARIANTS = ("fp32", "q8", "q8-dense4", "q8-dense8", "q8-dense16")
 
 
 def crisp_cpu_experts(precision: str, threads: int | None = None):
     """The CRISP engine's ``CpuExpertsConfig`` for a ``crisp-bench peer --crisp-precisions`` name: "fp32", the
     native kernel in fp32 (``Precision.BF16``: fp32 where the kernel builds); "q8" and "q8-dense4", its
-    8-bit-activation arithmetic (``Precision.Q8``, the default), as are "q8-dense16"'s."""
+    8-bit-activation arithmetic (``Precision.Q8``, the default), as are "q8-dense8"'s and "q8-dense16"'s."""
     from crisp_kernels.cpu_expert import Precision
     from crisp_runtime.cpu.experts import CpuExpertsConfig
 
@@ -46,12 +46,13 @@ def crisp_cpu_experts(precision: str, threads: int | None = None):
 
 def crisp_runtime_config(precision: str, threads: int | None = None):
     """The CRISP engine's ``RuntimeConfig``: the experts as :func:`crisp_cpu_experts`; attention as loaded
-    (``dense="keep"``) for "fp32" and "q8", in 4-bit rows for "q8-dense4" (``dense="q4"``), its bf16-valued
+    (``dense="keep"``) for "fp32" and "q8", in 4-bit rows for "q8-dense4" (``dense="q4"``), in 8-bit blocks for
+    "q8-dense8" (``dense="q8"``, llama.cpp's Q8_0), its bf16-valued
     weights in bf16 for "q8-dense16" (``dense="bf16"``: what the default ``"auto"`` does on the CPU); the fp32
     experts dropped once packed (``keep_original=False``: the serving footprint)."""
     from crisp_runtime.execution.runtime import RuntimeConfig
 
-    dense = {"q8-dense4": "q4", "q8-dense16": "bf16"}.get(precision, "keep")
+    dense = {"q8-dense4": "q4", "q8-dense8": "q8", "q8-dense16": "bf16"}.get(precision, "keep")
     return RuntimeConfig(keep_original=False, cpu_experts=crisp_cpu_experts(precision, threads), dense=dense)
 
 

@@ -38,7 +38,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_expert_native.c")
 # -fopenmp links libgomp.so.1, resolved to the copy torch has loaded (its intra-op threads: see the source)
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-std=c11")
-ABI = 5  # crisp_native_abi() of the source this module calls
+ABI = 6  # crisp_native_abi() of the source this module calls
 # The C kernel's token limit (MAX_TOKENS): a decode step sends 1-16 tokens to an expert; more are
 # refused (ValueError), the caller takes another path.
 MAX_TOKENS = 64
@@ -123,6 +123,26 @@ class NativeKernel:
         rc = self.lib.crisp_dense_bf16(x.data_ptr(), tokens, hidden, weight.data_ptr(), rows, out.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"the native CPU kernel failed (code {rc}: -2 bad sizes)")
+
+    def dense_int8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                   threads: int) -> None:
+        """``out = x W^T`` for W (O, H) as int8 codes ``qweight`` (O, H) with fp16 ``scales`` (O, H / 32), one per
+        block of 32 (``crisp_kernels.dense_int8``), with 8-bit activations: x (T, H) fp32 contiguous, T <= MAX_TOKENS,
+        H a multiple of 32; out (T, O) fp32 contiguous, overwritten. Checked here (a bad call raises before the C
+        code runs)."""
+        tokens, hidden = x.shape
+        if tokens > MAX_TOKENS:
+            raise ValueError(f"x: the native CPU kernel takes at most {MAX_TOKENS} tokens, got {tokens}")
+        if hidden <= 0 or hidden % 32:
+            raise ValueError(f"x: expected H a positive multiple of 32 (the weight's blocks), got {hidden}")
+        rows = qweight.shape[0] if qweight.dim() == 2 else -1
+        _check_tensors({"x": (x, torch.float32, (tokens, hidden)), "qweight": (qweight, torch.int8, (rows, hidden)),
+                        "scales": (scales, torch.float16, (rows, hidden // 32)),
+                        "out": (out, torch.float32, (tokens, rows))})
+        rc = self.lib.crisp_dense_int8(x.data_ptr(), tokens, hidden, qweight.data_ptr(), scales.data_ptr(), rows,
+                                       out.data_ptr(), threads)
+        if rc != 0:
+            raise RuntimeError(f"the native CPU kernel failed (code {rc}: -1 out of memory, -2 bad sizes)")
 
     def bind(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
              q8: bool) -> BoundRows:
@@ -340,6 +360,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.crisp_dense_q8.restype = ctypes.c_int
     lib.crisp_dense_bf16.argtypes = [p, i64, i64, p, i64, p, i64]
     lib.crisp_dense_bf16.restype = ctypes.c_int
+    lib.crisp_dense_int8.argtypes = [p, i64, i64, p, p, i64, p, i64]
+    lib.crisp_dense_int8.restype = ctypes.c_int
     lib.crisp_native_abi.argtypes = []
     lib.crisp_native_abi.restype = ctypes.c_int
     lib.crisp_native_vector_bits.argtypes = []

@@ -237,8 +237,11 @@ def test_the_crisp_engines_arithmetics_are_the_named_ones():
     assert dense.dense.value == "q4" and dense.cpu_experts.impl is CpuImpl.NATIVE_Q8 and not dense.keep_original
     bf16 = peer_engines.crisp_runtime_config("q8-dense16", 1)
     assert bf16.dense.value == "bf16" and bf16.cpu_experts.impl is CpuImpl.NATIVE_Q8
+    int8 = peer_engines.crisp_runtime_config("q8-dense8", 1)
+    assert int8.dense.value == "q8" and int8.cpu_experts.impl is CpuImpl.NATIVE_Q8
     # the records' quant names, which bench/results/index.json's peer tables select on
     assert peer.CRISP_PRECISIONS == {"fp32": "crisp-int4-g64", "q8": "crisp-int4-g64-q8",
-                                     "q8-dense4": "crisp-int4-g64-q8-dense4", "q8-dense16": "crisp-int4-g64-q8-dense16"}
+                                     "q8-dense4": "crisp-int4-g64-q8-dense4", "q8-dense8": "crisp-int4-g64-q8-dense8",
+                                     "q8-dense16": "crisp-int4-g64-q8-dense16"}
     with pytest.raises(ValueError, match="precision"):
         peer_engines.crisp_cpu_experts("int4")

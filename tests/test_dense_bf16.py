@@ -170,7 +170,7 @@ def test_without_keep_original_the_fp32_weights_are_freed_and_restored_exactly()
                for lin, v in zip(linears, values, strict=True))
 
 
-@pytest.mark.parametrize("dense", ["bf16", "q4"])
+@pytest.mark.parametrize("dense", ["bf16", "q4", "q8"])
 def test_state_dict_while_swapped_is_the_models_own(dense):
     """save_pretrained while applied writes the original attention weights, never none or rounded ones."""
     torch.manual_seed(3)

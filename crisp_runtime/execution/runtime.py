@@ -100,7 +100,8 @@ class RuntimeConfig:
     when the int4pack copy is built, the worker's threads: ``crisp_runtime.cpu.experts``).
     dense: what ``apply`` does with attention's dense layers: ``"auto"`` (default: ``"bf16"`` where attention's
     weights are on the CPU and the native kernel builds, else ``"keep"``), ``"keep"``, ``"q4"`` (4-bit rows with
-    8-bit activations on the CPU) or ``"bf16"`` (the layers whose weights are bf16 values kept in bf16, fp32
+    8-bit activations on the CPU), ``"q8"`` (llama.cpp's Q8_0: 8-bit blocks of 32, 8-bit activations, ~0.5%
+    rounding, half of bf16's bytes) or ``"bf16"`` (the layers whose weights are bf16 values kept in bf16, fp32
     arithmetic: the same results up to summation order): ``crisp_runtime.cpu.dense``; restore puts them back
     (with ``keep_original=False`` a bf16 layer's fp32 original is freed while applied and refilled exactly).
     """

@@ -1,0 +1,217 @@
+"""Dense layers in 8-bit blocks with 8-bit activations (crisp_kernels.dense_int8, RuntimeConfig(dense="q8")).
+
+The kernel against its float64 reference (``dense_int8_ref``: the same codes and the same quantized x): each
+block's integer dot is exact, so what differs is the fp32 product of the two scales and the fp32 sum over the
+blocks (one rounding each, ~B^0.5 x 2^-24 relative for B blocks: 1e-7 at B = 129, measured 0.4-2.1e-7); 1e-6 in
+relative norm over the (T, O) output. One code changed by one step moves a 64-wide row's output by ~1/127 of a
+block's largest product, ~1e-3 of the output's norm: far outside. Against the fp32 layer the error is the two
+roundings (weights and x each ~0.3-0.5% relative on Gaussian data, measured 0.6-0.8% together): 2% bounds it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_native import NARROWER_BUILDS, narrower_kernel
+from torch import nn
+
+from crisp_kernels import cpu_native
+from crisp_kernels.dense_int8 import BLOCK, CODE_MAX, DenseInt8, dense_int8, dense_int8_ref, pack_dense_int8
+from crisp_runtime.cpu.dense import DenseWeights, Int8Linear, attention_linears, swap_dense
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernel does not build here")
+
+OWN_TOL = 1e-6
+FP32_TOL = 2e-2
+# (O, H, bias): H = 4128 (129 blocks) and 96 (3) leave blocks after the 8-block vector steps; O = 1, 7, 33, 130
+# leave rows after the 4-row passes; (7, 2048) and (96, 256) are even; H = 4096, 14336: Mixtral's
+SHAPES = [(96, 256, True), (33, 64, False), (7, 2048, True), (1, 32, False), (5, 4128, True), (130, 96, False),
+          (9, 4096, False), (2, 14336, True)]
+
+
+def _packed(o, h, bias, seed=0) -> tuple[DenseInt8, torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(o, h, generator=gen) / h**0.5
+    b = torch.randn(o, generator=gen) if bias else None
+    return pack_dense_int8(w, b), w, b
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 64, 65])
+def test_equals_its_reference_and_nears_the_fp32_layer(shape, tokens):
+    packed, w, b = _packed(*shape)
+    x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens))
+    got = dense_int8(x, packed)
+    assert got.dtype == torch.float32 and got.shape == (tokens, shape[0])
+    assert rel(got, dense_int8_ref(x, packed)) <= OWN_TOL
+    fp32 = torch.nn.functional.linear(x, w)  # without the bias, which would hide the rounding
+    assert rel(got - (0 if b is None else b), fp32) <= FP32_TOL
+
+
+@pytest.mark.parametrize("shape", [(7, 64), (3, 4128)])
+def test_packing_rounds_each_weight_to_its_blocks_nearest_code(shape):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    w[0, :BLOCK] = 0.0  # an all-zero block: scale 0, codes 0
+    packed = pack_dense_int8(w)
+    codes = packed.qweight.float().view(shape[0], -1, BLOCK)
+    scales = packed.scales.float()
+    assert int(packed.qweight.abs().max()) <= CODE_MAX and scales[0, 0] == 0 and not codes[0, 0].any()
+    back = codes * scales[..., None]
+    # within half a step of the (fp16-rounded) scale: the nearest code
+    assert ((back - w.view_as(back)).abs() <= scales[..., None] / 2 * (1 + 1e-6)).all()
+    blocks = w.view_as(back)
+    live = scales > 0  # each block's largest weight lands on +-127 or one step below (the fp16 rounding of the scale)
+    peak = codes.abs().amax(-1)
+    assert ((peak[live] >= CODE_MAX - 1) & (peak[live] <= CODE_MAX)).all()
+    assert torch.equal(blocks[~live], torch.zeros_like(blocks[~live]))
+
+
+def test_one_changed_code_is_seen():
+    packed, _, _ = _packed(33, 64, False)
+    x = torch.randn(3, 64)
+    codes = packed.qweight.clone()
+    codes[5, 10] += 1 if codes[5, 10] < CODE_MAX else -1
+    bumped = DenseInt8(codes, packed.scales)
+    assert rel(dense_int8(x, packed), dense_int8_ref(x, bumped)) > 10 * OWN_TOL
+
+
+def test_zero_input_blocks_and_leading_dimensions_dtype_and_threads():
+    packed, _, _ = _packed(130, 96, False)  # 130 rows: two threads' ranges (65 each) split the 4-row passes
+    x = torch.randn(2, 3, 96)
+    x[0, 0, :BLOCK] = 0.0  # an all-zero block of x: scale 0, codes 0
+    got = dense_int8(x.to(torch.bfloat16), packed, threads=2)
+    assert got.shape == (2, 3, 130) and got.dtype == torch.bfloat16
+    one = dense_int8(x, packed, threads=1)
+    # one row's dot per output, in the same order whichever pass holds the row: threads change no bit
+    assert torch.equal(dense_int8(x, packed, threads=2), one)
+    assert rel(one, dense_int8_ref(x, packed)) <= OWN_TOL
+    assert torch.equal(dense_int8(torch.zeros(1, 96), packed), torch.zeros(1, 130))
+
+
+@pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
+def test_narrower_builds_equal_the_reference(tmp_path, build, monkeypatch):
+    kernel = narrower_kernel(tmp_path, build)
+    monkeypatch.setattr(cpu_native, "load", lambda: kernel)
+    for shape in (SHAPES[1], SHAPES[4], SHAPES[5]):
+        packed, _, _ = _packed(*shape)
+        x = torch.randn(5, shape[1])
+        assert rel(dense_int8(x, packed), dense_int8_ref(x, packed)) <= OWN_TOL
+
+
+def test_bad_inputs_are_refused():
+    packed, w, _ = _packed(96, 256, False)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_dense_int8(torch.randn(4, 100))
+    with pytest.raises(ValueError, match="bias"):
+        pack_dense_int8(w, bias=torch.randn(5))
+    with pytest.raises(ValueError, match="float"):
+        pack_dense_int8(torch.ones(4, 32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="inf or nan"):
+        pack_dense_int8(torch.full((2, 32), float("nan")))
+    with pytest.raises(ValueError, match="fp16"):
+        pack_dense_int8(torch.full((2, 32), 1e7))  # scale 7.9e4: over fp16's largest
+    with pytest.raises(ValueError, match="fp16"):
+        pack_dense_int8(torch.full((2, 32), 1e-7))  # scale 7.9e-10: fp16 rounds it to 0
+    with pytest.raises(ValueError, match="DenseInt8.scales"):
+        DenseInt8(packed.qweight, packed.scales.float())
+    with pytest.raises(ValueError, match="x: expected"):
+        dense_int8(torch.randn(2, 100), packed)
+    with pytest.raises(TypeError, match="DenseInt8"):
+        dense_int8(torch.randn(2, 256), "weights")
+    kernel = cpu_native.load()
+    with pytest.raises(ValueError, match="out"):
+        kernel.dense_int8(torch.randn(2, 256), packed.qweight, packed.scales, torch.empty(3, 96), 1)
+    with pytest.raises(ValueError, match="qweight"):
+        kernel.dense_int8(torch.randn(2, 256), packed.qweight.float(), packed.scales, torch.empty(2, 96), 1)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernel.dense_int8(torch.randn(2, 100), packed.qweight, packed.scales, torch.empty(2, 96), 1)
+    with pytest.raises(ValueError, match="at most"):
+        kernel.dense_int8(torch.randn(cpu_native.MAX_TOKENS + 1, 256), packed.qweight, packed.scales,
+                          torch.empty(cpu_native.MAX_TOKENS + 1, 96), 1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.q_proj, self.o_proj = nn.Linear(h, h, bias=False), nn.Linear(h, h, bias=True)
+
+
+class _Block(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.self_attn = _Attention(h)
+        self.mlp = nn.Linear(h, h)  # not attention's: left alone
+
+
+def test_swap_replaces_attentions_layers_keeps_unpackable_ones_and_restores_the_same_objects():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(96), _Block(96))
+    with torch.no_grad():
+        model[1].self_attn.o_proj.weight[3, :BLOCK] = 1e7  # a block scale fp16 cannot hold: kept as it is
+    before = {name: m for name, m in model.named_modules()}
+    x = torch.randn(3, 96)
+    with torch.no_grad():
+        want = [lin(x) for _, _, lin in attention_linears(model)]
+    swap = swap_dense(model, "q8", threads=1)
+    assert swap.info() == {"layers": 3, "bytes": swap.nbytes, "original_bytes": swap.original_nbytes, "kept": 1,
+                           "chosen": "q8"}
+    assert swap.nbytes < 0.3 * swap.original_nbytes  # 8.5 bits a weight against fp32's 32
+    assert [name for _, name, _ in attention_linears(model)] == ["o_proj"]
+    assert isinstance(model[0].self_attn.q_proj, Int8Linear) and type(model[0].mlp) is nn.Linear
+    with torch.no_grad():
+        got = [model[0].self_attn.q_proj(x), model[0].self_attn.o_proj(x), model[1].self_attn.q_proj(x)]
+    replaced = [model[0].self_attn.q_proj, model[0].self_attn.o_proj, model[1].self_attn.q_proj]
+    for g, w, lin in zip(got, want[:3], replaced, strict=True):
+        assert rel(g, dense_int8_ref(x, lin.packed)) <= OWN_TOL and rel(g, w) <= FP32_TOL
+    swap.restore()
+    assert {name: m for name, m in model.named_modules()} == before
+
+
+def test_swap_refuses_in_features_off_the_block_before_replacing_any():
+    model = nn.Sequential(_Block(64), _Block(100))
+    with pytest.raises(ValueError, match="multiple of the 8-bit block 32"):
+        swap_dense(model, "q8")
+    assert all(type(m) is nn.Linear for _, _, m in attention_linears(model)) and len(attention_linears(model)) == 4
+
+
+def test_runtime_config_takes_q8():
+    from crisp_runtime import RuntimeConfig
+
+    assert RuntimeConfig(dense="q8").dense is DenseWeights.Q8
+
+
+def test_apply_with_dense_q8_nears_the_fp32_models_logits():
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    from crisp_runtime import RuntimeConfig, apply
+    from crisp_runtime.cpu.experts import EXACT
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "models" / "tiny-mixtral" / "config.json").is_file():
+        pytest.skip("committed tiny model absent")
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "models" / "tiny-mixtral",
+                                                              dtype=torch.float32).eval()
+    linears = [m for _, _, m in attention_linears(model)]
+    ids = torch.tensor(list((root / "data" / "stdlib-calib.txt").read_bytes()[:256])).unsqueeze(0)  # byte tokens
+    pack = root / "models" / "tiny-mixtral-crisp"
+    runs = {}
+    for dense in ("keep", "q8"):
+        config = RuntimeConfig(dense=dense, cpu_experts=EXACT)  # exact experts: only attention differs
+        with apply(model, pack, serving="cpu_only", cpu="on", gpu_budget="64MiB", config=config) as handle:
+            if dense == "q8":
+                info = handle.stats()["dense"]
+                assert info["weights"] == "q8" and info["layers"] == len(linears) and info["kept"] == 0
+                assert sum(isinstance(m, Int8Linear) for m in model.modules()) == len(linears)
+            with torch.no_grad():
+                runs[dense] = model(input_ids=ids).logits
+    # attention's inputs and weights rounded to 8 bits in 4 layers: measured 0.46% relative on these logits and
+    # 99.6% of the argmaxes kept, against 5.9% and 95.7% for dense="q4"'s 4-bit rows: the bounds leave 3x room and
+    # still tell the two apart
+    assert rel(runs["q8"], runs["keep"]) < 1.5e-2
+    assert (runs["q8"].argmax(-1) == runs["keep"].argmax(-1)).float().mean() >= 0.97
+    assert [m for _, _, m in attention_linears(model)] == linears  # the same objects back
