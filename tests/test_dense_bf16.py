@@ -135,18 +135,29 @@ def test_swap_keeps_weights_bf16_cannot_hold_and_restores_the_same_objects():
     assert {name: m for name, m in model.named_modules()} == before
 
 
-def test_auto_takes_bf16_where_it_can_and_otherwise_replaces_nothing(monkeypatch):
+def test_auto_takes_q8_or_bf16_where_it_can_and_otherwise_replaces_nothing(monkeypatch):
     torch.manual_seed(1)
     model = nn.Sequential(_Block(64))
-    swap = swap_dense(model, "auto", threads=1)
-    assert swap.info()["chosen"] == "bf16" and swap.info()["layers"] == 2 and "reason" not in swap.info()
+    swap = swap_dense(model, "auto", threads=1)  # the CPU experts' default 8-bit activations: Q8_0 attention
+    assert swap.info()["chosen"] == "q8" and swap.info()["layers"] == 2 and "8-bit" in swap.info()["reason"]
+    swap.restore()
+    swap = swap_dense(model, "auto", threads=1, exact_reason="exact experts")  # the caller asks exact attention
+    assert swap.info()["chosen"] == "bf16" and swap.info()["layers"] == 2
+    assert swap.info()["reason"] == "exact experts: bf16, exact"
+    swap.restore()
+    odd = nn.Sequential(_Block(100))  # in_features off the 8-bit blocks of 32: bf16, which needs none
+    swap = swap_dense(odd, "auto")
+    assert swap.info()["chosen"] == "bf16" and swap.info()["layers"] == 2 and "[100]" in swap.info()["reason"]
     swap.restore()
     fp32 = nn.Sequential(_Block(64))
     with torch.no_grad():
         for _, _, lin in attention_linears(fp32):
             lin.weight.add_(1e-4)  # an fp32-trained model: bf16 holds none of its weights
-    swap = swap_dense(fp32, "auto")
+    swap = swap_dense(fp32, "auto", exact_reason="exact experts")
     assert swap.info()["layers"] == 0 and swap.info()["kept"] == 2
+    swap = swap_dense(fp32, "auto")  # Q8 rounds any weight
+    assert swap.info()["layers"] == 2 and swap.info()["kept"] == 0
+    swap.restore()
     none = swap_dense(nn.Sequential(nn.Linear(8, 8)), "auto")  # where "bf16" or "q4" would refuse
     assert none.info()["chosen"] == "keep" and "no nn.Linear" in none.info()["reason"]
     monkeypatch.setattr(cpu_native, "available", lambda: False)

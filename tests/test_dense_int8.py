@@ -215,3 +215,35 @@ def test_apply_with_dense_q8_nears_the_fp32_models_logits():
     assert rel(runs["q8"], runs["keep"]) < 1.5e-2
     assert (runs["q8"].argmax(-1) == runs["keep"].argmax(-1)).float().mean() >= 0.97
     assert [m for _, _, m in attention_linears(model)] == linears  # the same objects back
+
+
+def test_applys_default_takes_q8_for_cpu_only_8bit_experts_and_bf16_otherwise():
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    from crisp_runtime import RuntimeConfig, apply
+    from crisp_runtime.cpu.experts import EXACT
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "models" / "tiny-mixtral" / "config.json").is_file():
+        pytest.skip("committed tiny model absent")
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "models" / "tiny-mixtral",
+                                                              dtype=torch.float32).eval()
+    n = len(attention_linears(model))
+    pack = root / "models" / "tiny-mixtral-crisp"
+    with apply(model, pack, serving="cpu_only", cpu="on", gpu_budget="64MiB") as handle:
+        info = handle.stats()["dense"]
+        assert info["weights"] == "auto" and info["chosen"] == "q8" and info["layers"] == n
+        assert "8-bit activations" in info["reason"]
+    # the committed checkpoint is fp32 (trained here): exact experts ask for exact attention, and bf16 holds none
+    # of these weights, so every layer is kept
+    with apply(model, pack, serving="cpu_only", cpu="on", gpu_budget="64MiB",
+               config=RuntimeConfig(cpu_experts=EXACT)) as handle:
+        info = handle.stats()["dense"]
+        assert info["chosen"] == "bf16" and info["layers"] == 0 and info["kept"] == n
+        assert info["reason"].startswith("the CPU experts compute at precision 'fp32'")
+    # experts on the GPU path (here the CPU device): attention exact too
+    with apply(model, pack, gpu_budget="64MiB") as handle:
+        info = handle.stats()["dense"]
+        assert info["chosen"] == "bf16" and info["layers"] == 0 and "placement 'gpu'" in info["reason"]
+    assert len(attention_linears(model)) == n

@@ -35,8 +35,10 @@ ATTENTION_SUFFIX = "self_attn"  # transformers' attention modules (Mixtral, Qwen
 class DenseWeights(enum.Enum):
     """What ``apply`` does with attention's dense layers."""
 
-    # BF16 where attention's weights are on the CPU and the native kernel builds, else KEEP (default): exact, so
-    # a CPU-only model decodes faster with the same results
+    # default: where attention's weights are on the CPU and the native kernel builds, Q8 when every expert is
+    # computed by the CPU kernel with 8-bit activations (CPU-only serving at the default precision: attention in
+    # the same Q8_0 arithmetic, half of bf16's bytes), else BF16 (exact; also where an in_features is off Q8's
+    # blocks); KEEP where it cannot
     AUTO = "auto"
     KEEP = "keep"  # the model's own layers
     Q4 = "q4"  # 4-bit rows, 8-bit activations, on the CPU (for cpu_only serving without a GPU)
@@ -133,7 +135,7 @@ class DenseSwap:
     # layers left as they were (BF16: a weight bf16 does not hold exactly; Q8: a block scale fp16 cannot hold)
     kept: int = 0
     chosen: str = ""  # what was done: "bf16", "q4", "q8" or, for AUTO, "keep"
-    reason: str = ""  # why, for AUTO
+    reason: str = ""  # why AUTO chose it
     # originals whose weight storage was released while applied (keep_original=False): refilled on restore from
     # the bf16 copy, which holds their values exactly
     released: dict = field(default_factory=dict)
@@ -166,7 +168,7 @@ def attention_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]
 
 
 def _auto_refusal(found) -> str:
-    """Why ``DenseWeights.AUTO`` keeps attention's layers ("" when it takes BF16)."""
+    """Why ``DenseWeights.AUTO`` keeps attention's layers ("" when it replaces them)."""
     if not found:
         return f"no nn.Linear inside a '*{ATTENTION_SUFFIX}' module"
     if any(linear.weight.device.type != "cpu" or linear.weight.is_meta for _, _, linear in found):
@@ -176,23 +178,37 @@ def _auto_refusal(found) -> str:
     return ""
 
 
+def _auto_choice(found, exact_reason: str) -> tuple[DenseWeights, str]:
+    """What ``DenseWeights.AUTO`` replaces attention's layers with, and why (after :func:`_auto_refusal`)."""
+    if exact_reason:
+        return DenseWeights.BF16, f"{exact_reason}: bf16, exact"
+    off = sorted({linear.in_features for _, _, linear in found if linear.in_features % INT8_BLOCK})
+    if off:
+        return DenseWeights.BF16, f"in_features {off} not a multiple of the 8-bit block {INT8_BLOCK}: bf16, exact"
+    return DenseWeights.Q8, "8-bit activations, as the CPU experts compute: llama.cpp's Q8_0 layout"
+
+
 def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None = None,
-               threads: int | None = None, keep_original: bool = True) -> DenseSwap | None:
-    """Replace attention's linear layers per ``dense`` (None for KEEP); refuses layers not on the CPU or (Q4) whose
-    in_features the format's group does not divide, before replacing any. AUTO never refuses: it takes BF16 where
-    it can (``_auto_refusal``) and otherwise replaces nothing (the swap's ``reason`` says why).
+               threads: int | None = None, keep_original: bool = True, exact_reason: str = "") -> DenseSwap | None:
+    """Replace attention's linear layers per ``dense`` (None for KEEP); refuses layers not on the CPU or (Q4, Q8)
+    whose in_features the format's group does not divide, before replacing any. AUTO never refuses: where it can
+    (``_auto_refusal``) it takes Q8, or BF16 when ``exact_reason`` says why attention should stay exact (the
+    caller's experts are not computed by the CPU's 8-bit kernel) or an in_features is off Q8's blocks, and
+    otherwise replaces nothing; the swap's ``reason`` says why.
     keep_original=False: a BF16 layer's original weight storage is released while applied (its values are the
-    bf16 copy's, put back by ``restore``)."""
+    bf16 copy's, put back by ``restore``); Q4 and Q8 keep their originals (``state_dict`` and ``restore`` need
+    them: the rounded copy cannot give them back)."""
     dense = DenseWeights(dense)
     if dense is DenseWeights.KEEP:
         return None
     fmt = QuantFormat() if fmt is None else fmt
     found = attention_linears(model)
+    reason = ""
     if dense is DenseWeights.AUTO:
         reason = _auto_refusal(found)
         if reason:
             return DenseSwap(chosen="keep", reason=reason)
-        dense = DenseWeights.BF16
+        dense, reason = _auto_choice(found, exact_reason)
     if not found:
         raise ValueError(f"dense={dense.value!r}: the model has no nn.Linear inside a '*{ATTENTION_SUFFIX}' module")
     for _, name, linear in found:
@@ -205,7 +221,7 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
         if dense is DenseWeights.Q8 and linear.in_features % INT8_BLOCK:
             raise ValueError(f"dense={dense.value!r}: attention's {name} has in_features {linear.in_features}, not a "
                              f"multiple of the 8-bit block {INT8_BLOCK}")
-    swap = DenseSwap(chosen=dense.value)
+    swap = DenseSwap(chosen=dense.value, reason=reason)
     for parent, name, linear in found:
         if dense is DenseWeights.BF16:
             if not bf16_exact(linear.weight):

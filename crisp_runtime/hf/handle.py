@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from crisp_kernels import PackedLayer
+from crisp_kernels.cpu_expert import Precision
 from crisp_runtime.cpu.dense import DenseSwap, swap_dense
 from crisp_runtime.execution.runtime import CrispRuntime, RuntimeConfig, min_budget_bytes, plan_for_layers
 from crisp_runtime.planning.plan import CrispPlan, PlanError
-from crisp_runtime.planning.serving import make_serving
+from crisp_runtime.planning.serving import Placement, make_serving
 from crisp_runtime.storage.pack import CrispPack, load_pack
 
 # ---------------------------------------------------------------------- budgets
@@ -194,7 +195,19 @@ class CrispHandle(abc.ABC):
         """Replace attention's dense layers as ``RuntimeConfig.dense`` says (the caller restores on failure)."""
         cpu = self.runtime.config.cpu_experts
         self.dense = swap_dense(self.model, self.runtime.config.dense, threads=cpu.threads,
-                                keep_original=self.runtime.config.keep_original)
+                                keep_original=self.runtime.config.keep_original,
+                                exact_reason=self._exact_attention_reason())
+
+    def _exact_attention_reason(self) -> str:
+        """Why ``dense="auto"`` keeps attention exact here ("" when the experts all run on the CPU's 8-bit kernel,
+        whose Q8_0 arithmetic attention then shares)."""
+        placement = self.runtime.serving.placement
+        if placement is not Placement.CPU:
+            return f"placement {placement.value!r} computes experts off the CPU's 8-bit kernel"
+        precision = self.runtime.config.cpu_experts.precision
+        if precision is not Precision.Q8:
+            return f"the CPU experts compute at precision {precision.value!r}"
+        return ""
 
     def _restore_dense(self) -> None:
         if self.dense is not None:
