@@ -387,8 +387,9 @@ def add_parser(subparsers) -> None:
                    "fp32 activations), q8 (8-bit activations and integer dot products, as llama.cpp's Q4_0 path, the "
                    "experts' default; attention as loaded: dense='keep'), q8-dense4 (q8, and attention's linear "
                    "layers in 4-bit rows: RuntimeConfig(dense='q4')), q8-dense8 (q8, and attention's layers in 8-bit "
-                   "blocks as llama.cpp's Q8_0: dense='q8') and q8-dense16 (q8, and attention's layers whose "
-                   "weights are bf16 values in bf16: dense='bf16', what the default dense='auto' does on the CPU); "
+                   "blocks as llama.cpp's Q8_0: dense='q8', what the default dense='auto' does under cpu_only) and "
+                   "q8-dense16 (q8, and attention's layers whose weights are bf16 values in bf16, exact: "
+                   "dense='bf16'); "
                    "comma separated (default: all; records' quant "
                    f"{', '.join(CRISP_PRECISIONS.values())})")
     p.add_argument("--accuracy-windows", type=common.positive_int, default=16,

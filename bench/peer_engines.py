@@ -47,9 +47,9 @@ def crisp_cpu_experts(precision: str, threads: int | None = None):
 def crisp_runtime_config(precision: str, threads: int | None = None):
     """The CRISP engine's ``RuntimeConfig``: the experts as :func:`crisp_cpu_experts`; attention as loaded
     (``dense="keep"``) for "fp32" and "q8", in 4-bit rows for "q8-dense4" (``dense="q4"``), in 8-bit blocks for
-    "q8-dense8" (``dense="q8"``, llama.cpp's Q8_0), its bf16-valued
-    weights in bf16 for "q8-dense16" (``dense="bf16"``: what the default ``"auto"`` does on the CPU); the fp32
-    experts dropped once packed (``keep_original=False``: the serving footprint)."""
+    "q8-dense8" (``dense="q8"``, llama.cpp's Q8_0: what the default ``"auto"`` does under ``cpu_only``), its
+    bf16-valued weights in bf16 for "q8-dense16" (``dense="bf16"``, exact); the fp32 experts dropped once packed
+    (``keep_original=False``: the serving footprint)."""
     from crisp_runtime.execution.runtime import RuntimeConfig
 
     dense = {"q8-dense4": "q4", "q8-dense8": "q8", "q8-dense16": "bf16"}.get(precision, "keep")

@@ -1106,6 +1106,15 @@ static void bf16_rows(const float *x, int64_t tokens, int64_t hidden, const uint
             const uint16_t *a = w + o * hidden, *b = a + hidden, *c = b + hidden, *d = c + hidden;
             __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
             for (int64_t h = 0; h < full; h += 8) {
+                /* the next pass's four rows, a line each per 32 elements (as crisp_dense_int8): left to the hardware
+                 * prefetcher, a 2048 x 2048 matrix took 706-813 us on one core of the 2-core AMD EPYC VM, 528-537
+                 * with this */
+                if (!(h & 31) && o + 8 <= rows) {
+                    _mm_prefetch((const char *)(a + 4 * hidden + h), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(b + 4 * hidden + h), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(c + 4 * hidden + h), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(d + 4 * hidden + h), _MM_HINT_T0);
+                }
                 const __m256 xv = _mm256_loadu_ps(xt + h);
                 s0 = _mm256_fmadd_ps(bf16x8(a + h), xv, s0);
                 s1 = _mm256_fmadd_ps(bf16x8(b + h), xv, s1);
