@@ -187,7 +187,9 @@ def test_state_dict_while_swapped_is_the_models_own(dense):
     torch.manual_seed(3)
     model = nn.Sequential(_Block(128), _Block(128))
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    swap = swap_dense(model, dense, keep_original=False)  # bf16 frees the fp32 originals: rebuilt exactly
+    linears = [lin for _, _, lin in attention_linears(model)]
+    swap = swap_dense(model, dense, keep_original=False)  # bf16-valued fp32 originals freed: rebuilt exactly
+    assert all(lin.weight.numel() == 0 for lin in linears)
     got = model.state_dict()
     assert list(got) == list(want)
     assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)

@@ -171,6 +171,25 @@ def test_swap_replaces_attentions_layers_keeps_unpackable_ones_and_restores_the_
     assert {name: m for name, m in model.named_modules()} == before
 
 
+def test_without_keep_original_only_bf16_valued_originals_are_freed_and_they_come_back_exactly():
+    torch.manual_seed(4)
+    model = nn.Sequential(_Block(64))
+    q, o = model[0].self_attn.q_proj, model[0].self_attn.o_proj
+    with torch.no_grad():
+        q.weight.copy_(q.weight.to(torch.bfloat16).float())  # a bf16 checkpoint in fp32: a bf16 copy holds it
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    swap = swap_dense(model, "q8", keep_original=False)
+    assert q.weight.numel() == 0 and o.weight.numel() == 64 * 64  # o's fp32 values: no exact bf16 copy, kept
+    replaced = model[0].self_attn.q_proj
+    assert isinstance(replaced, Int8Linear) and replaced.exact_weight().dtype == torch.bfloat16
+    assert model[0].self_attn.o_proj.exact_weight() is None
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    swap.restore()
+    assert model[0].self_attn.q_proj is q and torch.equal(q.weight, want["0.self_attn.q_proj.weight"])
+    assert q.weight.dtype == torch.float32
+
+
 def test_swap_refuses_in_features_off_the_block_before_replacing_any():
     model = nn.Sequential(_Block(64), _Block(100))
     with pytest.raises(ValueError, match="multiple of the 8-bit block 32"):

@@ -51,24 +51,33 @@ class DenseWeights(enum.Enum):
 class _RoundedLinear(nn.Module):
     """An ``nn.Linear`` computed from a rounded copy of its weight. ``state_dict()`` holds the original layer's
     ``weight`` and ``bias`` (``original``, kept by the swap), so ``save_pretrained`` while applied writes the
-    model's own attention weights, not nothing or the rounded ones."""
+    model's own attention weights, not nothing or the rounded ones. ``exact_copy``: the weight's values in bf16
+    (all bf16 values), kept where the swap released the original's storage (``keep_original=False``)."""
 
     kind = ""  # what the copy is, for messages
 
     def __init__(self, packed: DenseQ4 | DenseInt8, threads: int | None = None,
-                 original: nn.Linear | None = None) -> None:
+                 original: nn.Linear | None = None, exact_copy: torch.Tensor | None = None) -> None:
         super().__init__()
         self.packed = packed
         self.threads = threads
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.__dict__["_original"] = original  # not a submodule: its parameters stay out of parameters()
+        self.exact_copy = exact_copy  # (O, H) bf16 or None
+
+    def exact_weight(self) -> torch.Tensor | None:
+        """The original weight's values in bf16, where the swap released its storage."""
+        return self.exact_copy
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         original = self.__dict__["_original"]
         if original is None:
             raise RuntimeError(f"state_dict(): {prefix}weight is held only in {self.kind}; restore() the model "
                                "before saving it")
-        for name, value in (("weight", original.weight), ("bias", original.bias)):
+        weight = original.weight
+        if self.exact_copy is not None and weight.numel() == 0:  # released while applied: the exact bf16 copy
+            weight = self.exact_copy.to(weight.dtype)
+        for name, value in (("weight", weight), ("bias", original.bias)):
             if value is not None:
                 destination[prefix + name] = value if keep_vars else value.detach()
 
@@ -116,6 +125,10 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_bf16(x, self.packed, self.threads)
 
+    def exact_weight(self) -> torch.Tensor:
+        """The original weight's values in bf16 (the packed weight itself)."""
+        return self.packed.weight
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         destination[prefix + "weight"] = self.packed.weight.to(self.weight_dtype)
         if self.packed.bias is not None:
@@ -136,8 +149,8 @@ class DenseSwap:
     kept: int = 0
     chosen: str = ""  # what was done: "bf16", "q4", "q8" or, for AUTO, "keep"
     reason: str = ""  # why AUTO chose it
-    # originals whose weight storage was released while applied (keep_original=False): refilled on restore from
-    # the bf16 copy, which holds their values exactly
+    # originals whose weight storage was released while applied (keep_original=False, weights all bf16 values):
+    # refilled on restore from the replacement's bf16 copy (``exact_weight()``), which holds their values exactly
     released: dict = field(default_factory=dict)
 
     def restore(self) -> None:
@@ -146,7 +159,7 @@ class DenseSwap:
             parent, name, original = self.swapped.pop()
             dtype = self.released.pop(id(original), None)
             if dtype is not None:
-                original.weight.data = getattr(parent, name).packed.weight.to(dtype)
+                original.weight.data = getattr(parent, name).exact_weight().to(dtype)
             setattr(parent, name, original)
 
     def info(self) -> dict:
@@ -196,8 +209,9 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
     caller's experts are not computed by the CPU's 8-bit kernel) or an in_features is off Q8's blocks, and
     otherwise replaces nothing; the swap's ``reason`` says why.
     keep_original=False: a BF16 layer's original weight storage is released while applied (its values are the
-    bf16 copy's, put back by ``restore``); Q4 and Q8 keep their originals (``state_dict`` and ``restore`` need
-    them: the rounded copy cannot give them back)."""
+    bf16 copy's, put back by ``restore``); a Q4 or Q8 layer's likewise where its values are all bf16, a bf16 copy
+    kept beside the rounded rows; other originals stay (``state_dict`` and ``restore`` need them: the rounded copy
+    cannot give them back)."""
     dense = DenseWeights(dense)
     if dense is DenseWeights.KEEP:
         return None
@@ -223,6 +237,13 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
                              f"multiple of the 8-bit block {INT8_BLOCK}")
     swap = DenseSwap(chosen=dense.value, reason=reason)
     for parent, name, linear in found:
+        # keep_original=False: an original whose values are all bf16 (and not held in bf16 already) is released
+        # while applied and refilled exactly from a bf16 copy (BF16: the packed weight itself; Q4 / Q8: kept beside
+        # the rounded rows, 2 bytes a weight where an fp32 original costs 4)
+        release = (not keep_original and linear.weight.dtype != torch.bfloat16
+                   and (dense is DenseWeights.BF16 or bf16_exact(linear.weight)))
+        copy = linear.weight.detach().to(torch.bfloat16).contiguous() if release and dense is not DenseWeights.BF16 \
+            else None
         if dense is DenseWeights.BF16:
             if not bf16_exact(linear.weight):
                 swap.kept += 1
@@ -236,14 +257,14 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
             except ValueError:  # a block scale fp16 cannot hold, or a non-finite weight: kept, counted
                 swap.kept += 1
                 continue
-            setattr(parent, name, Int8Linear(packed, threads, original=linear))
+            setattr(parent, name, Int8Linear(packed, threads, original=linear, exact_copy=copy))
         else:
             packed = pack_dense(linear.weight, fmt, linear.bias)
-            setattr(parent, name, Q4Linear(packed, threads, original=linear))
+            setattr(parent, name, Q4Linear(packed, threads, original=linear, exact_copy=copy))
         swap.swapped.append((parent, name, linear))
         swap.nbytes += packed.nbytes
         swap.original_nbytes += linear.weight.nbytes + (0 if linear.bias is None else linear.bias.nbytes)
-        if dense is DenseWeights.BF16 and not keep_original and linear.weight.dtype != torch.bfloat16:
+        if release:
             swap.released[id(linear)] = linear.weight.dtype  # (a bf16 weight is the copy itself: nothing to free)
             linear.weight.data = torch.empty(0, dtype=linear.weight.dtype)
     return swap
