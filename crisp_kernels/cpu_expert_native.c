@@ -942,11 +942,15 @@ static void q8_quantize_x(const float *x, int64_t tokens, int64_t hidden, int8_t
         const float *xt = x + t * hidden;
         for (int64_t b = 0; b < blocks; b++) {
             float amax = 0.0f;
+            int finite = 1;
             for (int k = 0; k < Q8_XBLOCK; k++) {
                 const float m = fabsf(xt[b * Q8_XBLOCK + k]);
+                finite &= isfinite(m) != 0;
                 amax = m > amax ? m : amax;
             }
-            const float s = amax / 127.0f;
+            /* a block holding inf or nan gets scale nan and codes 0, so its products are nan, never finite values
+             * of a cast that C leaves undefined */
+            const float s = finite ? amax / 127.0f : NAN;
             int32_t sum = 0;
             for (int k = 0; k < Q8_XBLOCK; k++) {
                 const int64_t h = b * Q8_XBLOCK + k;
@@ -1011,6 +1015,14 @@ int crisp_expert_rows_q8(const float *x, int64_t tokens, int64_t hidden, int64_t
         for (int64_t p = omp_get_thread_num(); p < nthreads; p += team) run_rows_q8(&work[p]);
     }
     add_thread_sums(acc, nthreads, tokens, hidden, weights, out);
+    /* a token whose x holds inf or nan: its rows' activations are nan, which the down pass's coefficient
+     * quantization would turn into finite codes; the fp32 path's result is non-finite, so this one is nan */
+    for (int64_t t = 0; t < tokens; t++) {
+        int finite = 1;
+        for (int64_t b = 0; b < blocks; b++) finite &= !isnan(work[0].sx[t * blocks + b]);
+        if (!finite)
+            for (int64_t h = 0; h < hidden; h++) out[t * hidden + h] = NAN;
+    }
 done:
     free(xq); free(xf); free(xsf); free(xsum); free(acc); free(work); free(scratch);
     return rc;
@@ -1177,11 +1189,13 @@ static void int8_quantize_x(const float *x, int64_t tokens, int64_t hidden, int1
         for (int64_t b = 0; b < blocks; b++) {
             const float *xb = x + t * hidden + b * I8_BLOCK;
             float amax = 0.0f;
+            int finite = 1;
             for (int k = 0; k < I8_BLOCK; k++) {
                 const float m = fabsf(xb[k]);
+                finite &= isfinite(m) != 0;
                 amax = m > amax ? m : amax;
             }
-            const float s = amax / 127.0f;
+            const float s = finite ? amax / 127.0f : NAN;  /* as q8_quantize_x: nan out, never a silent number */
             for (int k = 0; k < I8_BLOCK; k++) xq[t * hidden + b * I8_BLOCK + k] = s > 0.0f ? (int16_t)nearbyintf(xb[k] / s) : 0;
             sx[t * blocks + b] = s;
         }

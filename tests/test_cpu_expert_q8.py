@@ -175,6 +175,21 @@ def test_zero_activations_and_empty_ranges_add_nothing():
     assert torch.count_nonzero(call(kernel, packed, x, zero_widths, 0, shape[1], weights, 2)) == 0
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_token_with_inf_or_nan_gets_nan_and_the_others_are_untouched(bad):
+    """The 8-bit codes of inf / nan would be a C cast's undefined value: the token's whole output is nan instead
+    (the fp32 path's is non-finite too), never finite numbers; the other tokens are what they are alone."""
+    shape = (256, 200, 64, False)
+    packed = expert(*shape)
+    kernel = cpu_native.load()
+    x, weights, _ = inputs(3, shape[0], torch.float32, shape[1], per_token=False)
+    clean = call(kernel, packed, x, None, 0, shape[1], weights, 2)
+    x[1, 77] = bad
+    got = call(kernel, packed, x, None, 0, shape[1], weights, 2)
+    assert torch.isnan(got[1]).all()
+    assert torch.equal(got[[0, 2]], clean[[0, 2]])
+
+
 def test_quantize_blocks_rounds_half_to_even_and_keeps_zero_blocks():
     v = torch.tensor([[127.0, 0.5, 1.5, -2.5] + [0.0] * 28 + [0.0] * 32])
     q, scale = quantize_blocks(v, 32)

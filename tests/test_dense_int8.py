@@ -92,6 +92,20 @@ def test_zero_input_blocks_and_leading_dimensions_dtype_and_threads():
     assert torch.equal(dense_int8(torch.zeros(1, 96), packed), torch.zeros(1, 130))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_token_with_inf_or_nan_gets_nan_and_the_others_are_untouched(bad):
+    """The 8-bit code of inf / nan would be a C cast's undefined value: the token's outputs are nan instead (the
+    fp32 layer's are non-finite too), never finite numbers."""
+    packed, _, _ = _packed(33, 4128, True)
+    x = torch.randn(3, 4128)
+    clean = dense_int8(x, packed)
+    for h in (5, 4127):  # in the 8-block vector steps, and in the blocks after them
+        bent = x.clone()
+        bent[1, h] = bad
+        got = dense_int8(bent, packed)
+        assert torch.isnan(got[1]).all() and torch.equal(got[[0, 2]], clean[[0, 2]])
+
+
 @pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
 def test_narrower_builds_equal_the_reference(tmp_path, build, monkeypatch):
     kernel = narrower_kernel(tmp_path, build)

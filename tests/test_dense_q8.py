@@ -58,6 +58,20 @@ def test_leading_dimensions_dtype_and_threads():
     assert torch.equal(got, one)  # one row's dot per output: the thread count changes nothing
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_token_with_inf_or_nan_gets_nan_and_the_others_are_untouched(bad):
+    """The 8-bit code of inf / nan would be a C cast's undefined value: the token's outputs are nan instead (the
+    fp32 layer's are non-finite too), never finite numbers."""
+    packed, _, _ = _packed(*SHAPES[2])  # H / 2 = 80 bytes: one 32-byte vector step, then the 16-byte tail
+    x = torch.randn(3, SHAPES[2][1])
+    clean = dense_q8(x, packed)
+    for h in (3, SHAPES[2][1] - 1):
+        bent = x.clone()
+        bent[1, h] = bad
+        got = dense_q8(bent, packed)
+        assert torch.isnan(got[1]).all() and torch.equal(got[[0, 2]], clean[[0, 2]])
+
+
 @pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
 def test_narrower_builds_equal_the_reference(tmp_path, build, monkeypatch):
     kernel = narrower_kernel(tmp_path, build)
