@@ -1,4 +1,5 @@
-"""Attention's dense layers in bf16 or 4-bit rows on the CPU (``RuntimeConfig.dense``): CPU-only serving's other half.
+"""Attention's dense layers in 8-bit blocks, bf16 or 4-bit rows on the CPU (``RuntimeConfig.dense``): CPU-only serving's
+other half.
 
 Under ``cpu_only`` every expert is computed by the CPU kernel from 4-bit rows, but attention's projections are
 the model's own ``nn.Linear`` layers: on a Mixtral-shaped model with 605 MB of 4-bit experts they read 201 MB a

@@ -157,8 +157,12 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers,
             raise ValueError("cpu='on' computes offloaded experts on the CPU: it needs a gpu_budget")
         return config, CpuDecision(mode, placement, "no gpu_budget: every expert resident on the device")
     if mode is CpuMode.AUTO and device.type != "cuda":  # nothing measured: there is nothing to split
-        return config, CpuDecision(mode, placement, f"no GPU found: the experts run on {device.type} already, "
-                                   "nothing to split")
+        # the device path on a CPU computes each expert with torch ops on its dequantized rows: 43-48 s for 16
+        # tokens after a 32-token prompt on crisp-bench peer's large model (one thread, 2-core VM) against
+        # 0.64-0.66 s with serving="cpu_only", cpu="on" (the native CPU kernel on the packed rows)
+        return config, CpuDecision(mode, placement, f"no GPU found: the experts run on {device.type} through the "
+                                   "device path, nothing to split; for CPU-only serving pass serving='cpu_only', "
+                                   "cpu='on' (the CPU kernel on the packed rows, the fast path without a GPU)")
     first = layers[min(layers)]
     cost = config.cost
     if cost.has_cpu:  # the configuration's CPU figures, its ridge included
