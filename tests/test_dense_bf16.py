@@ -9,6 +9,8 @@ format never rounds them), and ``dense="bf16"`` keeps those layers as they are.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_cpu_native import NARROWER_BUILDS, narrower_kernel
@@ -20,6 +22,7 @@ from crisp_runtime.cpu.dense import Bf16Linear, DenseWeights, attention_linears,
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernel does not build here")
 
+ROOT = Path(__file__).resolve().parents[1]
 OWN_TOL = 1e-6
 # (O, H, bias): H = 203 and 4100 leave a scalar tail after the 8-wide vectors; O = 1, 7, 33 leave rows after the
 # 4-row passes; (7, 2048) and (96, 256) are even
@@ -203,21 +206,23 @@ def test_runtime_config_takes_bf16():
     assert RuntimeConfig(dense="bf16").dense is DenseWeights.BF16
 
 
-def test_apply_with_dense_bf16_gives_the_fp32_models_logits():
-    from pathlib import Path
-
+def tiny_mixtral():
+    """The committed tiny Mixtral in fp32 and its pack's folder (skips where transformers or the model is absent)."""
     transformers = pytest.importorskip("transformers")
+    if not (ROOT / "models" / "tiny-mixtral" / "config.json").is_file():
+        pytest.skip("committed tiny model absent")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ROOT / "models" / "tiny-mixtral",
+                                                              dtype=torch.float32).eval()
+    return model, ROOT / "models" / "tiny-mixtral-crisp"
+
+
+def test_apply_with_dense_bf16_gives_the_fp32_models_logits():
     from crisp_runtime import RuntimeConfig, apply
     from crisp_runtime.cpu.experts import EXACT
 
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "models" / "tiny-mixtral" / "config.json").is_file():
-        pytest.skip("committed tiny model absent")
-    model = transformers.AutoModelForCausalLM.from_pretrained(root / "models" / "tiny-mixtral",
-                                                              dtype=torch.float32).eval()
+    model, pack = tiny_mixtral()
     linears = [m for _, _, m in attention_linears(model)]
     ids = torch.arange(3, 35).unsqueeze(0)
-    pack = root / "models" / "tiny-mixtral-crisp"
     config = RuntimeConfig(dense="bf16")
     # the committed checkpoint is fp32 (trained here): bf16 holds none of its attention weights, all are kept
     with apply(model, pack, serving="cpu_only", cpu="on", gpu_budget="64MiB", config=config) as handle:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cpu_native import NARROWER_BUILDS, narrower_kernel
+from test_dense_bf16 import ROOT, tiny_mixtral
 from torch import nn
 
 from crisp_kernels import cpu_native
@@ -218,20 +219,12 @@ def test_runtime_config_takes_q8():
 
 
 def test_apply_with_dense_q8_nears_the_fp32_models_logits():
-    from pathlib import Path
-
-    transformers = pytest.importorskip("transformers")
     from crisp_runtime import RuntimeConfig, apply
     from crisp_runtime.cpu.experts import EXACT
 
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "models" / "tiny-mixtral" / "config.json").is_file():
-        pytest.skip("committed tiny model absent")
-    model = transformers.AutoModelForCausalLM.from_pretrained(root / "models" / "tiny-mixtral",
-                                                              dtype=torch.float32).eval()
+    model, pack = tiny_mixtral()
     linears = [m for _, _, m in attention_linears(model)]
-    ids = torch.tensor(list((root / "data" / "stdlib-calib.txt").read_bytes()[:256])).unsqueeze(0)  # byte tokens
-    pack = root / "models" / "tiny-mixtral-crisp"
+    ids = torch.tensor(list((ROOT / "data" / "stdlib-calib.txt").read_bytes()[:256])).unsqueeze(0)  # byte tokens
     runs = {}
     for dense in ("keep", "q8"):
         config = RuntimeConfig(dense=dense, cpu_experts=EXACT)  # exact experts: only attention differs
@@ -251,19 +244,11 @@ def test_apply_with_dense_q8_nears_the_fp32_models_logits():
 
 
 def test_applys_default_takes_q8_for_cpu_only_8bit_experts_and_bf16_otherwise():
-    from pathlib import Path
-
-    transformers = pytest.importorskip("transformers")
     from crisp_runtime import RuntimeConfig, apply
     from crisp_runtime.cpu.experts import EXACT
 
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "models" / "tiny-mixtral" / "config.json").is_file():
-        pytest.skip("committed tiny model absent")
-    model = transformers.AutoModelForCausalLM.from_pretrained(root / "models" / "tiny-mixtral",
-                                                              dtype=torch.float32).eval()
+    model, pack = tiny_mixtral()
     n = len(attention_linears(model))
-    pack = root / "models" / "tiny-mixtral-crisp"
     with apply(model, pack, serving="cpu_only", cpu="on", gpu_budget="64MiB") as handle:
         info = handle.stats()["dense"]
         assert info["weights"] == "auto" and info["chosen"] == "q8" and info["layers"] == n
