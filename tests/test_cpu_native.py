@@ -99,13 +99,22 @@ NARROWER_BUILDS = {"portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma"), "avx2"
 NARROWER_BITS = {"portable": 0, "avx2": 256}
 
 
+# each narrower build once per session, into the first asking test's tmp_path (kept for the session): 20 tests ask,
+# and a build takes 1.3-3.5 s on the 2-core VM
+_NARROWER_KERNELS: dict = {}
+
+
 def narrower_kernel(tmp_path, build: str):
-    """The kernel built for ``build`` (a NARROWER_BUILDS key) into tmp_path; skips where this host cannot run it."""
+    """The kernel built for ``build`` (a NARROWER_BUILDS key), into tmp_path the first time in a session; skips
+    where this host cannot run it."""
     if os.uname().machine not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx2 / -mno-avx512f are x86 flags")
     if build == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2 / FMA")
-    kernel = cpu_native.open_library(cpu_native.build(tmp_path, flags=(*cpu_native.FLAGS, *NARROWER_BUILDS[build])))
+    if build not in _NARROWER_KERNELS:
+        flags = (*cpu_native.FLAGS, *NARROWER_BUILDS[build])
+        _NARROWER_KERNELS[build] = cpu_native.open_library(cpu_native.build(tmp_path, flags=flags))
+    kernel = _NARROWER_KERNELS[build]
     assert kernel.vector_bits == NARROWER_BITS[build]  # the path it was built for, not the native one
     return kernel
 
