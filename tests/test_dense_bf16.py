@@ -107,7 +107,7 @@ class _Attention(nn.Module):
                 lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
 
 
-class _Block(nn.Module):
+class TinyBlock(nn.Module):
     def __init__(self, h):
         super().__init__()
         self.self_attn = _Attention(h)
@@ -116,7 +116,7 @@ class _Block(nn.Module):
 
 def test_swap_keeps_weights_bf16_cannot_hold_and_restores_the_same_objects():
     torch.manual_seed(0)
-    model = nn.Sequential(_Block(100), _Block(100))  # 100: no 4-bit group divides it; bf16 needs none
+    model = nn.Sequential(TinyBlock(100), TinyBlock(100))  # 100: no 4-bit group divides it; bf16 needs none
     with torch.no_grad():
         model[1].self_attn.o_proj.weight.add_(1e-4)  # no longer bf16 values: kept as it is
     before = {name: m for name, m in model.named_modules()}
@@ -140,7 +140,7 @@ def test_swap_keeps_weights_bf16_cannot_hold_and_restores_the_same_objects():
 
 def test_auto_takes_q8_or_bf16_where_it_can_and_otherwise_replaces_nothing(monkeypatch):
     torch.manual_seed(1)
-    model = nn.Sequential(_Block(64))
+    model = nn.Sequential(TinyBlock(64))
     swap = swap_dense(model, "auto", threads=1)  # the CPU experts' default 8-bit activations: Q8_0 attention
     assert swap.info()["chosen"] == "q8" and swap.info()["layers"] == 2 and "8-bit" in swap.info()["reason"]
     swap.restore()
@@ -148,11 +148,11 @@ def test_auto_takes_q8_or_bf16_where_it_can_and_otherwise_replaces_nothing(monke
     assert swap.info()["chosen"] == "bf16" and swap.info()["layers"] == 2
     assert swap.info()["reason"] == "exact experts: bf16, exact"
     swap.restore()
-    odd = nn.Sequential(_Block(100))  # in_features off the 8-bit blocks of 32: bf16, which needs none
+    odd = nn.Sequential(TinyBlock(100))  # in_features off the 8-bit blocks of 32: bf16, which needs none
     swap = swap_dense(odd, "auto")
     assert swap.info()["chosen"] == "bf16" and swap.info()["layers"] == 2 and "[100]" in swap.info()["reason"]
     swap.restore()
-    fp32 = nn.Sequential(_Block(64))
+    fp32 = nn.Sequential(TinyBlock(64))
     with torch.no_grad():
         for _, _, lin in attention_linears(fp32):
             lin.weight.add_(1e-4)  # an fp32-trained model: bf16 holds none of its weights
@@ -171,7 +171,7 @@ def test_auto_takes_q8_or_bf16_where_it_can_and_otherwise_replaces_nothing(monke
 
 def test_without_keep_original_the_fp32_weights_are_freed_and_restored_exactly():
     torch.manual_seed(2)
-    model = nn.Sequential(_Block(64))
+    model = nn.Sequential(TinyBlock(64))
     linears = [lin for _, _, lin in attention_linears(model)]
     values = [lin.weight.detach().clone() for lin in linears]
     swap = swap_dense(model, "bf16", keep_original=False)
@@ -188,7 +188,7 @@ def test_without_keep_original_the_fp32_weights_are_freed_and_restored_exactly()
 def test_state_dict_while_swapped_is_the_models_own(dense):
     """save_pretrained while applied writes the original attention weights, never none or rounded ones."""
     torch.manual_seed(3)
-    model = nn.Sequential(_Block(128), _Block(128))
+    model = nn.Sequential(TinyBlock(128), TinyBlock(128))
     want = {k: v.clone() for k, v in model.state_dict().items()}
     linears = [lin for _, _, lin in attention_linears(model)]
     swap = swap_dense(model, dense, keep_original=False)  # bf16-valued fp32 originals freed: rebuilt exactly

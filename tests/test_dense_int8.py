@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cpu_native import NARROWER_BUILDS, narrower_kernel
-from test_dense_bf16 import ROOT, tiny_mixtral
+from test_dense_bf16 import ROOT, TinyBlock, tiny_mixtral
 from torch import nn
 
 from crisp_kernels import cpu_native
@@ -149,22 +149,9 @@ def test_bad_inputs_are_refused():
                           torch.empty(cpu_native.MAX_TOKENS + 1, 96), 1)
 
 
-class _Attention(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.q_proj, self.o_proj = nn.Linear(h, h, bias=False), nn.Linear(h, h, bias=True)
-
-
-class _Block(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.self_attn = _Attention(h)
-        self.mlp = nn.Linear(h, h)  # not attention's: left alone
-
-
 def test_swap_replaces_attentions_layers_keeps_unpackable_ones_and_restores_the_same_objects():
     torch.manual_seed(0)
-    model = nn.Sequential(_Block(96), _Block(96))
+    model = nn.Sequential(TinyBlock(96), TinyBlock(96))
     with torch.no_grad():
         model[1].self_attn.o_proj.weight[3, :BLOCK] = 1e7  # a block scale fp16 cannot hold: kept as it is
     before = {name: m for name, m in model.named_modules()}
@@ -188,10 +175,10 @@ def test_swap_replaces_attentions_layers_keeps_unpackable_ones_and_restores_the_
 
 def test_without_keep_original_only_bf16_valued_originals_are_freed_and_they_come_back_exactly():
     torch.manual_seed(4)
-    model = nn.Sequential(_Block(64))
-    q, o = model[0].self_attn.q_proj, model[0].self_attn.o_proj
+    model = nn.Sequential(TinyBlock(64))
+    q, o = model[0].self_attn.q_proj, model[0].self_attn.o_proj  # a bf16 checkpoint's values in fp32
     with torch.no_grad():
-        q.weight.copy_(q.weight.to(torch.bfloat16).float())  # a bf16 checkpoint in fp32: a bf16 copy holds it
+        o.weight.add_(1e-4)  # no longer bf16 values: no exact bf16 copy holds them
     want = {k: v.clone() for k, v in model.state_dict().items()}
     swap = swap_dense(model, "q8", keep_original=False)
     assert q.weight.numel() == 0 and o.weight.numel() == 64 * 64  # o's fp32 values: no exact bf16 copy, kept
@@ -206,7 +193,7 @@ def test_without_keep_original_only_bf16_valued_originals_are_freed_and_they_com
 
 
 def test_swap_refuses_in_features_off_the_block_before_replacing_any():
-    model = nn.Sequential(_Block(64), _Block(100))
+    model = nn.Sequential(TinyBlock(64), TinyBlock(100))
     with pytest.raises(ValueError, match="multiple of the 8-bit block 32"):
         swap_dense(model, "q8")
     assert all(type(m) is nn.Linear for _, _, m in attention_linears(model)) and len(attention_linears(model)) == 4
