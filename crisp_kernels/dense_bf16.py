@@ -74,6 +74,22 @@ def dense_bf16(x: torch.Tensor, packed: DenseBf16, threads: int | None = None) -
                                    lambda xs, out, n: kernel.dense_bf16(xs, packed.weight, out, n))
 
 
+# ----------------------------------------------------------------------------- torch.library op
+
+
+@torch.library.custom_op("crisp::dense_bf16", mutates_args=())
+def dense_bf16_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  threads: int | None) -> torch.Tensor:
+    """:func:`dense_bf16` as ``torch.ops.crisp.dense_bf16``: what a compiled model calls (dynamo cannot trace the
+    native library's loading, so the call is opaque to it)."""
+    return dense_bf16(x, DenseBf16(weight, bias), threads)
+
+
+@dense_bf16_op.register_fake
+def _(x, weight, bias, threads):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 # ----------------------------------------------------------------------------- reference
 
 

@@ -115,6 +115,22 @@ def dense_int8(x: torch.Tensor, packed: DenseInt8, threads: int | None = None) -
                                    lambda xs, out, n: kernel.dense_int8(xs, packed.qweight, packed.scales, out, n))
 
 
+# ----------------------------------------------------------------------------- torch.library op
+
+
+@torch.library.custom_op("crisp::dense_int8", mutates_args=())
+def dense_int8_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                  threads: int | None) -> torch.Tensor:
+    """:func:`dense_int8` as ``torch.ops.crisp.dense_int8``: what a compiled model calls (dynamo cannot trace the
+    native library's loading, so the call is opaque to it)."""
+    return dense_int8(x, DenseInt8(qweight, scales, bias), threads)
+
+
+@dense_int8_op.register_fake
+def _(x, qweight, scales, bias, threads):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
 # ----------------------------------------------------------------------------- reference
 
 

@@ -97,6 +97,23 @@ def dense_q8(x: torch.Tensor, packed: DenseQ4, threads: int | None = None) -> to
     return cpu_native.dense_chunks(x, packed.in_features, packed.out_features, packed.bias, threads, call)
 
 
+# ----------------------------------------------------------------------------- torch.library op
+
+
+@torch.library.custom_op("crisp::dense_q8", mutates_args=())
+def dense_q8_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                group_size: int, bias: torch.Tensor | None, threads: int | None) -> torch.Tensor:
+    """:func:`dense_q8` as ``torch.ops.crisp.dense_q8`` (``zeros`` None: the symmetric format): what a compiled
+    model calls (dynamo cannot trace the native library's loading, so the call is opaque to it)."""
+    fmt = QuantFormat(group_size=group_size, symmetric=zeros is None)
+    return dense_q8(x, DenseQ4(qweight, scales, zeros, fmt, bias), threads)
+
+
+@dense_q8_op.register_fake
+def _(x, qweight, scales, zeros, group_size, bias, threads):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
 # ----------------------------------------------------------------------------- reference
 
 

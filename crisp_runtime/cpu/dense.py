@@ -89,6 +89,9 @@ class Q4Linear(_RoundedLinear):
     kind = "4-bit rows (RuntimeConfig(dense='q4'))"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
+            p = self.packed
+            return torch.ops.crisp.dense_q8(x, p.qweight, p.scales, p.zeros, p.fmt.group_size, p.bias, self.threads)
         return dense_q8(x, self.packed, self.threads)
 
     def extra_repr(self) -> str:
@@ -102,6 +105,9 @@ class Int8Linear(_RoundedLinear):
     kind = "8-bit blocks (RuntimeConfig(dense='q8'))"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
+            p = self.packed
+            return torch.ops.crisp.dense_int8(x, p.qweight, p.scales, p.bias, self.threads)
         return dense_int8(x, self.packed, self.threads)
 
     def extra_repr(self) -> str:
@@ -124,6 +130,8 @@ class Bf16Linear(nn.Module):
         self.weight_dtype, self.bias_dtype = weight_dtype, bias_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
+            return torch.ops.crisp.dense_bf16(x, self.packed.weight, self.packed.bias, self.threads)
         return dense_bf16(x, self.packed, self.threads)
 
     def exact_weight(self) -> torch.Tensor:
