@@ -109,11 +109,14 @@ class _TokenMask:
 class _ExpertsState:
     """What the ``crisp`` experts function needs on one experts module."""
 
-    __slots__ = ("layer_id", "name", "prefetcher", "previous_impl", "resident", "runtime", "tokens")
+    __slots__ = ("host_step", "layer_id", "name", "prefetcher", "previous_impl", "resident", "runtime", "tokens")
 
     def __init__(self, runtime: CrispRuntime, layer_id: int, name: str, previous_impl, tokens: _TokenMask,
-                 prefetcher: Prefetcher | None = None, resident: ResidentStep | None = None) -> None:
+                 prefetcher: Prefetcher | None = None, resident: ResidentStep | None = None, host_step=None) -> None:
         self.runtime = runtime
+        # _run_experts marked torch.compiler.disable, made by apply: the marking imports torch._dynamo (1.5 s on the
+        # 2-core VM), which a model being patched has imported already and `import crisp_runtime` should not pay
+        self.host_step = host_step
         self.resident = resident  # every expert resident: the step torch.compile traces (resident_path)
         self.layer_id = layer_id
         self.name = name
@@ -126,10 +129,10 @@ _NO_GRAD_HINT = ("Run inference under torch.no_grad() / torch.inference_mode(), 
                  "(handle.restore()) before training it")
 
 
-@torch.compiler.disable
 def _run_experts(state: _ExpertsState, hidden_states, top_k_index, top_k_weights):
-    # Disabled for torch.compile: the step reads the routing on the host (widths, copies, order, statistics),
-    # so a compiled model breaks its graph here, once per MoE layer, instead of at each of those reads.
+    # Run as torch.compiler.disable(_run_experts) (_ExpertsState.host_step): the step reads the routing on the host
+    # (widths, copies, order, statistics), so a compiled model breaks its graph here, once per MoE layer, instead of
+    # at each of those reads.
     out = state.runtime.forward(state.layer_id, hidden_states, top_k_index, top_k_weights)
     if state.prefetcher is not None:
         # After this layer's copies and kernels are enqueued: the next layer's predicted experts queue behind
@@ -156,7 +159,7 @@ def crisp_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     if state.resident is not None and torch.compiler.is_compiling():  # traced whole: no host read, no graph break
         run = functools.partial(state.resident, state.layer_id)
     else:
-        run = functools.partial(_run_experts, state)
+        run = functools.partial(state.host_step, state)
     return without_backward(f"CRISP experts ({state.name})", run, hidden_states, top_k_index, top_k_weights,
                             hint=_NO_GRAD_HINT)
 
@@ -339,8 +342,9 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
       logged once, logger ``crisp_runtime``).
     - ``cpu``: None (default) = ``"auto"`` for the stored and default choices (``"off"`` when ``serving`` or
       ``config`` is given): offloaded experts computed on the host CPU where the measured bandwidths say it pays
-      (on a machine without a GPU there is nothing to split, and ``stats()["cpu"]`` says so); ``"on"`` (whenever
-      a step's cost model says the CPU beats copying) or ``"off"``. ``stats()["cpu"]`` says what was decided.
+      (with the model on the CPU, every expert on the CPU kernel from the packed host rows, budget or not:
+      ``cpu_only``); ``"on"`` (whenever a step's cost model says the CPU beats copying) or ``"off"`` (on a CPU:
+      the device path a GPU runs, torch ops on dequantized rows). ``stats()["cpu"]`` says what was decided.
     - ``fmt``: the 4-bit format when ``source`` is None (default: group 64, asymmetric).
     - ``allow_weights_mismatch``: use a pack whose recorded weights fingerprint differs from the model's expert
       weights. Refused by default: the same architecture with other weights would run without a word, wrongly.
@@ -416,13 +420,14 @@ def _apply_to_experts(model, refs: list[MoeLayerRef], source, *, plan: CrispPlan
     stash: dict = {}
     handle = ExpertsHandle(model, refs, runtime, previous_impl, stash)
     tokens = _TokenMask()
+    host_step = torch.compiler.disable(_run_experts)
     try:
         for ref in refs:
             entries = stash[ref.name] = _detach_weights(ref.module, keep=config.keep_original)
             originals = [(name, obj if where == "param" else None) for name, where, obj, _ in entries]
             _install_guard(ref.module, ref.name, originals)
             ref.module.__dict__[_STATE_ATTR] = _ExpertsState(runtime, ref.layer_id, ref.name, previous_impl, tokens,
-                                                             prefetcher, resident)
+                                                             prefetcher, resident, host_step)
         handle._model_hooks += [
             model.register_forward_pre_hook(functools.partial(_record_attention_mask, tokens), with_kwargs=True),
             model.register_forward_hook(functools.partial(_clear_attention_mask, tokens), with_kwargs=True,
