@@ -42,7 +42,7 @@ from crisp_kernels.cpu_expert import Precision
 from crisp_kernels.expert_mlp import expert_mlp_ref
 from crisp_runtime import cli_args as ca
 from crisp_runtime.cpu.experts import EXACT, TOLERANCE, CpuExpertsConfig, CpuKernel
-from crisp_runtime.cpu.knob import measure_cpu_bytes_per_s
+from crisp_runtime.cpu.knob import measure_cpu_bytes_per_s, replay_cpu
 from crisp_runtime.execution.runtime import RuntimeConfig
 from crisp_runtime.hf.dropin import apply
 from crisp_runtime.hf.moe_layers import max_positions
@@ -183,7 +183,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--default", action="store_true",
                    help=f"also decode with what apply(model, pack, gpu_budget=B) runs given only the budget (record "
                    f"'{DEFAULT_POLICY}', with stats()['serving']; `simulate --compare` matches it with the simulator's "
-                   "record of the same name)")
+                   "record of the same name; without a GPU, its device path: cpu='off')")
     p.add_argument("--cpu-precision", choices=CPU_PRECISIONS, default="q8",
                    help="the precision the CPU placements promise: q8 (default: the native kernel with 8-bit "
                    "activations and integer dots, within 2**-5 of the reference), bf16 (the native kernel in fp32, or "
@@ -246,8 +246,10 @@ def run(args) -> int:
                           kernel=CpuKernel(getattr(args, "cpu_kernel", "auto")))
     for placement in placements:
         config = _placement_config(placement, pack, cpu_experts)
+        # gpu: what apply runs on a GPU machine (here, without a GPU, its device path: replay_cpu); the CPU
+        # placements as configured
         handle = apply(model, pack, plan=plans.get("full") or next(iter(plans.values())), gpu_budget=budget,
-                       config=config)
+                       config=config, cpu=replay_cpu(device) if config is None else None)
         try:
             for name, plan in plans.items():
                 handle.set_plan(plan)
@@ -330,8 +332,10 @@ def run(args) -> int:
 
 def _default_record(model, pack, ids, warm: int, budget: int, fraction: float, device) -> dict:
     """The record ``crisp-default``: the decode of what ``apply(model, pack, gpu_budget=budget)`` runs with no
-    other argument (the pack's stored choice for the budget, else the default rule; ``stats()["serving"]``)."""
-    handle = apply(model, pack, gpu_budget=budget)
+    other argument (the pack's stored choice for the budget, else the default rule; ``stats()["serving"]``) on a GPU
+    machine; on a machine without one, its device path (``cpu="off"``, :func:`replay_cpu`: the default there serves
+    every expert on the CPU kernel, which the simulator's ``crisp-default`` does not model)."""
+    handle = apply(model, pack, gpu_budget=budget, cpu=replay_cpu(device))
     try:
         prog = report.Progress(f"e2e {DEFAULT_POLICY}")
         prog(0, 1)

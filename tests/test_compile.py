@@ -132,7 +132,7 @@ def _crisp_plan():
 @pytest.mark.parametrize("plan", [None, "crisp"])
 def test_resident_model_compiles_fullgraph(plan):
     model = _model()
-    handle = apply(model, plan=None if plan is None else _crisp_plan())
+    handle = apply(model, plan=None if plan is None else _crisp_plan(), cpu="off")  # the device path, resident
     inputs = [torch.randint(0, 96, (2, n), generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
     with torch.no_grad():
         eager = [model(x).logits for x in inputs]
@@ -161,7 +161,8 @@ def test_budget_breaks_the_graph_only_at_the_host_planned_step():
     model = _model()
     expert_bytes = apply(model).layers[0].expert(0).nbytes()
     model = _model()
-    handle = apply(model, gpu_budget=int(2.5 * expert_bytes))  # 2.5 of the 8 experts: streamed and evicted
+    # 2.5 of the 8 experts, streamed and evicted by the device path (cpu='off': a GPU's, on this CPU)
+    handle = apply(model, gpu_budget=int(2.5 * expert_bytes), cpu="off")
     x = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(x).logits
@@ -180,6 +181,31 @@ def test_budget_breaks_the_graph_only_at_the_host_planned_step():
     reasons = list(counters["graph_break"])
     assert reasons and all("disable" in r for r in reasons), reasons
     assert handle.stats()["bytes_h2d"] > 0
+    handle.restore()
+
+
+@pytest.mark.slow
+def test_the_cpu_default_compiles_with_its_dense_kernels_as_ops():
+    """apply's default on a CPU model (every expert on the CPU kernel, attention on the 8-bit dense kernel): the
+    dense layers are ``torch.ops.crisp`` ops inside the graph, the graph breaks only at the host-planned MoE step,
+    and the logits are the eager ones, bitwise (the same kernels on the same inputs)."""
+    from torch._dynamo.utils import counters
+
+    from crisp_runtime.cpu.dense import Int8Linear
+
+    model = _model()
+    handle = apply(model, gpu_budget=None)
+    assert handle.stats()["cpu"]["placement"] == "cpu_only"
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * 2  # q, k, v, o of both layers
+    x = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x).logits
+        torch._dynamo.reset()
+        counters.clear()
+        have = torch.compile(model, backend="eager")(x).logits
+    assert torch.equal(have, want)
+    reasons = list(counters["graph_break"])
+    assert reasons and all("disable" in r for r in reasons), reasons
     handle.restore()
 
 

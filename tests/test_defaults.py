@@ -192,18 +192,28 @@ IDS = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(0))
 
 @pytest.mark.parametrize(("fraction", "expect"), [(0.3, "resident-floor75"), (0.6, "resident"), (0.12, "plan")])
 def test_apply_runs_the_stored_choice_and_says_so(mixtral, stored_pack, fraction, expect, caplog):
+    rec = CHOICES.for_fraction(fraction)
+    # the stored choice as a GPU runs it (cpu="off": the device path on this CPU)
+    with apply(mixtral, stored_pack, gpu_budget=_budget(stored_pack, fraction), cpu="off") as handle:
+        with torch.no_grad():
+            mixtral(IDS)
+        stats = handle.stats()
+        assert handle.runtime.config.serving == rec.policy and handle.runtime.config.prefetch == rec.prefetch
+        assert stats["serving"]["source"] == "stored" and stats["serving"]["running"]["serving"] == expect
+        assert stats["serving"]["stored_budget_fraction"] == rec.gpu_budget_fraction
+    # the default (cpu="auto") on this machine without a GPU: the stored choice, then every expert on the CPU kernel
     with caplog.at_level("INFO", logger="crisp_runtime"):
         handle = apply(mixtral, stored_pack, gpu_budget=_budget(stored_pack, fraction))
     try:
         with torch.no_grad():
             mixtral(IDS)
         stats = handle.stats()
-        rec = CHOICES.for_fraction(fraction)
-        assert handle.runtime.config.serving == rec.policy and handle.runtime.config.prefetch == rec.prefetch
-        assert stats["serving"]["source"] == "stored" and stats["serving"]["running"]["serving"] == expect
-        assert stats["serving"]["stored_budget_fraction"] == rec.gpu_budget_fraction
+        assert stats["serving"]["source"] == "stored" and stats["serving"]["stored_budget_fraction"] == (
+            rec.gpu_budget_fraction)
+        assert stats["serving"]["running"] == {"serving": "cpu_only", "placement": "cpu_only", "prefetch": None,
+                                               "eviction": stats["serving"]["running"]["eviction"]}
         assert stats["cpu"]["mode"] == "auto" and "no GPU found" in stats["cpu"]["reason"]
-        assert stats["cpu"]["cpu_bytes_per_s"] is None  # nothing measured without a GPU to split with
+        assert stats["cpu"]["cpu_bytes_per_s"] > 0 and stats["cpu_runs"] > 0 and stats["bytes_h2d"] == 0
         line = [r.getMessage() for r in caplog.records if r.name == "crisp_runtime"]
         assert len(line) == 1 and "stored" in line[0] and "no GPU found" in line[0]
     finally:
@@ -224,15 +234,15 @@ def test_paper_outputs_equal_the_plans_widths_and_the_default_is_exact_where_it_
     """serving='paper' at a budget gives the all-resident plan-width outputs (the paper's configuration is
     cache-independent); the default on a full-width pack (no roles: plan widths + prefetch + next-use) too."""
     pack = load_pack(MIXTRAL_PACK)
-    with apply(mixtral, pack), torch.no_grad():
+    with apply(mixtral, pack, cpu="off"), torch.no_grad():  # the device path (a GPU's) throughout, on this CPU
         ref = mixtral(IDS).logits
     budget = _budget(MIXTRAL_PACK, 0.25)
     with apply(mixtral, pack, gpu_budget=budget, serving="paper"), torch.no_grad():
         assert torch.equal(mixtral(IDS).logits, ref)
     full = CrispPack(pack.layers, CrispPlan.full(8, 2, 256, tuple(sorted(pack.layers))), pack.info)
-    with apply(mixtral, full), torch.no_grad():
+    with apply(mixtral, full, cpu="off"), torch.no_grad():
         full_ref = mixtral(IDS).logits
-    with apply(mixtral, full, gpu_budget=budget) as handle, torch.no_grad():
+    with apply(mixtral, full, gpu_budget=budget, cpu="off") as handle, torch.no_grad():
         assert handle.runtime.config.prefetch == PrefetchPolicy() and handle.runtime.config.serving.name == "plan"
         assert torch.equal(mixtral(IDS).logits, full_ref)
 
@@ -240,7 +250,8 @@ def test_paper_outputs_equal_the_plans_widths_and_the_default_is_exact_where_it_
 def test_load_model_runs_the_stored_choice(stored_pack):
     import crisp_runtime
 
-    model, handle = crisp_runtime.load_model(MIXTRAL, stored_pack, gpu_budget=_budget(stored_pack, 0.25))
+    model, handle = crisp_runtime.load_model(MIXTRAL, stored_pack, gpu_budget=_budget(stored_pack, 0.25),
+                                             cpu="off")  # the stored choice as a GPU runs it, on this CPU
     try:
         assert handle.stats()["serving"]["source"] == "stored"
         assert handle.runtime.config.serving == SERVING_POLICIES["resident-floor75"]
@@ -264,7 +275,7 @@ def test_blocks_run_the_stored_choice(tmp_path):
     from crisp_runtime.storage.serving_record import budget_base_bytes
 
     budget = int(0.5 * budget_base_bytes(layers))
-    with apply(model, pack, gpu_budget=budget) as handle, torch.no_grad():
+    with apply(model, pack, gpu_budget=budget, cpu="off") as handle, torch.no_grad():  # as a GPU runs it
         model(TOKENS)
         assert handle.stats()["serving"]["source"] == "stored"
         assert handle.runtime.config.serving == SERVING_POLICIES["resident"]

@@ -247,8 +247,14 @@ def test_applys_default_takes_q8_for_cpu_only_8bit_experts_and_bf16_otherwise():
         info = handle.stats()["dense"]
         assert info["chosen"] == "bf16" and info["layers"] == 0 and info["kept"] == n
         assert info["reason"].startswith("the CPU experts compute at precision 'fp32'")
-    # experts on the GPU path (here the CPU device): attention exact too
-    with apply(model, pack, gpu_budget="64MiB") as handle:
+    # experts on the device path (cpu="off": a GPU's, here on the CPU device): attention exact too
+    with apply(model, pack, gpu_budget="64MiB", cpu="off") as handle:
         info = handle.stats()["dense"]
         assert info["chosen"] == "bf16" and info["layers"] == 0 and "placement 'gpu'" in info["reason"]
+    # the default with a CPU model, budget or not: every expert on the 8-bit CPU kernel, so 8-bit attention
+    for budget in ("64MiB", None):
+        with apply(model, pack, gpu_budget=budget) as handle:
+            info = handle.stats()["dense"]
+            assert handle.stats()["cpu"]["placement"] == "cpu_only"
+            assert info["chosen"] == "q8" and info["layers"] == n
     assert len(attention_linears(model)) == n

@@ -168,7 +168,7 @@ def test_decode_through_runtime_equals_batch_evaluation(setup):
     from crisp_tools.serving_eval import ServingCase, run_case, total_expert_bytes
 
     model, pack, windows = _decode_setup(setup)
-    with apply(model, pack), record_routing(model) as trace:
+    with apply(model, pack, cpu="off"), record_routing(model) as trace:  # the device path, as the decode's
         batch = score_windows(model, windows)
     layer = next(iter(pack.layers.values()))
     n, length = windows.shape
@@ -208,7 +208,7 @@ def test_a_capped_plan_is_served_under_its_cap_and_recorded_with_it(setup):
     model, pack, windows = _decode_setup(setup, samples=2, seq_len=16)
     cap = pack.plan.intermediate_size * 3 // 4
     capped = pack.plan.capped(cap)
-    with apply(model, pack, plan=capped):
+    with apply(model, pack, plan=capped, cpu="off"):  # the device path, as the decode's
         batch = score_windows(model, windows)
     case = ServingCase("crisp-exact")
     decoded, stats = run_case(model, pack, capped, windows, int(0.3 * total_expert_bytes(pack.layers)), case)
@@ -232,7 +232,7 @@ def test_a_weight_promoted_plan_decodes_as_its_batch_run_and_is_recorded_with_it
     promoted = pack.plan.promoted(0.3)
     if banded:
         promoted = promoted.skipping(0.3)  # = skip-aux at 0.3: every auxiliary lighter than 0.3 skipped
-    with apply(model, pack, plan=promoted):
+    with apply(model, pack, plan=promoted, cpu="off"):  # the device path, as the decode's
         batch = score_windows(model, windows)
     case = ServingCase("crisp-exact")
     budget = int(0.3 * total_expert_bytes(pack.layers))

@@ -1,7 +1,9 @@
 """The clients of a patched model (docs/clients.md, run as written) and the tiny model's tokenizer.
 
-The Python blocks of docs/clients.md are executed in order as one session, once as written (a
-small gpu_budget: experts streamed and evicted) and once with every expert resident; generate
+The Python blocks of docs/clients.md are executed in order as one session, once with the doc's small gpu_budget
+(experts streamed and evicted) and once with every expert resident, both through the device path that a GPU
+runs (``cpu="off"``: on this CPU-only machine the default serves every expert on the CPU kernel), and once as
+written; generate
 (greedy with padding and a KV cache, without the cache, sampling) and pipeline must give the same
 tokens both times. The committed tokenizer must be the byte encoding of crisp_tools.text.
 """
@@ -32,13 +34,16 @@ def doc_blocks() -> list[str]:
     return [b for b in blocks if not b.startswith("# run by tests/")]
 
 
-def run_doc(monkeypatch, *, budget: str | None) -> dict:
-    """Run every Python block of the doc in one namespace (from the repository root); return it."""
+def run_doc(monkeypatch, *, budget: str | None, cpu: str | None = "off") -> dict:
+    """Run every Python block of the doc in one namespace (from the repository root); return it. ``cpu``: passed to
+    the doc's ``load_model`` ("off": the device path that a GPU runs, streaming and evicting under the budget;
+    None: as written, which on a machine without a GPU serves every expert on the CPU kernel)."""
     monkeypatch.chdir(ROOT)
     namespace: dict = {"__name__": "clients_doc"}
     for block in doc_blocks():
-        if budget is None:
-            block = block.replace(BUDGET_IN_DOC, "gpu_budget=None")
+        assert block.count(BUDGET_IN_DOC) <= 1
+        call = "gpu_budget=None" if budget is None else BUDGET_IN_DOC
+        block = block.replace(BUDGET_IN_DOC, call if cpu is None else f"{call}, cpu={cpu!r}")
         exec(compile(block, str(DOC), "exec"), namespace)  # noqa: S102 - our own documentation
     return namespace
 
@@ -48,7 +53,8 @@ def sessions():
     mp = pytest.MonkeyPatch()
     try:
         with torch.no_grad():
-            yield {"budget": run_doc(mp, budget=BUDGET_IN_DOC), "resident": run_doc(mp, budget=None)}
+            yield {"budget": run_doc(mp, budget=BUDGET_IN_DOC), "resident": run_doc(mp, budget=None),
+                   "as_written": run_doc(mp, budget=BUDGET_IN_DOC, cpu=None)}
     finally:
         mp.undo()
 
@@ -78,6 +84,16 @@ def test_the_budget_was_small_and_respected(sessions):
     assert 0 < st["cache"]["peak_bytes"] <= 128 * 1024
     assert st["bytes_h2d"] > 0 and st["evictions"] > 0
     assert sessions["resident"]["handle"].stats()["bytes_h2d"] == 0
+
+
+def test_the_doc_as_written_runs_the_default_placement(sessions):
+    ns = sessions["as_written"]
+    st = ns["handle"].stats()
+    # load_model's default device is the CPU: every expert on the CPU kernel, nothing copied; the same clients
+    assert st["cpu"]["placement"] == "cpu_only" and st["bytes_h2d"] == 0 and st["cpu_runs"] > 0
+    for name in ("greedy", "no_cache", "sampled"):
+        assert ns[name].shape == sessions["budget"][name].shape
+    assert len(ns["piped"]) == len(sessions["budget"]["piped"])
 
 
 def test_stats_of_the_doc_session_count_real_tokens(sessions):

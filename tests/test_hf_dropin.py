@@ -127,7 +127,7 @@ def test_full_width_matches_dequantized_eager_and_restores(family, offload):
     probe = _experts_probe(model)
     top_k = model.config.num_experts_per_tok
     budget = min_budget_bytes(layers, top_k) if offload else None  # smallest budget: forces evictions
-    handle = apply(model, gpu_budget=budget)
+    handle = apply(model, gpu_budget=budget, cpu="off")  # the device path (a GPU's), on this CPU
     assert model.get_experts_implementation()[""] == "crisp"
     assert all(ref.module.gate_up_proj.is_meta for ref in handle.refs)  # full-precision experts freed
     got = logits(model)
@@ -195,7 +195,7 @@ def test_context_manager_and_set_plan():
     model = make_model("mixtral")
     original = logits(model)
     snap = snapshot(model)
-    with apply(model, gpu_budget="1MiB") as handle:
+    with apply(model, gpu_budget="1MiB", cpu="off") as handle:  # the device path: copies and misses
         full = logits(model)
         first = handle.stats()
         assert first["bytes_read"] > 0 and first["misses"] > 0
@@ -319,7 +319,7 @@ def test_load_model_never_materialises_experts(tmp_path):
     model = make_model("deepseek_v3")
     model.save_pretrained(tmp_path / "ckpt")
     save_pack(tmp_path / "pack", pack_model(model), info=model_info(model))
-    with apply(model, tmp_path / "pack"):
+    with apply(model, tmp_path / "pack", cpu="off"):  # the device path, as load_model's config runs
         expected = logits(model)
     loaded, handle = load_model(tmp_path / "ckpt", tmp_path / "pack", gpu_budget="64KiB",
                                 config=RuntimeConfig(eviction="frequency"))

@@ -26,8 +26,8 @@ def tiny_model(seed=0):
 def test_knob_outputs_and_stats(cpu):
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     model = tiny_model()
-    # The reference: the same packed experts, all resident (no budget, GPU-only placement).
-    ref_handle = apply(model)
+    # The reference: the same packed experts, all resident (no budget, the device path).
+    ref_handle = apply(model, cpu="off")
     with torch.no_grad():
         ref = model(ids).logits
     ref_handle.restore()
@@ -41,11 +41,20 @@ def test_knob_outputs_and_stats(cpu):
     assert decision["mode"] == cpu
     if cpu == "on":
         assert decision["placement"] == "hybrid" and handle.runtime.serving.placement is Placement.HYBRID
-    else:  # off: as configured; auto on this CPU-only machine: no GPU to split with
+    elif cpu == "off":  # as configured
         assert decision["placement"] == "gpu" and handle.runtime.serving.placement is Placement.GPU
         assert stats["cpu_runs"] == 0
-    # the widths served are the plan's (full here) whatever the placement: the logits equal the reference's
-    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
+    if cpu == "auto":  # this machine has no GPU: every expert on the CPU kernel, as the explicit CPU-only call
+        assert decision["placement"] == "cpu_only" and handle.runtime.serving.placement is Placement.CPU
+        assert "no GPU found" in decision["reason"] and stats["cpu_runs"] > 0 and stats["bytes_h2d"] == 0
+        handle.restore()
+        explicit = apply(model, gpu_budget=budget * 2, serving="cpu_only", cpu="on")
+        with torch.no_grad():
+            want = model(ids).logits
+        explicit.restore()
+        assert torch.equal(out, want)
+    else:  # the widths served are the plan's (full here) whatever the placement: the logits equal the reference's
+        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
     handle.restore()
     assert not handle.runtime._cpu.started
 
@@ -99,3 +108,20 @@ def test_auto_rule_and_measurement(monkeypatch):
     config = RuntimeConfig(cost=CostModel(h2d_bytes_per_s=25e9, cpu_bytes_per_s=fast, join_s=7e-6))
     new, decision = decide_cpu("on", config=config, budget=10**6, device=FakeCuda(), layers=layers)
     assert new.cost.join_s == 7e-6 and decision.to_dict()["join_s"] == 7e-6
+
+
+def test_the_cpu_model_rule_and_the_replay_mode():
+    """auto serves on the CPU kernel exactly where the model is not on a GPU and no layer has 2-bit tail rows; a
+    tool replaying a GPU's run turns it off only off the GPU."""
+    from types import SimpleNamespace
+
+    from crisp_runtime.cpu.knob import replay_cpu, serves_on_cpu
+
+    plain, tailed = {0: SimpleNamespace(tail_start=None)}, {0: SimpleNamespace(tail_start=None),
+                                                             1: SimpleNamespace(tail_start=16)}
+    assert serves_on_cpu("auto", "cpu", plain) and serves_on_cpu("auto", torch.device("cpu"), plain)
+    assert not serves_on_cpu("auto", "cpu", tailed)
+    assert not serves_on_cpu("auto", torch.device("cuda", 0), plain)
+    assert not serves_on_cpu("on", "cpu", plain) and not serves_on_cpu("off", "cpu", plain)
+    assert replay_cpu("cpu") == "off" and replay_cpu(torch.device("cpu")) == "off"
+    assert replay_cpu("cuda") is None and replay_cpu(torch.device("cuda", 1)) is None

@@ -17,7 +17,7 @@ from crisp_runtime.execution.runtime import min_budget_bytes
 
 def test_default_serving_logits_do_not_depend_on_the_budget():
     model = make_model("mixtral")
-    with apply(model) as handle:
+    with apply(model, cpu="off") as handle:  # every expert resident: the device path, as the budgets' below
         layers, top_k = handle.layers, handle.plan.top_k
         resident = logits(model)
     tight = min_budget_bytes(layers, top_k)

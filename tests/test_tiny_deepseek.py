@@ -111,7 +111,7 @@ def test_apply_full_width_equals_dequantized_eager(model, pack, windows):
             ref.module.down_proj.copy_(down)
     expected = _logits(twin, windows)
     full = CrispPlan.full(E, TOP_K, MOE_I, sorted(layers))
-    with apply(model, PACK_DIR, plan=full):
+    with apply(model, PACK_DIR, plan=full, cpu="off"):  # the device path (a GPU's), on this CPU
         got = _logits(model, windows)
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
     # 4-bit changes the logits measurably (the comparison is not vacuous)
@@ -142,7 +142,7 @@ def test_crisp_plan_runtime_equals_reference_engine(model, pack, windows, which)
     neuron_bytes = layers[refs[0].layer_id].fmt.neuron_nbytes(refs[0].hidden_size)
     planned = sum(int(plan.token_widths(lid, torch.cat(inst.trace.index[lid]),
                                         torch.cat(inst.trace.weights[lid])).sum()) for lid in sorted(layers))
-    with apply(model, PACK_DIR, plan=plan) as handle:
+    with apply(model, PACK_DIR, plan=plan, cpu="off") as handle:  # the device path (a GPU's), on this CPU
         got = _logits(model, windows)
         stats = handle.stats()
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)

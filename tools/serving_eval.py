@@ -163,7 +163,7 @@ def score_plan(model, pack, plan: CrispPlan, windows: torch.Tensor, batch_size: 
     policy, every expert resident): what decoding them under a serving policy that follows the plan gives, at any
     budget, with or without a prefetch at the plan's widths (outputs independent of the cache; tests/
     test_evaluate.py checks batch = decode), at a fraction of a decode's cost (one forward per window)."""
-    handle = apply(model, pack, plan=plan)
+    handle = apply(model, pack, plan=plan, cpu="off")  # the device path on any machine: the decode's numerics
     try:
         return score_windows(model, windows, batch_size)
     finally:

@@ -10,12 +10,14 @@
   ``join_s`` is 0 (the default), the worker's handoff measured here (``CpuWorker.handoff_s``: a step
   with CPU experts waits for it once; 20-260 us on a 2-core VM), so that a step whose CPU share saves
   less than that stays on the GPU.
-- ``auto`` (``apply``'s default for its default and stored choices): ``on`` when it can pay, from the measured
-  bandwidths: experts offloaded (``gpu_budget`` set), a GPU to offload from (on a CPU-only machine the experts run
-  on the CPU: nothing to split, nothing measured, and the decision says no GPU was found), and a CPU
-  streaming prefix bytes at >= 1/4 of the copy rate (:func:`cpu_pays`)
-  (below that the CPU finishes one full expert in the time of four copies, and the overlap it adds
-  is within the planner's own overhead); ``off`` otherwise.
+- ``auto`` (``apply``'s default for its default and stored choices): with the model on the CPU (no GPU in use:
+  none found, or not the model's device), ``cpu_only``: every expert computed by the CPU kernel from the packed
+  host rows, with or without a ``gpu_budget`` (:func:`serves_on_cpu`; the device path on a CPU dequantizes whole
+  experts with torch ops, 70-80x slower a token on the peer benchmark's large model, 2-core VM), unless the pack
+  has 2-bit tail rows, which the CPU kernels do not read. With the model on a GPU: ``on`` when it can pay, from
+  the measured bandwidths: experts offloaded (``gpu_budget`` set) and a CPU streaming prefix bytes at >= 1/4 of
+  the copy rate (:func:`cpu_pays`) (below that the CPU finishes one full expert in the time of four copies, and
+  the overlap it adds is within the planner's own overhead); ``off`` otherwise.
 
 The decision and its reasons are in ``CrispHandle.stats()["cpu"]``.
 """
@@ -30,6 +32,7 @@ import torch
 
 from crisp_kernels import cpu_native
 from crisp_runtime.cpu.experts import CpuExperts, CpuExpertsConfig, CpuWorker
+from crisp_runtime.planning.serving import make_serving
 from crisp_runtime.scheduling.scheduler import Placement
 
 # auto: hybrid when the CPU streams prefix bytes at least this fraction of the H2D rate (see the docstring).
@@ -143,6 +146,28 @@ def cpu_pays(cpu_bytes_per_s: float, h2d_bytes_per_s: float) -> bool:
     return cpu_bytes_per_s >= AUTO_MIN_CPU_TO_H2D * h2d_bytes_per_s
 
 
+def serves_on_cpu(cpu, device, layers) -> bool:
+    """Whether ``cpu`` (``"auto"``) puts every expert on the CPU kernel here: no GPU (``device`` is not CUDA) and
+    a pack without 2-bit tail rows. The caller then gives the runtime its host store (a ``gpu_budget`` of
+    ``min_budget_bytes`` where none was set: on a CPU the budget holds nothing a step reads)."""
+    device_type = torch.device(device).type if isinstance(device, str | int) else device.type
+    return (parse_cpu_mode(cpu) is CpuMode.AUTO and device_type != "cuda"
+            and all(layer.tail_start is None for layer in layers.values()))
+
+
+def _why_no_gpu(device: torch.device) -> str:
+    """The reason's opening where ``cpu="auto"`` runs no GPU: none found, or the model on another device."""
+    return "no GPU found" if not torch.cuda.is_available() else f"the model is on {device.type}, not a GPU"
+
+
+def replay_cpu(device) -> str | None:
+    """``apply``'s ``cpu`` for a tool that replays on ``device`` what ``apply`` runs on a GPU machine (``crisp-eval
+    --mode decode``, ``crisp-bench e2e``'s ``crisp-default``, the throughput search's decode check): None (the
+    default) on a GPU; ``"off"`` elsewhere, where the default would serve every expert on the CPU kernel
+    (:func:`serves_on_cpu`) instead of the device path that a GPU runs and the simulator models."""
+    return None if torch.device(device).type == "cuda" else "off"
+
+
 def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers,
                hybrid_config=None) -> tuple[object, CpuDecision]:
     """The configuration to run and what was decided (``layers``: the packed layers, for measuring).
@@ -152,17 +177,20 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers,
     placement = config.serving.placement
     if mode is CpuMode.OFF:
         return config, CpuDecision(mode, placement, "cpu='off': the configuration as given")
+    cpu_only = serves_on_cpu(mode, device, layers)
+    if mode is CpuMode.AUTO and device.type != "cuda" and not cpu_only:
+        return config, CpuDecision(mode, placement, f"{_why_no_gpu(device)}: the experts run on {device.type} "
+                                   "through the device path (the pack's 2-bit tail rows are read by it only)")
     if budget is None:
         if mode is CpuMode.ON:
             raise ValueError("cpu='on' computes offloaded experts on the CPU: it needs a gpu_budget")
-        return config, CpuDecision(mode, placement, "no gpu_budget: every expert resident on the device")
-    if mode is CpuMode.AUTO and device.type != "cuda":  # nothing measured: there is nothing to split
-        # the device path on a CPU computes each expert with torch ops on its dequantized rows: 43-48 s for 16
-        # tokens after a 32-token prompt on crisp-bench peer's large model (one thread, 2-core VM) against
-        # 0.64-0.66 s with serving="cpu_only", cpu="on" (the native CPU kernel on the packed rows)
-        return config, CpuDecision(mode, placement, f"no GPU found: the experts run on {device.type} through the "
-                                   "device path, nothing to split; for CPU-only serving pass serving='cpu_only', "
-                                   "cpu='on' (the CPU kernel on the packed rows, the fast path without a GPU)")
+        if not cpu_only:
+            return config, CpuDecision(mode, placement, "no gpu_budget: every expert resident on the device")
+        raise ValueError("no GPU: every expert runs on the CPU from its host rows, which needs the host store; "
+                         "pass the budget serves_on_cpu's caller gives (min_budget_bytes)")
+    if cpu_only:  # every expert on the CPU kernel; prefetch and the GPU cache have nothing to do
+        config, hybrid_config = replace(config, serving=make_serving("cpu_only"), prefetch=None), None
+        placement = Placement.CPU
     first = layers[min(layers)]
     cost = config.cost
     if cost.has_cpu:  # the configuration's CPU figures, its ridge included
@@ -173,7 +201,7 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers,
     if device.type == "cuda":  # GPU-only
         h2d_bps = _measure_h2d_bytes_per_s(first, device)
     name = config.cpu_experts.impl.value
-    if mode is CpuMode.AUTO and not cpu_pays(cpu_bps, h2d_bps):  # GPU-only from here (device is cuda)
+    if mode is CpuMode.AUTO and not cpu_only and not cpu_pays(cpu_bps, h2d_bps):  # GPU-only from here (cuda)
         return config, CpuDecision(mode, placement, f"CPU {cpu_bps / 1e9:.1f} GB/s < {AUTO_MIN_CPU_TO_H2D} x H2D "
                                    f"{h2d_bps / 1e9:.1f} GB/s", cpu_bps, h2d_bps, name)
     if hybrid_config is not None:
@@ -186,6 +214,8 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers,
     join_s = cost.join_s if cost.join_s > 0 else measure_handoff_s(config.cpu_experts)
     new_cost = replace(cost, cpu_bytes_per_s=cpu_bps, h2d_bytes_per_s=h2d_bps, join_s=join_s, cpu_ridge_tokens=ridge)
     reason = ("cpu='on'" if mode is CpuMode.ON else
-              f"CPU {cpu_bps / 1e9:.1f} GB/s >= {AUTO_MIN_CPU_TO_H2D} x H2D {h2d_bps / 1e9:.1f} GB/s")
+              f"{_why_no_gpu(device)}: every expert on the CPU kernel ({name}) from host memory, "
+              f"{cpu_bps / 1e9:.1f} GB/s"
+              if cpu_only else f"CPU {cpu_bps / 1e9:.1f} GB/s >= {AUTO_MIN_CPU_TO_H2D} x H2D {h2d_bps / 1e9:.1f} GB/s")
     return replace(config, serving=serving, cost=new_cost), CpuDecision(mode, new_placement, reason, cpu_bps,
                                                                         h2d_bps, name, join_s, ridge)

@@ -50,6 +50,7 @@ from crisp_runtime.hf.handle import (
     CrispHandle,
     check_device,
     check_serving_arguments,
+    host_store_budget,
     loaded_source,
     log_choice,
     parse_budget,
@@ -476,6 +477,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     first = layers[refs[0].layer_id]
     plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
     choice = serving_choice_for(source, plan, layers, top_k, budget, serving=serving, config=config, cpu=cpu)
+    budget = host_store_budget(choice.cpu, device, layers, top_k, budget)
     config = choice.config
     predictor = None
     if config.prefetch is not None:  # checked before anything is measured or built
@@ -490,7 +492,9 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     runtime.cpu_decision = cpu_decision
     runtime.serving_choice = choice
     log_choice(choice, cpu_decision)
-    prefetcher = None if predictor is None else Prefetcher(predictor, runtime, config.prefetch)
+    # the CPU-only form drops the GPU form's prefetch (nothing is copied)
+    prefetcher = None if predictor is None or config.prefetch is None else Prefetcher(predictor, runtime,
+                                                                                      config.prefetch)
 
     # ---- only now modify the model
     stash: dict = {}

@@ -52,6 +52,7 @@ from crisp_runtime.hf.handle import (
     check_budget_fits_layers,
     check_device,
     check_serving_arguments,
+    host_store_budget,
     loaded_source,
     log_choice,
     parse_budget,
@@ -402,6 +403,7 @@ def _apply_to_experts(model, refs: list[MoeLayerRef], source, *, plan: CrispPlan
     first = layers[refs[0].layer_id]
     plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
     choice = serving_choice_for(source, plan, layers, top_k, budget, serving=serving, config=config, cpu=cpu)
+    budget = host_store_budget(choice.cpu, device, layers, top_k, budget)
     config, cpu_decision = decide_cpu(choice.cpu, config=choice.config, budget=budget, device=torch.device(device),
                                       layers=layers, hybrid_config=choice.hybrid)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)

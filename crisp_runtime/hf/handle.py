@@ -20,6 +20,7 @@ import torch
 from crisp_kernels import PackedLayer
 from crisp_kernels.cpu_expert import Precision
 from crisp_runtime.cpu.dense import DenseSwap, swap_dense
+from crisp_runtime.cpu.knob import serves_on_cpu
 from crisp_runtime.execution.runtime import CrispRuntime, RuntimeConfig, min_budget_bytes, plan_for_layers
 from crisp_runtime.planning.plan import CrispPlan, PlanError
 from crisp_runtime.planning.serving import Placement, make_serving
@@ -105,6 +106,16 @@ def serving_choice_for(source, plan: CrispPlan, layers, top_k: int, budget: int 
     facts = pack_facts(info, plan, top_k)
     fraction = budget_fraction_of(budget, budget_base_bytes(layers))
     return choose_serving(info, facts, fraction, serving=serving, config=config, cpu=cpu)
+
+
+def host_store_budget(cpu, device, layers, top_k: int, budget: int | None) -> int | None:
+    """The budget to run with: ``budget``, or where ``cpu`` (the choice's mode) serves every expert on the CPU
+    kernel (``cpu_knob.serves_on_cpu``: no GPU) and none was given, the smallest one (``min_budget_bytes``): the
+    CPU kernel reads the packed host rows, which only a budgeted runtime keeps; its device cache holds nothing a
+    step then reads."""
+    if budget is None and serves_on_cpu(cpu, device, layers):
+        return min_budget_bytes(layers, top_k)
+    return budget
 
 
 def log_choice(choice, cpu_decision) -> None:
