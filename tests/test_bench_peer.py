@@ -245,3 +245,31 @@ def test_the_crisp_engines_arithmetics_are_the_named_ones():
                                      "q8-dense16": "crisp-int4-g64-q8-dense16"}
     with pytest.raises(ValueError, match="precision"):
         peer_engines.crisp_cpu_experts("int4")
+
+
+def test_the_default_variant_is_what_applys_one_call_runs_on_a_cpu_model():
+    """The records' CRISP default ("q8-dense8", run with serving="cpu_only", cpu="on" and the engine's
+    configuration) is what ``apply(model, pack)`` with nothing else runs on a CPU model: the same placement, expert
+    kernel and attention format, bitwise the same logits at the pack's widths."""
+    from transformers import AutoModelForCausalLM
+
+    from crisp_kernels import cpu_native
+    from crisp_runtime import apply
+    from crisp_runtime.storage.pack import load_pack
+
+    if not cpu_native.available():
+        pytest.skip("the native CPU kernel does not build here")
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32, local_files_only=True).eval()
+    pack = load_pack(TINY_PACK)
+    ids = torch.arange(40, 64).unsqueeze(0)
+    runs = {}
+    for name, kwargs in (("default", {}),
+                         ("peer", {"serving": "cpu_only", "cpu": "on", "gpu_budget": 1 << 20,
+                                   "config": peer_engines.crisp_runtime_config("q8-dense8")})):
+        with apply(model, pack, **kwargs) as handle, torch.no_grad():
+            st = handle.stats()
+            runs[name] = (model(ids).logits, st["cpu"]["placement"], st["cpu"]["experts"]["impl"],
+                          st["dense"]["chosen"], st["dense"]["layers"])
+    assert runs["default"][1:] == runs["peer"][1:] and runs["default"][1:4] == ("cpu_only", "native-q8", "q8")
+    assert runs["default"][4] > 0
+    assert torch.equal(runs["default"][0], runs["peer"][0])
