@@ -161,10 +161,10 @@ def _why_no_gpu(device: torch.device) -> str:
 
 
 def replay_cpu(device) -> str | None:
-    """``apply``'s ``cpu`` for a tool that replays on ``device`` what ``apply`` runs on a GPU machine (``crisp-eval
-    --mode decode``, ``crisp-bench e2e``'s ``crisp-default``, the throughput search's decode check): None (the
-    default) on a GPU; ``"off"`` elsewhere, where the default would serve every expert on the CPU kernel
-    (:func:`serves_on_cpu`) instead of the device path that a GPU runs and the simulator models."""
+    """``apply``'s ``cpu`` for a tool that replays on ``device`` what ``apply`` runs on a GPU machine (``crisp-bench
+    e2e``'s ``gpu`` placement and ``crisp-default``, which ``simulate --compare`` matches): None (the default) on a
+    GPU; ``"off"`` elsewhere, where the default would serve every expert on the CPU kernel (:func:`serves_on_cpu`)
+    instead of the device path that a GPU runs and the simulator models."""
     return None if torch.device(device).type == "cuda" else "off"
 
 
