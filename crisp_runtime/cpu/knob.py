@@ -211,7 +211,8 @@ def decide_cpu(cpu, *, config, budget: int | None, device: torch.device, layers,
     serving = replace(config.serving, placement=new_placement,
                       name=config.serving.name if placement is not Placement.GPU else
                       ("hybrid" if config.serving.name == "plan" else f"{config.serving.name}+hybrid"))
-    join_s = cost.join_s if cost.join_s > 0 else measure_handoff_s(config.cpu_experts)
+    # cpu_only: a step has no GPU task, so its CPU rows run on the calling thread (no handoff to measure, 15-40 ms)
+    join_s = cost.join_s if cost.join_s > 0 or cpu_only else measure_handoff_s(config.cpu_experts)
     new_cost = replace(cost, cpu_bytes_per_s=cpu_bps, h2d_bytes_per_s=h2d_bps, join_s=join_s, cpu_ridge_tokens=ridge)
     reason = ("cpu='on'" if mode is CpuMode.ON else
               f"{_why_no_gpu(device)}: every expert on the CPU kernel ({name}) from host memory, "
