@@ -245,10 +245,11 @@ def bench_model(inputs: ModelInputs, args, ids: list[int], windows: list[list[in
                   "gguf": {q: str(p) for q, p in inputs.ggufs.items()}}
     workers: dict[tuple, Worker] = {}
     try:
-        # 1. the conversion check: the unquantized GGUF against the fp32 model (CRISP's worker before apply)
+        # 1. the conversion check: the unquantized GGUF against the fp32 model (transformers' whole model, in a
+        # worker of its own, closed before the timed engines load: its peak RSS is a full-precision model's)
         ref = Worker({"engine": "crisp", "model": str(inputs.model_dir), "pack": str(inputs.pack_dir),
                       "threads": top, "n_ctx": n_ctx, "reference": True})
-        workers[("crisp", CRISP_QUANT, top)] = ref
+        workers[("reference",)] = ref
         base = Worker({"engine": "llama.cpp", "gguf": str(inputs.ggufs[inputs.base]), "quant": inputs.base,
                        "threads": top, "n_ctx": n_ctx})
         check_ids = ids[:args.prompt]
@@ -268,8 +269,7 @@ def bench_model(inputs: ModelInputs, args, ids: list[int], windows: list[list[in
             got = ref.ask(op="accuracy", windows=windows)
             accuracy["fp32"] = got["correct"] / got["total"]
             meta["accuracy_positions"] = got["total"]
-        ref.ask(op="applied")
-        meta["crisp_cpu"] = ref.ready.get("info", {}).get("cpu") or ref.ask(op="stats").get("cpu")
+        workers.pop(("reference",)).close()
         # 2. every other worker, loaded one after another
         for t in threads:
             for quant in args.quants:
@@ -282,6 +282,9 @@ def bench_model(inputs: ModelInputs, args, ids: list[int], windows: list[list[in
                                            "pack": str(inputs.pack_dir), "threads": t, "n_ctx": n_ctx,
                                            "precision": precision})
         points = [(key, w) for key in workers for w in (WIDTHS if key[0] == "crisp" else ("full",))]
+        first_crisp = next((w for key, w in workers.items() if key[0] == "crisp"), None)
+        if first_crisp is not None:  # the CPU placement's decision and rates, as its first CRISP worker reports them
+            meta["crisp_cpu"] = first_crisp.ready.get("info", {}).get("cpu") or first_crisp.ask(op="stats").get("cpu")
         # 3. accuracy from each engine's own logits (the top thread count's workers)
         if windows:
             for key, width in points:
@@ -364,15 +367,16 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "peer", help="CRISP's CPU-only path against llama.cpp (Q4_0, Q4_K_M) on this CPU, in one run",
         description="Converts the same Mixtral checkpoint to GGUF, quantizes it with llama.cpp's quantizer "
-        "(Q4_0, Q4_K_M) and times llama.cpp and CRISP's CPU-only placement (cpu='on', serving='cpu_only') in "
-        "interleaved rounds: batch-1 decode and prompt tokens/s, peak RSS, and on the tiny model next-token "
-        "accuracy. Needs the 'peers' extra (pip install 'crisp-moe[peers]'). The large model (random weights, "
+        "(Q4_0, Q4_K_M) and times llama.cpp and CRISP's CPU-only placement (the checkpoint loaded by "
+        "crisp_runtime.load_model with cpu='on', serving='cpu_only') in interleaved rounds: batch-1 decode "
+        "and prompt tokens/s, peak RSS, and on the tiny model next-token accuracy. Needs the 'peers' extra "
+        "(pip install 'crisp-moe[peers]'). The large model (random weights, "
         "2.3 GB) and the GGUF files go to a work folder of this command, reused when complete.")
     p.add_argument("--models", type=common.csv_choices(MODELS), default=list(DEFAULT_MODELS),
                    help="tiny (the committed models/tiny-mixtral), large (random-weight H 2048, I 5632, 8 experts "
                    "top-2, 4 layers: 605 MB of 4-bit experts), mixtral-layer (random-weight, one layer of "
                    "Mixtral-8x7B's shape: H 4096, I 14336, 793 MB of 4-bit experts; a 2.9 GB checkpoint, about "
-                   "10 GB of memory while a worker loads it); comma separated (default: tiny,large)")
+                   "10 GB of memory while the fp32 reference loads it); comma separated (default: tiny,large)")
     p.add_argument("--threads", dest="thread_counts", type=_thread_counts,
                    default=sorted({1, os.cpu_count() or 1}),
                    help="thread counts, comma separated, each engine run with each (default: 1 and all cores)")

@@ -13,12 +13,15 @@ argmax prediction at every position (``logits`` too when ``"logits": true``). ``
 "windows": [[...], ...], "width": ...}``: next-token accuracy from full-window forwards. ``{"op": "rss"}``:
 peak RSS (VmHWM) and RSS now, in MiB. ``{"op": "quit"}``.
 
-The CRISP engine: the Hugging Face model in fp32 with ``crisp_runtime.hf.dropin.apply(model, pack,
-serving="cpu_only", cpu="on", gpu_budget=<one token's experts>)``: every routed expert computed from the
-pack's host rows by the CPU expert kernel, the other layers by torch; ``keep_original=False`` (the fp32
-experts are dropped once packed: the serving footprint); the kernel's threads = the engine's threads.
-``width="full"``: ``CrispPlan.full`` (every expert at full width: the same 4-bit bytes as llama.cpp's
-Q4_0 reads, plus scales and zero points); ``"plan"``: the pack's plan.
+The CRISP engine: ``crisp_runtime.load_model(checkpoint, pack, dtype=torch.float32, serving="cpu_only",
+cpu="on", gpu_budget=<one token's experts>)``, how a checkpoint is loaded to serve from host memory: the
+non-expert weights read tensor by tensor in fp32 (activations in fp32, as llama.cpp computes them), the
+checkpoint's experts never loaded whole, every routed expert computed from the pack's host rows by the CPU
+expert kernel, the other layers by torch; the kernel's threads = the engine's threads. Its peak RSS is what
+serving takes (the pack, the non-expert weights, torch), not a full-precision model's load. ``width="full"``:
+``CrispPlan.full`` (every expert at full width: the same 4-bit bytes as llama.cpp's Q4_0 reads, plus scales and
+zero points); ``"plan"``: the pack's plan. The reference engine (``reference=True``, the conversion check and
+the fp32 accuracy) is the whole model loaded by transformers in fp32, and CRISP applied to it on ``applied``.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ class CrispEngine:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from crisp_runtime.hf.dropin import apply
+        from crisp_runtime.hf.dropin import apply, load_model
         from crisp_runtime.planning.plan import CrispPlan
         from crisp_runtime.storage.pack import load_pack
 
@@ -122,8 +125,6 @@ class CrispEngine:
 
         self.torch = torch
         torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
-        self._kwargs, self._cache_of = cache_argument(self.model), cache_of
         self.reference = reference
         pack = load_pack(pack_dir)
         if pack.plan is None:
@@ -134,10 +135,17 @@ class CrispEngine:
         budget = pack.plan.top_k * max(layer.nbytes() // layer.num_experts for layer in pack.layers.values())
         self._plans = {"plan": pack.plan, "full": CrispPlan.full(first.num_experts, pack.plan.top_k,
                                                                   first.intermediate_size, sorted(pack.layers))}
-        self._pending_reference = reference
         config = crisp_runtime_config(precision, threads)
-        self._apply = lambda: apply(self.model, pack, serving="cpu_only", cpu="on", gpu_budget=budget, config=config)
-        self.handle = None if reference else self._apply()
+        serving = {"serving": "cpu_only", "cpu": "on", "gpu_budget": budget, "config": config}
+        if reference:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              local_files_only=True).eval()
+            self._apply = lambda: apply(self.model, pack, **serving)
+            self.handle = None
+        else:
+            del pack, first  # load_model reads the pack itself: one copy in memory, not two
+            self.model, self.handle = load_model(model_dir, pack_dir, dtype=torch.float32, **serving)
+        self._kwargs, self._cache_of = cache_argument(self.model), cache_of
         self.width = None
         self.info = {"torch": torch.__version__, "plan_bytes_fraction": None}
         if self.handle is not None:

@@ -247,6 +247,25 @@ def test_the_crisp_engines_arithmetics_are_the_named_ones():
         peer_engines.crisp_cpu_experts("int4")
 
 
+def test_a_timed_crisp_engine_is_load_model_and_computes_what_apply_does():
+    """A timed CRISP worker loads the checkpoint with ``load_model`` (the expert weights never loaded whole): the same
+    logits, bitwise, at both widths, as the whole fp32 model with CRISP applied in the same configuration."""
+    from crisp_kernels import cpu_native
+
+    if not cpu_native.available():
+        pytest.skip("the native CPU kernel does not build here")
+    ids = list(range(40, 40 + 24))
+    timed = peer_engines.CrispEngine(TINY, TINY_PACK, 1, 64, precision="q8-dense8")
+    assert timed.handle is not None and timed.model.model.layers[0].mlp.experts.gate_up_proj.device.type == "meta"
+    reference = peer_engines.CrispEngine(TINY, TINY_PACK, 1, 64, reference=True, precision="q8-dense8")
+    assert reference.reference_done()["applied"]
+    for width in ("full", "plan"):
+        got, want = (engine.run(ids, 16, width, logits=True) for engine in (timed, reference))
+        assert got["logits"] == want["logits"], width
+    assert timed.stats()["cpu"]["placement"] == reference.stats()["cpu"]["placement"] == "cpu_only"
+    assert timed.stats()["dense"]["chosen"] == reference.stats()["dense"]["chosen"] == "q8"
+
+
 def test_the_default_variant_is_what_applys_one_call_runs_on_a_cpu_model():
     """The records' CRISP default ("q8-dense8", run with serving="cpu_only", cpu="on" and the engine's
     configuration) is what ``apply(model, pack)`` with nothing else runs on a CPU model: the same placement, expert
