@@ -125,7 +125,7 @@ def test_swap_keeps_weights_bf16_cannot_hold_and_restores_the_same_objects():
         want = [lin(x) for _, _, lin in attention_linears(model)]
     swap = swap_dense(model, "bf16", threads=1)
     assert swap.info() == {"layers": 3, "bytes": swap.nbytes, "original_bytes": swap.original_nbytes, "kept": 1,
-                           "chosen": "bf16"}
+                           "chosen": "bf16", "shared_qkv": 0}  # only 8-bit blocks share q, k and v calls
     assert swap.nbytes < 0.6 * swap.original_nbytes
     layers = attention_linears(model)  # nn.Linear only: the kept one
     assert [name for _, name, _ in layers] == ["o_proj"] and layers[0][0] is model[1].self_attn

@@ -18,7 +18,7 @@ from torch import nn
 
 from crisp_kernels import cpu_native
 from crisp_kernels.dense_int8 import BLOCK, CODE_MAX, DenseInt8, dense_int8, dense_int8_ref, pack_dense_int8
-from crisp_runtime.cpu.dense import DenseWeights, Int8Linear, attention_linears, swap_dense
+from crisp_runtime.cpu.dense import DenseWeights, Int8Linear, SharedProjections, attention_linears, swap_dense
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernel does not build here")
 
@@ -160,7 +160,7 @@ def test_swap_replaces_attentions_layers_keeps_unpackable_ones_and_restores_the_
         want = [lin(x) for _, _, lin in attention_linears(model)]
     swap = swap_dense(model, "q8", threads=1)
     assert swap.info() == {"layers": 3, "bytes": swap.nbytes, "original_bytes": swap.original_nbytes, "kept": 1,
-                           "chosen": "q8"}
+                           "chosen": "q8", "shared_qkv": 0}  # no k_proj / v_proj here: nothing shared
     assert swap.nbytes < 0.3 * swap.original_nbytes  # 8.5 bits a weight against fp32's 32
     assert [name for _, name, _ in attention_linears(model)] == ["o_proj"]
     assert isinstance(model[0].self_attn.q_proj, Int8Linear) and type(model[0].mlp) is nn.Linear
@@ -190,6 +190,73 @@ def test_without_keep_original_only_bf16_valued_originals_are_freed_and_they_com
     swap.restore()
     assert model[0].self_attn.q_proj is q and torch.equal(q.weight, want["0.self_attn.q_proj.weight"])
     assert q.weight.dtype == torch.float32
+
+
+class _GqaAttention(nn.Module):
+    """q, k, v and o as a grouped-query attention holds them (k and v narrower), bias or not."""
+
+    def __init__(self, h, kv, bias):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(h, h, bias=bias), nn.Linear(h, kv, bias=bias)
+        self.v_proj, self.o_proj = nn.Linear(h, kv, bias=bias), nn.Linear(h, h, bias=False)
+
+
+class _GqaBlock(nn.Module):
+    def __init__(self, h, kv, bias):
+        super().__init__()
+        self.self_attn = _GqaAttention(h, kv, bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3, 65])
+def test_q_k_v_share_one_call_and_give_each_layers_own_bits(bias, tokens):
+    torch.manual_seed(5)
+    model = nn.Sequential(_GqaBlock(96, 32, bias), _GqaBlock(96, 32, bias))
+    attn = model[0].self_attn
+    x = torch.randn(2, tokens, 96)
+    swap = swap_dense(model, "q8", threads=1)
+    assert swap.info()["shared_qkv"] == 2 and swap.info()["layers"] == 8
+    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    shared = q.shared
+    assert isinstance(shared, SharedProjections) and k.shared is shared and v.shared is shared and o.shared is None
+    # the layers' own weights are views of the stacked rows: one copy
+    assert q.packed.qweight.untyped_storage().data_ptr() == shared.stacked.qweight.untyped_storage().data_ptr()
+    assert k.packed.qweight.data_ptr() == shared.stacked.qweight[96:].data_ptr()
+    alone = {name: dense_int8(x, layer.packed, 1) for name, layer in (("q", q), ("k", k), ("v", v))}
+    with torch.no_grad():
+        got = {"q": q(x), "k": k(x), "v": v(x)}
+    for name in "qkv":  # the same bits as each layer's own call, each its own contiguous tensor
+        assert torch.equal(got[name], alone[name]) and got[name].is_contiguous()
+        assert rel(got[name], dense_int8_ref(x, getattr(attn, f"{name}_proj").packed)) <= OWN_TOL
+    assert shared._pending is None  # all three handed out: the input is not held
+    with torch.no_grad():
+        # k first, a different input, then the same input changed in place between two calls: recomputed each time
+        y = torch.randn(2, tokens, 96)
+        assert torch.equal(k(y), dense_int8(y, k.packed, 1))
+        y.mul_(2)
+        assert torch.equal(v(y), dense_int8(y, v.packed, 1)) and torch.equal(q(y), dense_int8(y, q.packed, 1))
+        assert torch.equal(q(y), dense_int8(y, q.packed, 1))  # q again with nothing held for it: computed again
+        # an inference tensor has no version counter: computed by the layer alone, nothing held
+        shared._pending = None
+        with torch.inference_mode():
+            z = torch.randn(2, tokens, 96)
+            assert torch.equal(k(z), dense_int8(z, k.packed, 1)) and shared._pending is None
+    swap.restore()
+    assert all(type(m) is nn.Linear for _, _, m in attention_linears(model))
+
+
+def test_projections_are_not_shared_where_they_differ():
+    torch.manual_seed(6)
+    mixed = nn.Sequential(_GqaBlock(64, 32, False))
+    mixed[0].self_attn.k_proj = nn.Linear(64, 32, bias=True)  # a bias on k alone
+    unpackable = nn.Sequential(_GqaBlock(64, 32, False))
+    with torch.no_grad():
+        unpackable[0].self_attn.v_proj.weight[0, :BLOCK] = 1e7  # kept as nn.Linear (no fp16 scale holds it)
+    for model in (mixed, unpackable):
+        swap = swap_dense(model, "q8", threads=1)
+        assert swap.info()["shared_qkv"] == 0
+        assert all(getattr(m, "shared", None) is None for m in model.modules() if isinstance(m, Int8Linear))
+        swap.restore()
 
 
 def test_swap_refuses_in_features_off_the_block_before_replacing_any():
@@ -228,6 +295,24 @@ def test_apply_with_dense_q8_nears_the_fp32_models_logits():
     assert rel(runs["q8"], runs["keep"]) < 1.5e-2
     assert (runs["q8"].argmax(-1) == runs["keep"].argmax(-1)).float().mean() >= 0.97
     assert [m for _, _, m in attention_linears(model)] == linears  # the same objects back
+
+
+def test_applys_default_shares_each_attentions_q_k_v_call_with_the_same_logits():
+    from crisp_runtime import apply
+
+    model, pack = tiny_mixtral()
+    ids = torch.tensor(list((ROOT / "data" / "stdlib-calib.txt").read_bytes()[:96])).unsqueeze(0)  # byte tokens
+    with apply(model, pack) as handle:
+        assert handle.stats()["dense"]["shared_qkv"] == model.config.num_hidden_layers
+        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        with torch.no_grad():
+            shared = model(input_ids=ids).logits
+            decoded = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False)
+            for layer in layers:
+                layer.shared = None  # each layer its own call again
+            alone = model(input_ids=ids).logits
+            assert torch.equal(model.generate(ids[:, :8], max_new_tokens=6, do_sample=False), decoded)
+    assert torch.equal(shared, alone)
 
 
 def test_applys_default_takes_q8_for_cpu_only_8bit_experts_and_bf16_otherwise():
