@@ -68,14 +68,22 @@ def test_leading_dimensions_dtype_and_threads():
     assert torch.equal(got, dense_bf16(x, packed, threads=1))  # one row's dot per output: threads change nothing
 
 
+# The portable C build sums each dot in one sequential fp32 chain, where the vector builds keep 8 partial sums: its
+# error is nearer the module docstring's worst case (H^0.5 x 2^-24 = 3.8e-6 at H = 4100; measured up to 1.3e-6 over
+# 40 inputs, against 3.7e-7 for AVX2), and still ~100x under a one-step change of one weight (3e-4).
+SEQUENTIAL_TOL = 4e-6
+
+
 @pytest.mark.parametrize("build", sorted(NARROWER_BUILDS))
 def test_narrower_builds_equal_the_reference(tmp_path, build, monkeypatch):
     kernel = narrower_kernel(tmp_path, build)
     monkeypatch.setattr(cpu_native, "load", lambda: kernel)
+    tol = SEQUENTIAL_TOL if kernel.vector_bits == 0 else OWN_TOL
+    gen = torch.Generator().manual_seed(3)
     for shape in (SHAPES[1], SHAPES[4]):
         packed, _, _ = _packed(*shape)
-        x = torch.randn(5, shape[1])
-        assert rel(dense_bf16(x, packed), dense_bf16_ref(x, packed)) <= OWN_TOL
+        x = torch.randn(5, shape[1], generator=gen)
+        assert rel(dense_bf16(x, packed), dense_bf16_ref(x, packed)) <= tol
 
 
 def test_bad_inputs_are_refused():

@@ -18,6 +18,7 @@ from torch import nn
 
 from crisp_kernels import cpu_native
 from crisp_kernels.dense_int8 import BLOCK, CODE_MAX, DenseInt8, dense_int8, dense_int8_ref, pack_dense_int8
+from crisp_kernels.dense_q8 import dense_q8, pack_dense
 from crisp_runtime.cpu.dense import DenseWeights, Int8Linear, SharedProjections, attention_linears, swap_dense
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernel does not build here")
@@ -207,40 +208,52 @@ class _GqaBlock(nn.Module):
         self.self_attn = _GqaAttention(h, kv, bias)
 
 
+# each replacement's own launcher and packer (the layers' own call, and their weights packed alone)
+LAUNCHERS = {"q8": (dense_int8, lambda lin: pack_dense_int8(lin.weight, lin.bias)),
+             "q4": (dense_q8, lambda lin: pack_dense(lin.weight, None, lin.bias))}
+
+
+@pytest.mark.parametrize("dense", ["q8", "q4"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 3, 65])
-def test_q_k_v_share_one_call_and_give_each_layers_own_bits(bias, tokens):
+def test_q_k_v_share_one_call_and_give_each_layers_own_bits(dense, bias, tokens):
+    launch, pack_alone = LAUNCHERS[dense]
     torch.manual_seed(5)
-    model = nn.Sequential(_GqaBlock(96, 32, bias), _GqaBlock(96, 32, bias))
+    model = nn.Sequential(_GqaBlock(128, 64, bias), _GqaBlock(128, 64, bias))
     attn = model[0].self_attn
-    x = torch.randn(2, tokens, 96)
-    swap = swap_dense(model, "q8", threads=1)
+    alone_packed = {name: pack_alone(getattr(attn, f"{name}_proj")) for name in "qkv"}
+    x = torch.randn(2, tokens, 128)
+    swap = swap_dense(model, dense, threads=1)
     assert swap.info()["shared_qkv"] == 2 and swap.info()["layers"] == 8
     q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     shared = q.shared
     assert isinstance(shared, SharedProjections) and k.shared is shared and v.shared is shared and o.shared is None
-    # the layers' own weights are views of the stacked rows: one copy
-    assert q.packed.qweight.untyped_storage().data_ptr() == shared.stacked.qweight.untyped_storage().data_ptr()
-    assert k.packed.qweight.data_ptr() == shared.stacked.qweight[96:].data_ptr()
-    alone = {name: dense_int8(x, layer.packed, 1) for name, layer in (("q", q), ("k", k), ("v", v))}
+    # the layers' own weights are views of the stacked rows (one copy), with the values they get packed alone
+    assert q.packed.qweight.data_ptr() == shared.stacked.qweight.data_ptr()
+    assert k.packed.qweight.data_ptr() == shared.stacked.qweight[128:].data_ptr()
+    for name, layer in (("q", q), ("k", k), ("v", v)):
+        want = alone_packed[name]
+        for field in ("qweight", "scales", "zeros", "bias"):
+            a, b = getattr(layer.packed, field, None), getattr(want, field, None)
+            assert (a is None and b is None) or torch.equal(a, b), (name, field)
+    alone = {name: launch(x, layer.packed, 1) for name, layer in (("q", q), ("k", k), ("v", v))}
     with torch.no_grad():
         got = {"q": q(x), "k": k(x), "v": v(x)}
     for name in "qkv":  # the same bits as each layer's own call, each its own contiguous tensor
         assert torch.equal(got[name], alone[name]) and got[name].is_contiguous()
-        assert rel(got[name], dense_int8_ref(x, getattr(attn, f"{name}_proj").packed)) <= OWN_TOL
     assert shared._pending is None  # all three handed out: the input is not held
     with torch.no_grad():
         # k first, a different input, then the same input changed in place between two calls: recomputed each time
-        y = torch.randn(2, tokens, 96)
-        assert torch.equal(k(y), dense_int8(y, k.packed, 1))
+        y = torch.randn(2, tokens, 128)
+        assert torch.equal(k(y), launch(y, k.packed, 1))
         y.mul_(2)
-        assert torch.equal(v(y), dense_int8(y, v.packed, 1)) and torch.equal(q(y), dense_int8(y, q.packed, 1))
-        assert torch.equal(q(y), dense_int8(y, q.packed, 1))  # q again with nothing held for it: computed again
+        assert torch.equal(v(y), launch(y, v.packed, 1)) and torch.equal(q(y), launch(y, q.packed, 1))
+        assert torch.equal(q(y), launch(y, q.packed, 1))  # q again with nothing held for it: computed again
         # an inference tensor has no version counter: computed by the layer alone, nothing held
         shared._pending = None
         with torch.inference_mode():
-            z = torch.randn(2, tokens, 96)
-            assert torch.equal(k(z), dense_int8(z, k.packed, 1)) and shared._pending is None
+            z = torch.randn(2, tokens, 128)
+            assert torch.equal(k(z), launch(z, k.packed, 1)) and shared._pending is None
     swap.restore()
     assert all(type(m) is nn.Linear for _, _, m in attention_linears(model))
 

@@ -56,6 +56,8 @@ class _RoundedLinear(nn.Module):
     (all bf16 values), kept where the swap released the original's storage (``keep_original=False``)."""
 
     kind = ""  # what the copy is, for messages
+    shared: SharedProjections | None = None  # the attention's q, k and v computed by one call, or None
+    shared_name = ""  # this layer's name in it
 
     def __init__(self, packed: DenseQ4 | DenseInt8, threads: int | None = None,
                  original: nn.Linear | None = None, exact_copy: torch.Tensor | None = None) -> None:
@@ -92,6 +94,8 @@ class Q4Linear(_RoundedLinear):
         if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
             p = self.packed
             return torch.ops.crisp.dense_q8(x, p.qweight, p.scales, p.zeros, p.fmt.group_size, p.bias, self.threads)
+        if self.shared is not None:
+            return self.shared.output(self.shared_name, x, self)
         return dense_q8(x, self.packed, self.threads)
 
     def extra_repr(self) -> str:
@@ -100,12 +104,9 @@ class Q4Linear(_RoundedLinear):
 
 
 class Int8Linear(_RoundedLinear):
-    """An ``nn.Linear`` computed from its weight in 8-bit blocks of 32 (``crisp_kernels.dense_int8``). ``shared``:
-    the :class:`SharedProjections` it belongs to (an attention's q, k and v, computed by one call), or None."""
+    """An ``nn.Linear`` computed from its weight in 8-bit blocks of 32 (``crisp_kernels.dense_int8``)."""
 
     kind = "8-bit blocks (RuntimeConfig(dense='q8'))"
-    shared: SharedProjections | None = None
-    shared_name = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
@@ -157,9 +158,9 @@ SHARED_INPUT_NAMES = ("q_proj", "k_proj", "v_proj")
 
 
 class SharedProjections:
-    """An attention module's q, k and v projections (:class:`Int8Linear`, the same input) computed by one native call
-    over their rows stacked, for each new input: the first of them called with an input computes all three and holds
-    the other two outputs until they are asked for with that same input.
+    """An attention module's q, k and v projections (:class:`Int8Linear` or :class:`Q4Linear`, the same input)
+    computed by one native call over their rows stacked, for each new input: the first of them called with an input
+    computes all three and holds the other two outputs until they are asked for with that same input.
 
     Why: transformers' attention calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` in turn; three calls quantize x
     three times, enter the kernel's thread team three times and restart its row prefetch at each matrix. With the
@@ -175,18 +176,19 @@ class SharedProjections:
     is computed by the layer alone. The layers' own ``packed`` weights are views of the stacked rows (no second
     copy)."""
 
-    def __init__(self, stacked: DenseInt8, names: tuple[str, ...], sizes: tuple[int, ...],
+    def __init__(self, stacked: DenseInt8 | DenseQ4, names: tuple[str, ...], sizes: tuple[int, ...],
                  threads: int | None) -> None:
         self.stacked = stacked  # (sum of O, H)
+        self.launch = dense_int8 if isinstance(stacked, DenseInt8) else dense_q8  # the layers' own launcher
         self.names, self.sizes, self.threads = names, sizes, threads
         self._pending: tuple | None = None  # (x, its version, {name: output}) of the last input
 
-    def output(self, name: str, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+    def output(self, name: str, x: torch.Tensor, layer: _RoundedLinear) -> torch.Tensor:
         """Layer ``name``'s output for ``x``: held from an earlier call with this input, else all computed now."""
         try:
             version = x._version
         except RuntimeError:  # an inference tensor: no version counter to tell an in-place change by
-            return dense_int8(x, layer.packed, self.threads)
+            return self.launch(x, layer.packed, self.threads)
         pending = self._pending
         if pending is not None and pending[0] is x and pending[1] == version:
             held = pending[2].pop(name, None)
@@ -194,7 +196,7 @@ class SharedProjections:
                 if not pending[2]:
                     self._pending = None  # all handed out: x is not held any longer
                 return held
-        out = dense_int8(x, self.stacked, self.threads)  # (..., sum of O)
+        out = self.launch(x, self.stacked, self.threads)  # (..., sum of O)
         parts = dict(zip(self.names, (part.contiguous() for part in out.split(self.sizes, -1)), strict=True))
         mine = parts.pop(name)
         self._pending = (x, version, parts)
@@ -203,24 +205,42 @@ class SharedProjections:
 
 def _share_projections(attention: nn.Module, threads: int | None) -> bool:
     """Stack ``attention``'s q, k and v rows into one :class:`SharedProjections` where all three are
-    :class:`Int8Linear` layers of the same input width with a bias each or none; their ``packed`` become views of the
-    stacked rows. Returns whether it did."""
+    :class:`Int8Linear` layers, or all :class:`Q4Linear` layers of one format, of the same input width with a bias
+    each or none; their ``packed`` become views of the stacked rows. Returns whether it did."""
     layers = [getattr(attention, name, None) for name in SHARED_INPUT_NAMES]
-    if not all(type(layer) is Int8Linear for layer in layers):
-        return False
-    if len({layer.in_features for layer in layers}) != 1 or len({layer.packed.bias is None for layer in layers}) != 1:
+    kind = type(layers[0])
+    if kind not in (Int8Linear, Q4Linear) or not all(type(layer) is kind for layer in layers):
         return False
     parts = [layer.packed for layer in layers]
-    stacked = DenseInt8(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                        None if parts[0].bias is None else torch.cat([p.bias for p in parts]))
+    if len({p.in_features for p in parts}) != 1 or len({p.bias is None for p in parts}) != 1:
+        return False
+    if kind is Q4Linear and len({(p.fmt, p.zeros is None) for p in parts}) != 1:
+        return False
+
+    def cat(field: str) -> torch.Tensor | None:
+        tensors = [getattr(p, field) for p in parts]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    def rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+        return None if t is None else t[start:stop]
+
+    if kind is Int8Linear:
+        stacked = DenseInt8(cat("qweight"), cat("scales"), cat("bias"))
+
+        def view(a: int, b: int) -> DenseInt8:
+            return DenseInt8(stacked.qweight[a:b], stacked.scales[a:b], rows(stacked.bias, a, b))
+    else:
+        stacked = DenseQ4(cat("qweight"), cat("scales"), cat("zeros"), parts[0].fmt, cat("bias"))
+
+        def view(a: int, b: int) -> DenseQ4:
+            return DenseQ4(stacked.qweight[a:b], stacked.scales[a:b], rows(stacked.zeros, a, b), stacked.fmt,
+                           rows(stacked.bias, a, b))
     shared = SharedProjections(stacked, SHARED_INPUT_NAMES, tuple(p.out_features for p in parts), threads)
     start = 0
     for name, layer, part in zip(SHARED_INPUT_NAMES, layers, parts, strict=True):
-        stop = start + part.out_features
-        layer.packed = DenseInt8(stacked.qweight[start:stop], stacked.scales[start:stop],
-                                 None if stacked.bias is None else stacked.bias[start:stop])
+        layer.packed = view(start, start + part.out_features)
         layer.shared, layer.shared_name = shared, name
-        start = stop
+        start += part.out_features
     return True
 
 
@@ -354,6 +374,6 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
         if release:
             swap.released[id(linear)] = linear.weight.dtype  # (a bf16 weight is the copy itself: nothing to free)
             linear.weight.data = torch.empty(0, dtype=linear.weight.dtype)
-    if dense is DenseWeights.Q8:
+    if dense in (DenseWeights.Q8, DenseWeights.Q4):
         swap.shared = sum(_share_projections(parent, threads) for parent in {id(p): p for p, _, _ in found}.values())
     return swap
