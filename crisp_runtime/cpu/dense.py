@@ -19,7 +19,7 @@ back. The native kernel is needed (a C compiler at first use); the weights must 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -155,6 +155,7 @@ class Bf16Linear(nn.Module):
 
 # an attention's projections of the same input, computed by one call (SharedProjections)
 SHARED_INPUT_NAMES = ("q_proj", "k_proj", "v_proj")
+ROW_FIELDS = ("qweight", "scales", "zeros", "bias")  # a packed weight's tensors with one row per output
 
 
 class SharedProjections:
@@ -176,11 +177,10 @@ class SharedProjections:
     is computed by the layer alone. The layers' own ``packed`` weights are views of the stacked rows (no second
     copy)."""
 
-    def __init__(self, stacked: DenseInt8 | DenseQ4, names: tuple[str, ...], sizes: tuple[int, ...],
-                 threads: int | None) -> None:
+    def __init__(self, stacked: DenseInt8 | DenseQ4, sizes: tuple[int, ...], threads: int | None) -> None:
         self.stacked = stacked  # (sum of O, H)
         self.launch = dense_int8 if isinstance(stacked, DenseInt8) else dense_q8  # the layers' own launcher
-        self.names, self.sizes, self.threads = names, sizes, threads
+        self.sizes, self.threads = sizes, threads  # rows of q, k and v (SHARED_INPUT_NAMES' order)
         self._pending: tuple | None = None  # (x, its version, {name: output}) of the last input
 
     def output(self, name: str, x: torch.Tensor, layer: _RoundedLinear) -> torch.Tensor:
@@ -197,7 +197,7 @@ class SharedProjections:
                     self._pending = None  # all handed out: x is not held any longer
                 return held
         out = self.launch(x, self.stacked, self.threads)  # (..., sum of O)
-        parts = dict(zip(self.names, (part.contiguous() for part in out.split(self.sizes, -1)), strict=True))
+        parts = dict(zip(SHARED_INPUT_NAMES, (part.contiguous() for part in out.split(self.sizes, -1)), strict=True))
         mine = parts.pop(name)
         self._pending = (x, version, parts)
         return mine
@@ -217,30 +217,16 @@ def _share_projections(attention: nn.Module, threads: int | None) -> bool:
     if kind is Q4Linear and len({(p.fmt, p.zeros is None) for p in parts}) != 1:
         return False
 
-    def cat(field: str) -> torch.Tensor | None:
-        tensors = [getattr(p, field) for p in parts]
-        return None if tensors[0] is None else torch.cat(tensors)
-
-    def rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
-        return None if t is None else t[start:stop]
-
-    if kind is Int8Linear:
-        stacked = DenseInt8(cat("qweight"), cat("scales"), cat("bias"))
-
-        def view(a: int, b: int) -> DenseInt8:
-            return DenseInt8(stacked.qweight[a:b], stacked.scales[a:b], rows(stacked.bias, a, b))
-    else:
-        stacked = DenseQ4(cat("qweight"), cat("scales"), cat("zeros"), parts[0].fmt, cat("bias"))
-
-        def view(a: int, b: int) -> DenseQ4:
-            return DenseQ4(stacked.qweight[a:b], stacked.scales[a:b], rows(stacked.zeros, a, b), stacked.fmt,
-                           rows(stacked.bias, a, b))
-    shared = SharedProjections(stacked, SHARED_INPUT_NAMES, tuple(p.out_features for p in parts), threads)
+    # the per-row tensors (DenseQ4's zeros too; a None field stays None), stacked, and each layer's rows of them
+    fields = [f for f in ROW_FIELDS if hasattr(parts[0], f) and getattr(parts[0], f) is not None]
+    stacked = replace(parts[0], **{f: torch.cat([getattr(p, f) for p in parts]) for f in fields})
+    shared = SharedProjections(stacked, tuple(p.out_features for p in parts), threads)
     start = 0
     for name, layer, part in zip(SHARED_INPUT_NAMES, layers, parts, strict=True):
-        layer.packed = view(start, start + part.out_features)
+        stop = start + part.out_features
+        layer.packed = replace(stacked, **{f: getattr(stacked, f)[start:stop] for f in fields})
         layer.shared, layer.shared_name = shared, name
-        start += part.out_features
+        start = stop
     return True
 
 
