@@ -92,11 +92,33 @@ def make_record(*, engine: str, model: str, quant: str, width: str, threads: int
            "peak_rss_mib": peak_rss_mib,
            "decode_tokens_per_s_best": decode_tokens / min(decode_s),
            "prompt_tokens_per_s_best": prompt_tokens / min(prompt_s),
-           "rounds": len(decode_s), "decode_tokens": decode_tokens, "prompt_tokens": prompt_tokens}
+           "rounds": len(decode_s), "decode_tokens": decode_tokens, "prompt_tokens": prompt_tokens,
+           "decode_s_per_round": list(decode_s)}
     if accuracy is not None:
         rec["accuracy"] = accuracy
     rec.update(extra)
     return rec
+
+
+def pair_rounds(records: list[dict], baseline_quant: str = "Q4_0") -> None:
+    """Adds to every CRISP record its decode speed over llama.cpp's ``baseline_quant`` round by round
+    (``vs_<quant>_per_round``: the median, min and max over rounds of llama.cpp's decode seconds over CRISP's in
+    the same round, same model and thread count). Each round runs every engine once, within about a minute,
+    so a ratio of the same round cancels the drift of a shared machine that a ratio of the two engines'
+    separate medians keeps (on the 2-core VM this moved by up to 40% within minutes)."""
+    base = {(r["model"], r["threads"]): r["decode_s_per_round"] for r in records
+            if r["engine"] == "llama.cpp" and r["quant"] == baseline_quant and r["width"] == "full"}
+    for r in records:
+        theirs = base.get((r["model"], r["threads"]))
+        if r["engine"] != "crisp" or theirs is None:
+            continue
+        mine = r["decode_s_per_round"]
+        if len(mine) != len(theirs):
+            raise ValueError(f"pair_rounds: {r['model']}, {r['threads']} threads: {len(mine)} CRISP rounds "
+                             f"against {len(theirs)} of llama.cpp {baseline_quant}")
+        ratios = [b / a for a, b in zip(mine, theirs, strict=True)]
+        r[f"vs_{baseline_quant.lower()}_per_round"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                                         "max": max(ratios), "rounds": len(ratios)}
 
 
 def check_record(rec: dict) -> None:
@@ -434,6 +456,7 @@ def run(args) -> int:
                                                                  args.crisp_precisions)))
         for r in recs:
             check_record(r)
+        pair_rounds(recs)
         records += recs
         metas[name] = meta
     print(report.table(records, [("model", "model"), ("engine", "engine"), ("quant", "quant"), ("width", "width"),
@@ -442,6 +465,12 @@ def run(args) -> int:
                                  ("accuracy", "acc"), ("expert_gbps_effective", "expert GB/s (llama.cpp)")],
                        title=f"{cpu_model}, {os.cpu_count()} cores; median of {args.rounds} interleaved rounds, "
                        f"prompt {args.prompt} + {args.tokens} decoded tokens"))
+    for r in records:
+        paired = r.get("vs_q4_0_per_round")
+        if paired:
+            print(f"{r['model']}, {r['threads']} thr, {r['quant']} {r['width']}: {paired['median']:.2f}x "
+                  f"llama.cpp Q4_0's decode, median of {paired['rounds']} rounds' ratios "
+                  f"(range {paired['min']:.2f}-{paired['max']:.2f})")
     for k in kernels:
         print(f"CRISP CPU kernel, {k['model']} expert, {k['threads']} threads: read {k['read_gbps']:.1f} GB/s; "
               + ", ".join(f"{x['impl']} k/I {x['width_frac']:.2f}: {x['gbps']:.1f} GB/s ({x['pct_read']:.0f}% of read)"

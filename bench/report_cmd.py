@@ -96,7 +96,9 @@ def _value(spec: dict, row: dict, records: _Records) -> float:
     hits = [e for e in entries if all(e.get(k) == want for k, want in select.items())]
     if len(hits) != 1:
         raise CliError(f"{name}: {len(hits)} entries match {select} (expected exactly one)")
-    value = hits[0].get(spec["field"])
+    value = hits[0]
+    for part in spec["field"].split("."):  # "a.b": field b of the entry's dict a
+        value = value.get(part) if isinstance(value, dict) else None
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise CliError(f"{name}: field {spec['field']!r} of the entry {select} is {value!r}, not a number")
     return value * spec.get("scale", 1.0)

@@ -34,6 +34,27 @@ def test_record_has_the_schema_keys_and_median_rates():
     json.dumps(rec, allow_nan=False)
 
 
+def test_pair_rounds_divides_llama_cpp_by_crisp_within_each_round():
+    llama = _record(engine="llama.cpp", quant="Q4_0", decode_s=[1.0, 3.0, 2.0])
+    k_m = _record(engine="llama.cpp", quant="Q4_K_M", decode_s=[9.0, 9.0, 9.0])
+    crisp = _record(decode_s=[2.0, 3.0, 1.0])
+    other_threads = _record(threads=1, decode_s=[1.0, 1.0, 1.0])  # no Q4_0 record at 1 thread
+    records = [llama, k_m, crisp, other_threads]
+    peer.pair_rounds(records)
+    # round by round: 1/2, 3/3, 2/1; the separate medians' ratio (2.0 / 2.0 = 1.0) would hide the spread
+    assert crisp["vs_q4_0_per_round"] == {"median": 1.0, "min": 0.5, "max": 2.0, "rounds": 3}
+    assert "vs_q4_0_per_round" not in other_threads
+    assert "vs_q4_0_per_round" not in llama and "vs_q4_0_per_round" not in k_m
+    assert crisp["decode_s_per_round"] == [2.0, 3.0, 1.0]
+    json.dumps(records, allow_nan=False)
+
+
+def test_pair_rounds_refuses_records_of_different_runs():
+    records = [_record(engine="llama.cpp", quant="Q4_0", decode_s=[1.0, 2.0]), _record(decode_s=[1.0, 2.0, 3.0])]
+    with pytest.raises(ValueError, match="3 CRISP rounds against 2"):
+        peer.pair_rounds(records)
+
+
 @pytest.mark.parametrize("over", [{"engine": "vllm"}, {"width": "half"}, {"decode_s": []}, {"decode_tokens": 0}])
 def test_record_refuses_bad_fields(over):
     with pytest.raises(ValueError):

@@ -82,6 +82,17 @@ def test_a_broken_record_is_a_clear_error(tmp_path, capsys, damage, message):
     assert message in err and err.count("\n") == 1
 
 
+def test_a_dotted_field_reads_inside_an_entry(tmp_path):
+    from crisp_bench.report_cmd import _Records, _value
+    (tmp_path / "r.json").write_text(json.dumps({"records": [{"k": 1, "paired": {"median": 0.75}}]}))
+    records = _Records(tmp_path, {"records": {"r.json": {}}})
+    assert _value({"record": "r.json", "field": "paired.median", "select": {"k": 1}}, {}, records) == 0.75
+    with pytest.raises(Exception, match="not a number"):
+        _value({"record": "r.json", "field": "paired.nope", "select": {"k": 1}}, {}, records)
+    with pytest.raises(Exception, match="not a number"):
+        _value({"record": "r.json", "field": "k.median", "select": {"k": 1}}, {}, records)
+
+
 def test_unknown_table_is_refused(capsys):
     code, _, err = run_cli(["report", "--table", "nope"], capsys)
     assert code == 2 and "--table nope" in err
