@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import traceback
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous = _interrupt_on_sigterm()
     try:
         if getattr(args, "plot", None) and not str(args.plot).lower().endswith(".png"):
             raise CliError(f"--plot {args.plot}: expected a .png path")
@@ -79,6 +81,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"crisp-bench {args.command or ''}: internal error at {_where(exc)}: {type(exc).__name__}: {exc} "
               f"(set CRISP_BENCH_DEBUG=1 for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _interrupt_on_sigterm():
+    """SIGTERM (kill, a job scheduler, a timeout) raises KeyboardInterrupt as Ctrl-C does, so that the
+    ``finally`` blocks that remove partial build folders and temporary files run. Returns the handler to
+    restore, or None where none can be installed (a thread other than the main one)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:
+        return None
 
 
 def _where(exc: BaseException) -> str:
@@ -105,11 +124,18 @@ def _check_paths(args) -> None:
     profile = getattr(args, "profile", None)
     if profile is not None and Path(profile).exists():
         inputs["--profile"] = profile
+    implicit = _IMPLICIT_INPUTS.get(args.command)  # what the command reads when an option is left out
+    if implicit is not None:
+        inputs.update(implicit(args))
     if getattr(args, "model", None) is not None:
         pack = pack_dir_for(args.model, getattr(args, "pack", None))  # the pack the command will read
         if pack is not None:
             inputs["the model's pack"] = pack
     check_outputs(outputs, inputs)
+
+
+# {command: args -> {name: path(s)}}: files a command reads without an option naming them
+_IMPLICIT_INPUTS = {"simulate": simulate_cmd.implicit_inputs, "peer": peer.implicit_inputs}
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:

@@ -151,7 +151,8 @@ def load_model_for_bench(model_dir, pack_dir=None, *, need_pack: bool = True, de
         raise ModelInputError("transformers is not installed (pip install 'crisp-moe[hf]')") from exc
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:  # transformers' errors for a broken checkpoint
+    # transformers' errors for a broken checkpoint (RuntimeError: weights whose shapes its config.json contradicts)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelInputError(f"{model_dir}: cannot load the checkpoint ({type(exc).__name__}: {exc})") from exc
     model.eval().to(device)
     return model, pack

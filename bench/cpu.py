@@ -258,11 +258,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tokens", type=common.int_list, default="1,4,16", help="token counts (>= 1), comma separated")
     p.add_argument("--repeats", type=common.positive_int, default=5, help="interleaved timed rounds")
     p.add_argument("--impl", type=common.csv_choices(("auto", *(i.value for i in CpuImpl))), default=["auto"],
-                   help="kernels, comma separated, timed in the same rounds: auto (the runtime's: native-fp32 where "
-                   "it builds), native-fp32 (the C kernel on the format's rows), int4pack-bf16 (torch's op on a "
-                   "second copy), dequant-fp32")
+                   help="kernels, comma separated, timed in the same rounds: auto (the runtime's choice at "
+                   "--precision: native-q8 with bf16, native-fp32 with fp32, where the native kernel builds), "
+                   "native-q8 (the C kernel with 8-bit activations), native-fp32 (the C kernel on the format's rows, "
+                   "fp32), int4pack-bf16 (torch's op on a second copy), dequant-fp32")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="without the native kernel: bf16 takes torch's int4pack op, fp32 the exact dequant path")
+                   help="what auto takes: bf16 (default) the native kernel with 8-bit activations, else torch's "
+                   "int4pack op; fp32 the native kernel in fp32, else the exact dequant path")
     p.add_argument("--candidates", action="store_true",
                    help="also time the other candidate implementations on one gate matrix")
     p.add_argument("--model", metavar="DIR", default=str(common.DEFAULT_MODEL), type=ca.nonempty_path,

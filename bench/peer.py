@@ -67,6 +67,7 @@ CONVERSION_TOL = {"F32": 1e-3, "F16": 1e-2}
 RECORD_KEYS = ("engine", "model", "quant", "width", "threads", "decode_tokens_per_s", "prompt_tokens_per_s",
                "peak_rss_mib")
 WORKER_TIMEOUT_S = 900
+CALIB_TEXT = common.REPO_ROOT / "data" / "stdlib-calib.txt"  # the random models' crisp-profile calibration
 
 
 class PeerBenchError(CliError):
@@ -144,7 +145,9 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "crisp_bench.peer_engines", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
+        self.ready_seen = False
         self.ready = self._read()
+        self.ready_seen = True
 
     def _read(self) -> dict:
         sel = selectors.DefaultSelector()
@@ -154,8 +157,13 @@ class Worker:
             raise PeerBenchError(f"worker {self.name}: no answer in {WORKER_TIMEOUT_S} s")
         line = self.proc.stdout.readline()
         if not line:
-            err = self.proc.stderr.read()[-2000:]
-            raise PeerBenchError(f"worker {self.name} ended (exit {self.proc.wait()}): {err.strip()}")
+            err = [e for e in self.proc.stderr.read().splitlines() if e.strip()]
+            last = err[-1].strip() if err else "no message"  # the exception's line of the worker's traceback
+            hint = ""
+            if "gguf" in self.spec and not self.ready_seen:  # the cached GGUF did not load: it may be damaged
+                hint = (f"; if the cached GGUF is damaged, delete its folder {Path(self.spec['gguf']).parent} "
+                        "and rerun to build it again")
+            raise PeerBenchError(f"worker {self.name} ended (exit {self.proc.wait()}): {last}{hint}")
         reply = json.loads(line)
         if "error" in reply:
             raise PeerBenchError(f"worker {self.name}: {reply['error']}")
@@ -190,14 +198,14 @@ class ModelInputs:
     base: str  # "F32" or "F16"
 
 
-def prepare(name: str, work: Path, threads: int, log=print) -> ModelInputs:
+def prepare(name: str, work: Path, threads: int, quants=pm.PEER_QUANTS, log=print) -> ModelInputs:
+    """The model, its pack and its GGUF files: the unquantized one (the conversion check) and ``quants`` only."""
     if name == "tiny":
         model_dir, pack_dir = pm.TINY_MODEL, pm.TINY_PACK
     else:
         model_dir = pm.large_model(RANDOM_SHAPES[name], work, log=log)
-        pack_dir = pm.profile_pack(model_dir, common.REPO_ROOT / "data" / "stdlib-calib.txt", work,
-                                   threads=threads, log=log)
-    ggufs = pm.gguf_files(model_dir, pm.PEER_QUANTS, work, threads=threads, log=log)
+        pack_dir = pm.profile_pack(model_dir, CALIB_TEXT, work, threads=threads, log=log)
+    ggufs = pm.gguf_files(model_dir, tuple(quants), work, threads=threads, log=log)
     base = next(q for q in ggufs if q not in pm.PEER_QUANTS)
     return ModelInputs(name, Path(model_dir), Path(pack_dir), ggufs, base)
 
@@ -432,11 +440,32 @@ def add_parser(subparsers) -> None:
                    help="write the records as JSON to PATH (atomically)")
 
 
+def implicit_inputs(args) -> dict:
+    """What peer reads without an option naming it (``cli`` refuses an output onto or into any of them): the
+    committed tiny model and its pack, the calibration text, and the work folder's models and GGUF files."""
+    return {"the tiny model": pm.TINY_MODEL, "the tiny model's pack": pm.TINY_PACK, "the calibration text": CALIB_TEXT,
+            "--work-dir": args.work_dir if args.work_dir else pm.work_dir()}
+
+
+def _work_dir(args) -> Path:
+    """The work folder: --work-dir must be a folder or a new one in an existing folder (a typo makes no tree of
+    folders); the default one is made with its parents."""
+    if not args.work_dir:
+        return pm.work_dir()
+    work = Path(args.work_dir).expanduser()
+    if work.exists() and not work.is_dir():
+        raise PeerBenchError(f"--work-dir {args.work_dir}: exists and is not a folder; give a folder")
+    if not work.exists() and not work.parent.is_dir():
+        raise PeerBenchError(f"--work-dir {args.work_dir}: its parent folder {work.parent} does not exist; "
+                             "expected an existing folder or a new one inside an existing folder")
+    return work
+
+
 def run(args) -> int:
+    work = _work_dir(args)
     pm.require_peers()
     from crisp_tools.text import read_texts, sample_sequences
 
-    work = Path(args.work_dir) if args.work_dir else pm.work_dir()
     try:
         texts = read_texts(args.text)
         ids = sample_sequences(texts, 1, args.prompt + args.tokens, seed=1)[0].tolist()
@@ -447,7 +476,7 @@ def run(args) -> int:
                       if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     records, metas, kernels = [], {}, []
     for name in args.models:
-        inputs = prepare(name, work, max(args.thread_counts))
+        inputs = prepare(name, work, max(args.thread_counts), args.quants)
         recs, meta = bench_model(inputs, args, ids, windows if name == "tiny" else None)
         if name != "tiny":  # one expert of the model's shape, with the streaming read in the same rounds
             plan_frac = meta["plan_bytes_fraction"]

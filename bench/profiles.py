@@ -94,11 +94,11 @@ class HardwareProfile(ExpertTiming):
                 raise ProfileError(f"profile {self.name!r}: {f} must be a non-negative number, got {v!r}")
         for f in ("h2d_bytes_per_s", "compute_bytes_per_s"):
             v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
                 raise ProfileError(f"profile {self.name!r}: {f} must be a positive number, got {v!r}")
         for f in ("copy_latency_s", "compute_latency_s", "router_s", "other_s"):
             v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
                 raise ProfileError(f"profile {self.name!r}: {f} must be a non-negative number, got {v!r}")
 
     def cost_model(self):

@@ -13,12 +13,13 @@ output), or with ``--force``; any other existing file is refused, so a user's no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 
 from crisp_runtime import cli_args as ca
-from crisp_runtime.storage.outputs import check_output, write_text
+from crisp_runtime.storage.outputs import check_outputs, write_text
 
 from .common import CliError
 
@@ -62,7 +63,21 @@ def load_index(results: Path) -> dict:
         raise CliError(f"{path}: not JSON ({exc})") from None
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise CliError(f"{path}: not a {INDEX_FORMAT} file")
+    records, tables = index.get("records", {}), index.get("tables", [])
+    if not isinstance(records, dict) or not all(isinstance(m, dict) for m in records.values()):
+        raise CliError(f"{path}: 'records' must be an object of {{record file: description object}}")
+    if not isinstance(tables, list) or not all(isinstance(t, dict) and isinstance(t.get("id"), str) for t in tables):
+        raise CliError(f"{path}: 'tables' must be a list of objects, each with a string 'id'")
+    for name in records:
+        if not _inside(results / name, results):
+            raise CliError(f"{path}: record {name!r} lies outside the results folder {results}")
     return index
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` (links followed) lies inside ``folder``: an index names only the records beside it."""
+    path, folder = path.resolve(), folder.resolve()
+    return folder in path.parents
 
 
 class _Records:
@@ -80,7 +95,13 @@ class _Records:
             path = self.results / name
             if not path.is_file():
                 raise CliError(f"{path}: record named in index.json is missing")
-            self._cache[name] = json.loads(path.read_text())
+            try:
+                record = json.loads(path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise CliError(f"{path}: not JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise CliError(f"{path}: expected a JSON object, got {type(record).__name__}")
+            self._cache[name] = record
         return self._cache[name]
 
 
@@ -88,10 +109,14 @@ def _value(spec: dict, row: dict, records: _Records) -> float:
     """One number from a record, as a value spec of the index describes it."""
     if "ratio" in spec:
         num, den = (_value(s, row, records) for s in spec["ratio"])
+        if den == 0:
+            raise CliError(f"row {row.get('label')!r}: the ratio's denominator is 0")
         return num / den
     name = spec.get("record", row.get("record"))
     record = records.get(name)
     entries = record.get(spec.get("list", "records"), [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise CliError(f"{name}: {spec.get('list', 'records')!r} must be a list of objects")
     select = spec.get("select", {})
     hits = [e for e in entries if all(e.get(k) == want for k, want in select.items())]
     if len(hits) != 1:
@@ -162,7 +187,18 @@ def build_report(results: Path, tables: list[str] | None = None) -> str:
         if t not in known:
             raise CliError(f"--table {t}: no such table (known: {', '.join(known)})")
     chosen = [t for t in index.get("tables", []) if not tables or t["id"] in tables]
-    return MARKER + "\n\n" + "\n".join(render_table(t, records) for t in chosen)
+    return MARKER + "\n\n" + "\n".join(_render(t, records, results / "index.json") for t in chosen)
+
+
+def _render(table: dict, records: _Records, where: Path) -> str:
+    """``render_table``, an index entry of the wrong form (a row without values, a template naming a value it
+    does not give, a record description without a field the table prints) a CliError naming the table."""
+    try:
+        return render_table(table, records)
+    except CliError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise CliError(f"{where}: table {table['id']!r} is malformed ({type(exc).__name__}: {exc})") from None
 
 
 def check_index(results: Path) -> None:
@@ -177,8 +213,14 @@ def check_index(results: Path) -> None:
 # ---------------------------------------------------------------------------- the subcommand
 
 
-def _check_markdown_target(path: Path, force: bool) -> Path:
-    resolved = check_output("--markdown", path)
+def _check_markdown_target(path: Path, force: bool, results: Path) -> Path:
+    # the report's inputs are never written, --force or not: the results folder (index.json and the records)
+    # and every record the index names
+    inputs: dict = {"--results": results}
+    if (results / "index.json").is_file():
+        with contextlib.suppress(CliError):  # a broken index is reported when the report is built
+            inputs["the records of index.json"] = [results / n for n in load_index(results).get("records", {})]
+    resolved = check_outputs({"--markdown": path}, inputs)["--markdown"]
     if resolved.exists() and not force:
         with open(resolved, encoding="utf-8", errors="replace") as f:
             first = f.readline().rstrip("\n")
@@ -192,8 +234,10 @@ def run(args) -> int:
     results = Path(args.results) if args.results else RESULTS_DIR
     if args.check:
         check_index(results)
+        if args.table:  # the tables asked for must exist (check_index rendered every table)
+            build_report(results, args.table)
         return 0
-    target = _check_markdown_target(Path(args.markdown), args.force) if args.markdown else None
+    target = _check_markdown_target(Path(args.markdown), args.force, results) if args.markdown else None
     text = build_report(results, args.table)
     if target is None:
         print(text, end="")

@@ -72,12 +72,45 @@ TARGETS = {MIXTRAL_8X7B.name: MIXTRAL_8X7B, DEEPSEEK_MOE_16B.name: DEEPSEEK_MOE_
 
 def tiny_shape(model_dir: Path | None = None) -> ModelShape:
     """The shape named 'tiny': that of ``model_dir``'s config.json (default the committed model)."""
-    cfg_path = Path(model_dir or DEFAULT_MODEL) / "config.json"
-    if cfg_path.is_file():
-        c = json.loads(cfg_path.read_text())
-        return ModelShape("tiny-mixtral", c["num_hidden_layers"], c.get("num_local_experts", 8),
-                          c.get("num_experts_per_tok", 2), c["hidden_size"], c["intermediate_size"])
-    return ModelShape("tiny-mixtral (assumed)", 4, 8, 2, 128, 512)
+    if model_dir is None and not (DEFAULT_MODEL / "config.json").is_file():
+        return ModelShape("tiny-mixtral (assumed)", 4, 8, 2, 128, 512)  # an install without the committed model
+    folder = Path(model_dir or DEFAULT_MODEL)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ShapeError(f"--model {folder}: not a transformers checkpoint (no config.json); expected a model folder")
+    try:
+        c = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ShapeError(f"--model {folder}: {cfg_path.name} is not readable JSON ({exc})") from None
+    if not isinstance(c, dict):
+        raise ShapeError(f"--model {folder}: {cfg_path.name} must be a JSON object, got {type(c).__name__}")
+    # DeepSeek / Qwen-MoE style configs: the experts' size and count under their own keys (intermediate_size is
+    # the dense MLP's there), and the first first_k_dense_replace layers dense
+    keys = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+            "intermediate_size": "moe_intermediate_size" if "moe_intermediate_size" in c else "intermediate_size",
+            "num_experts": next((k for k in ("n_routed_experts", "num_local_experts", "num_experts") if k in c), None),
+            "top_k": "num_experts_per_tok"}
+    defaults = {"num_experts": 8, "top_k": 2}
+    values = {}
+    for field_name, key in keys.items():
+        if key is None or key not in c:
+            if field_name not in defaults:
+                raise ShapeError(f"--model {folder}: {cfg_path.name} has no {key!r}")
+            values[field_name] = defaults[field_name]
+            continue
+        v = c[key]
+        if type(v) is not int or v < 1:
+            raise ShapeError(f"--model {folder}: {cfg_path.name} {key!r} must be a positive integer, got {v!r}")
+        values[field_name] = v
+    dense = c.get("first_k_dense_replace", 0)
+    if type(dense) is not int or not 0 <= dense < values["num_layers"]:
+        raise ShapeError(f"--model {folder}: {cfg_path.name} 'first_k_dense_replace' must be an integer in "
+                         f"[0, {values['num_layers']}), got {dense!r}")
+    values["num_layers"] -= dense
+    if values["top_k"] > values["num_experts"]:
+        raise ShapeError(f"--model {folder}: {cfg_path.name} routes {values['top_k']} of {values['num_experts']} "
+                         "experts; expected num_experts_per_tok <= the expert count")
+    return ModelShape(folder.name, **values)
 
 
 def shape_names() -> list[str]:
@@ -109,5 +142,5 @@ def resolve_shapes(spec: str | list[str], model_dir: Path | None = None, *, allo
         raise ShapeError(f"--shapes {spec!r}: give at least one of {', '.join(shape_names())}")
     try:
         return [resolve_shape(n, model_dir, allow_hxi=allow_hxi) for n in names]
-    except ShapeError as exc:
-        raise ShapeError(f"--shapes: {exc}") from None
+    except ShapeError as exc:  # a bad --model names its own option
+        raise ShapeError(str(exc) if str(exc).startswith("--model") else f"--shapes: {exc}") from None

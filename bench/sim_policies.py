@@ -264,6 +264,9 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
         records = doc.get("records") if isinstance(doc, dict) else None
         if not isinstance(records, list):
             raise ValueError(f"--accuracy {path}: expected a JSON object with a 'records' list")
+        if doc.get("format") == "crisp-bench":  # a benchmark's or simulation's records hold no measured accuracy
+            raise ValueError(f"--accuracy {path}: a crisp-bench {doc.get('command')} document; expected an "
+                             "evaluation (crisp-eval --json)")
         model = doc.get("model")
         if traced_model is not None and model is not None and Path(str(model)).name != Path(traced_model).name:
             notes.append(f"accuracy: {path} is of {model}, the trace of {traced_model}: not used")
@@ -295,6 +298,7 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
                     r = {**r, "policy": "full"}
             row = _evaluated(r)
             if row is not None:
+                _check_loss(path, r, row, layout)
                 rows.append({**row, "source": str(path), "tail_layout": layout})
                 used += 1
         notes.append(f"accuracy: {used} evaluated configurations from {path}")
@@ -303,6 +307,20 @@ def read_accuracy(paths: Iterable[str | Path], traced_model: str | None, crisp_p
                          "counted as a fraction of its storage rows (no floor_unit 'neurons'; a narrower floor than "
                          "the simulation's, which counts neurons): not attached")
     return rows, notes
+
+
+def _check_loss(path, r: dict, row: dict, layout: str) -> None:
+    """A relative accuracy loss is at most 1 (all of full's accuracy lost); below 0 a configuration beat full
+    width (by a few tenths of a percent in the committed evaluations), and below -1 it would have doubled full's
+    accuracy: a wrong field, not a measurement. Full width on a 4-bit pack is the reference itself: loss 0 (on a
+    tail layout, the layout's full width carries its rounding's loss against the 4-bit reference)."""
+    loss = row["accuracy_loss"]
+    if not -1.0 <= loss <= 1.0:
+        raise ValueError(f"--accuracy {path}: record of policy {r.get('policy')!r} has accuracy loss {loss!r}; "
+                         "expected a relative loss in [-1, 1]")
+    if row["family"] == "full" and layout == PLAIN.name and loss != 0:
+        raise ValueError(f"--accuracy {path}: record of policy {r.get('policy')!r} (full width, the reference) has "
+                         f"accuracy loss {loss!r}; expected 0")
 
 
 def _rows_floor(r: dict) -> bool:

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from crisp_tools.text import read_texts, sample_sequences
 
 from crisp_kernels import PackFormatError
@@ -190,6 +191,16 @@ def add_parser(subparsers) -> None:
     _outputs(p)
 
 
+def implicit_inputs(args) -> dict:
+    """The files simulate reads when their option is left out (``cli`` refuses an output onto any of them)."""
+    inputs: dict = {}
+    if args.accuracy is None:
+        inputs["--accuracy (default)"] = [REPO_ROOT / f for f in DEFAULT_ACCURACY]
+    if args.profile == "measured" and args.profile_file is None:
+        inputs["--profile-file (default)"] = MEASURED_PROFILE_FILE
+    return inputs
+
+
 def _tail_layout(value: str) -> TailLayout:
     try:
         return parse_tail_layout(value)
@@ -226,6 +237,9 @@ def _check_pack_layout(args) -> None:
 
 def run(args) -> int:
     t0 = time.perf_counter()
+    if args.trace and args.record_trace:
+        raise CliError("--record-trace saves a trace recorded from --model; with --trace nothing is recorded "
+                       "(leave out one of them)")
     _check_pack_layout(args)
     profile, shape, trace, plans, notes, stored, pack_info = _simulation_inputs(args)
     layout = args.tail_layout
@@ -283,7 +297,9 @@ def run(args) -> int:
     for n in notes:
         print(f"  {n}")
     if args.from_json:
-        records = [r for path in args.from_json for r in _previous_records(path)]
+        this_run = {"profile": profile.name, "target": shape.name, "tokens": trace.num_tokens - args.warmup,
+                    "budget_fraction": budgets}
+        records = [r for path in args.from_json for r in _previous_records(path, this_run, _trace_digest(trace))]
         budgets = sorted({r["budget_fraction"] for r in records})
         print(f"  records of {', '.join(args.from_json)} re-reported (not simulated again); accuracy attached anew")
     else:
@@ -341,6 +357,7 @@ def run(args) -> int:
         _plot_simulation(args.plot, records, budgets, profile, shape, trace, args.matrix)
         print(f"wrote {args.plot}")
     _emit(args, "simulate", records, profile=profile.to_dict(), target=shape.__dict__, mapping=notes,
+          trace={"digest": _trace_digest(trace), "tokens": trace.num_tokens, "warmup": args.warmup},
           plans={k: v.to_dict() if k != "crisp" else {"description": v.description, "tier_widths": vars(v.tier_widths),
                                                       **({} if v.width_cap is None else {"width_cap": v.width_cap}),
                                                       **({} if v.aux_full_weight is None
@@ -381,9 +398,12 @@ def _simulation_inputs(args):
     plans = tr.policy_plans(trace, crisp_plan, uniform)
     plans = {k: v for k, v in plans.items() if k in args.policies}
     if args.target == "native":
+        hidden = trace.meta.get("hidden_size")  # the trace checked it is a positive integer when present
+        if hidden is None or hidden % ModelShape.group_size:
+            raise CliError(f"--target native: the trace's hidden_size {hidden!r} must be a multiple of the 4-bit "
+                           f"format's group size {ModelShape.group_size} (record the trace with this version)")
         shape = ModelShape(f"native ({trace.meta.get('model', 'traced model')})", trace.num_layers,
-                           trace.num_experts, trace.top_k, int(trace.meta.get("hidden_size", 128)),
-                           trace.intermediate_size)
+                           trace.num_experts, trace.top_k, hidden, trace.intermediate_size)
         notes.append(f"target native: {shape.num_layers} layers, expert {shape.expert_nbytes / 1e3:.1f} kB")
     else:
         shape = TARGETS[args.target]
@@ -567,8 +587,10 @@ def _print_simulation(records, budgets, args, shape) -> None:
                                              "router order"))
 
 
-def _previous_records(path) -> list[dict]:
-    """The records of an earlier ``simulate --json`` document."""
+def _previous_records(path, this_run: dict, digest: str) -> list[dict]:
+    """The records of an earlier ``simulate --json`` document of the same trace, each simulated with this run's
+    profile, target, replayed tokens and one of its budgets (``this_run``: {field: value, budget_fraction: the
+    budgets}): records of another run would be re-reported under this run's header."""
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -576,7 +598,32 @@ def _previous_records(path) -> list[dict]:
     records = doc.get("records") if isinstance(doc, dict) and doc.get("command") == "simulate" else None
     if not records or not all(isinstance(r, dict) and "serving_policy" in r and "label" in r for r in records):
         raise CliError(f"--from-json {path}: not the --json output of this version's `crisp-bench simulate`")
+    trace = doc.get("trace")
+    if not isinstance(trace, dict) or trace.get("digest") != digest:
+        what = "names no trace digest (written by an older version)" if not isinstance(trace, dict) else \
+            "simulated another trace (or other --tokens)"
+        raise CliError(f"--from-json {path}: {what}; expected a simulation of this run's --trace and --tokens")
+    for field, want in this_run.items():
+        got = sorted({r.get(field) for r in records}, key=str)
+        ok = all(g in want for g in got) if field == "budget_fraction" else got == [want]
+        if not ok:
+            option = {"profile": "--profile", "target": "--target", "tokens": "--tokens / --warmup",
+                      "budget_fraction": "--budget"}[field]
+            raise CliError(f"--from-json {path}: its records have {field} {', '.join(map(str, got))}; this run's "
+                           f"{option} gives {want if field != 'budget_fraction' else ', '.join(map(str, want))}")
     return records
+
+
+def _trace_digest(trace) -> str:
+    """What identifies a replayed trace in a --json document: a digest of its routing, layers and predictions."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for a in (trace.index.astype(np.int64), trace.weights.astype(np.float32), np.asarray(trace.layer_ids),
+              np.asarray(trace.seq_starts), *(() if trace.predicted is None else (trace.predicted.astype(np.int64),))):
+        h.update(str(a.shape).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
 
 
 def _adopt_evaluated_knobs(plans, evaluated, args, notes) -> None:

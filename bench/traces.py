@@ -87,6 +87,12 @@ class Trace:
         if self.index.shape[2] != self.meta["top_k"]:
             raise TraceError(f"trace: {self.index.shape[2]} routed slots per token, metadata top_k is "
                              f"{self.meta['top_k']}")
+        hidden = self.meta.get("hidden_size")  # optional: --target native needs it (simulate_cmd)
+        if hidden is not None and (type(hidden) is not int or hidden < 1):
+            raise TraceError(f"trace metadata 'hidden_size' must be a positive integer, got {hidden!r}")
+        if 0 in self.index.shape[:2]:
+            raise TraceError(f"trace: holds no tokens or no layers (index shape {self.index.shape})")
+        self._check_routing()
         _check_int_list(self.layer_ids, "layer_ids")
         if len(self.layer_ids) != self.index.shape[0]:
             raise TraceError(f"trace: {len(self.layer_ids)} layer ids for {self.index.shape[0]} layers")
@@ -98,6 +104,35 @@ class Trace:
                 or any(b <= a for a, b in zip(self.seq_starts, self.seq_starts[1:], strict=False))):
             raise TraceError(f"trace: seq_starts must increase strictly from 0 and stay below the {self.num_tokens} "
                              f"tokens, got {list(self.seq_starts)[:8]}")
+
+    def _check_routing(self) -> None:
+        """What a router records: expert ids in [0, E), distinct within a token, with positive weights. The
+        runtime's padding sentinels (ids outside [0, E), planning.baselines) never reach a recorded trace, and
+        the simulator would replay one as a slot without an expert; only the predictions' -1 (no prediction:
+        the last layer's rows, scheduling.prefetch) is a sentinel here."""
+        e = self.num_experts
+        if (self.weights <= 0).any():
+            li, t, _ = np.argwhere(self.weights <= 0)[0]
+            raise TraceError(f"trace: weights must be positive routing weights, got {self.weights[li, t].tolist()} "
+                             f"at layer {li}, token {t}")
+        bad = (self.index < 0) | (self.index >= e)
+        if bad.any():
+            li, t, _ = np.argwhere(bad)[0]
+            raise TraceError(f"trace: index holds expert ids outside [0, {e}) (num_experts {e}), e.g. "
+                             f"{self.index[li, t].tolist()} at layer {li}, token {t}")
+        ordered = np.sort(self.index, axis=2)
+        twice = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
+        if twice.any():
+            li, t = np.argwhere(twice)[0]
+            raise TraceError(f"trace: a token routes to the same expert twice: {self.index[li, t].tolist()} at "
+                             f"layer {li}, token {t}")
+        pred = self.predicted
+        if pred is not None:
+            bad = (pred < -1) | (pred >= e)
+            if bad.any():
+                li, t, _ = np.argwhere(bad)[0]
+                raise TraceError(f"trace: predicted holds expert ids outside [0, {e}) other than -1 (no "
+                                 f"prediction), e.g. {pred[li, t].tolist()} at layer {li}, token {t}")
 
     @property
     def num_layers(self) -> int:

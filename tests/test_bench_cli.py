@@ -194,3 +194,81 @@ def test_console_script_unknown_subcommand(capsys):
             main([sub, "--help"])
         assert exc.value.code == 0
     assert "mixtral-8x7b" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- cpu --model, SIGTERM
+
+
+@pytest.mark.parametrize("config, needle", [
+    (None, "not a transformers checkpoint (no config.json)"),
+    ("{not json", "config.json is not readable JSON"),
+    ({"intermediate_size": None}, "has no 'intermediate_size'"),
+    ({"hidden_size": "128"}, "'hidden_size' must be a positive integer, got '128'"),
+    ({"intermediate_size": 0}, "'intermediate_size' must be a positive integer, got 0"),
+    ({"num_experts_per_tok": 9}, "routes 9 of 8 experts"),
+])
+def test_cpu_model_that_is_not_a_checkpoint_exits_2(config, needle, tmp_path, capsys):
+    from crisp_bench.common import DEFAULT_MODEL
+
+    model = tmp_path / "model"
+    model.mkdir()
+    if isinstance(config, str):
+        (model / "config.json").write_text(config)
+    elif config is not None:
+        cfg = json.loads((DEFAULT_MODEL / "config.json").read_text())
+        cfg.update(config)
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+        (model / "config.json").write_text(json.dumps(cfg))
+    rc = main(["cpu", "--shapes", "tiny", "--widths", "1", "--tokens", "1", "--repeats", "1", "--model", str(model),
+               "--json", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cpu: error: --model {model}: " in err and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_tiny_shape_of_a_deepseek_checkpoint_is_its_routed_experts():
+    from crisp_bench.common import REPO_ROOT
+    from crisp_bench.shapes import resolve_shapes
+
+    shape = resolve_shapes(["tiny"], REPO_ROOT / "models" / "tiny-deepseek")[0]
+    # moe_intermediate_size 32 (intermediate_size 256 is the dense MLP's), 64 routed experts, top-6, 3 MoE layers
+    assert (shape.name, shape.num_layers, shape.num_experts, shape.top_k, shape.hidden_size,
+            shape.intermediate_size) == ("tiny-deepseek", 3, 64, 6, 128, 32)
+    mixtral = resolve_shapes(["tiny"], REPO_ROOT / "models" / "tiny-mixtral")[0]
+    assert (mixtral.name, mixtral.num_experts, mixtral.intermediate_size) == ("tiny-mixtral", 8, 256)
+
+
+def test_cpu_help_names_what_auto_runs(capsys):
+    with pytest.raises(SystemExit):
+        main(["cpu", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "native-q8 with bf16, native-fp32 with fp32" in out and "native-fp32 where it builds" not in out
+
+
+SIGTERM_CHILD = """
+import os, signal, sys
+from crisp_bench import cli
+
+def work(args):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()  # not reached when SIGTERM raises KeyboardInterrupt
+    finally:
+        open(sys.argv[1], "w").write("cleaned up")
+
+cli._cmd_simulate = work
+sys.exit(cli.main(["simulate"]))
+"""
+
+
+def test_sigterm_runs_the_cleanup_and_exits_as_ctrl_c(tmp_path):
+    import signal
+
+    marker = tmp_path / "finally-ran"
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_CHILD, str(marker)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 130 and "interrupted" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert marker.read_text() == "cleaned up"
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["report", "--check"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before  # main puts the caller's handler back

@@ -319,3 +319,63 @@ def test_the_default_variant_is_what_applys_one_call_runs_on_a_cpu_model():
     assert runs["default"][1:] == runs["peer"][1:] and runs["default"][1:4] == ("cpu_only", "native-q8", "q8")
     assert runs["default"][4] > 0
     assert torch.equal(runs["default"][0], runs["peer"][0])
+
+
+# ---------------------------------------------------------------------------- outputs and the work folder
+
+
+@pytest.mark.parametrize("where", ["TINY/x.json", "TINY/config.json", "CALIB", "WORK/large-mixtral-x/model.gguf",
+                                   "DEFAULT_WORK/x.json"])
+def test_json_is_never_written_onto_or_into_peers_inputs(where, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CRISP_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "work" / "large-mixtral-x").mkdir(parents=True)
+    (tmp_path / "cache" / "peer").mkdir(parents=True)
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 20)
+    subs = {"TINY": TINY, "CALIB": str(peer.CALIB_TEXT), "WORK": str(tmp_path / "work"),
+            "DEFAULT_WORK": str(tmp_path / "cache" / "peer")}
+    head, _, tail = where.partition("/")
+    path = subs[head] + (f"/{tail}" if tail else "")
+    monkeypatch.setattr(cli, "_cmd_peer", lambda args: 0)  # nothing runs: the check comes before the work
+    work = [] if head == "DEFAULT_WORK" else ["--work-dir", str(tmp_path / "work")]
+    rc = cli.main(["peer", "--models", "tiny", "--text", str(tmp_path / "text.txt"), *work, "--json", path])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--json {path}: " in err and "input" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("kind, needle", [("file", "exists and is not a folder"),
+                                          ("no-parent", "its parent folder")])
+def test_work_dir_must_be_a_folder_with_an_existing_parent(kind, needle, tmp_path, monkeypatch, capsys):
+    def no_run():
+        raise pm.PeerUnavailable("the run went past the work folder's check")
+
+    monkeypatch.setattr(pm, "require_peers", no_run)
+    (tmp_path / "file").write_text("mine")
+    work = tmp_path / ("file" if kind == "file" else "missing/deep")
+    rc = cli.main(["peer", "--models", "tiny", "--work-dir", str(work)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--work-dir {work}: {needle}" in err and err.count("\n") == 1, err
+    assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "missing").exists()
+
+
+def test_only_the_quants_asked_for_are_built(monkeypatch, tmp_path):
+    asked = []
+
+    def gguf_files(model_dir, quants, root, *, threads, log):
+        asked.append(tuple(quants))
+        return {"F32": tmp_path / "f32.gguf", **{q: tmp_path / f"{q}.gguf" for q in quants}}
+
+    monkeypatch.setattr(pm, "gguf_files", gguf_files)
+    inputs = peer.prepare("tiny", tmp_path, 1, ["Q4_0"], log=lambda *_: None)
+    assert asked == [("Q4_0",)] and set(inputs.ggufs) == {"F32", "Q4_0"} and inputs.base == "F32"
+
+
+def test_a_worker_that_cannot_load_a_cached_gguf_names_the_folder_to_delete(tmp_path):
+    pytest.importorskip("llama_cpp")
+    folder = tmp_path / "tiny-mixtral-gguf-Q4_0-0123456789abcdef"
+    folder.mkdir()
+    (folder / "model.gguf").write_bytes(b"GGUF" + b"\0" * 60)  # damaged: a header and nothing else
+    with pytest.raises(peer.PeerBenchError) as exc:
+        peer.Worker({"engine": "llama.cpp", "gguf": str(folder / "model.gguf"), "quant": "Q4_0", "threads": 1,
+                     "n_ctx": 16})
+    msg = str(exc.value)
+    assert "\n" not in msg and f"delete its folder {folder}" in msg and "Traceback" not in msg, msg

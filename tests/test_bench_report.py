@@ -157,3 +157,69 @@ def test_check_finds_an_index_entry_without_its_file(tmp_path):
 
     with pytest.raises(CliError, match="stream-rss-2gb.json"):
         check_index(results)
+
+
+def _damage(results: Path, damage: str) -> str:
+    """Break one thing of a copied results folder; returns the file the error must name."""
+    index_path, rec_path = results / "index.json", results / "eval-tiny-mixtral.json"
+    index = json.loads(index_path.read_text())
+    row = index["tables"][0]["rows"][0]  # reads eval-tiny-mixtral.json
+    if damage == "truncated-record":
+        rec_path.write_text(rec_path.read_text()[:100])
+        return rec_path.name
+    if damage in ("record-a-list", "records-a-string", "records-of-strings"):
+        rec = {"record-a-list": [1, 2, 3], "records-a-string": {"records": "x"},
+               "records-of-strings": {"records": ["x", "y"]}}[damage]
+        rec_path.write_text(json.dumps(rec))
+        return rec_path.name
+    if damage == "tables-a-string":
+        index["tables"] = "results"
+    elif damage == "row-without-values":
+        del row["values"]
+    elif damage == "template-names-an-unknown-value":
+        row["template"] += " {nope}"
+    elif damage == "description-without-command":
+        del index["records"]["eval-tiny-mixtral.json"]["command"]
+    elif damage == "zero-denominator":
+        rec = json.loads(rec_path.read_text())
+        next(r for r in rec["records"] if r["policy"] == "crisp")["bytes_fraction_of_full"] = 0
+        rec_path.write_text(json.dumps(rec))
+        row["values"]["crisp"] = {"ratio": [row["values"]["crisp"], row["values"]["bytes"]]}
+    elif damage == "record-outside-results":
+        (results.parent / "outside.json").write_text(rec_path.read_text())
+        index["records"]["../outside.json"] = index["records"]["eval-tiny-mixtral.json"]
+        row["record"] = "../outside.json"
+    index_path.write_text(json.dumps(index))
+    return "index.json"
+
+
+@pytest.mark.parametrize("damage", [
+    "truncated-record", "record-a-list", "records-a-string", "records-of-strings", "tables-a-string",
+    "row-without-values", "template-names-an-unknown-value", "description-without-command", "zero-denominator",
+    "record-outside-results",
+])
+@pytest.mark.parametrize("check", [False, True])
+def test_a_corrupted_record_or_index_is_a_one_line_error_naming_the_file(tmp_path, capsys, damage, check):
+    results = _copy_results(tmp_path)
+    name = _damage(results, damage)
+    code, out, err = run_cli(["report", "--results", str(results), *(["--check"] if check else [])], capsys)
+    assert code == 2 and err.count("\n") == 1 and "internal error" not in err, err
+    assert name in err or (damage == "zero-denominator" and "denominator" in err), err
+    if damage == "record-outside-results":
+        assert "outside the results folder" in err
+
+
+@pytest.mark.parametrize("target", ["index.json", "eval-tiny-mixtral.json", "new.md"])
+def test_markdown_never_writes_onto_the_reports_inputs_even_with_force(tmp_path, capsys, target):
+    results = _copy_results(tmp_path)
+    before = {p.name: p.read_bytes() for p in results.iterdir()}
+    code, _, err = run_cli(["report", "--results", str(results), "--markdown", str(results / target), "--force"],
+                           capsys)
+    assert code == 2 and f"--markdown {results / target}: " in err and "--results" in err, err
+    assert err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in results.iterdir()} == before
+
+
+def test_check_refuses_an_unknown_table(capsys):
+    code, out, err = run_cli(["report", "--check", "--table", "nope"], capsys)
+    assert code == 2 and "--table nope" in err and out == ""

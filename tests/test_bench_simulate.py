@@ -19,7 +19,7 @@ from crisp_bench.simulate import (
     simulate_decode,
     simulate_policies,
 )
-from crisp_bench.traces import Trace, plan_from_trace, synthetic_trace, token_widths
+from crisp_bench.traces import Trace, TraceError, plan_from_trace, synthetic_trace, token_widths
 
 from crisp_runtime.planning.plan import CrispPlan, LayerPlan, PolicyKind, Tier, TierWidths
 from crisp_runtime.planning.serving import SERVING_POLICIES
@@ -327,3 +327,185 @@ def test_fit_affine_relative():
     a, b = fit_affine(pts)
     assert a == pytest.approx(5e-5, rel=1e-6) and b == pytest.approx(1e-9, rel=1e-6)
     assert fit_affine([(2.0, 4.0)]) == (0.0, 2.0)
+
+
+# ---------------------------------------------------------------------------- inputs simulate refuses
+
+
+@pytest.mark.parametrize("field", ["router_s", "other_s", "copy_latency_s", "compute_latency_s", "h2d_bytes_per_s",
+                                   "compute_bytes_per_s"])
+def test_profile_json_booleans_are_not_numbers(field):
+    data = get_profile("rtx4090-pcie4").to_dict()
+    data[field] = True
+    with pytest.raises(ProfileError, match=f"{field} must be a"):
+        HardwareProfile.from_dict(data)
+
+
+def _sim(argv, capsys):
+    rc = bench_cli.main(["simulate", *argv])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("which", ["accuracy", "profile"])
+def test_json_never_overwrites_an_input_read_by_default(which, tmp_path, monkeypatch, capsys):
+    """The files read when --accuracy or --profile-file is left out are inputs like the options' own."""
+    from crisp_bench import simulate_cmd
+    from crisp_bench.profiles import MEASURED_PROFILE_FILE
+
+    monkeypatch.setattr(simulate_cmd, "REPO_ROOT", tmp_path)  # the default evaluations: copies, not the repo's
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # the default measured profile is read from the current folder
+    synthetic_trace(num_layers=2, num_tokens=24).save(tmp_path / "t.npz")
+    get_profile("rtx4090-pcie4").save(tmp_path / MEASURED_PROFILE_FILE)
+    target = tmp_path / (simulate_cmd.DEFAULT_ACCURACY[0] if which == "accuracy" else MEASURED_PROFILE_FILE)
+    if which == "accuracy":
+        target.write_text('{"records": []}')
+    before = target.read_bytes()
+    argv = ["--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--target", "native", "--warmup", "4",
+            "--json", str(target)] + (["--profile", "measured"] if which == "profile" else [])
+    rc, err = _sim(argv, capsys)
+    option = "--accuracy (default)" if which == "accuracy" else "--profile-file (default)"
+    assert rc == 2 and f"is the input {option}" in err and err.count("\n") == 1, err
+    assert target.read_bytes() == before
+
+
+def test_record_trace_with_a_given_trace_is_refused(tmp_path, capsys):
+    synthetic_trace(num_layers=2, num_tokens=24).save(tmp_path / "t.npz")
+    rc, err = _sim(["--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--target", "native",
+                    "--record-trace", str(tmp_path / "r.npz")], capsys)
+    assert rc == 2 and "--record-trace" in err and "--trace" in err
+    assert not (tmp_path / "r.npz").exists()
+
+
+FROM_JSON_RUN = ["--plan", "auto", "--target", "native", "--warmup", "8", "--policies", "full,crisp",
+                 "--orders", "widest_first", "--tokens", "40"]
+
+
+@pytest.mark.parametrize("change, needle", [
+    (["--profile", "rtx4090-pcie4-ddr5"], "profile rtx4090-pcie4; this run's --profile"),
+    (["--budget", "0.5"], "budget_fraction 0.25; this run's --budget"),
+    (["--warmup", "4"], "tokens 32; this run's --tokens / --warmup"),
+    (["--tokens", "44"], "simulated another trace"),
+    (["OTHER-TRACE"], "simulated another trace"),
+    (["NO-DIGEST"], "names no trace digest"),
+])
+def test_from_json_refuses_records_of_another_run(change, needle, tmp_path, capsys):
+    synthetic_trace(num_layers=2, num_tokens=48, intermediate_size=16).save(tmp_path / "t.npz")
+    synthetic_trace(num_layers=2, num_tokens=48, intermediate_size=16, seed=1).save(tmp_path / "other.npz")
+    (tmp_path / "none.json").write_text('{"records": []}')
+    common = [*FROM_JSON_RUN, "--accuracy", str(tmp_path / "none.json")]
+    assert _sim(["--trace", str(tmp_path / "t.npz"), *common, "--json", str(tmp_path / "a.json")], capsys)[0] == 0
+    trace = str(tmp_path / ("other.npz" if change == ["OTHER-TRACE"] else "t.npz"))
+    earlier = tmp_path / "a.json"
+    if change == ["NO-DIGEST"]:  # a document that does not say which trace it simulated
+        import json
+
+        doc = json.loads(earlier.read_text())
+        del doc["trace"]
+        earlier = tmp_path / "old.json"
+        earlier.write_text(json.dumps(doc))
+    change = [] if change in (["OTHER-TRACE"], ["NO-DIGEST"]) else change
+    rc, err = _sim(["--trace", trace, *common, *change, "--from-json", str(earlier),
+                    "--json", str(tmp_path / "b.json")], capsys)
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "b.json").exists()
+    # the same options re-report the records
+    assert _sim(["--trace", str(tmp_path / "t.npz"), *common, "--from-json", str(tmp_path / "a.json"),
+                 "--json", str(tmp_path / "c.json")], capsys)[0] == 0
+
+
+def _toy_fields():
+    t = synthetic_trace(num_layers=2, num_tokens=16, num_experts=8, top_k=2, intermediate_size=32)
+    predicted = np.full((2, 16, 3), -1, dtype=np.int64)  # the last layer's rows: -1, no prediction
+    predicted[0] = np.concatenate([t.index[1], t.index[1][:, :1]], axis=1)
+    return dict(index=t.index.copy(), weights=t.weights.copy(), layer_ids=list(t.layer_ids), meta=dict(t.meta),
+                predicted=predicted)
+
+
+@pytest.mark.parametrize("change, match", [
+    ("weights-negative", "weights must be positive routing weights"),
+    ("weights-zero", "weights must be positive routing weights"),
+    ("index-99", r"expert ids outside \[0, 8\)"),
+    ("index-minus-1", r"expert ids outside \[0, 8\)"),
+    ("index-twice", "the same expert twice"),
+    ("predicted-1000", "predicted holds expert ids outside"),
+    ("predicted-minus-2", "predicted holds expert ids outside"),
+    ("hidden-negative", "'hidden_size' must be a positive integer"),
+    ("hidden-zero", "'hidden_size' must be a positive integer"),
+    ("hidden-text", "'hidden_size' must be a positive integer"),
+    ("no-tokens", "holds no tokens"),
+])
+def test_traces_a_router_cannot_record_are_refused(change, match):
+    fields = _toy_fields()
+    what, _, value = change.partition("-")
+    if what == "weights":
+        fields["weights"][1, 3, 1] = {"negative": -5.0, "zero": 0.0}[value]
+    elif what == "index":
+        fields["index"][0, 2, 1] = 99 if value == "99" else -1
+        if value == "twice":
+            fields["index"][0, 2, 1] = fields["index"][0, 2, 0]
+    elif what == "predicted":
+        fields["predicted"][0, 5, 2] = 1000 if value == "1000" else -2
+    elif what == "hidden":
+        fields["meta"]["hidden_size"] = {"negative": -7, "zero": 0, "text": "abc"}[value]
+    else:
+        fields = dict(fields, index=fields["index"][:, :0], weights=fields["weights"][:, :0],
+                      predicted=fields["predicted"][:, :0])
+    with pytest.raises(TraceError, match=match):
+        Trace(**fields)
+
+
+def test_committed_traces_and_prediction_sentinels_load():
+    from crisp_bench.common import REPO_ROOT
+
+    Trace(**_toy_fields())  # the -1 rows of the last layer's predictions
+    paths = sorted((REPO_ROOT / "bench" / "traces").glob("*.npz"))
+    assert len(paths) >= 3
+    for path in paths:
+        assert Trace.load(path).num_tokens > 0
+
+
+@pytest.mark.parametrize("hidden, needle", [(None, "hidden_size None"), (100, "hidden_size 100")])
+def test_native_target_needs_the_traces_hidden_size(hidden, needle, tmp_path, capsys):
+    t = synthetic_trace(num_layers=2, num_tokens=24)
+    meta = {k: v for k, v in t.meta.items() if k != "hidden_size"}
+    if hidden is not None:
+        meta["hidden_size"] = hidden
+    Trace(t.index, t.weights, list(t.layer_ids), meta).save(tmp_path / "t.npz")
+    rc, err = _sim(["--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--target", "native"], capsys)
+    assert rc == 2 and "--target native" in err and needle in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("records, needle", [
+    ([{"policy": "crisp", "accuracy_loss": 7}], "accuracy loss 7.0; expected a relative loss in [-1, 1]"),
+    ([{"policy": "crisp", "relative_accuracy_loss_vs_full": -1.5}], "accuracy loss -1.5"),
+    ([{"policy": "full", "accuracy_loss": 0.5}], "(full width, the reference) has accuracy loss 0.5; expected 0"),
+    ("SIMULATE", "a crisp-bench simulate document"),
+])
+def test_accuracy_files_with_impossible_losses_are_refused(records, needle, tmp_path, capsys):
+    import json
+
+    synthetic_trace(num_layers=2, num_tokens=24).save(tmp_path / "t.npz")
+    doc = {"format": "crisp-bench", "command": "simulate", "records": []} if records == "SIMULATE" else \
+        {"records": records}
+    (tmp_path / "acc.json").write_text(json.dumps(doc))
+    rc, err = _sim(["--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--target", "native", "--warmup", "4",
+                    "--accuracy", str(tmp_path / "acc.json")], capsys)
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_a_checkpoint_whose_config_contradicts_its_weights_is_a_clear_error(tmp_path, capsys):
+    import json
+    import shutil
+
+    from crisp_bench.common import DEFAULT_MODEL
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, model)
+    cfg = json.loads((model / "config.json").read_text())
+    del cfg["intermediate_size"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    rc, err = _sim(["--model", str(model), "--plan", "auto", "--sequences", "1", "--seq-len", "8"], capsys)
+    # transformers prints its own load report first; the command's error is one line
+    ours = [line for line in err.splitlines() if line.startswith("crisp-bench")]
+    assert rc == 2 and len(ours) == 1 and "error:" in ours[0] and "cannot load the checkpoint" in ours[0], err
