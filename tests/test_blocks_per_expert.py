@@ -446,6 +446,18 @@ def test_refusals_leave_the_model_untouched():
         find_moe_blocks(model, shapes=("mixtral",))
 
 
+def test_restore_after_model_to_bf16_while_applied_gives_the_converted_model():
+    model = make_model("mixtral_v4")
+    expected = copy.deepcopy(model).to(torch.bfloat16)
+    handle = apply(model)
+    model.to(torch.bfloat16)
+    handle.restore()
+    got, want = model.state_dict(), expected.state_dict()
+    assert list(got) == list(want)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in want.items())
+    assert torch.equal(logits(model), logits(expected))
+
+
 def test_gradients_through_crisp_experts_are_refused():
     model = make_model("qwen2_moe_v4")
     with apply(model):

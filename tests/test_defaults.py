@@ -72,6 +72,17 @@ def test_choices_round_trip_sorted_and_version_1_still_reads():
     assert serving_choices({}) is None
 
 
+def test_a_stored_prefetch_window_reads_back():
+    from crisp_runtime.scheduling.copy_window import PrefetchWindow
+
+    window = PrefetchWindow(row_nbytes=210, h2d_bytes_per_s=25e9, copy_latency_s=1e-5, compute_bytes_per_s=1e12,
+                            compute_latency_s=1e-5, lead_s=1e-4, name="test", cpu_bytes_per_s=5e10)
+    record = _record(0.25, "resident", PrefetchPolicy(extra_experts=1, window=window))
+    data = json.loads(json.dumps(ServingChoices((record,)).to_dict()))
+    back = serving_choices({"serving": data}).choices[0]
+    assert back == record and back.prefetch.window == window
+
+
 @pytest.mark.parametrize(("mutate", "match"), [
     (lambda d: d.update(version=3), "serving.version is 3"),
     (lambda d: d.update(extra=1), r"unknown keys \['extra'\]"),
@@ -80,6 +91,10 @@ def test_choices_round_trip_sorted_and_version_1_still_reads():
     (lambda d: d["choices"][0].update(gpu_budget_fraction=1.5), r"choices\[0\]: .*fraction in \(0, 1\]"),
     (lambda d: d["choices"][2].update(gpu_budget_fraction=0.1), "two choices for the budget 0.1"),
     (lambda d: d["choices"][0].update(eviction="fifo"), "eviction must be one of"),
+    (lambda d: d["choices"][0]["policy"].update(dominant_floor=0.5),
+     r"choices\[0\]: .*'plan' differs from the built-in"),
+    (lambda d: d["choices"][0]["prefetch"].update(rule="oracle"), r"choices\[0\]: .*prefetch.rule is 'oracle'"),
+    (lambda d: d["choices"][0]["prefetch"].update(window={"row_nbytes": 1}), r"choices\[0\]: .*PrefetchWindow"),
 ])
 def test_stored_choices_are_parsed_strictly(mutate, match):
     data = CHOICES.to_dict()
@@ -157,8 +172,24 @@ def test_explicit_arguments_win_and_paper_is_the_papers_configuration():
     assert paper.config.prefetch is None and paper.config.eviction == "lru" and paper.config.serving.name == "plan"
     with pytest.raises(ValueError, match="cpu: expected"):
         choose_serving(info, CRISP_TOP2, 0.25, cpu="sometimes")
+    kept = choose_serving(info, CRISP_TOP2, 0.25, serving="paper", config=RuntimeConfig(dense="keep"))
+    assert kept.config == RuntimeConfig(dense="keep")  # a config of other fields goes with the paper's
+    same = choose_serving(info, CRISP_TOP2, 0.25, serving="resident", config=RuntimeConfig(serving="resident"))
+    assert same.config == RuntimeConfig(serving="resident")
     with pytest.raises(ValueError, match="budget_fraction"):
         choose_serving(info, CRISP_TOP2, -0.25)
+
+
+@pytest.mark.parametrize(("serving", "config", "match"), [
+    ("paper", RuntimeConfig(eviction="next_use"), r"serving='paper' runs .* config sets eviction='next_use'"),
+    ("paper", RuntimeConfig(prefetch=PrefetchPolicy()), "config sets prefetch=PrefetchPolicy"),
+    ("paper", RuntimeConfig(serving="resident"), "config sets serving='resident'"),
+    ("plan", RuntimeConfig(serving="resident-floor75"),
+     "serving='plan' and config.serving='resident-floor75' disagree"),
+])
+def test_serving_and_a_config_that_contradict_each_other_are_refused(serving, config, match):
+    with pytest.raises(ValueError, match=match):
+        choose_serving({}, CRISP_TOP2, 0.25, serving=serving, config=config)
 
 
 # ---------------------------------------------------------------------------- apply, load_model, blocks

@@ -7,6 +7,8 @@ implementation away from CRISP, backward through CRISP experts, padding counted 
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 import warnings
 
@@ -96,10 +98,19 @@ def test_load_model_refuses_what_is_not_a_local_checkpoint_at_once(name):
     ({"config": "fast"}, TypeError, "config: expected RuntimeConfig"),
     ({"plan": "plan.json"}, TypeError, "plan: expected CrispPlan"),
     ({"allow_weights_mismatch": "yes"}, TypeError, "allow_weights_mismatch"),
+    ({"dtype": torch.float64}, ValueError, "dtype: torch.float64 is not a dtype CRISP runs; .*torch.float32"),
+    ({"dtype": "float64"}, ValueError, "dtype: torch.float64 is not a dtype CRISP runs"),
 ])
 def test_load_model_bad_arguments_name_the_argument(kwargs, err, match):
     with pytest.raises(err, match=match):
         load_model("models/tiny-mixtral", "models/tiny-mixtral-crisp", **kwargs)
+
+
+@pytest.mark.parametrize(("pack_dir", "err"), [(None, TypeError), (5, TypeError), (b"models", TypeError),
+                                                (["x"], TypeError), ("", ValueError), ("  ", ValueError)])
+def test_load_model_pack_dir_that_is_no_folder_names_the_argument(pack_dir, err):
+    with pytest.raises(err, match="pack_dir: expected a CRISP pack folder"):
+        load_model("models/tiny-mixtral", pack_dir)
 
 
 def test_load_model_refuses_a_too_small_budget_before_reading_the_checkpoint(monkeypatch):
@@ -242,6 +253,12 @@ def test_numpy_integer_budget_is_accepted():
     ({"config": RuntimeConfig(device="foo")}, ValueError, "config.device: 'foo' is not a device"),
     ({"config": RuntimeConfig(device="meta")}, ValueError, "config.device: 'meta'"),
     ({"allow_weights_mismatch": 1}, TypeError, "allow_weights_mismatch"),
+    ({"source": ""}, ValueError, "source: expected a CRISP pack folder, got ''"),
+    ({"source": {"a": 1}}, TypeError, r"source: a \{layer_id: PackedLayer\} mapping takes integer layer ids, .*'a'"),
+    ({"shapes": 5}, TypeError, "shapes: expected None or a sequence of .*BlockShape"),
+    ({"shapes": ("mixtral",)}, TypeError, "shapes: expected None or a sequence of .*BlockShape"),
+    ({"config": RuntimeConfig(), "serving": "cpu_only", "gpu_budget": "1MiB"}, ValueError,
+     "serving placement 'cpu_only' computes experts on the CPU .*pass cpu='on' or cpu='auto'"),
 ])
 def test_apply_bad_arguments_leave_the_model_as_it_was(kwargs, err, match):
     model = make_model("mixtral")
@@ -250,6 +267,25 @@ def test_apply_bad_arguments_leave_the_model_as_it_was(kwargs, err, match):
         apply(model, **kwargs)
     assert_unchanged(model, snap)
     apply(model, fmt=QuantFormat(group_size=32)).restore()
+
+
+def test_a_float64_model_is_refused_before_anything_is_modified():
+    model = make_model("mixtral").double()
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"model: parameter .* is torch.float64; CRISP runs models in torch.float32, "
+                                         "torch.bfloat16 or torch.float16"):
+        apply(model)
+    assert_unchanged(model, snap)
+
+
+def test_set_plan_on_a_restored_handle_is_refused():
+    from crisp_runtime import CrispPlan
+
+    model = make_model("mixtral")
+    handle = apply(model)
+    handle.restore()
+    with pytest.raises(RuntimeError, match=r"set_plan: CRISP is not applied \(this handle was restored\)"):
+        handle.set_plan(CrispPlan.uniform(4, 2, 32, [0, 1], 8))
 
 
 # ---------------------------------------------------------------------- set_experts_implementation while applied
@@ -288,6 +324,60 @@ def test_restore_after_switching_brings_the_original_implementation_back():
     handle.restore()
     assert model.get_experts_implementation() == before
     assert torch.equal(logits(model), original)
+
+
+# ---------------------------------------------------------------------- a dtype conversion while applied
+
+
+@pytest.mark.parametrize("dense", [None, "keep"], ids=["default", "keep"])
+@pytest.mark.parametrize("convert", ["to_bf16", "half"])
+def test_restore_after_a_dtype_conversion_while_applied_gives_the_converted_model(dense, convert):
+    model = make_model("mixtral")
+    expected = copy.deepcopy(model)
+    handle = apply(model, config=None if dense is None else RuntimeConfig(dense=dense))
+    for m in (model, expected):
+        m.to(torch.bfloat16) if convert == "to_bf16" else m.half()
+    logits(model)  # runs while applied
+    handle.restore()
+    got, want = model.state_dict(), expected.state_dict()
+    assert list(got) == list(want)
+    for key, value in want.items():  # the held originals converted as .to(dtype) converts: same dtype, same bits
+        assert got[key].dtype == value.dtype, key
+        assert torch.equal(got[key], value), key
+    assert torch.equal(logits(model), logits(expected))
+
+
+# ---------------------------------------------------------------------- threads
+
+
+def test_forwards_from_several_threads_take_turns_and_give_the_serial_logits():
+    model = make_model("mixtral")
+    inputs = [torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    layers = pack_model(model)
+    budget = min_budget_bytes(layers, model.config.num_experts_per_tok)  # the smallest: every step evicts
+    with apply(model, layers, gpu_budget=budget, serving="plan", cpu="off"):
+        with torch.no_grad():
+            serial = [model(x).logits for x in inputs]
+        errors, results = [], {i: [] for i in range(len(inputs))}
+
+        def work(i):
+            try:
+                for _ in range(10):
+                    with torch.no_grad():
+                        results[i].append(model(inputs[i]).logits)
+            except Exception as exc:  # noqa: BLE001 - every failure is reported
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    for i, want in enumerate(serial):
+        assert len(results[i]) == 10
+        for got in results[i]:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- gradients

@@ -341,6 +341,39 @@ def test_weights_fingerprint(tmp_path, tiny_model):
     assert weights_sha256(refs) == digest
 
 
+def test_pack_json_edits_are_blamed_on_pack_json_and_mismatches_name_the_pack(tmp_path):
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from crisp_runtime import apply, load_model
+
+    checkpoint = COMMITTED_PACK.parent / "tiny-mixtral"
+    pack = tmp_path / "pack"
+    shutil.copytree(COMMITTED_PACK, pack)
+    info = json.loads((pack / "pack.json").read_text())
+    where = re.escape(str(pack))
+
+    (pack / "pack.json").write_text(json.dumps({**info, "top_k": 3}))
+    with pytest.raises(PlanError, match=f"{where}/pack.json: top_k 3 differs from the plan's, 2 in {where}/plan.json"):
+        load_pack(pack)
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    (pack / "pack.json").write_text(json.dumps({**info, "model_type": "llama"}))
+    with pytest.raises(PackMismatchError, match=f"{where}: this CRISP pack was made for another model: model_type"):
+        apply(model, pack)
+
+    (pack / "pack.json").write_text(json.dumps({**info, "model": {**info["model"], "weights_sha256": "0" * 64}}))
+    other = (f"{where}: this CRISP pack was made from other weights than this model \\(weights fingerprint "
+             "000000000000\\.\\.\\. in pack.json, [0-9a-f]{12}\\.\\.\\. in the model; .*another dtype.*\\); "
+             "pass allow_weights_mismatch=True")
+    with pytest.raises(PackMismatchError, match=other):
+        apply(model, pack)
+    with pytest.raises(PackMismatchError, match=other):
+        load_model(checkpoint, pack)
+    assert model.get_experts_implementation() != "crisp"
+
+
 def test_weights_fingerprint_is_the_one_crisp_profile_records(tiny_model):
     from crisp_runtime.hf.moe_layers import find_moe_layers
     from tools.calibration import model_fingerprint

@@ -176,6 +176,33 @@ def test_dtypes_and_padding_sentinels():
     assert runtime.stats.as_dict()["skipped"] == 2
 
 
+@pytest.mark.parametrize(("kwargs", "err", "match"), [
+    ({"kernel_backend": "nope"}, ValueError,
+     r"RuntimeConfig.kernel_backend: expected None \(automatic\) or one of \['triton', 'triton-interpret', 'torch'\]"),
+    ({"keep_original": "no"}, TypeError, "RuntimeConfig.keep_original: expected True or False, got str 'no'"),
+    ({"async_copies": "x"}, TypeError, "RuntimeConfig.async_copies: expected True or False"),
+    ({"record_timings": "yes"}, TypeError, "RuntimeConfig.record_timings: expected True or False"),
+    ({"record_timings": 1}, TypeError, "RuntimeConfig.record_timings: expected True or False"),
+    ({"pin_memory": "x"}, TypeError, "RuntimeConfig.pin_memory: expected True, False or None"),
+    ({"eviction": "nope"}, ValueError, "RuntimeConfig.eviction: expected one of"),
+])
+def test_runtime_config_refuses_bad_fields_naming_them(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        RuntimeConfig(**kwargs)
+
+
+def test_runtime_config_accepts_its_documented_values():
+    from crisp_kernels import Backend
+    from crisp_runtime.residency.eviction import NextUsePolicy
+
+    for backend in (None, "torch", Backend.TORCH):
+        assert RuntimeConfig(kernel_backend=backend).kernel_backend == backend
+    for eviction in ("lru", "frequency", "tier", "next_use", NextUsePolicy, NextUsePolicy()):
+        RuntimeConfig(eviction=eviction)
+    for pin in (None, True, False):
+        RuntimeConfig(pin_memory=pin, async_copies=False, keep_original=False, record_timings=True)
+
+
 def test_set_plan_rejects_other_pack():
     runtime = CrispRuntime(LAYERS, CrispPlan.full(E, TOP_K, INTER, LAYER_IDS), device="cpu", gpu_budget=None)
     from crisp_runtime import PlanError

@@ -231,6 +231,34 @@ def test_serving_by_name_refuses_nonsense(bad):
         serving_by_name(bad)
 
 
+@pytest.mark.parametrize(("name", "floor", "narrow"), [("resident-floor50", 0.5, False),
+                                                     ("resident-floor87.5-narrow-aux", 0.875, True)])
+def test_every_floor_name_works_through_make_serving_and_runtime_config(name, floor, narrow):
+    from crisp_runtime.planning.serving import AuxNarrower, serving_by_name
+
+    policy = make_serving(name)
+    assert policy == serving_by_name(name) and policy.name == name and policy.dominant_floor == floor
+    assert (policy.aux_narrower is AuxNarrower.NARROW_ONLY) is narrow
+    assert RuntimeConfig(serving=name).serving == policy
+    assert make_serving(policy.to_dict()) == policy  # its dict, with the built-in's fields, is accepted
+
+
+@pytest.mark.parametrize("spec", [
+    ServingPolicy("plan", "resident", "resident", "skip", 0.5),
+    {"name": "plan", "hit_width": "resident", "aux_narrower": "resident", "aux_missing": "skip",
+     "dominant_floor": 0.5},
+    {**SERVING_POLICIES["resident"].to_dict(), "name": "resident-floor75"},
+    ServingPolicy("cpu_only"),
+])
+def test_a_policy_with_a_built_in_name_and_other_fields_is_refused(spec):
+    with pytest.raises(ValueError, match="differs from the built-in .*give it a name of its own"):
+        make_serving(spec)
+    with pytest.raises(ValueError, match="differs from the built-in"):
+        RuntimeConfig(serving=spec)
+    renamed = {**(spec.to_dict() if isinstance(spec, ServingPolicy) else spec), "name": "mine"}
+    assert make_serving(renamed).name == "mine"
+
+
 def test_policy_names_and_dict_round_trip():
     assert ServingPolicy().follows_plan and not SERVING_POLICIES["resident"].follows_plan
     for name, policy in SERVING_POLICIES.items():

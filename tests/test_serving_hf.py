@@ -56,3 +56,24 @@ def test_bad_serving_is_refused_before_anything_happens():
     with pytest.raises(ValueError, match="serving"):
         apply(model, serving="fastest")
     assert model.get_experts_implementation() != "crisp"
+
+
+def test_any_floor_name_runs_through_apply_and_stats_name_it():
+    model = make_model("mixtral")
+    with apply(model, gpu_budget="512KiB", serving="resident-floor50", cpu="off") as handle:
+        logits(model)
+        assert handle.runtime.config.serving.dominant_floor == 0.5
+        assert handle.stats()["serving"]["running"]["serving"] == "resident-floor50"
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(serving={"name": "plan", "hit_width": "resident", "aux_narrower": "resident", "aux_missing": "skip",
+                   "dominant_floor": 0.5}), "differs from the built-in 'plan'"),
+    (dict(serving="paper", config=RuntimeConfig(eviction="next_use")), "serving='paper' runs"),
+    (dict(serving="plan", config=RuntimeConfig(serving="resident-floor75")), "disagree"),
+])
+def test_serving_that_would_misreport_what_runs_is_refused_before_anything_happens(kwargs, match):
+    model = make_model("mixtral")
+    with pytest.raises(ValueError, match=match):
+        apply(model, gpu_budget="512KiB", cpu="off", **kwargs)
+    assert model.get_experts_implementation() != "crisp"

@@ -246,13 +246,17 @@ class DenseSwap:
     released: dict = field(default_factory=dict)
     shared: int = 0  # attention modules whose q, k and v run as one call (SharedProjections)
 
-    def restore(self) -> None:
-        """Put the original modules back (idempotent)."""
+    def restore(self, to_dtype: torch.dtype | None = None) -> None:
+        """Put the original modules back (idempotent); ``to_dtype``: the dtype the model was converted to while
+        applied (None: unchanged), which the originals, held outside the model, are then converted to as
+        ``Module.to(dtype)`` would have (floating parameters and buffers only)."""
         while self.swapped:
             parent, name, original = self.swapped.pop()
             dtype = self.released.pop(id(original), None)
             if dtype is not None:
                 original.weight.data = getattr(parent, name).exact_weight().to(dtype)
+            if to_dtype is not None:
+                original.to(to_dtype)
             setattr(parent, name, original)
 
     def info(self) -> dict:

@@ -41,6 +41,7 @@ copy stream with an event, and the first step that uses it waits on that event.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +61,8 @@ from crisp_runtime.execution.stats import LayerStats, RuntimeStats
 from crisp_runtime.planning.plan import CrispPlan
 from crisp_runtime.planning.serving import ServedSlots, ServingPolicy, floor_in_rows, make_serving, plan_served_step
 from crisp_runtime.residency.device_cache import PrefixCache, ResidentExperts
-from crisp_runtime.residency.eviction import make_policy
+from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
+from crisp_runtime.residency.eviction import EvictionPolicy, make_policy
 from crisp_runtime.residency.host_store import HostStore
 from crisp_runtime.residency.ledger import HIT, MISS, TRANSIENT, Decision, transient_buffer_bytes, transient_rows
 from crisp_runtime.scheduling.copy_window import CopyClock, admit_requests, hybrid_jobs
@@ -121,6 +123,22 @@ class RuntimeConfig:
     dense: DenseWeights | str = DenseWeights.AUTO
 
     def __post_init__(self) -> None:
+        for name in ("async_copies", "keep_original", "record_timings", "pin_memory"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "pin_memory" and value is None):
+                choices = "True, False or None" if name == "pin_memory" else "True or False"
+                raise TypeError(f"RuntimeConfig.{name}: expected {choices}, got {type(value).__name__} {value!r}")
+        if self.kernel_backend is not None:
+            try:
+                Backend(self.kernel_backend)
+            except ValueError:
+                raise ValueError(f"RuntimeConfig.kernel_backend: expected None (automatic) or one of "
+                                 f"{[b.value for b in Backend]}, got {self.kernel_backend!r}") from None
+        eviction = self.eviction
+        if not (isinstance(eviction, str) and eviction in EVICTION_POLICIES or isinstance(eviction, EvictionPolicy)
+                or isinstance(eviction, type) and issubclass(eviction, EvictionPolicy)):
+            raise ValueError(f"RuntimeConfig.eviction: expected one of {list(EVICTION_POLICIES)}, an EvictionPolicy "
+                             f"class or instance, got {eviction!r}")
         try:
             object.__setattr__(self, "dense", DenseWeights(self.dense))
         except ValueError:
@@ -217,6 +235,9 @@ class CrispRuntime:
         self._cuda = self.device.type == "cuda"  # read per step (torch.device.type: ~0.35 us, 2-core VM)
         self._gpu_placement = not self.serving.placement.uses_cpu  # read per step (the enum property: ~0.8 us)
         self._copy_stream = None  # GPU-only, created on first use
+        # One layer step (or prefetch) at a time: the ledger, the cache and the kept buffers are shared by every
+        # thread running the model (an uncontended acquire costs ~0.1 us a step)
+        self._lock = threading.RLock()
         self.cpu_decision = None  # what apply(cpu=...) decided (crisp_runtime.cpu.knob.CpuDecision), for stats()
         self.serving_choice = None  # what ran and why (crisp_runtime.planning.defaults.ServingChoice), for stats()
         if self.serving.placement.uses_cpu:
@@ -225,10 +246,12 @@ class CrispRuntime:
                                  "whose kernels read 4-bit rows only; this pack has 2-bit tail rows (GPU placement)")
             if self.store is None:
                 raise ValueError(f"serving placement {self.serving.placement.value!r} computes experts on the CPU "
-                                 "from host memory: it needs a gpu_budget (experts offloaded to host memory)")
+                                 "from host memory: it needs a gpu_budget (experts offloaded to host memory; without "
+                                 "a GPU, apply(..., cpu='auto') picks the smallest)")
             if not config.cost.has_cpu:
-                raise ValueError(f"serving placement {self.serving.placement.value!r} needs RuntimeConfig.cost "
-                                 "with cpu_bytes_per_s (the CPU's measured bandwidth)")
+                raise ValueError(f"serving placement {self.serving.placement.value!r} computes experts on the CPU and "
+                                 "needs its measured bandwidth: pass cpu='on' or cpu='auto' to apply / load_model "
+                                 "(they measure it), or RuntimeConfig(cost=CostModel(cpu_bytes_per_s=...))")
         # The CPU's experts run on its worker thread (created on first use); an EAGER int4pack copy is built
         # here, and only for a placement that uses the CPU.
         self._cpu = CpuExperts(self.store.layers if self.serving.placement.uses_cpu else {}, config.cpu_experts)
@@ -260,6 +283,16 @@ class CrispRuntime:
                              f"({frac:g} full-width experts) leaves nothing of gpu_budget={gpu_budget:,} bytes")
         return buf
 
+    def __getstate__(self) -> dict:
+        # copy.deepcopy of an applied model copies its runtime: the copy gets a lock of its own (a lock has no copy)
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     def close(self) -> None:
         """Stop the CPU worker thread, if one was started (``CrispHandle.restore`` calls this)."""
         self._cpu.close()
@@ -280,9 +313,10 @@ class CrispRuntime:
         first = self.layers[self.layer_ids[0]]
         plan.check_compatible(num_experts=first.num_experts, top_k=self.plan.top_k,
                               intermediate_size=first.intermediate_size, layer_ids=self.layer_ids)
-        self.plan = plan
-        if isinstance(self.cache, PrefixCache):
-            self.cache.policy.set_plan(plan)
+        with self._lock:  # between two layer steps
+            self.plan = plan
+            if isinstance(self.cache, PrefixCache):
+                self.cache.policy.set_plan(plan)
 
     # ------------------------------------------------------------------ one layer step
 
@@ -306,7 +340,13 @@ class CrispRuntime:
 
     def forward(self, layer_id: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts' output for ``hidden_states`` (T, H), in its dtype."""
+        """The routed experts' output for ``hidden_states`` (T, H), in its dtype. Threads running the model at
+        once take turns, one layer step at a time."""
+        with self._lock:
+            return self._step(layer_id, hidden_states, top_k_index, top_k_weights)
+
+    def _step(self, layer_id: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor) -> torch.Tensor:
         self._check_step(layer_id, hidden_states, top_k_index, top_k_weights)
         served, step = self.plan_served(layer_id, top_k_index, top_k_weights)
         self.last_step[layer_id] = step
@@ -622,6 +662,10 @@ class CrispRuntime:
         cut short ends it, and a later call of the same step admits nothing); ``stats`` counts the requests
         cut (``prefetch_cut``) and their rows not copied (``prefetch_cut_rows``).
         """
+        with self._lock:
+            return self._prefetch(layer_id, requests)
+
+    def _prefetch(self, layer_id: int, requests: Iterable[tuple[int, int]]) -> list[Decision]:
         if layer_id not in self._hidden:
             raise KeyError(f"prefetch: CRISP runtime has no layer {layer_id}; it holds {list(self.layer_ids)}")
         full = self.layers[layer_id].intermediate_size

@@ -56,6 +56,7 @@ from crisp_runtime.hf.handle import (
     parse_budget,
     plan_and_budget_checked,
     serving_choice_for,
+    to_dtype,
 )
 from crisp_runtime.hf.moe_layers import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
 from crisp_runtime.planning.plan import CrispPlan
@@ -63,6 +64,7 @@ from crisp_runtime.scheduling.prefetch import Prefetcher
 from crisp_runtime.storage.pack import (
     CrispPack,
     PackMismatchError,
+    fingerprint_mismatch,
     layers_from_source,
     recorded_weights_sha256,
     weights_sha256,
@@ -401,7 +403,8 @@ class BlockHandle(CrispHandle):
         if not self.active:
             return
         self.runtime.close()  # the CPU worker thread of hybrid execution, if one was started
-        self._restore_dense()
+        dtype = self._changed_dtype()  # model.to(dtype) while applied: the originals follow it
+        self._restore_dense(dtype)
         for ref in self.refs:
             ref.module.__dict__.pop(_BLOCK_STATE, None)
             ref.module.__dict__.pop("forward", None)
@@ -409,7 +412,7 @@ class BlockHandle(CrispHandle):
                 linear.__dict__.pop("weight", None)
                 if device is not None and param.device != device:
                     param.data = param.data.to(device)
-                linear._parameters["weight"] = param
+                linear._parameters["weight"] = to_dtype(param, dtype)
                 items = [(k, linear._parameters[k]) for k in order]  # the original order (state_dict)
                 linear._parameters.clear()
                 linear._parameters.update(items)
@@ -466,10 +469,9 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     def check_pack(pack: CrispPack) -> None:
         check_layers_fit_blocks(pack.layers, refs)
         recorded = recorded_weights_sha256(pack.info)
-        if recorded is not None and not allow_weights_mismatch and recorded != blocks_weights_sha256(refs):
-            raise PackMismatchError("this CRISP pack was made from other weights than this model (the weights "
-                                    "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to "
-                                    "use it anyway")
+        found = None if recorded is None or allow_weights_mismatch else blocks_weights_sha256(refs)
+        if found is not None and found != recorded:
+            raise fingerprint_mismatch(recorded, found, directory=pack.directory, argument="allow_weights_mismatch")
 
     source = loaded_source(source)
     layers, pack_plan = layers_from_source(source, fmt, pack=lambda f: pack_blocks(refs, f), check_pack=check_pack,

@@ -11,8 +11,9 @@ parameters back. No class is ever patched.
 While applied, the experts modules' ``gate_up_proj`` / ``down_proj`` are placeholders on the
 ``meta`` device (same shape and dtype, no memory; plain attributes, so ``model.to()`` skips
 them); the originals are kept in host memory for ``restore()`` (or dropped with
-``RuntimeConfig(keep_original=False)``; ``load_model`` never has them). Shared experts
-(Qwen2-MoE, DeepSeek) are ordinary dense MLPs outside the experts module: untouched, resident.
+``RuntimeConfig(keep_original=False)``; ``load_model`` never has them). A ``model.to(dtype)`` / ``.half()`` while
+applied skips them too: ``restore()`` converts them (and attention's original layers) to the model's new dtype.
+Shared experts (Qwen2-MoE, DeepSeek) are ordinary dense MLPs outside the experts module: untouched, resident.
 
 Every check (supported model, pack, plan and weights fit, budget) runs before the model is modified.
 
@@ -48,16 +49,21 @@ from crisp_runtime.execution.resident_path import ResidentStep
 from crisp_runtime.execution.runtime import CrispRuntime, RuntimeConfig
 from crisp_runtime.hf import blocks
 from crisp_runtime.hf.handle import (
+    MODEL_DTYPES,
+    MODEL_DTYPES_TEXT,
     CrispHandle,
     check_budget_fits_layers,
     check_device,
+    check_model_dtype,
     check_serving_arguments,
     host_store_budget,
     loaded_source,
     log_choice,
+    pack_folder,
     parse_budget,
     plan_and_budget_checked,
     serving_choice_for,
+    to_dtype,
 )
 from crisp_runtime.hf.moe_layers import MoeLayerRef, UnsupportedModelError, find_moe_layers, model_top_k
 from crisp_runtime.planning.plan import CrispPlan
@@ -68,6 +74,7 @@ from crisp_runtime.storage.pack import (
     PackMismatchError,
     check_layers_fit_model,
     check_weights_fingerprint,
+    fingerprint_mismatch,
     layers_from_source,
     load_pack,
     pack_model,
@@ -189,7 +196,8 @@ class ExpertsHandle(CrispHandle):
         if not self.active:
             return
         self.runtime.close()  # the CPU worker thread of hybrid execution, if one was started
-        self._restore_dense()
+        dtype = self._changed_dtype()  # model.to(dtype) while applied: the originals follow it
+        self._restore_dense(dtype)
         kept = True
         for ref in self.refs:
             module = ref.module
@@ -202,7 +210,7 @@ class ExpertsHandle(CrispHandle):
                     module.__dict__.pop(name, None)
                     if device is not None and obj.device != device:
                         obj.data = obj.data.to(device)
-                    module._parameters[name] = obj
+                    module._parameters[name] = to_dtype(obj, dtype)
                 else:  # not kept, or load_model (there never were full-precision experts): the placeholder stays
                     module_kept = False
             _reorder_parameters(module, self._stash[ref.name])
@@ -363,7 +371,9 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     if not isinstance(allow_weights_mismatch, bool):
         raise TypeError(f"allow_weights_mismatch: expected True or False, got {type(allow_weights_mismatch).__name__}")
 
-    shapes = blocks.BLOCK_SHAPES if shapes is None else tuple(shapes)
+    shapes = blocks.BLOCK_SHAPES if shapes is None else _check_shapes(shapes)
+    if isinstance(model, torch.nn.Module):
+        check_model_dtype(model)
     if isinstance(model, torch.nn.Module) and blocks.uses_per_expert_blocks(model, shapes):
         return blocks.apply_blocks(model, source, plan=plan, gpu_budget=gpu_budget, fmt=fmt, config=config,
                                    allow_weights_mismatch=allow_weights_mismatch, serving=serving, shapes=shapes,
@@ -375,6 +385,18 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
     return _apply_to_experts(model, find_moe_layers(model), source, plan=plan, budget=parse_budget(gpu_budget),
                              fmt=fmt, config=config, allow_weights_mismatch=allow_weights_mismatch, serving=serving,
                              cpu=cpu)
+
+
+def _check_shapes(shapes) -> tuple:
+    """apply's ``shapes`` as a tuple of BlockShape, with an error naming the argument."""
+    hint = "expected None or a sequence of crisp_runtime.hf.blocks.BlockShape (e.g. blocks.BLOCK_SHAPES)"
+    try:
+        out = tuple(shapes) if not isinstance(shapes, (str, bytes)) else None
+    except TypeError:
+        out = None
+    if out is None or not all(isinstance(s, blocks.BlockShape) for s in out):
+        raise TypeError(f"shapes: {hint}, got {type(shapes).__name__} {shapes!r}")
+    return out
 
 
 def _apply_to_experts(model, refs: list[MoeLayerRef], source, *, plan: CrispPlan | None, budget: int | None,
@@ -450,12 +472,7 @@ def check_pack_weights(pack: CrispPack, model, *, refs=None) -> None:
     expert weights are not loaded cannot be checked, which is refused too: the caller says
     ``allow_weights_mismatch=True`` when it knows the pack is right.
     """
-    try:
-        status = check_weights_fingerprint(pack, model, refs=refs)
-    except PackMismatchError as exc:
-        raise PackMismatchError("this CRISP pack was made from other weights than this model (the weights "
-                                "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to use it "
-                                "anyway") from exc
+    status = check_weights_fingerprint(pack, model, refs=refs, argument="allow_weights_mismatch")
     if status is FingerprintStatus.UNAVAILABLE:
         raise PackMismatchError("cannot check that this CRISP pack was made from this model's weights: its expert "
                                 "weights are not loaded (placeholders); pass allow_weights_mismatch=True if the pack "
@@ -503,11 +520,15 @@ def _local_checkpoint(checkpoint_dir) -> Path:
 
 
 def _check_dtype(dtype):
-    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+    if dtype is None or dtype == "auto":
         return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype) and (
-            getattr(torch, dtype).is_floating_point):
-        return getattr(torch, dtype)
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        dtype = getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype: {dtype} is not a dtype CRISP runs; expected None or 'auto' (the checkpoint's) or "
+                         f"{MODEL_DTYPES_TEXT}")
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
     raise TypeError(f"dtype: expected None or 'auto' (the checkpoint's) or a floating torch.dtype such as "
                     f"torch.bfloat16, got {dtype!r}")
 
@@ -544,7 +565,7 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     dtype = _check_dtype(dtype)
     if not isinstance(allow_weights_mismatch, bool):
         raise TypeError(f"allow_weights_mismatch: expected True or False, got {type(allow_weights_mismatch).__name__}")
-    pack = load_pack(pack_dir)  # fail on a bad pack before reading the checkpoint
+    pack = load_pack(pack_folder(pack_dir, "pack_dir"))  # fail on a bad pack before reading the checkpoint
     budget = parse_budget(gpu_budget)
     top_k = pack.info.get("top_k")
     if budget is not None and isinstance(top_k, int) and top_k > 0:
@@ -554,12 +575,12 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     # One tensor at a time through safetensors; the experts stay on disk (meta placeholders): host memory
     # holds the non-expert weights and the pack, never the full-precision experts (crisp_runtime.hf.checkpoint).
     model, cmap = load_skeleton(path, dtype)
+    check_model_dtype(model)  # a checkpoint stored in float64, dtype None
     pack.check_model(model, refs=cmap.refs)
     recorded = recorded_weights_sha256(pack.info)
-    if not allow_weights_mismatch and recorded is not None and recorded != checkpoint_weights_sha256(model, cmap):
-        raise PackMismatchError("this CRISP pack was made from other weights than this model (the weights "
-                                "fingerprint in its pack.json differs); pass allow_weights_mismatch=True to use it "
-                                "anyway")
+    found = None if allow_weights_mismatch or recorded is None else checkpoint_weights_sha256(model, cmap)
+    if found is not None and found != recorded:
+        raise fingerprint_mismatch(recorded, found, directory=pack.directory, argument="allow_weights_mismatch")
     model.to(device)
     # The experts are placeholders already (never read): there is nothing to keep whether or not config says so.
     config = None if config is None else replace(config, keep_original=False)

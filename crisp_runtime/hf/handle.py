@@ -78,21 +78,32 @@ def parse_budget(budget) -> int | None:
 def check_serving_arguments(config, serving, cpu) -> None:
     """apply's ``config`` / ``serving`` / ``cpu`` checked before any work (their errors name them)."""
     from crisp_runtime.cpu.knob import parse_cpu_mode
-    from crisp_runtime.planning.defaults import PAPER
+    from crisp_runtime.planning.defaults import PAPER, check_given
 
     if config is not None and not isinstance(config, RuntimeConfig):
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
     if serving is not None and not (isinstance(serving, str) and serving == PAPER):
         make_serving(serving)
+    check_given(serving, config)
     if cpu is not None:
         parse_cpu_mode(cpu)
+
+
+def pack_folder(value, what: str) -> Path:
+    """A pack folder argument as a Path, with errors naming ``what`` (an empty string is no folder, not ".")."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what}: expected a CRISP pack folder (str or path), got {type(value).__name__} {value!r}")
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{what}: expected a CRISP pack folder, got {value!r}")
+    return Path(path)
 
 
 def loaded_source(source):
     """``apply``'s ``source`` with a pack folder loaded (a CrispPack: its pack.json is read once, for the layers
     and for the serving choice it stores)."""
     if isinstance(source, (str, os.PathLike)):
-        return load_pack(Path(source))
+        return load_pack(pack_folder(source, "source"))
     return source
 
 
@@ -165,6 +176,37 @@ def _check_budget_fits_device(budget: int, device: torch.device) -> None:
         raise ValueError(f"gpu_budget of {budget} bytes is more than {device} has ({total} bytes)")
 
 
+def floating_dtype(model) -> torch.dtype | None:
+    """The dtype of ``model``'s first floating-point parameter that holds data (None without one): the dtype
+    ``model.to(dtype)`` / ``.half()`` sets."""
+    for p in model.parameters():
+        if p.is_floating_point() and not p.is_meta:
+            return p.dtype
+    return None
+
+
+# The model dtypes CRISP runs: its activations follow the model's dtype, and the experts' kernels take these
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MODEL_DTYPES_TEXT = "torch.float32, torch.bfloat16 or torch.float16"
+
+
+def check_model_dtype(model) -> None:
+    """Refuse (ValueError) a model with a floating-point parameter in a dtype CRISP does not run (float64), before
+    anything is modified."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype not in MODEL_DTYPES:
+            raise ValueError(f"model: parameter {name} is {p.dtype}; CRISP runs models in {MODEL_DTYPES_TEXT} "
+                             "(convert it first, e.g. model.to(torch.float32), or load it with that dtype)")
+
+
+def to_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor``'s data converted to ``dtype`` as ``Module.to(dtype)`` converts a parameter (floating tensors
+    only; None: unchanged)."""
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        tensor.data = tensor.data.to(dtype)
+    return tensor
+
+
 def check_device(value, what: str) -> torch.device:
     """A torch.device from ``value`` (str or torch.device), with an error naming ``what``."""
     if not isinstance(value, (str, torch.device)):
@@ -201,13 +243,26 @@ class CrispHandle(abc.ABC):
         self.runtime = runtime
         self.active = True
         self.dense: DenseSwap | None = None  # attention's layers replaced (RuntimeConfig.dense), if any
+        # the model's dtype once applied (floating_dtype): restore converts the originals it holds outside the
+        # module tree when model.to(dtype) / .half() changed it meanwhile; None until the model is modified
+        self._dtype: torch.dtype | None = None
 
     def _swap_dense(self) -> None:
-        """Replace attention's dense layers as ``RuntimeConfig.dense`` says (the caller restores on failure)."""
+        """Replace attention's dense layers as ``RuntimeConfig.dense`` says (the caller restores on failure), the
+        last change apply makes to the model; then records the model's dtype."""
         cpu = self.runtime.config.cpu_experts
         self.dense = swap_dense(self.model, self.runtime.config.dense, threads=cpu.threads,
                                 keep_original=self.runtime.config.keep_original,
                                 exact_reason=self._exact_attention_reason())
+        self._dtype = floating_dtype(self.model)
+
+    def _changed_dtype(self) -> torch.dtype | None:
+        """The model's dtype when ``model.to(dtype)`` / ``.half()`` changed it while applied, else None. The
+        originals CRISP holds outside the module tree (expert weights, attention's layers) missed that
+        conversion: restore converts them to it, as ``.to(dtype)`` would have. Read before restore puts them
+        back."""
+        now = floating_dtype(self.model)
+        return now if self._dtype is not None and now is not None and now != self._dtype else None
 
     def _exact_attention_reason(self) -> str:
         """Why ``dense="auto"`` keeps attention exact here ("" when the experts all run on the CPU's 8-bit kernel,
@@ -220,9 +275,9 @@ class CrispHandle(abc.ABC):
             return f"the CPU experts compute at precision {precision.value!r}"
         return ""
 
-    def _restore_dense(self) -> None:
+    def _restore_dense(self, dtype: torch.dtype | None = None) -> None:
         if self.dense is not None:
-            self.dense.restore()
+            self.dense.restore(dtype)
 
     @property
     def plan(self) -> CrispPlan:
@@ -243,6 +298,9 @@ class CrispHandle(abc.ABC):
         """Switch policy (same pack, same cache): for comparing policies on one applied model."""
         if not isinstance(plan, CrispPlan):
             raise TypeError(f"plan: expected CrispPlan, got {type(plan).__name__}")
+        if not self.active:
+            raise RuntimeError("set_plan: CRISP is not applied (this handle was restored): the plan would change "
+                               "nothing; apply the pack again (crisp_runtime.apply) to run it with a plan")
         self.runtime.set_plan(plan)
 
     def stats(self) -> dict:

@@ -173,6 +173,30 @@ def budget_fraction_of(budget_bytes: int | None, base_bytes: int) -> float | Non
     return budget_bytes / base_bytes
 
 
+def check_given(serving, config: RuntimeConfig | None) -> None:
+    """Refuse (ValueError) ``serving`` and ``config`` given together where they contradict each other:
+    ``serving="paper"`` with a config whose serving policy, prefetch or eviction is not the paper's, or a ``serving``
+    policy other than the one ``config.serving`` names (a config's default policy, ``plan``, stands for not
+    given)."""
+    if serving is None or config is None:
+        return
+    plan = SERVING_POLICIES["plan"]
+    if isinstance(serving, str) and serving == PAPER:
+        conflicts = [what for what, differs in (
+            (f"serving={config.serving.name!r}", config.serving != plan),
+            (f"prefetch={config.prefetch!r}", config.prefetch is not None),
+            (f"eviction={_eviction_name(config.eviction)!r}", _eviction_name(config.eviction) != "lru")) if differs]
+        if conflicts:
+            raise ValueError(f"serving='paper' runs the plan's widths, no prefetch and LRU eviction, but config sets "
+                             f"{', '.join(conflicts)}: pass that config without serving='paper' to run it as given, "
+                             "or leave those fields at their defaults")
+        return
+    policy = make_serving(serving)
+    if config.serving != plan and config.serving != policy:
+        raise ValueError(f"serving={policy.name!r} and config.serving={config.serving.name!r} disagree: give the "
+                         "serving policy once (serving= or config's serving field)")
+
+
 def choose_serving(info: Mapping, facts: PackFacts, budget_fraction: float | None, *, serving=None,
                    config: RuntimeConfig | None = None, cpu=None) -> ServingChoice:
     """What runs for one call (module docstring): pure, deterministic, no measurement.
@@ -183,6 +207,7 @@ def choose_serving(info: Mapping, facts: PackFacts, budget_fraction: float | Non
     """
     if config is not None and not isinstance(config, RuntimeConfig):
         raise TypeError(f"config: expected RuntimeConfig, got {type(config).__name__}")
+    check_given(serving, config)
     b = budget_fraction
     if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0):
         raise ValueError(f"budget_fraction: expected a positive fraction or None, got {budget_fraction!r}")

@@ -302,15 +302,31 @@ def serving_by_name(name: str) -> ServingPolicy:
                            AuxSkipped.RESIDENT if revive else AuxSkipped.SKIP)
 
 
+def check_policy_name(policy: ServingPolicy) -> ServingPolicy:
+    """``policy``, refused (ValueError) when it takes the name of a policy of :data:`SERVING_POLICIES` with other
+    fields: what runs is then not what the name says (``stats()["serving"]`` and logs report the name)."""
+    builtin = SERVING_POLICIES.get(policy.name)
+    if builtin is not None and builtin != policy:
+        ours, theirs = policy.to_dict(), builtin.to_dict()
+        differ = ", ".join(f"{k}={ours.get(k)!r} (built-in: {theirs.get(k)!r})"
+                           for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
+        raise ValueError(f"serving: a policy named {policy.name!r} differs from the built-in {policy.name!r} in "
+                         f"{differ}; give it a name of its own (the name is what stats and logs report)")
+    return policy
+
+
 def make_serving(spec) -> ServingPolicy:
-    """A policy from a name in :data:`SERVING_POLICIES`, a dict (``to_dict`` form) or an instance."""
+    """A policy from a name (:func:`serving_by_name`: one in :data:`SERVING_POLICIES` or
+    ``resident-floorP[-narrow-aux][-revive]``), a dict (``to_dict`` form) or an instance. A dict or instance
+    named like a built-in policy must have its fields (:func:`check_policy_name`)."""
     if isinstance(spec, ServingPolicy):
-        return spec
-    if isinstance(spec, str) and spec in SERVING_POLICIES:
-        return SERVING_POLICIES[spec]
+        return check_policy_name(spec)
+    if isinstance(spec, str):
+        return serving_by_name(spec)
     if isinstance(spec, Mapping):
-        return ServingPolicy.from_dict(spec)
-    raise ValueError(f"serving: expected one of {sorted(SERVING_POLICIES)}, a dict or a ServingPolicy, got {spec!r}")
+        return check_policy_name(ServingPolicy.from_dict(spec))
+    raise ValueError(f"serving: expected a policy name ({', '.join(SERVING_POLICIES)}, or "
+                     f"resident-floorP[-narrow-aux][-revive]), a dict or a ServingPolicy, got {spec!r}")
 
 
 class ServedSlots(NamedTuple):

@@ -185,6 +185,10 @@ def record_predictions(model: nn.Module, predictor: NextLayerPredictor,
         yield out
 
 
+# What predicts the next layer's experts (``to_dict``'s "rule"): the one rule there is (NextLayerPredictor)
+PREFETCH_RULE = "next-layer router on this layer's MoE input"
+
+
 class PrefetchWidth(enum.Enum):
     """The width a prefetch asks for each predicted (token, expert) slot of the next layer.
 
@@ -237,7 +241,7 @@ class PrefetchPolicy:
             raise ValueError(f"PrefetchPolicy: window must be a PrefetchWindow or None, got {self.window!r}")
 
     def to_dict(self) -> dict:
-        out = {"rule": "next-layer router on this layer's MoE input", "extra_experts": self.extra_experts,
+        out = {"rule": PREFETCH_RULE, "extra_experts": self.extra_experts,
                "width": self.width.value}
         if self.window is not None:  # absent without one: records written before windows stay comparable
             out["window"] = self.window.to_dict()

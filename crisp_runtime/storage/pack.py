@@ -37,6 +37,7 @@ import enum
 import errno
 import hashlib
 import json
+import numbers
 import os
 import sys
 import tempfile
@@ -87,11 +88,28 @@ class CrispPack:
     plan: CrispPlan | None
     info: Mapping = field(default_factory=dict)
     digests: DigestStatus = DigestStatus.NOT_CHECKED  # the per-tensor sha256 check at load
+    directory: Path | None = field(default=None, compare=False)  # the folder it was loaded from (for messages)
 
     def check_model(self, model, *, refs: Sequence[MoeLayerRef] | None = None) -> None:
         """Raise PackMismatchError unless this pack was made for ``model``'s architecture (``refs``: its MoE
         layers when the caller has found them already)."""
-        check_layers_fit_model(self.layers, model, info=self.info, refs=refs)
+        try:
+            check_layers_fit_model(self.layers, model, info=self.info, refs=refs)
+        except PackMismatchError as exc:
+            if self.directory is None:
+                raise
+            raise PackMismatchError(f"{self.directory}: {exc}") from None
+
+
+def fingerprint_mismatch(recorded: str, found: str, *, directory=None,
+                         argument: str = "allow_mismatch") -> PackMismatchError:
+    """The error for a pack made from other weights than the model's: both fingerprints, the pack's folder when
+    known, and ``argument``, the caller's way to use the pack anyway."""
+    where = "" if directory is None else f"{directory}: "
+    return PackMismatchError(
+        f"{where}this CRISP pack was made from other weights than this model (weights fingerprint {recorded[:12]}... "
+        f"in pack.json, {found[:12]}... in the model; the same checkpoint loaded in another dtype than the pack was "
+        f"made from also differs); pass {argument}=True to use it anyway")
 
 
 def model_info(model, *, refs: Sequence[MoeLayerRef] | None = None) -> dict:
@@ -176,14 +194,15 @@ def recorded_model(directory: str | os.PathLike) -> dict | None:
 
 
 def check_weights_fingerprint(pack: CrispPack | Mapping, model, *, allow_mismatch: bool = False,
-                              refs: Sequence[MoeLayerRef] | None = None) -> FingerprintStatus:
+                              refs: Sequence[MoeLayerRef] | None = None,
+                              argument: str = "allow_mismatch") -> FingerprintStatus:
     """Check that ``pack`` (a CrispPack or its pack.json ``info``) was made from ``model``'s weights.
 
     A pack made from other weights of the same architecture has the right shapes and would run,
     silently giving another model's outputs: that raises PackMismatchError unless
     ``allow_mismatch`` (then the status says so, for the caller to report). A pack without a
     recorded fingerprint, or a model whose experts are not loaded, cannot be checked: the status
-    says which.
+    says which. ``argument``: what the error tells the user to pass to use the pack anyway.
     """
     info = pack.info if isinstance(pack, CrispPack) else pack
     recorded = recorded_weights_sha256(info)
@@ -192,14 +211,13 @@ def check_weights_fingerprint(pack: CrispPack | Mapping, model, *, allow_mismatc
     refs = find_moe_layers(model) if refs is None else refs
     if any(r.module.gate_up_proj.is_meta or r.module.down_proj.is_meta for r in refs):
         return FingerprintStatus.UNAVAILABLE
-    if weights_sha256(refs) == recorded:
+    found = weights_sha256(refs)
+    if found == recorded:
         return FingerprintStatus.MATCH
     if allow_mismatch:
         return FingerprintStatus.MISMATCH_ALLOWED
-    raise PackMismatchError(
-        f"this CRISP pack was made from other weights than this model (weights fingerprint {recorded[:12]}... "
-        f"in pack.json, {weights_sha256(refs)[:12]}... in the model); pass allow_mismatch=True to use it anyway"
-    )
+    raise fingerprint_mismatch(recorded, found, directory=pack.directory if isinstance(pack, CrispPack) else None,
+                               argument=argument)
 
 
 # ----------------------------------------------------------------------------- saving
@@ -492,13 +510,16 @@ def load_pack(directory: str | os.PathLike, *, device: str = "cpu", check: PackC
             raise PlanError(f"{plan_path}: not a regular file (a folder or a dangling link); a pack's plan must be "
                             f"a JSON file, or absent for a pack without a plan")
         plan = CrispPlan.load(plan_path)
-        top_k = info.get("top_k") or plan.top_k
+        top_k = info.get("top_k")
+        if top_k is not None and top_k != plan.top_k:
+            raise PlanError(f"{info_path}: top_k {top_k!r} differs from the plan's, {plan.top_k} in {plan_path} "
+                            "(one of the two files was edited, or they come from different packs)")
         try:
-            plan.check_compatible(num_experts=summary["num_experts"], top_k=top_k,
+            plan.check_compatible(num_experts=summary["num_experts"], top_k=plan.top_k,
                                   intermediate_size=_plan_neurons(summary), layer_ids=summary["layer_ids"])
         except PlanError as exc:
             raise PlanError(f"{plan_path}: {exc}") from exc
-    return CrispPack(layers=packed.layers, plan=plan, info=info, digests=packed.digests)
+    return CrispPack(layers=packed.layers, plan=plan, info=info, digests=packed.digests, directory=directory)
 
 
 @dataclass(frozen=True)
@@ -607,7 +628,13 @@ def layers_from_source(source, fmt, *, pack, check_pack, check_layers):
         check_pack(source)
         return dict(source.layers), source.plan
     if isinstance(source, Mapping):
-        layers = {int(k): v for k, v in source.items()}
+        layers = {}
+        for k, v in source.items():
+            integral = isinstance(k, numbers.Integral) and not isinstance(k, bool)
+            if not (integral or isinstance(k, str) and k.isdigit()):
+                raise TypeError(f"source: a {{layer_id: PackedLayer}} mapping takes integer layer ids, got the key "
+                                f"{k!r}")
+            layers[int(k)] = v
         for k, v in layers.items():
             if not isinstance(v, PackedLayer):
                 raise TypeError(f"source[{k}]: expected PackedLayer, got {type(v).__name__}")

@@ -30,13 +30,14 @@ The field is optional (packs without it load as before) and parsed strictly when
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from crisp_kernels import PackFormatError
 from crisp_runtime.execution.runtime import RuntimeConfig
-from crisp_runtime.planning.serving import ServingPolicy
+from crisp_runtime.planning.serving import ServingPolicy, check_policy_name
 from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
-from crisp_runtime.scheduling.prefetch import PrefetchPolicy
+from crisp_runtime.scheduling.copy_window import PrefetchWindow
+from crisp_runtime.scheduling.prefetch import PREFETCH_RULE, PrefetchPolicy
 
 SERVING_KEY = "serving"
 SERVING_RECORD_VERSION = 2
@@ -186,6 +187,17 @@ def _check_keys(data: Mapping, keys: tuple[str, ...], where: str, field_name: st
                               f"{', '.join(keys)}")
 
 
+def _window(data, field_name: str) -> PrefetchWindow | None:
+    """A stored prefetch's ``window`` (``PrefetchWindow.to_dict``), strictly; None stays None."""
+    if data is None:
+        return None
+    names = {f.name for f in fields(PrefetchWindow)}
+    if not isinstance(data, Mapping) or set(data) - names:
+        raise ValueError(f"{field_name}.prefetch.window must be null or a PrefetchWindow object (keys "
+                         f"{', '.join(sorted(names))}), got {data!r}")
+    return PrefetchWindow(**data)
+
+
 def _choice(data, keys: tuple[str, ...], where: str, field_name: str) -> ServingRecord:
     """One stored choice (a version 1 field, or an entry of version 2's list), strictly."""
     if not isinstance(data, Mapping):
@@ -195,12 +207,16 @@ def _choice(data, keys: tuple[str, ...], where: str, field_name: str) -> Serving
         raise PackFormatError(f"{where}: fields {field_name}.policy and {field_name}.search must be objects")
     prefetch = data["prefetch"]
     try:
-        policy = ServingPolicy.from_dict(data["policy"])
+        policy = check_policy_name(ServingPolicy.from_dict(data["policy"]))
         if prefetch is not None:
-            if not isinstance(prefetch, Mapping) or set(prefetch) - {"rule", "extra_experts", "width"}:
+            if not isinstance(prefetch, Mapping) or set(prefetch) - {"rule", "extra_experts", "width", "window"}:
                 raise ValueError(f"{field_name}.prefetch must be null or a PrefetchPolicy object, got {prefetch!r}")
+            if prefetch.get("rule", PREFETCH_RULE) != PREFETCH_RULE:
+                raise ValueError(f"{field_name}.prefetch.rule is {prefetch['rule']!r}; this CRISP prefetches by "
+                                 f"one rule, {PREFETCH_RULE!r}")
             prefetch = PrefetchPolicy(extra_experts=prefetch.get("extra_experts", 0),
-                                      width=prefetch.get("width", "plan"))
+                                      width=prefetch.get("width", "plan"), window=_window(prefetch.get("window"),
+                                                                                          field_name))
         return ServingRecord(policy, prefetch, data["eviction"], data["gpu_budget_fraction"], data["search"])
     except (TypeError, ValueError) as exc:
         raise PackFormatError(f"{where}: field {field_name}: {exc}") from None
