@@ -61,6 +61,11 @@ class ProfileError(CliError):
     """A profile that is unknown or malformed."""
 
 
+def _finite_number(v) -> bool:
+    """A JSON number that is finite (true / false are not numbers here, though Python's bool is an int)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 @dataclass(frozen=True)
 class HardwareProfile(ExpertTiming):
     """Timing model of one machine (see the module docstring)."""
@@ -83,22 +88,15 @@ class HardwareProfile(ExpertTiming):
     join_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("cpu_bytes_per_s", "h2d_bytes_per_s_cpu_busy"):
+        nullable = ("cpu_bytes_per_s", "h2d_bytes_per_s_cpu_busy")  # no CPU measured: null
+        for f in (*nullable, "h2d_bytes_per_s", "compute_bytes_per_s"):
             v = getattr(self, f)
-            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                                      and v > 0):
-                raise ProfileError(f"profile {self.name!r}: {f} must be a positive number or null, got {v!r}")
-        for f in ("cpu_latency_s", "join_s"):
+            if (v is not None or f not in nullable) and not (_finite_number(v) and v > 0):
+                raise ProfileError(f"profile {self.name!r}: {f} must be a positive number"
+                                   f"{' or null' if f in nullable else ''}, got {v!r}")
+        for f in ("cpu_latency_s", "join_s", "copy_latency_s", "compute_latency_s", "router_s", "other_s"):
             v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
-                raise ProfileError(f"profile {self.name!r}: {f} must be a non-negative number, got {v!r}")
-        for f in ("h2d_bytes_per_s", "compute_bytes_per_s"):
-            v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-                raise ProfileError(f"profile {self.name!r}: {f} must be a positive number, got {v!r}")
-        for f in ("copy_latency_s", "compute_latency_s", "router_s", "other_s"):
-            v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+            if not (_finite_number(v) and v >= 0):
                 raise ProfileError(f"profile {self.name!r}: {f} must be a non-negative number, got {v!r}")
 
     def cost_model(self):
