@@ -120,29 +120,27 @@ def test_broken_checkpoints_are_refused_by_name(tmp_path):
 @pytest.mark.slow
 def test_peak_host_memory_grows_far_slower_than_the_checkpoint(tmp_path):
     stream_rss.write_text(tmp_path / "calib.txt")
+    sizes = (32, 128)
+    steps = ("pack", "profile", "load", "from_pretrained")  # in this order: load reads the pack step's pack
+    configs = {mib: stream_rss.mixtral_config(mib * 2**20, layers=4, hidden=256) for mib in sizes}
+
+    def measure(mib, step):
+        return stream_rss.measure(step, tmp_path / f"ckpt{mib}", tmp_path / f"pack{mib}")
 
     def measure_size(mib):
-        config = stream_rss.mixtral_config(mib * 2**20, layers=4, hidden=256)
-        size = stream_rss.write_checkpoint(tmp_path / f"ckpt{mib}", config)
-        # The streamed steps are measured twice and the lower peak kept: peak RSS only ever gains from
-        # the allocator's and the OS's noise (arenas, page cache, threads), and in full-suite runs a
-        # single sample of these ~30 MiB growths was seen over the bound once in four runs.
-        steps = {k: min((stream_rss.measure(k, tmp_path / f"ckpt{mib}", tmp_path / f"pack{mib}")
-                         for _ in range(1 if k == "from_pretrained" else 2)),
-                        key=lambda r: r["peak_above_imports_mib"])
-                 for k in ("pack", "profile", "load", "from_pretrained")}
-        assert steps["load"]["tokens"] == 32
-        json.dumps(steps)
-        layer = 3 * config.num_local_experts * config.hidden_size * config.intermediate_size * 4
-        return size, layer, steps
+        size = stream_rss.write_checkpoint(tmp_path / f"ckpt{mib}", configs[mib])
+        return size, {step: measure(mib, step) for step in steps}
 
     # The two sizes' subprocess chains run side by side (their files are apart; each process's peak is its
-    # own): 14 runs of 7-8 s each, 6 of them importing torch and transformers, take half the wall time.
+    # own): 8 runs of 7-8 s each, 4 of them importing torch and transformers.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        runs = dict(zip((32, 128), pool.map(measure_size, (32, 128)), strict=True))
-    (size0, layer0, small), (size1, layer1, large) = runs[32], runs[128]
+        runs = dict(zip(sizes, pool.map(measure_size, sizes), strict=True))
+    (size0, small), (size1, large) = runs[32], runs[128]
+    assert large["load"]["tokens"] == small["load"]["tokens"] == 32
+    json.dumps(runs)
     grown = (size1 - size0) / 2**20
-    layer = (layer1 - layer0) / 2**20
+    layer = sum(3 * c.num_local_experts * c.hidden_size * c.intermediate_size * 4 * sign
+                for c, sign in ((configs[128], 1), (configs[32], -1))) / 2**20
     pack = (large["pack"]["pack_bytes"] - small["pack"]["pack_bytes"]) / 2**20
 
     def growth(step):
@@ -150,7 +148,17 @@ def test_peak_host_memory_grows_far_slower_than_the_checkpoint(tmp_path):
 
     # A fresh-clone CI run measured +41 MiB for load (3.1x the pack's growth, 43% of the checkpoint's;
     # +33 MiB here): the transient copies of the pack, not the checkpoint, set load's peak.
-    assert growth("load") < layer + 3 * pack, (runs, grown, layer, pack)
-    assert growth("pack") < layer + 3 * pack, (runs, layer, pack)
-    assert growth("profile") < 2 * layer + 3 * pack, (runs, layer, pack)
+    upper = {"load": layer + 3 * pack, "pack": layer + 3 * pack, "profile": 2 * layer + 3 * pack}
+    # Peak RSS only ever gains from the allocator's and the OS's noise (arenas, page cache, threads): in
+    # full-suite runs one sample of these ~30 MiB growths was seen over its bound once in four runs. A step
+    # over its bound is measured once more at both sizes and each size's lower peak kept (the two chains'
+    # files stay as the first runs left them, so a second load reads the same pack).
+    for step in [s for s in upper if growth(s) >= upper[s]]:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            again = dict(zip(sizes, pool.map(lambda mib, s=step: measure(mib, s), sizes), strict=True))
+        for mib, record in again.items():
+            first = runs[mib][1][step]
+            runs[mib][1][step] = min(first, record, key=lambda r: r["peak_above_imports_mib"])
+    for step, bound in upper.items():
+        assert growth(step) < bound, (step, runs, grown, layer, pack)
     assert growth("from_pretrained") > grown / 2, (runs, grown)
