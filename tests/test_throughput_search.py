@@ -184,8 +184,10 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     model, layers, plan, windows = tiny
     evaluated, windows_used = [], []
 
-    def fake_run_case(model, pack, plan, windows, budget_bytes, case, *, stop=None):
+    def fake_run_case(model, pack, plan, windows, budget_bytes, case, *, stop=None, progress=None):
         evaluated.append(case.name)
+        for i in range(windows.shape[0]):
+            progress(i + 1, windows.shape[0])
         if case.prefetch is not None:  # decoded as the simulated copy engine delivers, not every prefetch whole
             windows_used.append(case.prefetch.window)
         n = windows.shape[1] - 1
@@ -203,6 +205,9 @@ def test_search_picks_the_fastest_candidate_within_the_bound(tiny, monkeypatch, 
     record, chosen_plan = tp.search_throughput(model, layers, plan, windows, goal, cands=cands, log=lines.append)
     assert chosen_plan is plan  # no candidate here changes the plan
     assert [ln.split(" ")[2] for ln in lines if "simulated" in ln] == ["1/2", "2/2"]  # progress per simulation
+    decoded = [ln for ln in lines if "decoded 2/2 windows" in ln]  # and per look of each decode (here: its end)
+    assert decoded[0] == "throughput: the 4-bit full width (reference): decoded 2/2 windows"
+    assert len(decoded) == len(evaluated) and not any("decoded 1/2" in ln for ln in lines)  # looks of 2 windows
     sims = record.search["candidates"]
     speed = {r["candidate"]: r["tokens_per_s"] for r in sims}
     assert speed["floor0.5+prefetch-serving"] > speed["floor1"]
@@ -229,7 +234,7 @@ def test_search_decodes_and_stores_the_chosen_auxiliary_weight(tiny, monkeypatch
     model, layers, plan, windows = tiny
     decoded_plans = {}
 
-    def fake_run_case(model, pack, plan, windows, budget_bytes, case, *, stop=None):
+    def fake_run_case(model, pack, plan, windows, budget_bytes, case, *, stop=None, progress=None):
         decoded_plans[case.name] = plan
         n = windows.shape[1] - 1
         correct = torch.ones(windows.shape[0], n, dtype=torch.bool)
@@ -306,7 +311,7 @@ def _scripted_decode(losses: list[list[int]], decoded: list[tuple[str, int]]):
     last). The full-width reference loses nothing; the i-th candidate decoded loses ``losses[i][n]`` of the
     predictions of window n. ``decoded`` gets (case name, windows decoded) per candidate."""
 
-    def run_case(model, pack, plan, windows, budget_bytes, case, *, stop=None):
+    def run_case(model, pack, plan, windows, budget_bytes, case, *, stop=None, progress=None):
         n_windows, n = windows.shape[0], windows.shape[1] - 1
         correct = torch.ones(n_windows, n, dtype=torch.bool)
         lost = losses[len(decoded)] if case.plan != "full" else [0] * n_windows
@@ -584,7 +589,7 @@ def test_exact_candidates_are_scored_in_batch_and_resident_ones_decoded(tiny, mo
         calls.append(("batch", "full" if full else p))
         return scores(windows, 0 if full else lose[len([c for c in calls if c[1] != "full"]) - 1])
 
-    def fake_run_case(model, pack, p, windows, budget_bytes, case, *, stop=None):
+    def fake_run_case(model, pack, p, windows, budget_bytes, case, *, stop=None, progress=None):
         full = case.plan == "full"
         calls.append(("decode", "full" if full else case.name))
         return scores(windows, 0 if full else lose[len([c for c in calls if c[1] != "full"]) - 1]), {}

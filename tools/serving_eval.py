@@ -150,11 +150,12 @@ def applied(model, pack, plan: CrispPlan, budget_bytes: int | None, case: Servin
 
 
 def run_case(model, pack, plan: CrispPlan, windows: torch.Tensor, budget_bytes: int | None,
-             case: ServingCase, *, stop: Callable[[TokenScores], bool] | None = None) -> tuple[TokenScores, dict]:
+             case: ServingCase, *, stop: Callable[[TokenScores], bool] | None = None,
+             progress: Callable[[int, int], None] | None = None) -> tuple[TokenScores, dict]:
     """Decode ``windows`` through CRISP at ``budget_bytes`` under ``case``: (scores, handle.stats()); ``stop``
-    as in :func:`decode_windows` (the scores then cover the windows decoded)."""
+    and ``progress`` as in :func:`decode_windows` (the scores then cover the windows decoded)."""
     with applied(model, pack, plan, budget_bytes, case) as handle:
-        scores = decode_windows(model, windows, stop=stop)
+        scores = decode_windows(model, windows, progress=progress, stop=stop)
         return scores, handle.stats()
 
 

@@ -500,13 +500,18 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
     total = accuracy_windows.shape[0]
     references: dict[str, TokenScores] = {}
 
+    def progress(what: str):  # a decode of 128 windows takes minutes to an hour on 2 cores: said at each look
+        return lambda n, count: log(f"throughput: {what}: decoded {n}/{count} windows") \
+            if n % look == 0 or n == count else None
+
     def reference(mode: str) -> TokenScores:  # the 4-bit full width, scored as the candidates are
         if mode not in references:
             if mode == "batch":
                 references[mode] = score_plan(model, reference_pack, full_plan(plan), accuracy_windows)
             else:
                 references[mode], _ = run_case(model, reference_pack, full_plan(plan), accuracy_windows, budget_bytes,
-                                               ServingCase("full-exact", "full"))
+                                               ServingCase("full-exact", "full"), progress=progress("the 4-bit full "
+                                                                                                   "width (reference)"))
         return references[mode]
 
     def over_bound(scores) -> bool:  # asked after each decoded window; answers at the looks only
@@ -540,7 +545,8 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
             prefetch = c.prefetch_policy()
             case = ServingCase(f"crisp-{c.label}", "crisp", c.serving(), None if prefetch is None
                                else replace(prefetch, window=window_of(v)), eviction=goal.eviction)
-            scores, _ = run_case(model, pack, c.plan_for(plan), accuracy_windows, budget_bytes, case, stop=over_bound)
+            scores, _ = run_case(model, pack, c.plan_for(plan), accuracy_windows, budget_bytes, case, stop=over_bound,
+                                 progress=progress(c.label))
         est = relative_loss(full.correct[: scores.correct.shape[0]], scores.correct)
         accepted = est.windows == total and est.upper(z) <= goal.max_accuracy_loss
         r.update(accuracy_loss=est.loss, accuracy_loss_se=finite_or_none(est.standard_error),
@@ -810,7 +816,10 @@ def _with_heldout_loss(model, layers, plan: CrispPlan, record: ServingRecord, go
     else:
         prefetch = None if record.prefetch is None else replace(record.prefetch, window=window)
         scores, _ = run_case(model, pack, plan, windows, budget_bytes,
-                             ServingCase("crisp-stored", "crisp", record.policy, prefetch, eviction=record.eviction))
+                             ServingCase("crisp-stored", "crisp", record.policy, prefetch, eviction=record.eviction),
+                             progress=lambda n, count: log(f"gpu budget {goal.budget:.0%}: held-out text: decoded "
+                                                           f"{n}/{count} windows") if n % 8 == 0 or n == count
+                             else None)
         how = f"decoded, runtime in the loop, prefetch window {window.name}"
     est = relative_loss(full.correct, scores.correct)
     log(f"gpu budget {goal.budget:.0%}: held-out loss {est.loss:.2%} +- {est.standard_error:.2%} over {est.windows} "
