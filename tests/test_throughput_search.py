@@ -4,6 +4,7 @@ evaluated fastest first and no further, the record round-trips through a pack an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from crisp_tools.profiler import throughput as tp
 from crisp_tools.text import read_texts
 
 from crisp_kernels import PackFormatError
-from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden
+from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden, serving_by_name
 from crisp_runtime.scheduling.prefetch import PrefetchPolicy, PrefetchWidth
 from crisp_runtime.storage.pack import load_pack, save_pack
 from crisp_runtime.storage.serving_record import ServingRecord, serving_record
@@ -37,6 +38,15 @@ def test_candidates_are_the_stated_space():
         if c.widen is DominantWiden.AHEAD:
             assert c.prefetch is PrefetchWidth.SERVING and c.dominant_floor < 1.0
     assert tp.Candidate(0.75).serving().dominant_floor == 0.75
+    # a candidate's policy is named as the runtime names it (the floor in percent), and reads back by that name
+    for c in cands:
+        if not c.exact:
+            base = c.serving().name.removesuffix("-ahead").removesuffix("-widen")
+            assert serving_by_name(base) == dataclasses.replace(c.serving(), name=base,
+                                                                dominant_widen=DominantWiden.NEVER), c.label
+    assert tp.Candidate(0.875, DominantWiden.AHEAD).serving().name == "resident-floor87.5-ahead"
+    assert tp.Candidate(0.75, DominantWiden.HIT).serving() == SERVING_POLICIES["resident-floor75-widen"]
+    assert tp.Candidate(1.0).serving() == SERVING_POLICIES["resident"]
     _, plan, _ = load_pack_dir(PACK)
     assert tp.Candidate(0.75).plan_for(plan) is plan
     assert tp.Candidate(0.75, aux_full_weight=0.3).plan_for(plan) == plan.promoted(0.3)
@@ -706,7 +716,7 @@ def test_the_search_simulates_a_tail_pack_as_crisp_bench_simulate_does(tmp_path)
     assert bench(["simulate", "--trace", str(trace_path), "--plan", str(stored), "--tail-layout", "2g128@0.25",
                   "--matrix", "stored", "--tokens", "40", "--warmup", "8", "--json", str(out)]) == 0
     got = {(r["label"], r["order"]): r for r in json.loads(out.read_text())["records"]}
-    crisp = got[("crisp/resident-floor0.875-ahead/next_use+prefetch-serving@2g128at0.25", "widest_first")]
+    crisp = got[("crisp/resident-floor87.5-ahead/next_use+prefetch-serving@2g128at0.25", "widest_first")]
     trace = Trace.load(trace_path).head(40)
     base_tps, sims = tp.simulate_candidates(trace, plan, tp.ThroughputGoal(0.25, target="mixtral-8x7b"),
                                             TARGETS["mixtral-8x7b"], [cand], warmup=8,

@@ -76,7 +76,7 @@ from crisp_runtime import cli_args as ca
 from crisp_runtime.planning.baselines import baseline_description, equal_bytes_plans, full_plan
 from crisp_runtime.planning.pairs import CombinationKey
 from crisp_runtime.planning.plan import CrispPlan, PlanError, PolicyKind, TierWidths
-from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden, ServingPolicy
+from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden, ServingPolicy, resident_policy
 from crisp_runtime.residency.eviction import POLICIES as EVICTION_POLICIES
 from crisp_runtime.scheduling.prefetch import PrefetchPolicy, PrefetchWidth
 from crisp_runtime.scheduling.scheduler import Placement
@@ -254,12 +254,17 @@ class Candidate:
     def serving(self) -> ServingPolicy:
         if self.exact:
             return SERVING_POLICIES["plan"]
-        return replace(SERVING_POLICIES["resident"], name=f"resident-floor{self.dominant_floor:g}"
-                       + ("" if self.widen is DominantWiden.NEVER else f"-{self.widen.value}"),
-                       dominant_floor=self.dominant_floor, dominant_widen=self.widen)
+        # named as the runtime names it (resident-floorP, P in percent: resident-floor87.5-ahead), so that
+        # stats() and serving_by_name read the stored choice's name as what it serves
+        base = resident_policy(self.dominant_floor)
+        return replace(base, name=base.name + _WIDEN_SUFFIX[self.widen], dominant_widen=self.widen)
 
     def prefetch_policy(self) -> PrefetchPolicy | None:
         return None if self.prefetch is None else PrefetchPolicy(width=self.prefetch)
+
+
+# the suffixes of the built-in resident-floor75-widen / -ahead
+_WIDEN_SUFFIX = {DominantWiden.NEVER: "", DominantWiden.HIT: "-widen", DominantWiden.AHEAD: "-ahead"}
 
 
 def candidates(floors: Sequence[float] = SEARCH_FLOORS,
