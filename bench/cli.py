@@ -131,7 +131,7 @@ def _check_paths(args) -> None:
         pack = pack_dir_for(args.model, getattr(args, "pack", None))  # the pack the command will read
         if pack is not None:
             inputs["the model's pack"] = pack
-    check_outputs(outputs, inputs)
+    check_outputs(outputs, inputs, force=bool(getattr(args, "force", False)))
 
 
 # {command: args -> {name: path(s)}}: files a command reads without an option naming them

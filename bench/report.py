@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from crisp_runtime.storage.outputs import (
     OutputPathError,  # noqa: F401 - re-exported: crisp_bench's callers catch it
+    png_metadata,
     write_atomic,
 )
 from crisp_runtime.storage.outputs import write_json as _write_json
@@ -120,7 +121,7 @@ def plot_lines(path, series: dict[str, list[tuple[float, float]]], *, xlabel: st
     if note:
         fig.text(0.01, 0.01, note, fontsize=6, color="0.35")
     fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", metadata=png_metadata("crisp-bench")))
     plt.close(fig)
 
 
@@ -146,7 +147,7 @@ def plot_bars(path, groups: dict[str, dict[str, float]], *, ylabel: str, title: 
     if note:
         fig.text(0.01, 0.01, note, fontsize=6, color="0.35")
     fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", metadata=png_metadata("crisp-bench")))
     plt.close(fig)
 
 

@@ -220,7 +220,7 @@ def _check_markdown_target(path: Path, force: bool, results: Path) -> Path:
     if (results / "index.json").is_file():
         with contextlib.suppress(CliError):  # a broken index is reported when the report is built
             inputs["the records of index.json"] = [results / n for n in load_index(results).get("records", {})]
-    resolved = check_outputs({"--markdown": path}, inputs)["--markdown"]
+    resolved = check_outputs({"--markdown": path}, inputs, force=force)["--markdown"]
     if resolved.exists() and not force:
         with open(resolved, encoding="utf-8", errors="replace") as f:
             first = f.readline().rstrip("\n")

@@ -440,7 +440,7 @@ def plot_frontier(path, records: Sequence[dict], *, title: str, note: str) -> No
     """Tokens/s against accuracy loss, one line per family over its knob, its Pareto frontier bold."""
     import matplotlib
 
-    from .report import write_atomic
+    from .report import png_metadata, write_atomic
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -473,7 +473,7 @@ def plot_frontier(path, records: Sequence[dict], *, title: str, note: str) -> No
     ax.legend(fontsize=8)
     fig.text(0.01, 0.01, note, fontsize=6, color="0.35")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", metadata=png_metadata("crisp-bench")))
     plt.close(fig)
 
 
@@ -482,7 +482,7 @@ def plot_configurations(path, records: Sequence[dict], *, title: str, note: str)
     the speed-up over full-width LRU (router order) and the evaluated accuracy loss."""
     import matplotlib
 
-    from .report import write_atomic
+    from .report import png_metadata, write_atomic
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -507,7 +507,7 @@ def plot_configurations(path, records: Sequence[dict], *, title: str, note: str)
     ax.grid(True, axis="x", alpha=0.3)
     fig.text(0.01, 0.01, note + "; grey: Belady (offline bound)", fontsize=6, color="0.35")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", metadata=png_metadata("crisp-bench")))
     plt.close(fig)
 
 

@@ -269,6 +269,82 @@ def test_outputs_that_cannot_be_written_are_found_before_the_work(tiny, tmp_path
     assert ro.read_text() == "{}"
 
 
+def _user_files(tmp_path: Path) -> dict[str, bytes]:
+    """Files of the user's that sit where an output is asked for: notes, a JSON of another program, a picture."""
+    files = {"notes.json": b"my notes, not JSON\n", "package.json": b'{"name": "mine", "format": "npm"}\n',
+             "photo.png": b"\x89PNG\r\n\x1a\n" + bytes(range(64)), "empty.md": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    return files
+
+
+@pytest.mark.parametrize("tool, option", [("eval", "--json"), ("evidence", "--json"), ("evidence", "--markdown"),
+                                          ("key_study", "--json")])
+def test_tool_outputs_never_replace_a_user_file(tiny, tmp_path, capsys, tool, option):
+    root, model, text, pack = tiny
+    files = _user_files(tmp_path)
+    fn = {"eval": evaluate.main, "evidence": evidence.main, "key_study": key_study.main}[tool]
+    for name in files:
+        rc, err = run(fn, _eval(model, pack, text, option, str(tmp_path / name)), capsys)
+        assert rc == 2
+        one_line_error(err, option, "not written by a CRISP tool", "--force")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+
+
+def test_bench_replaces_its_own_output_but_not_a_user_file_unless_forced(tmp_path, capsys):
+    files = _user_files(tmp_path)
+    tr.synthetic_trace(num_layers=2, num_tokens=24).save(tmp_path / "t.npz")
+    sim = ["simulate", "--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--warmup", "4", "--policies", "full"]
+    for name, option in (("notes.json", "--json"), ("package.json", "--json"), ("photo.png", "--plot"),
+                         ("empty.md", "--json")):
+        rc, err = run(bench_cli.main, [*sim, option, str(tmp_path / name)], capsys)
+        assert rc == 2
+        one_line_error(err, option, "not written by a CRISP tool")
+    assert {n: (tmp_path / n).read_bytes() for n in files} == files
+    # its own earlier outputs (and a trace it saved) are replaced without --force
+    out, plot = tmp_path / "sim.json", tmp_path / "sim.png"
+    for _ in range(2):
+        assert run(bench_cli.main, [*sim, "--json", str(out), "--plot", str(plot)], capsys)[0] == 0
+        assert outputs.written_by_crisp(out) and outputs.written_by_crisp(plot)
+    assert run(bench_cli.main, ["simulate", "--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--policies",
+                                "full", "--warmup", "4", "--json", str(tmp_path / "t2.json")], capsys)[0] == 0
+    # --force replaces a user's file the user named
+    assert run(bench_cli.main, [*sim, "--json", str(tmp_path / "notes.json"), "--force"], capsys)[0] == 0
+    assert json.loads((tmp_path / "notes.json").read_text())["format"] == "crisp-bench"
+    # an input stays refused with --force
+    rc, err = run(bench_cli.main, [*sim, "--json", str(tmp_path / "t.npz"), "--force"], capsys)
+    assert rc == 2
+    one_line_error(err, "--json", "is the input --trace")
+
+
+def test_corpus_and_training_tools_keep_user_files(tmp_path, capsys):
+    from crisp_tools import make_corpus, train_tiny_moe
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "stdlib-calib.txt").write_text("my own calibration text\n")
+    stdlib = tmp_path / "lib"
+    stdlib.mkdir()
+    (stdlib / "mod.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="stdlib-calib.txt exists and was not written by this tool"):
+        make_corpus.main(["--out", str(data), "--stdlib", str(stdlib)])
+    assert sorted(p.name for p in data.iterdir()) == ["stdlib-calib.txt"]  # nothing written, nothing replaced
+    assert make_corpus.main(["--out", str(data), "--stdlib", str(stdlib), "--force"]) == 0
+    assert (data / "stdlib-train.txt").read_text().startswith("# ==== mod.py ====")
+    assert (data / "stdlib-calib.txt").read_text() == ""  # one file: it went to the training split
+    assert make_corpus.main(["--out", str(data), "--stdlib", str(stdlib)]) == 0  # its own files: replaced
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        train_tiny_moe.parse_args(["--out", str(ckpt)])
+    assert "holds files this tool did not write" in capsys.readouterr().err
+    assert train_tiny_moe.parse_args(["--out", str(ckpt), "--force"]).force
+    (ckpt / "training.json").write_text(json.dumps({"hyperparameters": {}, "tokens_per_step": 1, "train_tokens": 1}))
+    assert not train_tiny_moe.parse_args(["--out", str(ckpt)]).force  # a checkpoint it wrote: accepted
+
+
 # ----------------------------------------------------------------------------- the output module
 
 
@@ -283,6 +359,50 @@ def test_check_outputs_follows_links_and_refuses_duplicates(tmp_path):
     with pytest.raises(outputs.OutputPathError, match="same file as --json"):
         outputs.check_outputs({"--json": tmp_path / "a.json", "--markdown": tmp_path / "a.json"})
     assert data.read_text() == "input"
+
+
+def test_written_by_crisp_judges_by_content(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from crisp_bench import report
+    from crisp_bench.report_cmd import MARKER as REPORT_MARKER
+    from crisp_tools.evidence import EVIDENCE_MARKER
+
+    ours = {"bench.json": lambda p: report.write_json(p, "simulate", []),
+            "eval.json": lambda p: outputs.write_json(p, {"format": "crisp-eval", "version": 1}),
+            "trace.npz": lambda p: tr.synthetic_trace(num_layers=2, num_tokens=8).save(p),
+            "report.md": lambda p: p.write_text(REPORT_MARKER + "\n| a |\n"),
+            "evidence.md": lambda p: p.write_text(EVIDENCE_MARKER + "\n# x\n")}
+    fig = plt.figure()
+    ours["plot.png"] = lambda p: fig.savefig(p, format="png", metadata=outputs.png_metadata("crisp-bench"))
+    theirs = {"plain.png": lambda p: fig.savefig(p, format="png"),
+              "other.json": lambda p: p.write_text('{"format": "npm"}'),
+              "no-format.json": lambda p: p.write_text('{"records": []}'),
+              "format-not-a-string.json": lambda p: p.write_text('{"format": {"crisp": 1}}'),
+              "list.json": lambda p: p.write_text('["crisp"]'),
+              "truncated.json": lambda p: p.write_text('{"format": "crisp-bench", "rec'),
+              "text.md": lambda p: p.write_text("# my notes\n<!-- generated by crisp -->\n"),
+              "empty": lambda p: p.write_bytes(b""),
+              "garbage.npz": lambda p: p.write_bytes(b"PK\x03\x04" + bytes(100)),
+              "binary": lambda p: p.write_bytes(bytes(range(256)))}
+    import zipfile
+
+    def other_npz(p):
+        with zipfile.ZipFile(p, "w") as z:
+            z.writestr("meta.npy", b"not an array")
+
+    theirs["other.npz"] = other_npz
+    for name, make in {**ours, **theirs}.items():
+        make(tmp_path / name)
+    plt.close(fig)
+    assert {n for n in (*ours, *theirs) if outputs.written_by_crisp(tmp_path / n)} == set(ours)
+    assert not outputs.written_by_crisp(tmp_path / "missing.json")
+    for name in theirs:
+        with pytest.raises(outputs.OutputPathError, match="not written by a CRISP tool"):
+            outputs.check_outputs({"--json": tmp_path / name})
+        outputs.check_outputs({"--json": tmp_path / name}, force=True)
 
 
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path):

@@ -61,6 +61,7 @@ from .calibration import (
 from .loss_estimate import finite_or_none, paired_advantage, relative_loss
 from .tail_emulation import INFO_EMULATION, emulation_of, reference_pack
 
+EVAL_FORMAT, EVAL_VERSION = "crisp-eval", 1  # the --json document
 DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: the three of the results tables
 
 
@@ -491,7 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "simulate --matrix frontier sweeps, so that its frontier points carry a measured loss")
     p.add_argument("--json", default=None, metavar="PATH", type=ca.nonempty_path,
                    help="also write the records as JSON (atomically; never onto an input or into the pack or model "
-                        "folder)")
+                        "folder, nor onto a file no CRISP tool wrote unless --force)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output file even when no CRISP tool wrote it (a CRISP tool's own "
+                        "earlier output is replaced without it)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -536,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         profile = _load_window_profile(args)
         check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data,
-                                              "--reference-crisp": args.reference_crisp})
+                                              "--reference-crisp": args.reference_crisp}, force=args.force)
         if args.stored_serving and args.mode != "decode":
             raise CliError("--stored-serving: only with --mode decode (a serving choice depends on the cache)")
         if args.default_serving and (args.mode != "decode" or args.stored_serving):
@@ -583,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{what} ahead of {name} at equal bytes: {ahead:+.2%}"
                   f"{'' if se is None else f' +- {se:.2%}'} of the full width's accuracy (paired by window)")
     if args.json:
-        dump_json(args.json, {"model": args.model, "crisp": args.crisp, "data": args.data,
+        dump_json(args.json, {"format": EVAL_FORMAT, "version": EVAL_VERSION,
+                              "model": args.model, "crisp": args.crisp, "data": args.data,
                               "tail_layout": ev.tail_layout, "reference_crisp": args.reference_crisp,
                               "windows": list(ev.windows.shape), "engine": args.engine,
                               "full_width_bytes_per_token": ev.full_bpt, "records": records, "verdict": v,

@@ -45,6 +45,7 @@ from .calibration import (
 )
 
 RANK2_BUCKETS = 4
+KEY_STUDY_FORMAT, KEY_STUDY_VERSION = "crisp-key-study", 1  # the --json document
 TAIL_BUCKETS = 8
 MIN_GROUP_TOKENS = 20  # groups in the frequency / damage correlation
 
@@ -204,6 +205,9 @@ def build_parser():
     p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None, type=ca.nonempty_path,
                    help="write the study as JSON (atomically, never onto an input)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output file even when no CRISP tool wrote it (a CRISP tool's own "
+                        "earlier output is replaced without it)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -211,7 +215,8 @@ def build_parser():
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data})
+        check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data},
+                      force=args.force)
         with threads(args.threads):
             study = KeyStudy(args.model, args.crisp, args.data, fit_samples=args.fit_samples,
                              test_samples=args.test_samples, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
         return ca.interrupted("key_study", resumable=False)
     print(to_text(study))
     if args.json:
-        dump_json(args.json, study)
+        dump_json(args.json, {"format": KEY_STUDY_FORMAT, "version": KEY_STUDY_VERSION, **study})
     return 0
 
 

@@ -93,6 +93,22 @@ def chunk_of(name: str, text: str) -> str:
     return chunk if chunk.endswith("\n") else chunk + "\n"
 
 
+def check_replaceable(path: str, force: bool) -> None:
+    """Refuse to replace an existing ``path`` this tool did not write (its corpora start with a ``chunk_of``
+    header line, or are empty when a split got no file), unless ``force``: a file of the user's that happens to
+    share a corpus name stays."""
+    if force or not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+    except (OSError, UnicodeDecodeError):
+        first = ""
+    if not (first.startswith("# ==== ") and first.rstrip("\n").endswith(" ====")):
+        raise SystemExit(f"error: argument --out: {path} exists and was not written by this tool; choose another "
+                         "folder, or pass --force to replace it")
+
+
 def build_prose(licence_dir: str, out_dir: str) -> dict[str, int]:
     """Write data/prose-heldout.txt from the licence texts PROSE_SOURCES; returns the bytes of each."""
     chunks, sizes = [], {}
@@ -143,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"write only {PROSE_FILE} (held-out English prose: GNU licence texts) into --out")
     parser.add_argument("--licences", default=None,
                         help=f"with --prose: folder of the licence texts (default: {LICENCES})")
+    parser.add_argument("--force", action="store_true",
+                        help="replace corpus files in --out even when this tool did not write them")
     args = parser.parse_args(argv)
     if args.licences is not None and not args.prose:
         parser.error("argument --licences: only with --prose")
@@ -152,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"argument --licences: {args.licences} is not a folder")
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             parser.error(f"argument --out: {args.out} exists and is not a folder")
+        check_replaceable(os.path.join(args.out, PROSE_FILE), args.force)
         for name, size in build_prose(args.licences, args.out).items():
             print(f"{name:8s} {size:6d} bytes")
         return 0
@@ -162,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --out: {args.out} lies inside --stdlib {args.stdlib}; refusing to write there")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"argument --out: {args.out} exists and is not a folder")
+    for split in SPLITS:  # before any work: nothing is replaced unless every file may be
+        check_replaceable(os.path.join(args.out, f"stdlib-{split}.txt"), args.force)
     stats = build(args.stdlib, args.out, args.cap_bytes)
     print(f"python {platform.python_version()} stdlib at {args.stdlib}")
     for split, s in stats.items():

@@ -185,7 +185,9 @@ def main(argv=None) -> int:
     parser.add_argument("--offload-cpu-mib", type=int, default=None,
                         help="also measure crisp-profile --device-map auto with this much CPU memory (the rest on "
                              "disk)")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="also write the measurements as JSON (atomically)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --json file even when no CRISP tool wrote it")
     parser.add_argument("--step", choices=["pack", "profile", "profile-offload", "load", "from_pretrained"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
@@ -202,7 +204,7 @@ def main(argv=None) -> int:
         return 2
     try:
         if args.json is not None:
-            check_output("--json", args.json)
+            check_output("--json", args.json, force=args.force)
     except OutputPathError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -222,7 +224,8 @@ def main(argv=None) -> int:
     config = mixtral_config(int(args.size_gb * GIB), layers=args.layers, hidden=args.hidden)
     size = write_checkpoint(checkpoint, config)
     write_text(args.out / "calib.txt")
-    result = {"checkpoint_bytes": size, "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+    result = {"format": "crisp-stream-rss", "version": 1,
+              "checkpoint_bytes": size, "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
               "intermediate_size": config.intermediate_size,
               "steps": [measure(k, checkpoint, pack) for k in ("pack", "profile", "load")]}
     if args.offload_cpu_mib is not None:

@@ -245,6 +245,15 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _trained_here(folder: Path) -> bool:
+    """Whether ``folder`` holds a checkpoint this tool wrote (its training.json, as :func:`main` writes it)."""
+    try:
+        record = json.loads((folder / "training.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"hyperparameters", "tokens_per_step", "train_tokens"} <= record.keys()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = ca.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                   epilog=__doc__.split("\n\n", 1)[1])
@@ -284,6 +293,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="experts implementation used while training only (not saved in the config)")
     p.add_argument("--log-every", type=ca.positive_int, default=25)
     p.add_argument("--no-save", action="store_true", help="train and evaluate without writing a checkpoint")
+    p.add_argument("--force", action="store_true",
+                   help="write into an --out folder that holds files even when this tool did not write them")
     args = p.parse_args(argv)
     problems = []
     if args.heads % args.kv_heads or args.hidden_size % args.heads:
@@ -311,6 +322,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         problems.append(f"--out {args.out}: holds a CRISP pack; write the checkpoint elsewhere")
     elif not args.no_save and not out.exists() and not out.parent.is_dir():
         problems.append(f"--out {args.out}: its parent folder does not exist")
+    elif not args.no_save and not args.force and out.is_dir() and any(out.iterdir()) and not _trained_here(out):
+        problems.append(f"--out {args.out}: holds files this tool did not write (no training.json of it); give a "
+                        "new or empty folder, or pass --force to write over them")
     if problems:
         p.error(problems[0])
     return args
