@@ -232,6 +232,8 @@ def _check_markdown_target(path: Path, force: bool, results: Path) -> Path:
 
 def run(args) -> int:
     results = Path(args.results) if args.results else RESULTS_DIR
+    if args.force and not args.markdown:
+        raise CliError("--force: only with --markdown (it lets --markdown replace a file); nothing else is written")
     if args.check:
         check_index(results)
         if args.table:  # the tables asked for must exist (check_index rendered every table)

@@ -284,6 +284,9 @@ def run(args) -> int:
     if args.prefetch_width != ["plan"]:
         if args.matrix == "frontier":
             raise CliError("--prefetch-width: the frontier matrix prefetches at the plan's widths only (plan)")
+        if not any(c.prefetch for c in configs):
+            raise CliError(f"--prefetch-width {','.join(args.prefetch_width)}: no configuration of this run "
+                           "prefetches; add --prefetch trace")
         configs = with_prefetch_widths(configs, args.prefetch_width)
     meta = {c.label: m for c, m in frontier(plans, prefetch[-1])} if args.matrix == "frontier" else {}
     mapping = None
@@ -389,6 +392,9 @@ def _simulation_inputs(args):
             trace.save(args.record_trace)  # atomically
             notes.append(f"trace saved to {args.record_trace}")
     if args.tokens:
+        if args.tokens > trace.num_tokens:
+            raise CliError(f"--tokens {args.tokens}: the trace holds {trace.num_tokens} tokens; give at most that "
+                           "(or leave --tokens out to replay them all)")
         trace = trace.head(args.tokens)
     # The CRISP plan.
     crisp_plan = None

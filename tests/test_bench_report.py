@@ -117,6 +117,11 @@ def test_markdown_written_atomically_and_never_over_a_users_file(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md", "results.md"]  # no temporary left
 
 
+def test_force_without_markdown_is_refused(capsys):
+    rc, _, err = run_cli(["report", "--force"], capsys)
+    assert rc == 2 and "--force: only with --markdown" in err
+
+
 def test_docs_results_page_is_the_reports_output():
     """docs/results.md is `crisp-bench report --markdown docs/results.md`, current with the records."""
     assert (ROOT / "docs" / "results.md").read_text() == build_report(RESULTS_DIR)

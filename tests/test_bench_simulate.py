@@ -377,6 +377,22 @@ def test_record_trace_with_a_given_trace_is_refused(tmp_path, capsys):
     assert not (tmp_path / "r.npz").exists()
 
 
+@pytest.mark.parametrize("extra, needle", [
+    (["--tokens", "25"], "--tokens 25: the trace holds 24 tokens"),
+    (["--prefetch-width", "serving"], "no configuration of this run prefetches; add --prefetch trace"),
+])
+def test_options_that_would_be_silently_ignored_are_refused(extra, needle, tmp_path, capsys):
+    synthetic_trace(num_layers=2, num_tokens=24).save(tmp_path / "t.npz")
+    rc, err = _sim(["--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--target", "native", "--warmup", "4",
+                    *extra, "--json", str(tmp_path / "s.json")], capsys)
+    assert rc == 2 and needle in err, err
+    assert not (tmp_path / "s.json").exists()
+    # at the bound: runs (the whole trace)
+    if extra[0] == "--tokens":
+        assert _sim(["--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--target", "native", "--warmup", "4",
+                     "--tokens", "24", "--policies", "full"], capsys)[0] == 0
+
+
 FROM_JSON_RUN = ["--plan", "auto", "--target", "native", "--warmup", "8", "--policies", "full,crisp",
                  "--orders", "widest_first", "--tokens", "40"]
 
