@@ -59,6 +59,22 @@ def test_knob_outputs_and_stats(cpu):
     assert not handle.runtime._cpu.started
 
 
+def test_cpu_kernel_without_a_budget_reports_none_given():
+    """No budget on a CPU model: every expert on the CPU kernel, which reads the host store a budgeted runtime
+    keeps; that store's own minimum is not the user's budget and is reported apart from it."""
+    model = tiny_model()
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    with apply(model) as handle, torch.no_grad():
+        model(ids)
+        stats = handle.stats()
+        assert stats["cpu"]["placement"] == "cpu_only" and stats["cpu_runs"] > 0
+        assert handle.gpu_budget is None and stats["cache"]["budget_bytes"] is None
+        assert stats["cache"]["host_store_bytes"] == handle.runtime.cache.budget > 0
+    with apply(model, gpu_budget=8192) as handle:  # a budget given is reported as given, and alone
+        stats = handle.stats()
+        assert handle.gpu_budget == stats["cache"]["budget_bytes"] == 8192 and "host_store_bytes" not in stats["cache"]
+
+
 def test_on_needs_a_budget_and_bad_values():
     model = tiny_model()
     with pytest.raises(ValueError, match="needs a gpu_budget"):

@@ -479,7 +479,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     first = layers[refs[0].layer_id]
     plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
     choice = serving_choice_for(source, plan, layers, top_k, budget, serving=serving, config=config, cpu=cpu)
-    budget = host_store_budget(choice.cpu, device, layers, top_k, budget)
+    requested_budget, budget = budget, host_store_budget(choice.cpu, device, layers, top_k, budget)
     config = choice.config
     predictor = None
     if config.prefetch is not None:  # checked before anything is measured or built
@@ -493,6 +493,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
     runtime.cpu_decision = cpu_decision
     runtime.serving_choice = choice
+    runtime.requested_budget = requested_budget  # what stats() and gpu_budget report
     log_choice(choice, cpu_decision)
     # the CPU-only form drops the GPU form's prefetch (nothing is copied)
     prefetcher = None if predictor is None or config.prefetch is None else Prefetcher(predictor, runtime,

@@ -425,12 +425,13 @@ def _apply_to_experts(model, refs: list[MoeLayerRef], source, *, plan: CrispPlan
     first = layers[refs[0].layer_id]
     plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
     choice = serving_choice_for(source, plan, layers, top_k, budget, serving=serving, config=config, cpu=cpu)
-    budget = host_store_budget(choice.cpu, device, layers, top_k, budget)
+    requested_budget, budget = budget, host_store_budget(choice.cpu, device, layers, top_k, budget)
     config, cpu_decision = decide_cpu(choice.cpu, config=choice.config, budget=budget, device=torch.device(device),
                                       layers=layers, hybrid_config=choice.hybrid)
     runtime = CrispRuntime(layers, plan, device=device, gpu_budget=budget, config=config)
     runtime.cpu_decision = cpu_decision
     runtime.serving_choice = choice
+    runtime.requested_budget = requested_budget  # what stats() and gpu_budget report
     log_choice(choice, cpu_decision)
     resident = ResidentStep(runtime) if budget is None else None
     prefetcher = None

@@ -291,8 +291,9 @@ class CrispHandle(abc.ABC):
 
     @property
     def gpu_budget(self) -> int | None:
-        """The device prefix cache's budget in bytes; None when every expert is resident."""
-        return getattr(self.runtime.cache, "budget", None)
+        """The device prefix cache's budget in bytes, as given; None when none was (every expert resident, or on
+        the CPU kernel: the host store's smallest budget, ``stats()["cache"]["host_store_bytes"]``, is not one)."""
+        return getattr(self.runtime, "requested_budget", getattr(self.runtime.cache, "budget", None))
 
     def set_plan(self, plan: CrispPlan) -> None:
         """Switch policy (same pack, same cache): for comparing policies on one applied model."""
@@ -321,8 +322,11 @@ class CrispHandle(abc.ABC):
         """
         out = self.runtime.stats.as_dict()
         cache = self.runtime.cache
-        out["cache"] = {"budget_bytes": getattr(cache, "budget", None), "used_bytes": cache.used,
+        internal = getattr(cache, "budget", None)
+        out["cache"] = {"budget_bytes": self.gpu_budget, "used_bytes": cache.used,
                         "peak_bytes": cache.peak, "policy": self.plan.policy.value}
+        if internal != self.gpu_budget:  # no budget given, experts on the CPU kernel: the host store's own minimum
+            out["cache"]["host_store_bytes"] = internal
         out["cpu"] = self.runtime.cpu_stats()  # apply(cpu=...)'s decision, and how the CPU's experts run
         out["serving"] = serving_stats(self.runtime)
         out["dense"] = {"weights": self.runtime.config.dense.value,
