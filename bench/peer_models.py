@@ -138,27 +138,43 @@ def file_stamp(path: Path) -> dict:
             for p in files}
 
 
+def _sizes(folder: Path) -> dict[str, int]:
+    """{path relative to ``folder``: bytes} of every file in it but the marker."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MARKER}
+
+
 def cached(root: Path, name: str, spec: dict, build: Callable[[Path], None], log=print) -> Path:
-    """``root/<name>-<digest(spec)>``: reused when its marker holds the same spec, else built by
+    """``root/<name>-<digest(spec)>``: reused when its marker holds the same spec and every file it lists still has
+    its built size (a truncated or replaced GGUF or checkpoint is named, not read), else built by
     ``build(tmp_folder)`` into a temporary folder and renamed into place with the marker."""
     key = digest(spec)
     final = Path(root) / f"{name}-{key}"
     marker = final / MARKER
     if final.exists():
         try:
-            ok = json.loads(marker.read_text()).get("spec_digest") == key
+            record = json.loads(marker.read_text())
+            ok = isinstance(record, dict) and record.get("spec_digest") == key
         except (OSError, ValueError):
             ok = False
         if not ok:
             raise PeerError(f"{final} exists without a complete marker ({MARKER}) for this spec: an interrupted "
                             "build? Remove that folder to build it again")
+        built, now = record.get("files"), _sizes(final)
+        if isinstance(built, dict):  # a marker written before sizes were recorded has none to compare
+            for file, size in built.items():
+                if now.get(file) != size:
+                    got = "missing" if file not in now else f"{now[file]:,} bytes"
+                    raise PeerError(f"{final}: {file} is {got}, built as {size:,} bytes (damaged or edited); "
+                                    "remove that folder to build it again")
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         t0 = time.perf_counter()
         build(tmp)
-        write_json(tmp / MARKER, {"spec_digest": key, "spec": spec, "build_s": round(time.perf_counter() - t0, 1)})
+        write_json(tmp / MARKER, {"spec_digest": key, "spec": spec, "build_s": round(time.perf_counter() - t0, 1),
+                                  "files": _sizes(tmp)})
         os.replace(tmp, final)
         log(f"built {final} in {time.perf_counter() - t0:.0f} s")
     finally:

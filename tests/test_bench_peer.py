@@ -121,6 +121,29 @@ def test_cached_refuses_a_folder_without_its_marker_and_keeps_it(tmp_path):
     assert (final / "user.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("damage", ["truncated", "grown", "removed"])
+def test_cached_names_a_built_file_whose_size_changed_and_keeps_the_folder(tmp_path, damage):
+    def build(folder):
+        (folder / "sub").mkdir()
+        (folder / "sub" / "model.gguf").write_bytes(b"x" * 100)
+        (folder / "a.json").write_text("{}")
+
+    final = pm.cached(tmp_path, "thing", {"v": 1}, build, log=lambda *_: None)
+    gguf = final / "sub" / "model.gguf"
+    if damage == "removed":
+        gguf.unlink()
+    else:
+        gguf.write_bytes(b"x" * (50 if damage == "truncated" else 101))
+    got = {"truncated": "is 50 bytes", "grown": "is 101 bytes", "removed": "is missing"}[damage]
+    with pytest.raises(pm.PeerError, match=f"sub/model.gguf {got}, built as 100 bytes"):
+        pm.cached(tmp_path, "thing", {"v": 1}, build, log=lambda *_: None)
+    assert (final / "a.json").read_text() == "{}"  # nothing removed: the user decides
+    # a marker of an earlier build that lists no sizes is still reused as it was
+    marker = final / pm.MARKER
+    marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "files"}))
+    assert pm.cached(tmp_path, "thing", {"v": 1}, build, log=lambda *_: None) == final
+
+
 def test_a_failed_build_leaves_nothing(tmp_path):
     def build(folder):
         (folder / "half").write_bytes(b"")
