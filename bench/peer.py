@@ -462,8 +462,29 @@ def _work_dir(args) -> Path:
     return work
 
 
+def _max_positions(name: str) -> int:
+    """The longest sequence model ``name`` takes (its config's max_position_embeddings)."""
+    if name == "tiny":
+        cfg = json.loads((pm.TINY_MODEL / "config.json").read_text())
+        return int(cfg["max_position_embeddings"])
+    return RANDOM_SHAPES[name].max_position_embeddings
+
+
+def _check_lengths(args) -> None:
+    """Before any model is built: the prompt and the decoded tokens (and the tiny model's accuracy windows) fit
+    every asked model's positions; a longer run would fail inside an engine, minutes in."""
+    for name in args.models:
+        most = _max_positions(name)
+        if args.prompt + args.tokens > most:
+            raise PeerBenchError(f"--prompt {args.prompt} + --tokens {args.tokens}: model {name} takes at most "
+                                 f"{most} positions")
+        if name == "tiny" and args.window > most:
+            raise PeerBenchError(f"--window {args.window}: model tiny takes at most {most} positions")
+
+
 def run(args) -> int:
     work = _work_dir(args)
+    _check_lengths(args)
     pm.require_peers()
     from crisp_tools.text import read_texts, sample_sequences
 

@@ -380,6 +380,27 @@ def test_work_dir_must_be_a_folder_with_an_existing_parent(kind, needle, tmp_pat
     assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "missing").exists()
 
 
+@pytest.mark.parametrize("models, extra, needle", [
+    ("tiny", ["--prompt", "500", "--tokens", "13"], "--prompt 500 + --tokens 13: model tiny takes at most 512"),
+    ("tiny", ["--window", "600"], "--window 600: model tiny takes at most 512"),
+    ("large,mixtral-layer", ["--prompt", "4000", "--tokens", "97"], "model large takes at most 4096"),
+])
+def test_lengths_beyond_a_models_positions_are_refused_before_any_build(models, extra, needle, tmp_path,
+                                                                        monkeypatch, capsys):
+    def no_run():
+        raise pm.PeerUnavailable("the run went past the length check")
+
+    monkeypatch.setattr(pm, "require_peers", no_run)
+    rc = cli.main(["peer", "--models", models, "--work-dir", str(tmp_path / "work"), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "work").exists()
+    # at the limit the check passes
+    at_limit = cli.build_parser().parse_args(["peer", "--models", models, "--prompt", "500", "--tokens", "12",
+                                              "--window", "512"])
+    assert peer._check_lengths(at_limit) is None
+
+
 def test_only_the_quants_asked_for_are_built(monkeypatch, tmp_path):
     asked = []
 
