@@ -78,19 +78,13 @@ def int_list(text: str) -> list[int]:
     return [ca.positive_int(v) for v in items(text)]
 
 
-def add_force(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--force", action="store_true",
-                   help="replace an existing output file even when no CRISP tool wrote it (a CRISP tool's own "
-                        "earlier output is replaced without it)")
-
-
 def add_outputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
                    help="write the records as JSON to PATH (atomically; never onto an input or into a pack, nor "
                         "onto a file no CRISP tool wrote unless --force)")
     p.add_argument("--plot", metavar="PATH.png", type=ca.nonempty_path,
                    help="write a plot to PATH.png (matplotlib; atomically)")
-    add_force(p)
+    ca.add_force(p)
     p.add_argument("--threads", type=ca.threads_int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a busy shared CPU)")
 

@@ -271,7 +271,7 @@ def add_parser(subparsers) -> None:
                    help="model whose shape is 'tiny' (default: the committed models/tiny-mixtral)")
     p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
                    help="write the records as JSON to PATH (atomically)")
-    common.add_force(p)
+    ca.add_force(p)
     p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads (default: torch's)")
 
 

@@ -438,7 +438,7 @@ def add_parser(subparsers) -> None:
                    "each in a folder of its own, reused only when its completion marker matches")
     p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
                    help="write the records as JSON to PATH (atomically)")
-    common.add_force(p)
+    ca.add_force(p)
 
 
 def implicit_inputs(args) -> dict:

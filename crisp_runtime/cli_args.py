@@ -148,6 +148,14 @@ def read_json(path: str | os.PathLike, what: str):
 CORRUPT_DATA_ERRORS: tuple[type[BaseException], ...] = (zlib.error, EOFError)
 
 
+def add_force(p: argparse.ArgumentParser) -> None:
+    """``--force``: what ``crisp_runtime.storage.outputs.check_outputs(force=...)`` takes (every command with an
+    output file has it)."""
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output file even when no CRISP tool wrote it (a CRISP tool's own "
+                        "earlier output is replaced without it)")
+
+
 def interrupted(prog: str, *, resumable: bool) -> int:
     """Print the one-line message of a Ctrl-C and return the shell's code for SIGINT (130)."""
     hint = "rerun the same command to resume" if resumable else "rerun the same command to start again"

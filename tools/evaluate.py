@@ -493,9 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="PATH", type=ca.nonempty_path,
                    help="also write the records as JSON (atomically; never onto an input or into the pack or model "
                         "folder, nor onto a file no CRISP tool wrote unless --force)")
-    p.add_argument("--force", action="store_true",
-                   help="replace an existing output file even when no CRISP tool wrote it (a CRISP tool's own "
-                        "earlier output is replaced without it)")
+    ca.add_force(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 

@@ -387,9 +387,7 @@ def build_parser():
                    help="write the measurements as JSON (atomically, never onto an input)")
     p.add_argument("--markdown", default=None, type=ca.nonempty_path,
                    help="write the report as Markdown (atomically, never onto an input)")
-    p.add_argument("--force", action="store_true",
-                   help="replace an existing output file even when no CRISP tool wrote it (a CRISP tool's own "
-                        "earlier output is replaced without it)")
+    ca.add_force(p)
     p.add_argument("--quiet", action="store_true")
     return p
 

@@ -30,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from crisp_runtime import cli_args as ca
 from crisp_runtime.storage.outputs import OutputPathError, check_output, write_bytes
 
 GIB = 2**30
@@ -186,8 +187,7 @@ def main(argv=None) -> int:
                         help="also measure crisp-profile --device-map auto with this much CPU memory (the rest on "
                              "disk)")
     parser.add_argument("--json", type=Path, help="also write the measurements as JSON (atomically)")
-    parser.add_argument("--force", action="store_true",
-                        help="replace an existing --json file even when no CRISP tool wrote it")
+    ca.add_force(parser)
     parser.add_argument("--step", choices=["pack", "profile", "profile-offload", "load", "from_pretrained"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
