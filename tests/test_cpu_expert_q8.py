@@ -41,9 +41,11 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native C
 OWN_TOL = 1e-5  # fp32 accumulation against the float64 evaluation of the same quantized arithmetic
 Q8 = CpuExpertConfig(Precision.Q8)
 # (H, I, group, symmetric): H = 96 and 160 leave a 16-byte tail per row; I odd and not a multiple of 16;
-# H = 1088 has 17 groups (the down pass builds its coefficient pairs 16 groups a vector, then one alone)
+# H = 1088 has 17 groups (the down pass builds its coefficient pairs 16 groups a vector, then one alone).
+# Group 64 at one token reduces 128 bytes of a row at a time (q8_dots_1_g64), then 32-byte steps: H = 1088 leaves
+# one step after 4 such chunks, H = 448 three after 1, H = 192 three and no chunk
 SHAPES = [(256, 200, 64, False), (96, 40, 32, False), (160, 77, 32, True), (384, 300, 128, False),
-          (2048, 150, 64, True), (1088, 70, 64, False)]
+          (2048, 150, 64, True), (1088, 70, 64, False), (448, 37, 64, True), (192, 33, 64, False)]
 
 
 def call(kernel, packed, x, widths, start, stop, weights, threads) -> torch.Tensor:

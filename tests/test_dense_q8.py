@@ -21,9 +21,10 @@ from crisp_runtime.cpu.dense import DenseWeights, Q4Linear, attention_linears, s
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernel does not build here")
 
 OWN_TOL = 1e-5
-# (O, H, group, symmetric, bias): H / 2 = 48 and 80 bytes leave the kernel's 16-byte tail; O odd
+# (O, H, group, symmetric, bias): H / 2 = 48 and 80 bytes leave the kernel's 16-byte tail; O odd; group 64 at
+# one token reduces 128 bytes of a row at a time, then 32-byte steps (H = 448: one chunk and three steps)
 SHAPES = [(96, 256, 64, False, True), (33, 96, 32, False, False), (50, 160, 32, True, True),
-          (130, 384, 128, False, False), (7, 2048, 64, True, True)]
+          (130, 384, 128, False, False), (7, 2048, 64, True, True), (11, 448, 64, False, False)]
 
 
 def _packed(o, h, group, symmetric, bias, seed=0) -> tuple[DenseQ4, torch.Tensor, torch.Tensor | None]:
