@@ -284,6 +284,10 @@ def run(args) -> int:
             cpu_native.load()
         except cpu_native.NativeUnavailable as err:
             raise CpuBenchError(f"--impl native-fp32: {err}") from err
+    native = [i.value for i in impls if i in (CpuImpl.NATIVE_FP32, CpuImpl.NATIVE_Q8)]
+    if native and max(args.tokens) > cpu_native.MAX_TOKENS:
+        raise CpuBenchError(f"--tokens: {native[0]} takes at most {cpu_native.MAX_TOKENS} tokens a call (the "
+                            f"runtime sends it 1-16); got {max(args.tokens)}")
     records, memories = [], {}
     for shape in shapes:
         recs, memory = measure(shape, args.widths, args.tokens, args.repeats, precision=precision, impls=impls)

@@ -42,6 +42,12 @@ def _json(path):
     return doc
 
 
+def cpu_native_available() -> bool:
+    from crisp_kernels import cpu_native
+
+    return cpu_native.available()
+
+
 def test_simulate_synthetic_trace(tmp_path, capsys):
     trace = tr.synthetic_trace(num_layers=4, num_tokens=96, intermediate_size=256)
     trace.save(tmp_path / "t.npz")
@@ -223,6 +229,17 @@ def test_cpu_model_that_is_not_a_checkpoint_exits_2(config, needle, tmp_path, ca
                "--json", str(tmp_path / "out.json")])
     err = capsys.readouterr().err
     assert rc == 2 and f"cpu: error: --model {model}: " in err and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.skipif(not cpu_native_available(), reason="the native CPU kernel does not build here")
+@pytest.mark.parametrize("impl", ["auto", "native-q8", "native-fp32", "dequant-fp32,native-q8"])
+def test_cpu_tokens_beyond_the_native_kernel_exit_2_before_any_work(impl, tmp_path, capsys):
+    rc = main(["cpu", "--shapes", "tiny", "--widths", "1", "--tokens", "1,65", "--repeats", "1", "--impl", impl,
+               "--json", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cpu: error: --tokens: native-" in err and "at most 64 tokens" in err and "got 65" in err, err
+    assert err.count("\n") == 1 and "internal error" not in err
     assert not (tmp_path / "out.json").exists()
 
 
