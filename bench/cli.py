@@ -27,11 +27,13 @@ from crisp_kernels import PackFormatError
 from crisp_runtime import cli_args as ca
 from crisp_runtime.hf.moe_layers import UnsupportedModelError
 from crisp_runtime.planning.plan import PlanError
-from crisp_runtime.storage.outputs import check_outputs
+from crisp_runtime.storage.outputs import check_outputs, plot_kind
 from crisp_runtime.storage.pack import PackMismatchError
 
 from . import cpu, e2e, kernels, layer, peer, report, report_cmd, simulate_cmd, transfer
 from .common import CliError, pack_dir_for
+from .profiles import PROFILE_FORMAT
+from .traces import TRACE_FORMAT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,8 +133,13 @@ def _check_paths(args) -> None:
         pack = pack_dir_for(args.model, getattr(args, "pack", None))  # the pack the command will read
         if pack is not None:
             inputs["the model's pack"] = pack
-    check_outputs(outputs, inputs, force=bool(getattr(args, "force", False)))
+    check_outputs(outputs, inputs, force=bool(getattr(args, "force", False)), kinds=_OUTPUT_KINDS)
 
+
+# what each output option writes (crisp_runtime.storage.outputs.output_kind): a rerun replaces its own kind of file,
+# not another tool's result (an evaluation record at --json, say) unless --force
+_OUTPUT_KINDS = {"--json": {report.JSON_FORMAT}, "--plot": {plot_kind("crisp-bench")},
+                 "--record-trace": {TRACE_FORMAT}, "--profile-out": {PROFILE_FORMAT}}
 
 # {command: args -> {name: path(s)}}: files a command reads without an option naming them
 _IMPLICIT_INPUTS = {"simulate": simulate_cmd.implicit_inputs, "peer": peer.implicit_inputs}

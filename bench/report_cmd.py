@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 from crisp_runtime import cli_args as ca
-from crisp_runtime.storage.outputs import check_outputs, write_text
+from crisp_runtime.storage.outputs import check_outputs, markdown_kind, write_text
 
 from .common import CliError
 
@@ -220,7 +220,8 @@ def _check_markdown_target(path: Path, force: bool, results: Path) -> Path:
     if (results / "index.json").is_file():
         with contextlib.suppress(CliError):  # a broken index is reported when the report is built
             inputs["the records of index.json"] = [results / n for n in load_index(results).get("records", {})]
-    resolved = check_outputs({"--markdown": path}, inputs, force=force)["--markdown"]
+    resolved = check_outputs({"--markdown": path}, inputs, force=force,
+                             kinds={"--markdown": {markdown_kind(MARKER)}})["--markdown"]
     if resolved.exists() and not force:
         with open(resolved, encoding="utf-8", errors="replace") as f:
             first = f.readline().rstrip("\n")

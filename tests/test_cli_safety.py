@@ -399,10 +399,64 @@ def test_written_by_crisp_judges_by_content(tmp_path):
     plt.close(fig)
     assert {n for n in (*ours, *theirs) if outputs.written_by_crisp(tmp_path / n)} == set(ours)
     assert not outputs.written_by_crisp(tmp_path / "missing.json")
+    assert {n: outputs.output_kind(tmp_path / n) for n in ours} == {
+        "bench.json": "crisp-bench", "eval.json": "crisp-eval", "trace.npz": "crisp-routing-trace",
+        "report.md": "markdown:crisp-bench report", "evidence.md": "markdown:crisp_tools.evidence",
+        "plot.png": "png:crisp-bench"}
     for name in theirs:
         with pytest.raises(outputs.OutputPathError, match="not written by a CRISP tool"):
             outputs.check_outputs({"--json": tmp_path / name})
         outputs.check_outputs({"--json": tmp_path / name}, force=True)
+
+
+def test_an_option_replaces_only_its_own_kind_of_output_unless_forced(tmp_path):
+    from crisp_bench import report
+
+    bench, ev = tmp_path / "bench.json", tmp_path / "eval.json"
+    report.write_json(bench, "simulate", [])
+    outputs.write_json(ev, {"format": "crisp-eval", "version": 1})
+    kinds = {"--json": {"crisp-bench"}}
+    assert outputs.check_outputs({"--json": bench}, kinds=kinds)["--json"] == bench.resolve()
+    with pytest.raises(outputs.OutputPathError) as err:
+        outputs.check_outputs({"--json": ev}, kinds=kinds)
+    msg = str(err.value)
+    assert msg.startswith(f"--json {ev}: exists and holds another CRISP output (crisp-eval, where this option writes "
+                          f"crisp-bench)") and "--force" in msg and "\n" not in msg
+    outputs.check_outputs({"--json": ev}, kinds=kinds, force=True)
+    outputs.check_outputs({"--json": ev})  # an option whose kinds are not given replaces any CRISP output
+    with pytest.raises(outputs.OutputPathError, match="holds another CRISP output"):
+        outputs.check_output("--json", ev, kinds={"crisp-stream-rss"})
+
+
+def test_tools_do_not_replace_each_others_results(tiny, tmp_path, capsys):
+    """A benchmark's --json onto an evaluation record or a routing trace, the evaluation's onto a benchmark
+    record, the evidence page onto the report's page: refused before any work, the files unchanged; --force
+    replaces."""
+    from crisp_bench.report_cmd import MARKER as REPORT_MARKER
+    from crisp_tools.evidence import EVIDENCE_MARKER
+
+    root, model, text, pack = tiny
+    outputs.write_json(tmp_path / "eval.json", {"format": "crisp-eval", "version": 1, "records": []})
+    outputs.write_json(tmp_path / "bench.json", {"format": "crisp-bench", "version": 1, "records": []})
+    (tmp_path / "evidence.md").write_text(EVIDENCE_MARKER + "\n# evidence\n")
+    (tmp_path / "report.md").write_text(REPORT_MARKER + "\n| a |\n")
+    tr.synthetic_trace(num_layers=2, num_tokens=8).save(tmp_path / "other.npz")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    tr.synthetic_trace(num_layers=2, num_tokens=24).save(tmp_path / "t.npz")
+    sim = ["simulate", "--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--warmup", "4", "--policies", "full"]
+    cases = [(bench_cli.main, [*sim, "--json", str(tmp_path / "eval.json")], "--json", "crisp-eval"),
+             (bench_cli.main, [*sim, "--json", str(tmp_path / "other.npz")], "--json", "crisp-routing-trace"),
+             (evaluate.main, _eval(model, pack, text, "--json", str(tmp_path / "bench.json")), "--json", "crisp-bench"),
+             (evidence.main, _eval(model, pack, text, "--markdown", str(tmp_path / "report.md")), "--markdown",
+              "markdown:crisp-bench report"),
+             (key_study.main, _eval(model, pack, text, "--json", str(tmp_path / "eval.json")), "--json", "crisp-eval")]
+    for fn, argv, option, kind in cases:
+        rc, err = run(fn, argv, capsys)
+        assert rc == 2, (argv, err)
+        one_line_error(err, option, f"holds another CRISP output ({kind},", "--force")
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+    assert run(bench_cli.main, [*sim, "--json", str(tmp_path / "eval.json"), "--force"], capsys)[0] == 0
+    assert json.loads((tmp_path / "eval.json").read_text())["format"] == "crisp-bench"
 
 
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path):

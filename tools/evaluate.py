@@ -538,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         profile = _load_window_profile(args)
         check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data,
-                                              "--reference-crisp": args.reference_crisp}, force=args.force)
+                                              "--reference-crisp": args.reference_crisp}, force=args.force,
+                      kinds={"--json": {EVAL_FORMAT, serving_eval.SERVING_EVAL_FORMAT}})
         if args.stored_serving and args.mode != "decode":
             raise CliError("--stored-serving: only with --mode decode (a serving choice depends on the cache)")
         if args.default_serving and (args.mode != "decode" or args.stored_serving):

@@ -32,7 +32,7 @@ import torch
 
 from crisp_runtime import cli_args as ca
 from crisp_runtime.planning.pairs import pair_codes, pair_skew
-from crisp_runtime.storage.outputs import OutputPathError, check_outputs, write_text
+from crisp_runtime.storage.outputs import OutputPathError, check_outputs, markdown_kind, write_text
 
 from .calibration import (
     CliError,
@@ -396,7 +396,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_outputs({"--json": args.json, "--markdown": args.markdown},
-                      {"--model": args.model, "--crisp": args.crisp, "--data": args.data}, force=args.force)
+                      {"--model": args.model, "--crisp": args.crisp, "--data": args.data}, force=args.force,
+                      kinds={"--json": {EVIDENCE_FORMAT}, "--markdown": {markdown_kind(EVIDENCE_MARKER)}})
         with threads(args.threads):
             ev = Evidence(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
                           batch_size=args.batch_size, top_pairs=args.top_pairs, quiet=args.quiet).run()

@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_outputs({"--json": args.json}, {"--model": args.model, "--crisp": args.crisp, "--data": args.data},
-                      force=args.force)
+                      force=args.force, kinds={"--json": {KEY_STUDY_FORMAT}})
         with threads(args.threads):
             study = KeyStudy(args.model, args.crisp, args.data, fit_samples=args.fit_samples,
                              test_samples=args.test_samples, seq_len=args.seq_len, batch_size=args.batch_size,

@@ -34,6 +34,7 @@ from crisp_runtime import cli_args as ca
 from crisp_runtime.storage.outputs import OutputPathError, check_output, write_bytes
 
 GIB = 2**30
+STREAM_RSS_FORMAT = "crisp-stream-rss"  # the --json record's format
 
 
 def _status_kib(field: str) -> int:
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
         return 2
     try:
         if args.json is not None:
-            check_output("--json", args.json, force=args.force)
+            check_output("--json", args.json, force=args.force, kinds={STREAM_RSS_FORMAT})
     except OutputPathError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
     config = mixtral_config(int(args.size_gb * GIB), layers=args.layers, hidden=args.hidden)
     size = write_checkpoint(checkpoint, config)
     write_text(args.out / "calib.txt")
-    result = {"format": "crisp-stream-rss", "version": 1,
+    result = {"format": STREAM_RSS_FORMAT, "version": 1,
               "checkpoint_bytes": size, "layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
               "intermediate_size": config.intermediate_size,
               "steps": [measure(k, checkpoint, pack) for k in ("pack", "profile", "load")]}
