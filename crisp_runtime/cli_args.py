@@ -152,8 +152,8 @@ def add_force(p: argparse.ArgumentParser) -> None:
     """``--force``: what ``crisp_runtime.storage.outputs.check_outputs(force=...)`` takes (every command with an
     output file has it)."""
     p.add_argument("--force", action="store_true",
-                   help="replace an existing output file even when no CRISP tool wrote it (a CRISP tool's own "
-                        "earlier output is replaced without it)")
+                   help="replace an existing output file that no CRISP tool wrote, or that holds another kind of "
+                        "CRISP output (the option's own kind of output, an earlier run's, is replaced without it)")
 
 
 def interrupted(prog: str, *, resumable: bool) -> int:
