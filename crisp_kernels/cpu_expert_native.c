@@ -728,6 +728,33 @@ INLINE void q8_dots_nt(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, con
 }
 
 
+/* 32 bytes of a row against x's even and odd codes: 16 int16 sums of 4 products each */
+INLINE __m256i q8_step_sums(const uint8_t *q, __m256i xev, __m256i xov, __m256i m4) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)q);
+    return _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(b, m4), xev),
+                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), xov));
+}
+
+/* acc + the 128-byte chunk c's 8 block sums (from its 4 steps' sums v) less z sum(xq), times sx s: the chunk's
+ * 4 groups' scales s[4c..] and zero points z[4c..] (NULL: 8), x's sx4 / xs4 slots sxv / xsv */
+INLINE __m256 q8_chunk_acc(__m256 acc, const __m256i v[4], const uint16_t *s, const uint8_t *z, int c, __m256 sxv,
+                           __m256 xsv) {
+    const __m256i sums = _mm256_madd_epi16(
+        _mm256_hadd_epi16(_mm256_hadd_epi16(v[0], v[1]), _mm256_hadd_epi16(v[2], v[3])), _mm256_set1_epi16(1));
+    const __m128 s4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(s + 4 * c)));
+    const __m128 z4 = z ? _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int32_t *)(z + 4 * c))))
+                        : _mm_set1_ps(8.0f);
+    return _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set_m128(z4, z4), xsv, _mm256_cvtepi32_ps(sums)),
+                           _mm256_mul_ps(sxv, _mm256_set_m128(s4, s4)), acc);
+}
+
+/* acc + one 32-byte step's sums v (group g) less z sum(xq), times sx s (x's sxr / xsf slots sx / xs) */
+INLINE __m256 q8_step_acc(__m256 acc, __m256i v, const uint16_t *s, const uint8_t *z, int g, __m256 sx, __m256 xs) {
+    const __m256i sums = _mm256_madd_epi16(v, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(z ? (float)z[g] : 8.0f), xs, _mm256_cvtepi32_ps(sums)),
+                           _mm256_mul_ps(sx, _mm256_set1_ps(_cvtsh_ss(s[g]))), acc);
+}
+
 /* One token's gate and up dots of one neuron (R = 2; R = 1: one row), group 64: each 32-byte step is one group,
  * and four steps (128 bytes) are reduced to their eight block sums before anything turns to floats. Per step and
  * row, 2 vpmaddubsw and an add leave 16 int16 sums of 4 products each (|.| <= 4 x 15 x 127); two rounds of
@@ -750,7 +777,8 @@ INLINE void q8_dots_1_g64(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, 
     const uint8_t *zu = z ? z + groups : NULL;
     const int8_t *xe = w->xeq + (size_t)t * half, *xo = w->xoq + (size_t)t * half;
     const float *sx4 = w->sx4 + (size_t)t * (w->hidden / 32), *xs4 = w->xs4 + (size_t)t * (w->hidden / 32);
-    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const float *sxr = w->sxr + (size_t)t * (w->hidden / 8), *xsf = w->xsf + (size_t)t * (w->hidden / 8);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256 ag = _mm256_setzero_ps(), au = _mm256_setzero_ps();
     for (int c = 0; c < chunks; c++) {
         const int i0 = 128 * c;
@@ -766,54 +794,19 @@ INLINE void q8_dots_1_g64(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, 
             const int i = i0 + 32 * k;
             const __m256i xev = _mm256_loadu_si256((const __m256i *)(xe + i));
             const __m256i xov = _mm256_loadu_si256((const __m256i *)(xo + i));
-            const __m256i bg = _mm256_loadu_si256((const __m256i *)(q + i));
-            vg[k] = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(bg, m4), xev),
-                                     _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bg, 4), m4), xov));
-            if (R == 2) {
-                const __m256i bu = _mm256_loadu_si256((const __m256i *)(qu + i));
-                vu[k] = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(bu, m4), xev),
-                                         _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bu, 4), m4), xov));
-            }
+            vg[k] = q8_step_sums(q + i, xev, xov, m4);
+            if (R == 2) vu[k] = q8_step_sums(qu + i, xev, xov, m4);
         }
         const __m256 sxv = _mm256_loadu_ps(sx4 + 8 * c), xsv = _mm256_loadu_ps(xs4 + 8 * c);
-        const __m256i ig = _mm256_madd_epi16(
-            _mm256_hadd_epi16(_mm256_hadd_epi16(vg[0], vg[1]), _mm256_hadd_epi16(vg[2], vg[3])), ones);
-        const __m128 sg4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(s + 4 * c)));
-        const __m128 zg4 = z ? _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int32_t *)(z + 4 * c))))
-                             : _mm_set1_ps(8.0f);
-        ag = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set_m128(zg4, zg4), xsv, _mm256_cvtepi32_ps(ig)),
-                             _mm256_mul_ps(sxv, _mm256_set_m128(sg4, sg4)), ag);
-        if (R == 2) {
-            const __m256i iu = _mm256_madd_epi16(
-                _mm256_hadd_epi16(_mm256_hadd_epi16(vu[0], vu[1]), _mm256_hadd_epi16(vu[2], vu[3])), ones);
-            const __m128 su4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(su + 4 * c)));
-            const __m128 zu4 = zu ? _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(*(const int32_t *)(zu + 4 * c))))
-                                  : _mm_set1_ps(8.0f);
-            au = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set_m128(zu4, zu4), xsv, _mm256_cvtepi32_ps(iu)),
-                                 _mm256_mul_ps(sxv, _mm256_set_m128(su4, su4)), au);
-        }
+        ag = q8_chunk_acc(ag, vg, s, z, c, sxv, xsv);
+        if (R == 2) au = q8_chunk_acc(au, vu, su, zu, c, sxv, xsv);
     }
     for (int i = 128 * chunks; i < full; i += 32) {  /* the last 1-3 steps of a row whose H / 2 is not a multiple of 128 */
-        const int g = i >> 5;
-        const size_t o = (size_t)t * half + i;
-        const __m256i xev = _mm256_loadu_si256((const __m256i *)(w->xeq + o));
-        const __m256i xov = _mm256_loadu_si256((const __m256i *)(w->xoq + o));
-        const __m256 sx = _mm256_loadu_ps(w->sxr + (size_t)t * (w->hidden / 8) + i / 4);
-        const __m256 xs = _mm256_loadu_ps(w->xsf + (size_t)t * (w->hidden / 8) + i / 4);
-        const __m256i bg = _mm256_loadu_si256((const __m256i *)(q + i));
-        const __m256i pg = _mm256_madd_epi16(_mm256_add_epi16(
-            _mm256_maddubs_epi16(_mm256_and_si256(bg, m4), xev),
-            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bg, 4), m4), xov)), ones);
-        ag = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(z ? (float)z[g] : 8.0f), xs, _mm256_cvtepi32_ps(pg)),
-                             _mm256_mul_ps(sx, _mm256_set1_ps(_cvtsh_ss(s[g]))), ag);
-        if (R == 2) {
-            const __m256i bu = _mm256_loadu_si256((const __m256i *)(qu + i));
-            const __m256i pu = _mm256_madd_epi16(_mm256_add_epi16(
-                _mm256_maddubs_epi16(_mm256_and_si256(bu, m4), xev),
-                _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bu, 4), m4), xov)), ones);
-            au = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(zu ? (float)zu[g] : 8.0f), xs, _mm256_cvtepi32_ps(pu)),
-                                 _mm256_mul_ps(sx, _mm256_set1_ps(_cvtsh_ss(su[g]))), au);
-        }
+        const __m256i xev = _mm256_loadu_si256((const __m256i *)(xe + i));
+        const __m256i xov = _mm256_loadu_si256((const __m256i *)(xo + i));
+        const __m256 sx = _mm256_loadu_ps(sxr + i / 4), xs = _mm256_loadu_ps(xsf + i / 4);
+        ag = q8_step_acc(ag, q8_step_sums(q + i, xev, xov, m4), s, z, i >> 5, sx, xs);
+        if (R == 2) au = q8_step_acc(au, q8_step_sums(qu + i, xev, xov, m4), su, zu, i >> 5, sx, xs);
     }
     gate[0] = hsum8(ag) + q8_dot_scalar(w, q, s, z, t, full, half);
     if (R == 2) up[0] = hsum8(au) + q8_dot_scalar(w, qu, su, zu, t, full, half);
