@@ -167,7 +167,7 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
         rec = {"shape": shape.name, "impl": impl, "width": width, "width_frac": width / shape.intermediate_size,
                "tokens": tokens, "ms": seconds * 1e3, "prefix_mb": nbytes / 1e6, "gbps": gbps,
                "memcpy_gbps": memcpy_gbps, "pct_memcpy": 100 * gbps / memcpy_gbps, "read_gbps": read_gbps,
-               "rel_err": err}
+               "pct_read": 100 * gbps / read_gbps, "rel_err": err}
         if (impl, tokens) in full:
             rec["time_frac"] = seconds / full[impl, tokens]  # against k / I: the prefix's proportionality
         records.append(rec)
@@ -295,7 +295,8 @@ def run(args) -> int:
         memories[shape.name] = memory
         print(report.table(recs, [("impl", "kernel"), ("width", "k"), ("width_frac", "k/I"), ("tokens", "T"),
                                   ("ms", "ms"), ("prefix_mb", "prefix MB"), ("gbps", "GB/s"),
-                                  ("pct_memcpy", "% memcpy"), ("time_frac", "t(k)/t(I)"), ("rel_err", "rel err")],
+                                  ("pct_memcpy", "% memcpy"), ("pct_read", "% read"), ("time_frac", "t(k)/t(I)"),
+                                  ("rel_err", "rel err")],
                            title=f"{shape.name} (H {shape.hidden_size}, I {shape.intermediate_size}, g "
                            f"{shape.group_size}), {memory['threads']} threads, kernels in the same rounds: memcpy "
                            f"{memory['memcpy_gbps']:.2f} GB/s copied, read {memory['read_gbps']:.2f} GB/s; "

@@ -41,7 +41,11 @@ def test_cli_json(tmp_path, capsys):
     assert {(r["width_frac"] > 0.9, r["tokens"]) for r in recs} == {(False, 1), (False, 3), (True, 1), (True, 3)}
     # the runtime's default: the native kernel with 8-bit activations, checked at its tolerance before timing
     assert all(r["rel_err"] <= 2.0**-5 and r["impl"] == "native-q8" for r in recs)
-    assert "memcpy" in capsys.readouterr().out
+    # the kernel's rate against both references of the same rounds: a copy and a streaming read
+    assert all(r["pct_read"] == pytest.approx(100 * r["gbps"] / r["read_gbps"]) and
+               r["pct_memcpy"] == pytest.approx(100 * r["gbps"] / r["memcpy_gbps"]) for r in recs)
+    out = capsys.readouterr().out
+    assert "memcpy" in out and "% read" in out
 
 
 def test_cli_times_several_kernels_in_the_same_rounds(tmp_path, capsys):
