@@ -124,6 +124,21 @@ def test_every_token_tile_remainder(tokens):
     assert own_error(got, x, packed, widths, 0, shape[1], weights) <= 1
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[6]])
+def test_a_tokens_output_does_not_depend_on_the_other_tokens_of_the_call(shape):
+    """Each token's row of a call is the same bits as that token alone (group 64: the one-token pass token by
+    token; other groups: the tiles' per-token accumulators), at each width and thread count."""
+    kernel = cpu_native.load()
+    packed = expert(*shape)
+    x, weights, widths = inputs(7, shape[0], torch.float32, shape[1], per_token=True, seed=11)
+    for threads in (1, 2):
+        together = call(kernel, packed, x, widths, 0, shape[1], weights, threads)
+        for t in range(x.shape[0]):
+            alone = call(kernel, packed, x[t:t + 1].contiguous(), widths[t:t + 1], 0, shape[1], weights[t:t + 1],
+                         threads)
+            assert torch.equal(together[t], alone[0]), (t, threads)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_within_the_q8_tolerance_of_the_unquantized_reference_and_not_fp32(shape):
     packed = expert(*shape)
