@@ -168,8 +168,12 @@ def cached(root: Path, name: str, spec: dict, build: Callable[[Path], None], log
                     raise PeerError(f"{final}: {file} is {got}, built as {size:,} bytes (damaged or edited); "
                                     "remove that folder to build it again")
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    except OSError as exc:  # a folder that cannot hold files (a read-only or special file system, no permission)
+        raise PeerError(f"{root}: cannot make the work folder or a file in it ({exc.strerror or exc}); give "
+                        "--work-dir a writable folder") from None
     try:
         t0 = time.perf_counter()
         build(tmp)

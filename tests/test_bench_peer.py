@@ -112,6 +112,16 @@ def test_cached_builds_once_and_reuses_by_marker(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.name, c.name])  # no temporary left
 
 
+def test_cached_names_a_work_folder_that_cannot_be_made(tmp_path):
+    """A --work-dir on a file system that takes no folders (here a file standing where its parent should be) is a
+    one-line PeerError naming the folder, not an OSError from inside the build."""
+    (tmp_path / "file").write_text("mine")
+    root = tmp_path / "file" / "work"
+    with pytest.raises(pm.PeerError, match=f"{root}: cannot make the work folder"):
+        pm.cached(root, "thing", {"v": 1}, lambda f: None, log=lambda *_: None)
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_cached_refuses_a_folder_without_its_marker_and_keeps_it(tmp_path):
     final = tmp_path / f"thing-{pm.digest({'v': 1})}"
     final.mkdir()

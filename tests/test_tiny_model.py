@@ -89,11 +89,12 @@ def test_read_texts_errors_name_the_path(tmp_path, name, content, gz, match):
     assert str(path) in str(info.value)
 
 
-def test_read_texts_missing_file(tmp_path):
-    missing = tmp_path / "nope.txt"
-    with pytest.raises(ValueError, match="cannot read") as info:
+@pytest.mark.parametrize("name", ["nope.txt", "nope", "nope.csv"])
+def test_read_texts_missing_file(tmp_path, name):
+    missing = tmp_path / name
+    with pytest.raises(ValueError, match="cannot read text \\(no such file\\)") as info:
         read_texts([missing])
-    assert str(missing) in str(info.value)
+    assert str(missing) in str(info.value) and "unsupported" not in str(info.value)
 
 
 def test_sample_sequences_deterministic_windows():

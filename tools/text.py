@@ -85,6 +85,8 @@ def read_texts(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[s
     for p in paths:
         path = os.fspath(p)
         name = path.lower()
+        if not os.path.exists(path):  # before the suffix: a missing file is not "an unsupported type"
+            raise ValueError(f"{path}: cannot read text (no such file)")
         try:
             if name.endswith(".txt"):
                 with open(path, encoding="utf-8") as f:
