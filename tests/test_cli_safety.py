@@ -459,6 +459,21 @@ def test_tools_do_not_replace_each_others_results(tiny, tmp_path, capsys):
     assert json.loads((tmp_path / "eval.json").read_text())["format"] == "crisp-bench"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, a folder that takes no files")
+def test_a_folder_that_takes_no_files_is_refused_before_any_work(tmp_path, capsys):
+    """/proc passes the permission and read-only checks for root, but no file can be made in it: each output is
+    refused up front (the probe file is made and removed), not after the run's work."""
+    with pytest.raises(outputs.OutputPathError, match="folder /proc does not take new files"):
+        outputs.check_output("--json", "/proc/crisp-out.json")
+    outputs.check_output("--json", tmp_path / "out.json")
+    assert list(tmp_path.iterdir()) == []  # the probe left nothing
+    tr.synthetic_trace(num_layers=2, num_tokens=24).save(tmp_path / "t.npz")
+    rc, err = run(bench_cli.main, ["simulate", "--trace", str(tmp_path / "t.npz"), "--plan", "auto", "--warmup", "4",
+                                   "--policies", "full", "--json", "/proc/crisp-out.json"], capsys)
+    assert rc == 2
+    one_line_error(err, "--json /proc/crisp-out.json", "does not take new files")
+
+
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path):
     path = tmp_path / "out.json"
     outputs.write_json(path, {"a": 1})

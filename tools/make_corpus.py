@@ -36,12 +36,13 @@ import os
 import platform
 import sys
 import sysconfig
+from pathlib import Path
 
 # Run as a script: make the repository root importable (crisp_runtime) without an install.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from crisp_runtime import cli_args as ca  # noqa: E402
-from crisp_runtime.storage.outputs import write_text  # noqa: E402
+from crisp_runtime.storage.outputs import OutputPathError, check_writable_folder, write_text  # noqa: E402
 
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 GENERATED_MARKER = "Python Character Mapping Codec"  # header of gencodec.py's output
@@ -146,6 +147,20 @@ def build(root: str, out_dir: str, cap_bytes: int) -> dict[str, dict[str, int]]:
     return stats
 
 
+def _check_out(parser, out: str) -> None:
+    """--out: a folder, or a new one (made with its parents) under a folder that takes new files; checked before
+    any work (crisp_runtime.storage.outputs.check_writable_folder)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"argument --out: {out} exists and is not a folder")
+    existing = Path(out).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        check_writable_folder(f"--out {out}", existing)
+    except OutputPathError as exc:
+        parser.error(f"argument {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ca.Parser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -168,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         args.licences = LICENCES if args.licences is None else args.licences
         if not os.path.isdir(args.licences):
             parser.error(f"argument --licences: {args.licences} is not a folder")
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            parser.error(f"argument --out: {args.out} exists and is not a folder")
+        _check_out(parser, args.out)
         check_replaceable(os.path.join(args.out, PROSE_FILE), args.force)
         for name, size in build_prose(args.licences, args.out).items():
             print(f"{name:8s} {size:6d} bytes")
@@ -179,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     out, src = os.path.realpath(args.out), os.path.realpath(args.stdlib)
     if out == src or out.startswith(src + os.sep):
         parser.error(f"argument --out: {args.out} lies inside --stdlib {args.stdlib}; refusing to write there")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        parser.error(f"argument --out: {args.out} exists and is not a folder")
+    _check_out(parser, args.out)
     for split in SPLITS:  # before any work: nothing is replaced unless every file may be
         check_replaceable(os.path.join(args.out, f"stdlib-{split}.txt"), args.force)
     stats = build(args.stdlib, args.out, args.cap_bytes)

@@ -4,8 +4,8 @@ Every tool (crisp-profile, crisp-eval, crisp-bench, the evidence report) calls :
 with all its output options and all its inputs before it loads a model, so that a bad output path
 costs nothing and no output can destroy an input. An output is refused when it
 
-- is an existing folder, or its folder does not exist, is not writable or is on a read-only
-  file system;
+- is an existing folder, or its folder does not exist, is not writable, is on a read-only
+  file system or takes no new file (a probe file is made and removed);
 - is an existing file marked read-only (the user's choice is respected, not overridden);
 - is an input (the same file, also through a symlink or a hard link);
 - lies inside an input folder (a model checkpoint, a pack, a saved dataset), at any depth;
@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
@@ -169,6 +170,22 @@ def check_writable_folder(option: str, folder: PathLike) -> None:
         raise OutputPathError(f"{option}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK) or _read_only_fs(folder):
         raise OutputPathError(f"{option}: folder {folder} is not writable")
+    why = _refuses_files(folder)
+    if why:
+        raise OutputPathError(f"{option}: folder {folder} does not take new files ({why})")
+
+
+def _refuses_files(folder: Path) -> str | None:
+    """Why a new file cannot be made in ``folder``, or None: a temporary file of this check is made and removed at
+    once. Permission bits and a read-only mount do not tell everything (a root user passes ``os.access``; /proc,
+    /sys and some network mounts take no files), and an output checked only there failed after the run's work."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".crisp-probe-", dir=folder)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(fd)
+    os.unlink(name)
+    return None
 
 
 def check_output(option: str, path: PathLike, *, force: bool | None = False,
