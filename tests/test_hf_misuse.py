@@ -220,6 +220,8 @@ def test_pack_made_from_other_weights_is_refused_unless_allowed(tmp_path):
     ("nan", ValueError, "gpu_budget: cannot read"),
     ("inf GB", ValueError, "gpu_budget: cannot read"),
     ("", ValueError, "gpu_budget: cannot read"),
+    ("25%", ValueError, "gpu_budget: '25%' is a share; apply\\(\\) and load_model\\(\\) take the bytes"),
+    (" 0.25 % ", ValueError, "is a share"),
     (2e9, TypeError, "gpu_budget: expected bytes .* got float 2000000000.0"),
     (float("nan"), TypeError, "gpu_budget: .* got float nan"),
     (0.5, TypeError, "fractions"),

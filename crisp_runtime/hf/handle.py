@@ -53,6 +53,9 @@ def parse_budget(budget) -> int | None:
         value = int(budget)
     elif isinstance(budget, str):
         m = _BUDGET_TEXT.fullmatch(budget)
+        if not m and budget.strip().endswith("%"):  # crisp-profile's --gpu-budget and the simulator speak in shares
+            raise ValueError(f"gpu_budget: {budget!r} is a share; apply() and load_model() take the bytes the experts "
+                             f"may use on the GPU, as {_BUDGET_HINT}")
         if not m:
             raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}")
         unit = m.group(2).lower()
