@@ -6,6 +6,7 @@ CPU-only machine, and the simulator's crisp-default making the decisions apply's
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -314,6 +315,62 @@ def test_blocks_run_the_stored_choice(tmp_path):
     with apply(model, CrispPack(layers, plan, {}), gpu_budget=budget) as handle:  # no stored choice: the rule
         assert handle.stats()["serving"]["source"] == "default rule"
         assert handle.runtime.config.eviction == "next_use"
+
+
+@pytest.mark.parametrize(("share", "stored"), [("25%", 0.25), (" 10 % ", 0.1), ("50.0%", 0.5), ("100%", 0.5),
+                                               ("9.99%", None)])
+def test_a_share_budget_is_the_packs_expert_bytes_and_runs_the_choice_stored_for_it(mixtral, stored_pack, share,
+                                                                                    stored):
+    """gpu_budget="25%" is 25% of the pack's expert bytes (rounded up, so a choice stored for exactly that share
+    applies), as crisp-profile --gpu-budget and the stored choices count it."""
+    from crisp_runtime.storage.serving_record import budget_base_bytes
+
+    base = budget_base_bytes(load_pack(stored_pack).layers)
+    fraction = float(share.strip().rstrip("%")) / 100
+    with apply(mixtral, stored_pack, gpu_budget=share, cpu="off") as handle:
+        assert handle.gpu_budget == math.ceil(fraction * base) >= fraction * base
+        serving = handle.stats()["serving"]
+        assert serving["source"] == ("default rule" if stored is None else "stored")
+        assert serving.get("stored_budget_fraction") == stored
+        if stored is not None:
+            assert handle.runtime.config.serving == CHOICES.for_fraction(stored).policy
+
+
+@pytest.mark.parametrize(("share", "match"), [("0%", r"gpu_budget: '0%' is not a share in \(0%, 100%\]"),
+                                              ("100.5%", "not a share"), ("-5%", "cannot read"),
+                                              ("nan%", "cannot read"), ("25 %%", "cannot read"),
+                                              ("1e1%", "cannot read")])
+def test_a_share_out_of_range_or_unreadable_is_refused_before_the_model_changes(mixtral, stored_pack, share, match):
+    before = {k: v.clone() for k, v in mixtral.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        apply(mixtral, stored_pack, gpu_budget=share)
+    assert all(torch.equal(before[k], v) for k, v in mixtral.state_dict().items())
+    import crisp_runtime
+
+    with pytest.raises(ValueError, match=match):
+        crisp_runtime.load_model(MIXTRAL, stored_pack, gpu_budget=share)
+
+
+def test_load_model_and_blocks_take_a_share_budget(stored_pack):
+    from test_blocks_per_expert import make_model
+
+    import crisp_runtime
+    from crisp_runtime.hf.blocks import find_moe_blocks, pack_blocks
+    from crisp_runtime.storage.serving_record import budget_base_bytes
+
+    model, handle = crisp_runtime.load_model(MIXTRAL, stored_pack, gpu_budget="25%", cpu="off")
+    try:
+        assert handle.gpu_budget == math.ceil(0.25 * budget_base_bytes(load_pack(stored_pack).layers))
+        assert handle.stats()["serving"]["stored_budget_fraction"] == 0.25
+        assert handle.runtime.config.serving == SERVING_POLICIES["resident-floor75"]
+    finally:
+        with pytest.warns(UserWarning, match="original expert weights were not kept"):
+            handle.restore()
+    blocks_model = make_model("mixtral_v4")
+    layers = pack_blocks(find_moe_blocks(blocks_model), None)
+    pack = CrispPack(layers, CrispPlan.full(4, 2, 32, tuple(sorted(layers))), {})
+    with apply(blocks_model, pack, gpu_budget="60%", cpu="off") as handle:
+        assert handle.gpu_budget == math.ceil(0.6 * budget_base_bytes(layers))
 
 
 # ---------------------------------------------------------------------------- apply's default = simulator's

@@ -232,8 +232,9 @@ def test_bad_budgets_leave_the_model_as_it_was():
     layers = pack_model(model)
     need = min_budget_bytes(layers, 2)
     for bad, err, match in ((0, ValueError, "positive"), (-1, ValueError, "positive"), ("0GiB", ValueError, "positive"),
-                            (0.5, TypeError, "fractions"), ("lots", ValueError, "cannot read"),
-                            (True, TypeError, "bool"), (need - 1, ValueError, "too small")):
+                            (0.5, TypeError, "share .* '25%'"), ("lots", ValueError, "cannot read"),
+                            (True, TypeError, "bool"), (need - 1, ValueError, "too small"),
+                            ("1%", ValueError, "too small"), ("0%", ValueError, "not a share")):
         with pytest.raises(err, match=match):
             apply(model, gpu_budget=bad)
         assert_unchanged(model, snap)

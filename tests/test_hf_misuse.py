@@ -220,11 +220,11 @@ def test_pack_made_from_other_weights_is_refused_unless_allowed(tmp_path):
     ("nan", ValueError, "gpu_budget: cannot read"),
     ("inf GB", ValueError, "gpu_budget: cannot read"),
     ("", ValueError, "gpu_budget: cannot read"),
-    ("25%", ValueError, "gpu_budget: '25%' is a share; apply\\(\\) and load_model\\(\\) take the bytes"),
+    ("25%", ValueError, "gpu_budget: '25%' is a share of a pack's expert bytes; parse_budget reads bytes"),
     (" 0.25 % ", ValueError, "is a share"),
     (2e9, TypeError, "gpu_budget: expected bytes .* got float 2000000000.0"),
     (float("nan"), TypeError, "gpu_budget: .* got float nan"),
-    (0.5, TypeError, "fractions"),
+    (0.5, TypeError, "for a share of the pack's expert bytes pass a string such as '25%'"),
     (True, TypeError, "gpu_budget: .* got a bool"),
     ([1024], TypeError, "gpu_budget: .* got list"),
 ])

@@ -48,13 +48,14 @@ from crisp_runtime.cpu.knob import decide_cpu
 from crisp_runtime.execution.runtime import CrispRuntime, RuntimeConfig
 from crisp_runtime.hf.handle import (
     CrispHandle,
+    budget_bytes,
     check_device,
     check_serving_arguments,
     host_store_budget,
     loaded_source,
     log_choice,
-    parse_budget,
     plan_and_budget_checked,
+    read_budget,
     serving_choice_for,
     to_dtype,
 )
@@ -457,7 +458,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     for ref in refs:
         if _BLOCK_STATE in ref.module.__dict__:
             raise RuntimeError(f"CRISP is already applied to {ref.name}; call handle.restore() first")
-    budget = parse_budget(gpu_budget)
+    budget = read_budget(gpu_budget)
     if config is not None and config.device is not None:
         device = check_device(config.device, "config.device")
     else:
@@ -477,6 +478,7 @@ def apply_blocks(model, source=None, *, plan: CrispPlan | None = None, gpu_budge
     layers, pack_plan = layers_from_source(source, fmt, pack=lambda f: pack_blocks(refs, f), check_pack=check_pack,
                                            check_layers=lambda ls: check_layers_fit_blocks(ls, refs))
     first = layers[refs[0].layer_id]
+    budget = budget_bytes(budget, layers)  # a share ("25%") of these layers' expert bytes
     plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
     choice = serving_choice_for(source, plan, layers, top_k, budget, serving=serving, config=config, cpu=cpu)
     requested_budget, budget = budget, host_store_budget(choice.cpu, device, layers, top_k, budget)

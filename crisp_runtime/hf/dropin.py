@@ -51,7 +51,9 @@ from crisp_runtime.hf import blocks
 from crisp_runtime.hf.handle import (
     MODEL_DTYPES,
     MODEL_DTYPES_TEXT,
+    BudgetShare,
     CrispHandle,
+    budget_bytes,
     check_budget_fits_layers,
     check_device,
     check_model_dtype,
@@ -60,8 +62,8 @@ from crisp_runtime.hf.handle import (
     loaded_source,
     log_choice,
     pack_folder,
-    parse_budget,
     plan_and_budget_checked,
+    read_budget,
     serving_choice_for,
     to_dtype,
 )
@@ -338,9 +340,11 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
       model's own expert weights now (4-bit, full width, in their present order: no CRISP widths).
     - ``plan``: a :class:`CrispPlan` to use instead of the pack's (None: the pack's plan; full width when there
       is no pack).
-    - ``gpu_budget``: bytes of GPU memory for the expert prefix cache, an int or a string such as ``"6GiB"``;
-      experts stay in host memory and only the missing prefix rows are copied. None keeps every packed expert
-      on the device (no offload). A budget too small for one layer's routed experts is refused.
+    - ``gpu_budget``: GPU memory for the expert prefix cache: bytes (an int or a string such as ``"6GiB"``) or a
+      share of the pack's expert bytes at full width (``"25%"``: the unit of ``crisp-profile --gpu-budget``, of the
+      choices a pack stores and of the simulator's budgets); experts stay in host memory and only the missing
+      prefix rows are copied. None keeps every packed expert on the device (no offload). A budget too small
+      for one layer's routed experts is refused.
     - ``serving`` / ``config``: None for both (the default) = the serving choice the pack stores for this budget,
       else the default rule from the pack's own statistics (``crisp_runtime.planning.defaults``: auxiliaries
       served from what is resident, next-layer prefetch, next-use eviction; the neuron split when the CPU pays).
@@ -382,7 +386,7 @@ def apply(model, source=None, *, plan: CrispPlan | None = None, gpu_budget=None,
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers v5 PreTrainedModel with "
                                     "set_experts_implementation(), and has no per-expert MoE block of a registered "
                                     f"shape ({', '.join(s.name for s in shapes)}; crisp_runtime.hf.blocks)")
-    return _apply_to_experts(model, find_moe_layers(model), source, plan=plan, budget=parse_budget(gpu_budget),
+    return _apply_to_experts(model, find_moe_layers(model), source, plan=plan, budget=read_budget(gpu_budget),
                              fmt=fmt, config=config, allow_weights_mismatch=allow_weights_mismatch, serving=serving,
                              cpu=cpu)
 
@@ -399,7 +403,8 @@ def _check_shapes(shapes) -> tuple:
     return out
 
 
-def _apply_to_experts(model, refs: list[MoeLayerRef], source, *, plan: CrispPlan | None, budget: int | None,
+def _apply_to_experts(model, refs: list[MoeLayerRef], source, *, plan: CrispPlan | None,
+                      budget: int | BudgetShare | None,
                       fmt: QuantFormat | None, config: RuntimeConfig | None, allow_weights_mismatch: bool, serving,
                       cpu) -> ExpertsHandle:
     """:func:`apply` on a v5 model's experts modules ``refs`` (found once by the caller), its arguments checked."""
@@ -423,6 +428,7 @@ def _apply_to_experts(model, refs: list[MoeLayerRef], source, *, plan: CrispPlan
                                            check_pack=check_pack,
                                            check_layers=lambda ls: check_layers_fit_model(ls, model, refs=refs))
     first = layers[refs[0].layer_id]
+    budget = budget_bytes(budget, layers)  # a share ("25%") of these layers' expert bytes
     plan = plan_and_budget_checked(pack_plan if plan is None else plan, layers, first, top_k, budget, device)
     choice = serving_choice_for(source, plan, layers, top_k, budget, serving=serving, config=config, cpu=cpu)
     requested_budget, budget = budget, host_store_budget(choice.cpu, device, layers, top_k, budget)
@@ -567,7 +573,7 @@ def load_model(checkpoint_dir, pack_dir, *, device="cpu", dtype=None, plan: Cris
     if not isinstance(allow_weights_mismatch, bool):
         raise TypeError(f"allow_weights_mismatch: expected True or False, got {type(allow_weights_mismatch).__name__}")
     pack = load_pack(pack_folder(pack_dir, "pack_dir"))  # fail on a bad pack before reading the checkpoint
-    budget = parse_budget(gpu_budget)
+    budget = budget_bytes(read_budget(gpu_budget), pack.layers)
     top_k = pack.info.get("top_k")
     if budget is not None and isinstance(top_k, int) and top_k > 0:
         check_budget_fits_layers(budget, pack.layers, top_k)  # apply() checks again; here before the checkpoint

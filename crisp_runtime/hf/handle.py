@@ -9,9 +9,11 @@ and the serving choice. Both modules import this one; neither imports the other'
 from __future__ import annotations
 
 import abc
+import math
 import numbers
 import os
 import re
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -53,9 +55,9 @@ def parse_budget(budget) -> int | None:
         value = int(budget)
     elif isinstance(budget, str):
         m = _BUDGET_TEXT.fullmatch(budget)
-        if not m and budget.strip().endswith("%"):  # crisp-profile's --gpu-budget and the simulator speak in shares
-            raise ValueError(f"gpu_budget: {budget!r} is a share; apply() and load_model() take the bytes the experts "
-                             f"may use on the GPU, as {_BUDGET_HINT}")
+        if not m and budget.strip().endswith("%"):  # a share needs the pack's bytes: read_budget takes it
+            raise ValueError(f"gpu_budget: {budget!r} is a share of a pack's expert bytes; parse_budget reads bytes, "
+                             f"as {_BUDGET_HINT} (apply() and load_model() take shares too)")
         if not m:
             raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}")
         unit = m.group(2).lower()
@@ -67,7 +69,8 @@ def parse_budget(budget) -> int | None:
         except InvalidOperation as exc:  # pragma: no cover - the pattern admits only plain decimals
             raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}") from exc
     elif isinstance(budget, numbers.Real):
-        hint = " (fractions of GPU memory are not accepted: say how many bytes)" if 0 < budget < 1 else ""
+        hint = (" (for a share of the pack's expert bytes pass a string such as '25%')" if 0 < budget <= 1
+                else "")
         raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got {type(budget).__name__} {budget!r}{hint}")
     else:
         raise TypeError(f"gpu_budget: expected {_BUDGET_HINT}, got {type(budget).__name__} {budget!r}")
@@ -76,6 +79,49 @@ def parse_budget(budget) -> int | None:
     if value > MAX_BUDGET_BYTES:
         raise ValueError(f"gpu_budget {budget!r} is {value} bytes, beyond any device (at most {MAX_BUDGET_BYTES})")
     return value
+
+
+_SHARE_TEXT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*")
+
+
+@dataclass(frozen=True)
+class BudgetShare:
+    """A GPU budget given as a share of the pack's expert bytes (``gpu_budget="25%"``): the unit of
+    ``crisp-profile --gpu-budget``, of the choices a pack stores and of ``crisp-bench simulate --budget``. What it
+    is a share of: every expert at full width in the pack's 4-bit rows
+    (``crisp_runtime.storage.serving_record.budget_base_bytes``)."""
+
+    fraction: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.fraction, numbers.Real) and math.isfinite(self.fraction)
+                and 0.0 < self.fraction <= 1.0):
+            raise ValueError(f"gpu_budget: a share must be in (0%, 100%], got {self.fraction!r}")
+
+    def bytes_for(self, layers) -> int:
+        """The share in bytes for these packed layers, rounded up: a stored choice for 25% applies to "25%"."""
+        from crisp_runtime.storage.serving_record import budget_base_bytes
+
+        return max(1, math.ceil(self.fraction * budget_base_bytes(layers)))
+
+
+def read_budget(budget) -> int | BudgetShare | None:
+    """``apply``'s and ``load_model``'s ``gpu_budget``: a share such as ``"25%"`` (:class:`BudgetShare`, turned into
+    bytes once the pack is read, :func:`budget_bytes`), else bytes as :func:`parse_budget` reads them."""
+    if isinstance(budget, str) and (m := _SHARE_TEXT.fullmatch(budget)):
+        percent = Decimal(m.group(1))
+        if not 0 < percent <= 100:
+            raise ValueError(f"gpu_budget: {budget!r} is not a share in (0%, 100%] of the pack's expert bytes")
+        return BudgetShare(float(percent / 100))
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        raise ValueError(f"gpu_budget: cannot read {budget!r}; expected a share of the pack's expert bytes such as "
+                         f"'25%', or {_BUDGET_HINT}")
+    return parse_budget(budget)
+
+
+def budget_bytes(budget: int | BudgetShare | None, layers) -> int | None:
+    """A :func:`read_budget` value in bytes for these packed layers (None stays None)."""
+    return budget.bytes_for(layers) if isinstance(budget, BudgetShare) else budget
 
 
 def check_serving_arguments(config, serving, cpu) -> None:

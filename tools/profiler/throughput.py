@@ -716,10 +716,10 @@ _BUDGET_HELP = "a percentage ('25%'), a fraction ('0.25'), bytes ('6GiB', '512 M
 
 def gpu_budget_arg(text: str):
     """``--gpu-budget``'s argparse type: a fraction in (0, 1] (from '25%' or '0.25'), bytes as an int (from
-    '6GiB', '512 MB' or '1000000', ``crisp_runtime.hf.dropin.parse_budget``), or the string 'standard'."""
+    '6GiB', '512 MB' or '1000000', ``crisp_runtime.hf.handle.parse_budget``), or the string 'standard'."""
     import argparse
 
-    from crisp_runtime.hf.dropin import parse_budget
+    from crisp_runtime.hf.handle import parse_budget
 
     value = text.strip()
     if value == "standard":
