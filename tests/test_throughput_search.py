@@ -16,6 +16,7 @@ from crisp_tools.profiler import throughput as tp
 from crisp_tools.text import read_texts
 
 from crisp_kernels import PackFormatError
+from crisp_runtime.planning.plan import CrispPlan
 from crisp_runtime.planning.serving import SERVING_POLICIES, DominantWiden, serving_by_name
 from crisp_runtime.scheduling.prefetch import PrefetchPolicy, PrefetchWidth
 from crisp_runtime.storage.pack import load_pack, save_pack
@@ -641,6 +642,58 @@ def test_exact_candidates_are_scored_in_batch_and_resident_ones_decoded(tiny, mo
     assert (chosen.aux_full_weight, chosen.aux_skip_weight, chosen.width_cap) == (0.4, 0.2, 192)
     assert "skipped" in chosen.description and "192 neurons" in chosen.description
     assert calls == [("batch", "full"), ("batch", exact.plan_for(plan))]  # no decode at all
+
+
+def test_rule_candidate_is_what_the_runtime_runs_without_a_stored_choice(tiny):
+    from crisp_runtime.planning.defaults import default_family, pack_facts
+
+    _, _, plan, _ = tiny
+    goal = tp.ThroughputGoal(0.25)
+    for p in (plan, CrispPlan.full(plan.num_experts, plan.top_k, plan.intermediate_size, plan.layer_ids)):
+        gpu, _, _ = default_family(pack_facts({}, p, p.top_k))
+        cand = tp.rule_candidate(p, p.top_k, goal)
+        assert cand.serving() == gpu.serving and cand.prefetch_policy() == gpu.prefetch
+        assert cand.exact == (p.policy.value == "full")
+    assert tp.rule_candidate(plan, plan.top_k, tp.ThroughputGoal(0.25, eviction="lru")) is None
+
+
+@pytest.mark.parametrize(("speeds", "lose", "chosen"), [
+    ((3.0, 2.0), 0, "exact"),  # the candidate is faster and within the bound: stored
+    ((2.0, 3.0), 0, None),  # the rule is faster: nothing scored, nothing stored
+    ((3.0, 2.0), 8, None),  # faster but over the bound: the rule runs, never a slower choice
+])
+def test_a_choice_slower_than_the_default_rule_is_never_stored(tiny, monkeypatch, speeds, lose, chosen):
+    model, layers, plan, windows = tiny
+    exact = tp.Candidate(prefetch=PrefetchWidth.PLAN, kind=tp.CandidateServing.PLAN)
+    rule = tp.rule_candidate(plan, plan.top_k, tp.ThroughputGoal(0.25))
+    assert rule.label == "floor1+prefetch-plan"
+    calls = []
+
+    def fake_score_plan(model, pack, p, windows, batch_size=16):
+        calls.append(p.policy.value)
+        n = windows.shape[1] - 1
+        correct = torch.ones(windows.shape[0], n, dtype=torch.bool)
+        if p.policy.value != "full":
+            correct.view(-1)[:lose] = False
+        return TokenScores(torch.zeros(windows.shape[0], n), correct)
+
+    def fake_simulate(trace, plan, goal, shape, cands, **kw):
+        assert [c.label for c in cands] == [exact.label, rule.label]
+        return 1.0, [{"candidate": c.label, "tokens_per_s": v, "x_full_lru": v, "bytes_per_token": 1.0,
+                      "hit_rate": 1.0} for c, v in zip(cands, speeds, strict=True)]
+
+    monkeypatch.setattr(tp, "score_plan", fake_score_plan)
+    monkeypatch.setattr(tp, "simulate_candidates", fake_simulate)
+    goal = tp.ThroughputGoal(0.25, max_accuracy_loss=3 / 38, confidence=0.5)
+    if chosen is None:
+        with pytest.raises(ValueError, match=r"no candidate faster than the default rule \(floor1\+prefetch-plan"):
+            tp.search_throughput(model, layers, plan, windows, goal, cands=[exact], rule=rule)
+        assert calls == ([] if speeds[1] > speeds[0] else ["full", plan.policy.value])
+        return
+    record, _ = tp.search_throughput(model, layers, plan, windows, goal, cands=[exact], rule=rule)
+    assert record.search["chosen"]["candidate"] == exact.label and record.policy == SERVING_POLICIES["plan"]
+    ruled = [r for r in record.search["candidates"] if r.get("default_rule")]
+    assert [r["candidate"] for r in ruled] == [rule.label] and "accuracy_loss" not in ruled[0]
 
 
 def test_score_plan_equals_the_decode_of_an_exact_candidate(tiny):

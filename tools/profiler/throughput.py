@@ -430,8 +430,8 @@ def search_throughput(model, layers, plan: CrispPlan, windows: torch.Tensor, goa
 def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, windows: torch.Tensor,
                     goal: ThroughputGoal, *, accuracy_windows: torch.Tensor | None = None,
                     cands: Sequence[Candidate] | None = None, source: str = "held-out calibration windows",
-                    workers: int = 1, reference_layers=None, log: Callable[[str], None] = lambda msg: None
-                    ) -> tuple[ServingRecord, CrispPlan, PackVariant]:
+                    workers: int = 1, reference_layers=None, rule: Candidate | None = None,
+                    log: Callable[[str], None] = lambda msg: None) -> tuple[ServingRecord, CrispPlan, PackVariant]:
     """The fastest (candidate, pack variant) within the accuracy bound (see the module docstring): its
     :class:`ServingRecord`, the plan it serves and the variant (its layers are what the pack stores).
 
@@ -450,7 +450,9 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
     (:func:`simulate_candidates`). reference_layers: the 4-bit pack (same neuron order) whose full width every
     loss is relative to, required when a variant has a tail (a tail pack's own full width lost 0.56% on the tiny
     Mixtral's held-out text: a loss against it would be understated by that much); None: the one variant's
-    4-bit layers. Raises ValueError when no candidate is accepted.
+    4-bit layers. rule: what runs without a stored choice (:func:`rule_candidate`); when it is not one of
+    ``cands`` it is simulated beside them but never scored, and a candidate slower than it is never chosen (storing
+    it would slow the budget down). Raises ValueError when no candidate is accepted, or none faster than ``rule``.
     """
     variants = list(variants)
     if not variants or len({v.layout.name for v in variants}) != len(variants):
@@ -463,6 +465,10 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
     cands = list(default_candidates(plan) if cands is None else cands)
     if not cands:
         raise ValueError("search_throughput: no candidates")
+    rule_label = None
+    if rule is not None and rule.label not in {c.label for c in cands}:
+        rule_label = rule.label
+        cands.append(rule)
     if len({c.label for c in cands}) != len(cands):
         raise ValueError("search_throughput: candidates must be distinct")
     if windows.dim() != 2 or windows.shape[1] < 2:
@@ -496,6 +502,8 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
         for r in got:
             if several:
                 r["tail_layout"] = v.layout.name
+            if r["candidate"] == rule_label:
+                r["default_rule"] = True  # simulated for comparison only: what runs without a stored choice
             variant_of[id(r)] = v
         sims += got
     reference_pack = CrispPack(reference_layers, full_plan(plan))
@@ -565,6 +573,10 @@ def search_variants(model, variants: Sequence[PackVariant], plan: CrispPlan, win
 
     chosen = None
     for r in sorted(sims, key=lambda r: -r["tokens_per_s"]):
+        if r["candidate"] == rule_label:
+            raise ValueError(f"search_throughput: no candidate faster than the default rule ({rule_label}, "
+                             f"{r['tokens_per_s']:.2f} tok/s) loses <= {goal.max_accuracy_loss:.2%}; a choice stored "
+                             "here would slow this budget down")
         if scored(r):
             chosen = (by_label[r["candidate"]], r, variant_of[id(r)])
             break
@@ -775,6 +787,24 @@ def bounded_candidates(plan: CrispPlan, search: str = "short") -> list[Candidate
             Candidate(0.875, DominantWiden.AHEAD, PrefetchWidth.SERVING), exact]
 
 
+def rule_candidate(plan: CrispPlan, top_k: int, goal: ThroughputGoal) -> Candidate | None:
+    """The configuration ``crisp_runtime.planning.defaults`` runs on the GPU for a pack of ``plan`` without a stored
+    choice, as a search candidate; None when the goal's eviction is not the rule's (no like-for-like speed)."""
+    from crisp_runtime.planning.defaults import default_family, pack_facts
+
+    gpu, _, _ = default_family(pack_facts({}, plan, top_k))
+    if gpu.eviction != goal.eviction:
+        return None
+    width = None if gpu.prefetch is None else gpu.prefetch.width
+    if gpu.serving == SERVING_POLICIES["plan"]:
+        cand = Candidate(prefetch=width, kind=CandidateServing.PLAN)
+    else:
+        cand = Candidate(gpu.serving.dominant_floor, gpu.serving.dominant_widen, width)
+    if cand.serving() != gpu.serving or cand.prefetch_policy() != gpu.prefetch:
+        raise ValueError(f"rule_candidate: the default rule's serving {gpu.serving.name!r} is no search candidate")
+    return cand
+
+
 def search_budgets(model, layers, plan: CrispPlan, windows: torch.Tensor, goals: Sequence[ThroughputGoal], *,
                    accuracy_windows: torch.Tensor | None = None, heldout_windows: torch.Tensor | None = None,
                    heldout_source: str = "", source: str = "held-out calibration windows", workers: int = 1,
@@ -782,9 +812,11 @@ def search_budgets(model, layers, plan: CrispPlan, windows: torch.Tensor, goals:
     """One stored choice per goal's budget (:func:`search_throughput` over :func:`bounded_candidates`), as
     ``crisp_runtime.storage.serving_record.ServingChoices`` (None when no budget had a candidate within its bound: the
     default rule then applies at every budget). A budget whose candidates all lose too much is left out (said in
-    ``log``). ``heldout_windows``: also decode each choice on these windows of held-out text (not the calibration
-    text) against the 4-bit full width, with the search's prefetch window, and store that loss in the choice
-    (``search["accuracy_loss_heldout"]``: what ``crisp-bench simulate``'s ``crisp-default`` record reports)."""
+    ``log``), and so is one where the default rule (:func:`rule_candidate`, simulated beside the candidates) is
+    faster than every candidate within the bound: without a choice the rule runs there. ``heldout_windows``: also
+    decode each choice on these windows of held-out text (not the calibration text) against the 4-bit full width,
+    with the search's prefetch window, and store that loss in the choice (``search["accuracy_loss_heldout"]``: what
+    ``crisp-bench simulate``'s ``crisp-default`` record reports)."""
     from crisp_runtime.storage.serving_record import ServingChoices
 
     cands = bounded_candidates(plan, search)
@@ -794,7 +826,8 @@ def search_budgets(model, layers, plan: CrispPlan, windows: torch.Tensor, goals:
             f"{goal.profile}")
         try:
             record, served = search_throughput(model, layers, plan, windows, goal, accuracy_windows=accuracy_windows,
-                                               cands=cands, source=source, workers=workers, log=log)
+                                               cands=cands, source=source, workers=workers,
+                                               rule=rule_candidate(plan, plan.top_k, goal), log=log)
         except ValueError as exc:
             log(f"gpu budget {goal.budget:.0%}: no stored choice ({exc}); the default rule applies there")
             continue
