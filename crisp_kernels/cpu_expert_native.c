@@ -117,6 +117,14 @@ typedef struct {
  * default heuristics stop short of 5 or more tokens (T = 5 ran 2.2x slower than T = 4 on the Zen 4 VM). */
 #define UNROLL_TILE _Pragma("GCC unroll 8")
 
+/* The passes prefetch the rows they read next in software, ROWS_AHEAD rows on, into L2 (prefetcht1). Measured on
+ * one core of the 2-core AMD EPYC VM with AVX-512 (Zen 4), the 8-bit-activation kernel on an H 4096 x I 14336
+ * expert from DRAM at T = 1: one row ahead into L1 (prefetcht0) took 9.5-10.1 ms (38-45% of a streaming read);
+ * into L2 5.0-5.8 ms at 1 to 4 rows ahead, 6.4 into L3 (prefetcht2), 9.4 non-temporal. The same rows from L3 took
+ * 0.6 ms per 2,048 neurons either way: L1's few outstanding misses, not the arithmetic, had bounded the pass. */
+#define ROWS_AHEAD 2
+#define ROW_PREFETCH _MM_HINT_T1
+
 /* One vector type of VL floats for both instruction sets: the kernel below is written once. A 16-byte
  * step of a row holds 32 elements, NV vectors of even and NV of odd elements. With AVX-512 a step is one
  * widening load of 16 bytes into 16 lanes, so the passes issue half the instructions of AVX2 for the
@@ -194,13 +202,14 @@ INLINE float hsum8(__m256 a) {
     return _mm_cvtss_f32(v);
 }
 
-/* The same bytes of the next neuron's row (3 H / 2 bytes on), one cache line at a time: at T = 1 the
+/* The same bytes of the row ROWS_AHEAD neurons on (3 H / 2 bytes a row), one cache line at a time: at T = 1 the
  * gate/up pass streams two ranges of each row (gate and up), and the hardware prefetcher alone left the
- * AVX-512 kernel at 9.2 ms for a Mixtral expert with both cores of a Zen 4 VM against 7.2 ms with this
- * (one core: 18.3 -> 14.6 ms; a row further ahead or the down range too: no faster). Prefetches do not
- * fault, so the last row's point past the end of the rows is harmless. */
+ * AVX-512 kernel at 9.2 ms for a Mixtral expert with both cores of a Zen 4 VM against 7.2 ms with the next row
+ * prefetched into L1 (one core: 18.3 -> 14.6 ms); two rows on into L2 took one core from 11.6-12.0 to 11.2-11.3 ms
+ * (the pass's fp32 arithmetic bounds it). Prefetches do not fault, so points past the end of the rows are
+ * harmless. */
 INLINE void prefetch_next_row(const uint8_t *q, int n, int half) {
-    for (int i = 0; i < n; i += 64) _mm_prefetch((const char *)(q + 3 * (size_t)half + i), _MM_HINT_T0);
+    for (int i = 0; i < n; i += 64) _mm_prefetch((const char *)(q + 3 * (size_t)ROWS_AHEAD * half + i), ROW_PREFETCH);
 }
 
 INLINE float hsum(vf a) {
@@ -688,14 +697,14 @@ INLINE void q8_dots_nt(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, con
             zgf = _mm256_setr_m128(_mm_set1_ps(z ? (float)z[ga] : 8.0f), _mm_set1_ps(z ? (float)z[gb] : 8.0f));
             zuf = _mm256_setr_m128(_mm_set1_ps(z ? (float)z[ua] : 8.0f), _mm_set1_ps(z ? (float)z[ub] : 8.0f));
         }
-        if (!(i & 63)) {  /* the next row's bytes (see prefetch_next_row): 3 H / 2 on in an expert, H / 2 in a dense matrix */
-            _mm_prefetch((const char *)(q + (R == 2 ? 3 : 1) * (size_t)half + i), _MM_HINT_T0);
-            if (R == 2) _mm_prefetch((const char *)(qu + 3 * (size_t)half + i), _MM_HINT_T0);
-            /* and this row's down bytes, which q8_down reads after the block's gate/up pass: one line per
+        if (!(i & 63)) {  /* the rows ROWS_AHEAD on: 3 H / 2 bytes a row in an expert, H / 2 in a dense matrix */
+            const size_t ahead = ROWS_AHEAD * (R == 2 ? 3 : 1) * (size_t)half;
+            _mm_prefetch((const char *)(q + ahead + i), ROW_PREFETCH);
+            if (R == 2) _mm_prefetch((const char *)(qu + ahead + i), ROW_PREFETCH);
+            /* and that row's down bytes, which q8_down reads after its block's gate/up pass: one line per
              * other step covers them (H / 2 bytes); left to the hardware prefetcher, an H 2048 x I 5632 expert
-             * took 1.95 ms at T = 1 on one core of a 2-core AMD EPYC VM (AVX2), 1.80 with this (two cores: 1.44 ->
-             * 1.28); a farther gate/up prefetch was no faster */
-            if (R == 2) _mm_prefetch((const char *)(q + 2 * (size_t)half + i), _MM_HINT_T0);
+             * took 1.95 ms at T = 1 on one core of a 2-core AMD EPYC VM (AVX2), 1.80 with a prefetch of them */
+            if (R == 2) _mm_prefetch((const char *)(q + 2 * (size_t)half + ahead + i), ROW_PREFETCH);
         }
         const __m256i bg = _mm256_loadu_si256((const __m256i *)(q + i));
         const __m256i bu = R == 2 ? _mm256_loadu_si256((const __m256i *)(qu + i)) : bg;
@@ -771,7 +780,7 @@ INLINE __m256 q8_step_acc(__m256 acc, __m256i v, const uint16_t *s, const uint8_
 INLINE void q8_dots_1_g64(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, const uint8_t *z, int t,
                           const int R, float *gate, float *up) {
     const int half = w->hidden / 2, groups = w->hidden / 64, chunks = half / 128, full = half / 32 * 32;
-    const size_t next_row = (R == 2 ? 3 : 1) * (size_t)half;  /* as in q8_dots_nt */
+    const size_t ahead = ROWS_AHEAD * (R == 2 ? 3 : 1) * (size_t)half;  /* as in q8_dots_nt */
     const uint8_t *qu = q + half;
     const uint16_t *su = s + groups;
     const uint8_t *zu = z ? z + groups : NULL;
@@ -783,10 +792,10 @@ INLINE void q8_dots_1_g64(const WorkQ8 *w, const uint8_t *q, const uint16_t *s, 
     for (int c = 0; c < chunks; c++) {
         const int i0 = 128 * c;
         for (int p = 0; p < 128; p += 64) {
-            _mm_prefetch((const char *)(q + next_row + i0 + p), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + ahead + i0 + p), ROW_PREFETCH);
             if (R == 2) {
-                _mm_prefetch((const char *)(qu + next_row + i0 + p), _MM_HINT_T0);
-                _mm_prefetch((const char *)(q + 2 * (size_t)half + i0 + p), _MM_HINT_T0);
+                _mm_prefetch((const char *)(qu + ahead + i0 + p), ROW_PREFETCH);
+                _mm_prefetch((const char *)(q + 2 * (size_t)half + ahead + i0 + p), ROW_PREFETCH);
             }
         }
         __m256i vg[4], vu[4];
@@ -1224,13 +1233,13 @@ static void bf16_rows(const float *x, int64_t tokens, int64_t hidden, const uint
             __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
             for (int64_t h = 0; h < full; h += 8) {
                 /* the next pass's four rows, a line each per 32 elements (as crisp_dense_int8): left to the hardware
-                 * prefetcher, a 2048 x 2048 matrix took 706-813 us on one core of the 2-core AMD EPYC VM, 528-537
-                 * with this */
+                 * prefetcher, a 2048 x 2048 matrix took 706-813 us on one core of the 2-core AMD EPYC VM (AVX2),
+                 * 528-537 with this into L1; on the Zen 4 VM 529-567 us into L1, 336-337 into L2 (ROW_PREFETCH) */
                 if (!(h & 31) && o + 8 <= rows) {
-                    _mm_prefetch((const char *)(a + 4 * hidden + h), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(b + 4 * hidden + h), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(c + 4 * hidden + h), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(d + 4 * hidden + h), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(a + 4 * hidden + h), ROW_PREFETCH);
+                    _mm_prefetch((const char *)(b + 4 * hidden + h), ROW_PREFETCH);
+                    _mm_prefetch((const char *)(c + 4 * hidden + h), ROW_PREFETCH);
+                    _mm_prefetch((const char *)(d + 4 * hidden + h), ROW_PREFETCH);
                 }
                 const __m256 xv = _mm256_loadu_ps(xt + h);
                 s0 = _mm256_fmadd_ps(bf16x8(a + h), xv, s0);
@@ -1338,10 +1347,10 @@ static inline __attribute__((always_inline)) void int8_rows(const int16_t *xq, c
                 const __m256i xa = _mm256_loadu_si256((const __m256i *)(xt + h));
                 const __m256i xb = _mm256_loadu_si256((const __m256i *)(xt + h + 16));
                 /* the next pass's rows, a line each per two blocks: left to the hardware prefetcher, a 2048 x 2048
-                 * matrix took 485 us on one core of the 2-core AMD EPYC VM (9.2 GB/s), 343 with this (13.0; bf16:
-                 * 588) */
+                 * matrix took 485 us on one core of the 2-core AMD EPYC VM (AVX2; 9.2 GB/s), 343 with this into L1
+                 * (13.0; bf16: 588); on the Zen 4 VM 377 us into L1, 220-222 into L2 (ROW_PREFETCH; 19 GB/s) */
                 if (!(k & 1) && o + 2 * NR <= rows)
-                    for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(r0 + (NR + r) * hidden + h), _MM_HINT_T0);
+                    for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(r0 + (NR + r) * hidden + h), ROW_PREFETCH);
                 for (int r = 0; r < NR; r++) {
                     const int8_t *row = r0 + r * hidden + h;
                     const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)row));
