@@ -20,19 +20,18 @@ a frozen :class:`CpuExpertsConfig` (``RuntimeConfig.cpu_experts``):
   ``TORCH``, with a RuntimeWarning saying why, and ``stats()["cpu"]["experts"]["impl"]``) or for steps of more than
   ``cpu_native.MAX_TOKENS`` tokens; ``NATIVE`` refuses to start without it; ``TORCH`` is the path below.
 
-- **precision** ``Q8`` (default): the native kernel quantizes the activations to 8 bits (blocks of 32, as
-  llama.cpp's Q8_0) and the down coefficients likewise (blocks of 16 neurons), and its dots are integer sums
-  (``crisp_kernels.cpu_expert_q8``): within 2**-5 of the float64 reference per expert, measured 0.85-1.2%;
-  1.6x the fp32 kernel's speed at T = 1 (a Mixtral-shaped H 2048 expert, 1 thread, 2-core AMD EPYC VM:
-  9.3 against 5.9 GB/s, ``crisp-bench peer``'s kernel measurement); next-token accuracy of the tiny Mixtral
-  under ``cpu_only``: 0.702 against 0.703 with fp32 activations (``crisp-bench peer``). Where the native
-  kernel cannot run, ``Q8`` takes the ``BF16`` paths below. ``BF16``: the native kernel in fp32, or else the
-  activations are rounded to bf16 on the CPU and the 64-neuron blocks of the prefix go through torch's
-  int4pack op (bf16 operands and outputs, fp32 sums of the partial products and fp32 accumulation into the
-  partial output); each expert's contribution is
-  within 2u of bf16 (2 * 2**-8 = 7.8e-3, the kernels' tolerance) of the float64 reference at the
-  served width, in relative norm. ``FP32``: the exact chunked-dequant path on the host rows (1e-5),
-  ~45x slower (docs/cpu-kernel.md, 1 thread).
+- **precision** ``Q8`` (default): the native kernel quantizes the activations to 8 bits (blocks of 32, as llama.cpp's
+  Q8_0) and the down coefficients likewise (blocks of 16 neurons), and its dots are integer sums
+  (``crisp_kernels.cpu_expert_q8``): within 2**-5 of the float64 reference per expert, measured 0.85-1.2%; 1.6x the
+  fp32 kernel's speed at T = 1 on AVX2 (a Mixtral-shaped H 2048 expert, 1 thread, 2-core AMD EPYC VM: 9.3 against 5.9
+  GB/s, ``crisp-bench peer``'s kernel measurement), 2.0x with AVX-512 (Zen 4: 14.8 against 7.3); next-token accuracy
+  of the tiny Mixtral under ``cpu_only``: 0.702 against 0.703 with fp32 activations (``crisp-bench peer``). Where the
+  native kernel cannot run, ``Q8`` takes the ``BF16`` paths below. ``BF16``: the native kernel in fp32, or else the
+  activations are rounded to bf16 on the CPU and the 64-neuron blocks of the prefix go through torch's int4pack op
+  (bf16 operands and outputs, fp32 sums of the partial products and fp32 accumulation into the partial output); each
+  expert's contribution is within 2u of bf16 (2 * 2**-8 = 7.8e-3, the kernels' tolerance) of the float64 reference at
+  the served width, in relative norm. ``FP32``: the exact chunked-dequant path on the host rows (1e-5), ~45x slower
+  (docs/cpu-kernel.md, 1 thread).
 - **prepare**: the int4pack op reads a second layout of the experts (``cpu_expert_prepare``),
   7,040 B per neuron beside the format's 6,720 at H 4096, g 64: host memory for the experts
   x 2.05 when every expert is prepared (Mixtral-8x7B: +25.8 GB on the pack's 24.7 GB), built at
