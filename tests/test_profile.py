@@ -41,6 +41,15 @@ def _leftovers(directory):
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
 
+def test_a_profile_without_a_budget_says_that_the_default_rule_serves_it(tiny, tmp_path, capsys):
+    _, model, text = tiny
+    args = [a for a in PROFILE_ARGS if a != "--quiet"]
+    assert prof.main(["--model", str(model), "--data", str(text), "--out", str(tmp_path / "pack"), *args]) == 0
+    err = capsys.readouterr().err
+    assert "no serving choice stored: apply(model, pack, gpu_budget=B) runs the default rule" in err
+    assert "serving" not in load_pack(tmp_path / "pack").info
+
+
 def test_profile_writes_pack_and_plan(tiny, profiled):
     root, model_dir, _ = tiny
     pack = load_pack(profiled)

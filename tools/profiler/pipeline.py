@@ -62,6 +62,11 @@ class Profiler:
             choices = None
             if self.cfg.gpu_budget is not None:  # one stored choice per budget, the plan kept
                 choices = plan_budgets(inputs, packed, plan, log)
+            elif self.goal is None:
+                log("no serving choice stored: apply(model, pack, gpu_budget=B) runs the default rule "
+                    "(crisp_runtime.planning.defaults); --gpu-budget B (or 'standard') stores the fastest simulated "
+                    "configuration within --max-accuracy-loss for B, and python -m crisp_tools.plan_throughput "
+                    "does it for this pack later")
         info = profile_info(inputs, stats, plan_info, search, log.elapsed())
         if serving is not None:
             info[SERVING_KEY] = serving.to_dict()
