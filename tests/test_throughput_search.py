@@ -651,10 +651,10 @@ def test_rule_candidate_is_what_the_runtime_runs_without_a_stored_choice(tiny):
     goal = tp.ThroughputGoal(0.25)
     for p in (plan, CrispPlan.full(plan.num_experts, plan.top_k, plan.intermediate_size, plan.layer_ids)):
         gpu, _, _ = default_family(pack_facts({}, p, p.top_k))
-        cand = tp.rule_candidate(p, p.top_k, goal)
+        cand = tp.rule_candidate(p, goal)
         assert cand.serving() == gpu.serving and cand.prefetch_policy() == gpu.prefetch
         assert cand.exact == (p.policy.value == "full")
-    assert tp.rule_candidate(plan, plan.top_k, tp.ThroughputGoal(0.25, eviction="lru")) is None
+    assert tp.rule_candidate(plan, tp.ThroughputGoal(0.25, eviction="lru")) is None
 
 
 @pytest.mark.parametrize(("speeds", "lose", "chosen"), [
@@ -665,7 +665,7 @@ def test_rule_candidate_is_what_the_runtime_runs_without_a_stored_choice(tiny):
 def test_a_choice_slower_than_the_default_rule_is_never_stored(tiny, monkeypatch, speeds, lose, chosen):
     model, layers, plan, windows = tiny
     exact = tp.Candidate(prefetch=PrefetchWidth.PLAN, kind=tp.CandidateServing.PLAN)
-    rule = tp.rule_candidate(plan, plan.top_k, tp.ThroughputGoal(0.25))
+    rule = tp.rule_candidate(plan, tp.ThroughputGoal(0.25))
     assert rule.label == "floor1+prefetch-plan"
     calls = []
 

@@ -787,12 +787,12 @@ def bounded_candidates(plan: CrispPlan, search: str = "short") -> list[Candidate
             Candidate(0.875, DominantWiden.AHEAD, PrefetchWidth.SERVING), exact]
 
 
-def rule_candidate(plan: CrispPlan, top_k: int, goal: ThroughputGoal) -> Candidate | None:
+def rule_candidate(plan: CrispPlan, goal: ThroughputGoal) -> Candidate | None:
     """The configuration ``crisp_runtime.planning.defaults`` runs on the GPU for a pack of ``plan`` without a stored
     choice, as a search candidate; None when the goal's eviction is not the rule's (no like-for-like speed)."""
     from crisp_runtime.planning.defaults import default_family, pack_facts
 
-    gpu, _, _ = default_family(pack_facts({}, plan, top_k))
+    gpu, _, _ = default_family(pack_facts({}, plan, plan.top_k))
     if gpu.eviction != goal.eviction:
         return None
     width = None if gpu.prefetch is None else gpu.prefetch.width
@@ -827,7 +827,7 @@ def search_budgets(model, layers, plan: CrispPlan, windows: torch.Tensor, goals:
         try:
             record, served = search_throughput(model, layers, plan, windows, goal, accuracy_windows=accuracy_windows,
                                                cands=cands, source=source, workers=workers,
-                                               rule=rule_candidate(plan, plan.top_k, goal), log=log)
+                                               rule=rule_candidate(plan, goal), log=log)
         except ValueError as exc:
             log(f"gpu budget {goal.budget:.0%}: no stored choice ({exc}); the default rule applies there")
             continue
