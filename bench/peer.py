@@ -348,7 +348,8 @@ def bench_model(inputs: ModelInputs, args, ids: list[int], windows: list[list[in
             log(f"{inputs.name}: CRISP {b['quant']} {b['width']} width, {b['threads']} threads, per token: step "
                 f"{1e3 * b['step_s']:.2f} ms = CPU kernel {1e3 * b['kernel_s']:.2f} + MoE outside the kernel "
                 f"{1e3 * b['moe_outside_kernel_s']:.2f} + attention {1e3 * b['attention_s']:.2f} + lm head "
-                f"{1e3 * b['lm_head_s']:.2f} + rest {1e3 * b['rest_s']:.2f} ms ({b['layers']} layers)")
+                f"{1e3 * b['lm_head_s']:.2f} + rest {1e3 * b['rest_s']:.2f} ms ({b['layers']} layers); outside the "
+                f"native calls {1e3 * b['outside_native_s']:.2f} ms, {1e3 * b['floor_step_s']:.2f} with them skipped")
         records = []
         full_ref = preds.get((("crisp", CRISP_QUANT, top), "full"))
         for key, width in points:

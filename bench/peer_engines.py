@@ -212,7 +212,13 @@ class CrispEngine:
         the native CPU kernel's calls (timed around the ctypes call, on the runtime's CPU worker thread),
         the MoE blocks (router + the runtime's expert step, the kernel included), attention, the lm head, and
         the rest of the step (norms, embedding, residuals, the transformers model's Python). Timers cost
-        ~1 us per hook; a step has ~3 hooks per layer."""
+        ~1 us per hook; a step has ~3 hooks per layer.
+
+        Then the time outside the native calls two ways: ``outside_native_s``, the step less the expert kernel and
+        the native dense layers (``dense_kernel_s``), as it ran; and ``floor_step_s``, the same decode again with
+        every native call skipped (the experts add nothing, a dense layer's output is zeros): the Python and torch
+        work alone, with the caches the native calls would have streamed weights through left warm. Their
+        difference is what that work loses to running after the kernels (``cache_effect_s``)."""
         from crisp_kernels import cpu_native
 
         torch = self.torch
@@ -236,6 +242,9 @@ class CrispEngine:
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
         original = cpu_native.NativeKernel._rows  # both arithmetics' calls go through it
         original_token = cpu_native.BoundRows.one_token_  # and a one-token step's, through the bound rows
+        dense_names = ("dense_int8", "dense_q8", "dense_bf16")  # attention's layers (RuntimeConfig.dense)
+        original_dense = {name: getattr(cpu_native.NativeKernel, name) for name in dense_names}
+        dense_s = [0.0, 0]  # seconds, calls
 
         def timing(fn):
             def timed(*a, **k):
@@ -247,6 +256,26 @@ class CrispEngine:
                     kernel_calls[0] += 1
             return timed
 
+        def dense_timing(fn):
+            def timed(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    dense_s[0] += time.perf_counter() - t0
+                    dense_s[1] += 1
+            return timed
+
+        def skipped_dense(kernel, x, *args, **kwargs):  # out is the argument after the weights: zeros, not garbage
+            args[-2].zero_()
+
+        def decode(past) -> float:
+            t0 = time.perf_counter()
+            for i in range(prompt, len(ids)):
+                out = self.model(input_ids=x[:, i:i + 1], **self._kwargs(past), use_cache=True)
+                past = self._cache_of(out)
+            return time.perf_counter() - t0
+
         x = torch.tensor(ids).unsqueeze(0)
         try:
             with torch.no_grad():
@@ -256,25 +285,43 @@ class CrispEngine:
                     acc[key] = 0.0
                 cpu_native.NativeKernel._rows = staticmethod(timing(original))
                 cpu_native.BoundRows.one_token_ = timing(original_token)
+                for name, fn in original_dense.items():
+                    setattr(cpu_native.NativeKernel, name, dense_timing(fn))
                 kernel_calls[0] = 0
-                t0 = time.perf_counter()
-                for i in range(prompt, len(ids)):
-                    out = self.model(input_ids=x[:, i:i + 1], **self._kwargs(past), use_cache=True)
-                    past = self._cache_of(out)
-                total = time.perf_counter() - t0
+                total = decode(past)
+                for h in handles:
+                    h.remove()
+                handles = []
+                # the same tokens again from the same prompt (computed, not timed), every native call skipped
+                cpu_native.NativeKernel._rows = staticmethod(original)
+                cpu_native.BoundRows.one_token_ = original_token
+                for name, fn in original_dense.items():
+                    setattr(cpu_native.NativeKernel, name, fn)
+                out = self.model(input_ids=x[:, :prompt], use_cache=True)
+                past = self._cache_of(out)
+                cpu_native.NativeKernel._rows = staticmethod(lambda *a, **k: None)
+                cpu_native.BoundRows.one_token_ = lambda *a, **k: None
+                for name in dense_names:
+                    setattr(cpu_native.NativeKernel, name, skipped_dense)
+                floor = decode(past)
         finally:
             cpu_native.NativeKernel._rows = staticmethod(original)
             cpu_native.BoundRows.one_token_ = original_token
+            for name, fn in original_dense.items():
+                setattr(cpu_native.NativeKernel, name, fn)
             for h in handles:
                 h.remove()
         n = len(ids) - prompt
         per = {k: v / n for k, v in acc.items()}
+        outside = total - acc["kernel"] - dense_s[0]  # the step's time outside the native calls
         layers = sum(1 for name, _ in self.model.named_modules() if name.endswith("self_attn"))
         return {"tokens": n, "step_s": total / n, "kernel_s": per["kernel"],
                 "kernel_calls_per_token": kernel_calls[0] / n, "moe_outside_kernel_s": per["moe"] - per["kernel"],
                 "attention_s": per["attention"],
                 "lm_head_s": per["lm_head"],
-                "rest_s": total / n - per["moe"] - per["attention"] - per["lm_head"], "layers": layers}
+                "rest_s": total / n - per["moe"] - per["attention"] - per["lm_head"], "layers": layers,
+                "dense_kernel_s": dense_s[0] / n, "dense_calls_per_token": dense_s[1] / n,
+                "outside_native_s": outside / n, "floor_step_s": floor / n, "cache_effect_s": (outside - floor) / n}
 
 
 def _jsonable(obj):

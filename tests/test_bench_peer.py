@@ -320,6 +320,33 @@ def test_a_timed_crisp_engine_is_load_model_and_computes_what_apply_does():
     assert timed.stats()["dense"]["chosen"] == reference.stats()["dense"]["chosen"] == "q8"
 
 
+def test_breakdown_times_the_native_calls_then_the_step_without_them_and_puts_them_back():
+    """The breakdown's parts add up to its step, the native dense layers are timed (the default swaps attention's
+    layers), the step with the native calls skipped is timed too, and afterwards the engine computes what it did
+    before (the kernels restored, the timing hooks removed)."""
+    from crisp_kernels import cpu_native
+
+    if not cpu_native.available():
+        pytest.skip("the native CPU kernel does not build here")
+    ids = list(range(40, 40 + 24))
+    engine = peer_engines.CrispEngine(TINY, TINY_PACK, 1, 64, precision="q8-dense8")
+    before = engine.run(ids, 16, "full", logits=True)["logits"]
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in engine.model.modules())
+    got = engine.breakdown(ids, 16, "full")
+    assert got["tokens"] == 8 and got["kernel_calls_per_token"] > 0
+    assert got["kernel_s"] > 0 and got["dense_kernel_s"] > 0 and got["floor_step_s"] > 0
+    # only the timed decode's calls are counted, not a prompt's: per token and layer, the two routed experts (full
+    # width) and attention's two dense calls (q, k and v as one; o)
+    assert got["kernel_calls_per_token"] == got["dense_calls_per_token"] == 2 * got["layers"]
+    assert got["moe_outside_kernel_s"] > 0 and got["outside_native_s"] > 0
+    assert got["outside_native_s"] == pytest.approx(got["step_s"] - got["kernel_s"] - got["dense_kernel_s"])
+    assert got["cache_effect_s"] == pytest.approx(got["outside_native_s"] - got["floor_step_s"])
+    assert got["step_s"] == pytest.approx(got["kernel_s"] + got["moe_outside_kernel_s"] + got["attention_s"]
+                                          + got["lm_head_s"] + got["rest_s"])
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in engine.model.modules()) == hooks
+    assert engine.run(ids, 16, "full", logits=True)["logits"] == before
+
+
 def test_the_default_variant_is_what_applys_one_call_runs_on_a_cpu_model():
     """The records' CRISP default ("q8-dense8", run with serving="cpu_only", cpu="on" and the engine's
     configuration) is what ``apply(model, pack)`` with nothing else runs on a CPU model: the same placement, expert
