@@ -4,6 +4,8 @@ For each model shape, width and token count, one call of
 ``crisp_kernels.cpu_expert.expert_mlp_cpu_accumulate_`` (the runtime's code, not a copy) is
 checked against the float64 reference, then timed with the host memcpy and a read-only
 reduction interleaved in the same rounds (a shared, loaded machine drifts: medians of rounds).
+Each call reads one of several copies of the expert in turn (:func:`cold_copies`, 256 MB in all), so the
+kernel streams its bytes from memory as in a decode, never from what the previous call left in the cache.
 
 Prefix bytes are the packed format's bytes of the first k neurons (``PackedExpert.nbytes(k)``,
 6,720 B per neuron at H 4096, g 64), whatever layout the implementation reads (the int4pack copy
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -48,6 +51,12 @@ from .shapes import ModelShape, resolve_shapes
 
 # 256 MB: far beyond any cache of this class of machine (L3 tens of MB), small enough for a laptop.
 MEMCPY_BYTES = 256 * 2**20
+# Each timed call reads a copy of the expert that no call has read for at least this many bytes of the other
+# copies (the copies are taken in turn by every point of a run): an expert smaller than the last-level cache is
+# not timed from it. One H 2048 x I 5632 expert (19 MB) timed call after call ran partly from a 32 MB L3: 108% of
+# a streaming read on two cores of a 2-core AMD EPYC VM (Zen 4), where its decode reads each expert from DRAM.
+COLD_BYTES = MEMCPY_BYTES
+MAX_COPIES = 64  # a tiny test shape needs no more to be out of L2
 DEFAULT_REPEATS = 5
 
 
@@ -101,9 +110,30 @@ def _width_neurons(shape: ModelShape, fraction: float) -> int:
     return max(1, round(fraction * shape.intermediate_size))
 
 
-def _call(x, packed, width, weights, config):
+def cold_copies(packed: PackedExpert, nbytes: int = COLD_BYTES) -> list[PackedExpert]:
+    """``packed`` and copies of it in memory of their own, enough that reading each in turn covers ``nbytes``
+    (at most :data:`MAX_COPIES`)."""
+    count = max(1, min(MAX_COPIES, -(-nbytes // packed.nbytes())))
+    return [packed] + [replace(packed, qweight=packed.qweight.clone(), scales=packed.scales.clone(),
+                               zeros=None if packed.zeros is None else packed.zeros.clone())
+                       for _ in range(count - 1)]
+
+
+class _Turns:
+    """The next copy to read, shared by every point of a run: two calls in a row never read the same copy."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.next = count, 0
+
+    def take(self) -> int:
+        i = self.next
+        self.next = (i + 1) % self.count
+        return i
+
+
+def _call(x, experts, width, weights, config, turns: _Turns):
     out = torch.zeros(x.shape, dtype=torch.float32)
-    return lambda: expert_mlp_cpu_accumulate_(x, packed, None, width, weights, out, config=config)
+    return lambda: expert_mlp_cpu_accumulate_(x, experts[turns.take()], None, width, weights, out, config=config)
 
 
 def validated_inputs(expert, hidden, width, tokens, config, seed=1):
@@ -136,13 +166,15 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
     interleaved rounds (the machine's drift hits every implementation alike: a fair A/B).
     impls: CpuImpl values, None = [:func:`default_impl`]; INT4PACK_BF16 times the int4pack copy
     (built before timing). ``memory["extra_nbytes"]``: per implementation, its second copy's bytes."""
-    packed = random_expert(shape)
+    copies = cold_copies(random_expert(shape))
+    turns = _Turns(len(copies))
     impls = [default_impl(precision)] if impls is None else list(dict.fromkeys(impls))
     rounds = _Rounds()
     _memory_thunks(rounds, memcpy_bytes)
     points, extra = [], {}
     for impl in impls:
-        expert = prepare_expert(packed) if impl is CpuImpl.INT4PACK_BF16 else packed
+        experts = [prepare_expert(c) for c in copies] if impl is CpuImpl.INT4PACK_BF16 else copies
+        expert = experts[0]
         config = CpuExpertConfig(precision, impl=impl)
         extra[impl.value] = kernel_info(expert, torch.bfloat16 if precision is Precision.BF16 else torch.float32,
                                         config).extra_nbytes
@@ -151,7 +183,7 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
             for tokens in tokens_list:
                 x, weights, err = validated_inputs(expert, shape.hidden_size, width, tokens, config)
                 name = f"{impl.value}/{width}/{tokens}"
-                rounds.add(name, _call(x, expert, width, weights, config))
+                rounds.add(name, _call(x, experts, width, weights, config, turns))
                 points.append((name, impl.value, width, tokens, err))
     load_before = os.getloadavg()
     med = rounds.run(repeats)
@@ -162,7 +194,7 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
     records = []
     for name, impl, width, tokens, err in points:
         seconds = med[name]
-        nbytes = packed.nbytes(width)
+        nbytes = copies[0].nbytes(width)
         gbps = nbytes / seconds / 1e9
         rec = {"shape": shape.name, "impl": impl, "width": width, "width_frac": width / shape.intermediate_size,
                "tokens": tokens, "ms": seconds * 1e3, "prefix_mb": nbytes / 1e6, "gbps": gbps,
@@ -173,7 +205,7 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
         records.append(rec)
     memory = {"memcpy_gbps": memcpy_gbps, "read_gbps": read_gbps, "memcpy_bytes": memcpy_bytes,
               "extra_nbytes": extra, "loadavg_before": load_before, "loadavg_after": load_after,
-              "threads": torch.get_num_threads(), "repeats": repeats}
+              "threads": torch.get_num_threads(), "repeats": repeats, "expert_copies": len(copies)}
     return records, memory
 
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from bench.cli import main
 from bench.cpu import CpuBenchError, measure_cpu_expert
@@ -70,3 +71,39 @@ def test_cli_bad_shape(capsys):
         main(["cpu", "--shapes", "nope"])
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nbytes, want", [(1, 1), (3 * 200 * TINY.neuron_nbytes - 1, 3), (10**12, 64)])
+def test_cold_copies_cover_the_bytes_asked_for_in_memory_of_their_own(nbytes, want):
+    """Enough copies of the expert that reading each in turn covers ``nbytes`` (at most MAX_COPIES), each in its own
+    memory and equal to the original: a timed call never reads what the call before it left in the cache."""
+    from bench.cpu import MAX_COPIES, cold_copies, random_expert
+
+    packed = random_expert(TINY)
+    copies = cold_copies(packed, nbytes)
+    assert len(copies) == want <= MAX_COPIES and copies[0] is packed
+    pointers = {t.data_ptr() for c in copies for t in (c.qweight, c.scales, c.zeros)}
+    assert len(pointers) == 3 * want
+    for c in copies:
+        assert all(torch.equal(a, b) for a, b in ((c.qweight, packed.qweight), (c.scales, packed.scales),
+                                                  (c.zeros, packed.zeros)))
+
+
+def test_consecutive_timed_calls_read_different_copies(monkeypatch):
+    """Every point of a run takes the next copy in one shared turn: no two calls in a row read the same expert,
+    whichever points they belong to, and each copy is read as often as the others."""
+    import bench.cpu as cpu_bench
+
+    read = []
+    real = cpu_bench.expert_mlp_cpu_accumulate_
+
+    def spy(x, expert, *args, **kwargs):
+        read.append(expert.qweight.data_ptr())
+        return real(x, expert, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_bench, "MAX_COPIES", 5)
+    monkeypatch.setattr(cpu_bench, "expert_mlp_cpu_accumulate_", spy)
+    records, memory = cpu_bench.measure(TINY, [0.5, 1.0], [1, 2], 3)
+    assert memory["expert_copies"] == 5 and len(records) == 4
+    assert len(read) > 10 and all(a != b for a, b in zip(read[:-1], read[1:], strict=True))
+    assert len(set(read)) == 5
