@@ -223,8 +223,7 @@ class CrispEngine:
 
         torch = self.torch
         self._ready(width)
-        acc = {"kernel": 0.0, "moe": 0.0, "attention": 0.0, "lm_head": 0.0}
-        kernel_calls = [0]
+        acc = {"moe": 0.0, "attention": 0.0, "lm_head": 0.0}  # the modules' times (hooks)
         start: dict = {}
         handles = []
         for name, mod in self.model.named_modules():
@@ -244,26 +243,16 @@ class CrispEngine:
         original_token = cpu_native.BoundRows.one_token_  # and a one-token step's, through the bound rows
         dense_names = ("dense_int8", "dense_q8", "dense_bf16")  # attention's layers (RuntimeConfig.dense)
         original_dense = {name: getattr(cpu_native.NativeKernel, name) for name in dense_names}
-        dense_s = [0.0, 0]  # seconds, calls
+        native = {"kernel": [0.0, 0], "dense": [0.0, 0]}  # seconds and calls of the expert kernel, the dense layers
 
-        def timing(fn):
+        def timing(fn, kind="kernel"):
             def timed(*a, **k):
                 t0 = time.perf_counter()
                 try:
                     return fn(*a, **k)
                 finally:
-                    acc["kernel"] += time.perf_counter() - t0
-                    kernel_calls[0] += 1
-            return timed
-
-        def dense_timing(fn):
-            def timed(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    dense_s[0] += time.perf_counter() - t0
-                    dense_s[1] += 1
+                    native[kind][0] += time.perf_counter() - t0
+                    native[kind][1] += 1
             return timed
 
         def skipped_dense(kernel, x, *args, **kwargs):  # out is the argument after the weights: zeros, not garbage
@@ -286,8 +275,7 @@ class CrispEngine:
                 cpu_native.NativeKernel._rows = staticmethod(timing(original))
                 cpu_native.BoundRows.one_token_ = timing(original_token)
                 for name, fn in original_dense.items():
-                    setattr(cpu_native.NativeKernel, name, dense_timing(fn))
-                kernel_calls[0] = 0
+                    setattr(cpu_native.NativeKernel, name, timing(fn, "dense"))
                 total = decode(past)
                 for h in handles:
                     h.remove()
@@ -313,14 +301,15 @@ class CrispEngine:
                 h.remove()
         n = len(ids) - prompt
         per = {k: v / n for k, v in acc.items()}
-        outside = total - acc["kernel"] - dense_s[0]  # the step's time outside the native calls
+        (kernel, kernel_calls), (dense, dense_calls) = native["kernel"], native["dense"]
+        outside = total - kernel - dense  # the step's time outside the native calls
         layers = sum(1 for name, _ in self.model.named_modules() if name.endswith("self_attn"))
-        return {"tokens": n, "step_s": total / n, "kernel_s": per["kernel"],
-                "kernel_calls_per_token": kernel_calls[0] / n, "moe_outside_kernel_s": per["moe"] - per["kernel"],
+        return {"tokens": n, "step_s": total / n, "kernel_s": kernel / n,
+                "kernel_calls_per_token": kernel_calls / n, "moe_outside_kernel_s": per["moe"] - kernel / n,
                 "attention_s": per["attention"],
                 "lm_head_s": per["lm_head"],
                 "rest_s": total / n - per["moe"] - per["attention"] - per["lm_head"], "layers": layers,
-                "dense_kernel_s": dense_s[0] / n, "dense_calls_per_token": dense_s[1] / n,
+                "dense_kernel_s": dense / n, "dense_calls_per_token": dense_calls / n,
                 "outside_native_s": outside / n, "floor_step_s": floor / n, "cache_effect_s": (outside - floor) / n}
 
 
