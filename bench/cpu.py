@@ -283,7 +283,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "cpu", help="the CPU expert kernel: GB/s of prefix bytes against memcpy",
         description="The CPU expert kernel (crisp_kernels.cpu_expert) per width and token count, "
-        "checked against the reference, then timed with the host memcpy in the same rounds.")
+        "checked against the reference, then timed with the host memcpy in the same rounds. Each call reads one of "
+        "several copies of the expert in turn (256 MB of host memory in all), so no call runs from what the previous "
+        "one left in the cache, as in a decode.")
     p.add_argument("--shapes", type=common.csv_choices(("tiny", "mixtral")), default=["tiny", "mixtral"],
                    help="model shapes: tiny, mixtral (comma separated)")
     p.add_argument("--widths", type=common.fractions, default="0.25,0.5,1.0", help="width fractions in (0, 1]")
