@@ -22,6 +22,7 @@ against width at one token.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -119,21 +120,11 @@ def cold_copies(packed: PackedExpert, nbytes: int = COLD_BYTES) -> list[PackedEx
                        for _ in range(count - 1)]
 
 
-class _Turns:
-    """The next copy to read, shared by every point of a run: two calls in a row never read the same copy."""
-
-    def __init__(self, count: int) -> None:
-        self.count, self.next = count, 0
-
-    def take(self) -> int:
-        i = self.next
-        self.next = (i + 1) % self.count
-        return i
-
-
-def _call(x, experts, width, weights, config, turns: _Turns):
+def _call(x, experts, width, weights, config, turns):
+    """One point's timed call; ``turns``: the copy indices, one iterator shared by every point of a run, so two
+    calls in a row never read the same copy."""
     out = torch.zeros(x.shape, dtype=torch.float32)
-    return lambda: expert_mlp_cpu_accumulate_(x, experts[turns.take()], None, width, weights, out, config=config)
+    return lambda: expert_mlp_cpu_accumulate_(x, experts[next(turns)], None, width, weights, out, config=config)
 
 
 def validated_inputs(expert, hidden, width, tokens, config, seed=1):
@@ -167,7 +158,7 @@ def measure(shape: ModelShape, fractions, tokens_list, repeats: int, *, precisio
     impls: CpuImpl values, None = [:func:`default_impl`]; INT4PACK_BF16 times the int4pack copy
     (built before timing). ``memory["extra_nbytes"]``: per implementation, its second copy's bytes."""
     copies = cold_copies(random_expert(shape))
-    turns = _Turns(len(copies))
+    turns = itertools.cycle(range(len(copies)))
     impls = [default_impl(precision)] if impls is None else list(dict.fromkeys(impls))
     rounds = _Rounds()
     _memory_thunks(rounds, memcpy_bytes)
