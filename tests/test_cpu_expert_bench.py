@@ -1,5 +1,6 @@
 """crisp-bench cpu and bench.cpu.measure_cpu_expert (the measured profile's entry), on a tiny shape."""
 
+import collections
 import json
 
 import pytest
@@ -106,4 +107,5 @@ def test_consecutive_timed_calls_read_different_copies(monkeypatch):
     records, memory = cpu_bench.measure(TINY, [0.5, 1.0], [1, 2], 3)
     assert memory["expert_copies"] == 5 and len(records) == 4
     assert len(read) > 10 and all(a != b for a, b in zip(read[:-1], read[1:], strict=True))
-    assert len(set(read)) == 5
+    counts = collections.Counter(read)
+    assert len(counts) == 5 and max(counts.values()) - min(counts.values()) <= 1
