@@ -30,26 +30,31 @@ from .format import PackedExpert, PackedLayer, QuantFormat, _check_prefix_width,
 TokenWidthFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+ROUTER_GETS_NO_GRADIENT = ("the 4-bit kernels have no backward, so the routing weights (the router) would get no "
+                           "gradient")
+
+
 class _RefuseBackward(torch.autograd.Function):
     """``fn(*inputs)`` computed without autograd, with a backward that raises naming ``what``."""
 
     @staticmethod
-    def forward(ctx, what, hint, fn, *inputs):
-        ctx.what, ctx.hint = what, hint
+    def forward(ctx, what, why, hint, fn, *inputs):
+        ctx.what, ctx.why, ctx.hint = what, why, hint
         return fn(*inputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError(f"{ctx.what} do not support gradients: the 4-bit kernels have no backward, so the "
-                           f"routing weights (the router) would get no gradient. {ctx.hint}")
+        raise RuntimeError(f"{ctx.what} do not support gradients: {ctx.why}. {ctx.hint}")
 
 
 def without_backward(what: str, fn: Callable[..., torch.Tensor], *inputs,
-                     hint: str = "Run inference under torch.no_grad() or torch.inference_mode()") -> torch.Tensor:
+                     hint: str = "Run inference under torch.no_grad() or torch.inference_mode()",
+                     why: str = ROUTER_GETS_NO_GRADIENT) -> torch.Tensor:
     """``fn(*inputs)``; when grad mode is on and an input requires grad, its result has a backward that
-    raises a RuntimeError naming ``what`` (the forward runs unchanged: inference without ``no_grad`` works)."""
+    raises a RuntimeError naming ``what`` and ``why`` (the forward runs unchanged: inference without ``no_grad``
+    works)."""
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-        return _RefuseBackward.apply(what, hint, fn, *inputs)
+        return _RefuseBackward.apply(what, why, hint, fn, *inputs)
     return fn(*inputs)
 
 

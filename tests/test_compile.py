@@ -199,7 +199,7 @@ def test_the_cpu_default_compiles_with_its_dense_kernels_as_ops():
     model = _model()
     handle = apply(model, gpu_budget=None)
     assert handle.stats()["cpu"]["placement"] == "cpu_only"
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * 2  # q, k, v, o of both layers
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * 2 + 1  # q, k, v, o of both layers; head
     x = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(x).logits

@@ -18,7 +18,7 @@ from torch import nn
 
 from crisp_kernels import cpu_native
 from crisp_kernels.dense_bf16 import DenseBf16, bf16_exact, dense_bf16, dense_bf16_ref, pack_dense_bf16
-from crisp_runtime.cpu.dense import Bf16Linear, DenseWeights, attention_linears, swap_dense
+from crisp_runtime.cpu.dense import Bf16Linear, DenseWeights, attention_linears, dense_linears, swap_dense
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernel does not build here")
 
@@ -133,7 +133,8 @@ def test_swap_keeps_weights_bf16_cannot_hold_and_restores_the_same_objects():
         want = [lin(x) for _, _, lin in attention_linears(model)]
     swap = swap_dense(model, "bf16", threads=1)
     assert swap.info() == {"layers": 3, "bytes": swap.nbytes, "original_bytes": swap.original_nbytes, "kept": 1,
-                           "chosen": "bf16", "shared_qkv": 0}  # only 8-bit blocks share q, k and v calls
+                           "chosen": "bf16", "shared_qkv": 0,  # only 8-bit blocks share q, k and v calls
+                           "roles": {"attention": 3}, "role_bytes": {"attention": swap.nbytes}}
     assert swap.nbytes < 0.6 * swap.original_nbytes
     layers = attention_linears(model)  # nn.Linear only: the kept one
     assert [name for _, name, _ in layers] == ["o_proj"] and layers[0][0] is model[1].self_attn
@@ -229,10 +230,10 @@ def test_apply_with_dense_bf16_gives_the_fp32_models_logits():
     from crisp_runtime.cpu.experts import EXACT
 
     model, pack = tiny_mixtral()
-    linears = [m for _, _, m in attention_linears(model)]
+    linears = [m for _, _, m, _ in dense_linears(model)]  # attention's and the lm head
     ids = torch.arange(3, 35).unsqueeze(0)
     config = RuntimeConfig(dense="bf16")
-    # the committed checkpoint is fp32 (trained here): bf16 holds none of its attention weights, all are kept
+    # the committed checkpoint is fp32 (trained here): bf16 holds none of its dense weights, all are kept
     with apply(model, pack, serving="cpu_only", cpu="on", gpu_budget="64MiB", config=config) as handle:
         info = handle.stats()["dense"]
         assert info["weights"] == "bf16" and info["layers"] == 0 and info["kept"] == len(linears)
@@ -251,6 +252,6 @@ def test_apply_with_dense_bf16_gives_the_fp32_models_logits():
                 assert sum(isinstance(m, Bf16Linear) for m in model.modules()) == len(linears)
             with torch.no_grad():
                 runs[dense] = model(input_ids=ids).logits
-    # the same weights, another summation order in attention (the experts' path is the same in both runs)
+    # the same weights, another summation order in the dense layers (the experts' path is the same in both runs)
     assert rel(runs["bf16"], runs["keep"]) < 1e-5
-    assert [m for _, _, m in attention_linears(model)] == linears  # the same objects back
+    assert [m for _, _, m, _ in dense_linears(model)] == linears  # the same objects back

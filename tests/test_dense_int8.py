@@ -19,7 +19,14 @@ from torch import nn
 from crisp_kernels import cpu_native
 from crisp_kernels.dense_int8 import BLOCK, CODE_MAX, DenseInt8, dense_int8, dense_int8_ref, pack_dense_int8
 from crisp_kernels.dense_q8 import dense_q8, pack_dense
-from crisp_runtime.cpu.dense import DenseWeights, Int8Linear, SharedProjections, attention_linears, swap_dense
+from crisp_runtime.cpu.dense import (
+    DenseWeights,
+    Int8Linear,
+    SharedProjections,
+    attention_linears,
+    dense_linears,
+    swap_dense,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernel does not build here")
 
@@ -161,7 +168,9 @@ def test_swap_replaces_attentions_layers_keeps_unpackable_ones_and_restores_the_
         want = [lin(x) for _, _, lin in attention_linears(model)]
     swap = swap_dense(model, "q8", threads=1)
     assert swap.info() == {"layers": 3, "bytes": swap.nbytes, "original_bytes": swap.original_nbytes, "kept": 1,
-                           "chosen": "q8", "shared_qkv": 0}  # no k_proj / v_proj here: nothing shared
+                           "chosen": "q8", "shared_qkv": 0,  # no k_proj / v_proj here: nothing shared
+                           "roles": {"attention": 3},  # TinyBlock's mlp is not named as an MLP projection
+                           "role_bytes": {"attention": swap.nbytes}}
     assert swap.nbytes < 0.3 * swap.original_nbytes  # 8.5 bits a weight against fp32's 32
     assert [name for _, name, _ in attention_linears(model)] == ["o_proj"]
     assert isinstance(model[0].self_attn.q_proj, Int8Linear) and type(model[0].mlp) is nn.Linear
@@ -290,11 +299,12 @@ def test_apply_with_dense_q8_nears_the_fp32_models_logits():
     from crisp_runtime.cpu.experts import EXACT
 
     model, pack = tiny_mixtral()
-    linears = [m for _, _, m in attention_linears(model)]
+    linears = [m for _, _, m, _ in dense_linears(model)]
+    assert model.lm_head in linears and len(linears) == 4 * model.config.num_hidden_layers + 1
     ids = torch.tensor(list((ROOT / "data" / "stdlib-calib.txt").read_bytes()[:256])).unsqueeze(0)  # byte tokens
     runs = {}
     for dense in ("keep", "q8"):
-        config = RuntimeConfig(dense=dense, cpu_experts=EXACT)  # exact experts: only attention differs
+        config = RuntimeConfig(dense=dense, cpu_experts=EXACT)  # exact experts: only the dense layers differ
         with apply(model, pack, serving="cpu_only", cpu="on", gpu_budget="64MiB", config=config) as handle:
             if dense == "q8":
                 info = handle.stats()["dense"]
@@ -302,12 +312,12 @@ def test_apply_with_dense_q8_nears_the_fp32_models_logits():
                 assert sum(isinstance(m, Int8Linear) for m in model.modules()) == len(linears)
             with torch.no_grad():
                 runs[dense] = model(input_ids=ids).logits
-    # attention's inputs and weights rounded to 8 bits in 4 layers: measured 0.46% relative on these logits and
-    # 99.6% of the argmaxes kept, against 5.9% and 95.7% for dense="q4"'s 4-bit rows: the bounds leave 3x room and
-    # still tell the two apart
+    # attention's and the lm head's inputs and weights rounded to 8 bits: measured 0.54% relative on these logits
+    # (0.46% with attention alone) and 99.6% of the argmaxes kept, against 5.9% and 95.7% for dense="q4"'s 4-bit
+    # rows: the bounds leave ~3x room and still tell the two apart
     assert rel(runs["q8"], runs["keep"]) < 1.5e-2
     assert (runs["q8"].argmax(-1) == runs["keep"].argmax(-1)).float().mean() >= 0.97
-    assert [m for _, _, m in attention_linears(model)] == linears  # the same objects back
+    assert [m for _, _, m, _ in dense_linears(model)] == linears  # the same objects back
 
 
 def test_applys_default_shares_each_attentions_q_k_v_call_with_the_same_logits():
@@ -333,7 +343,7 @@ def test_applys_default_takes_q8_for_cpu_only_8bit_experts_and_bf16_otherwise():
     from crisp_runtime.cpu.experts import EXACT
 
     model, pack = tiny_mixtral()
-    n = len(attention_linears(model))
+    n = len(dense_linears(model))  # attention's and the lm head
     with apply(model, pack, serving="cpu_only", cpu="on", gpu_budget="64MiB") as handle:
         info = handle.stats()["dense"]
         assert info["weights"] == "auto" and info["chosen"] == "q8" and info["layers"] == n
@@ -355,4 +365,4 @@ def test_applys_default_takes_q8_for_cpu_only_8bit_experts_and_bf16_otherwise():
             info = handle.stats()["dense"]
             assert handle.stats()["cpu"]["placement"] == "cpu_only"
             assert info["chosen"] == "q8" and info["layers"] == n
-    assert len(attention_linears(model)) == n
+    assert len(dense_linears(model)) == n

@@ -16,7 +16,7 @@ from torch import nn
 
 from crisp_kernels import QuantFormat, cpu_native
 from crisp_kernels.dense_q8 import DenseQ4, dense_q8, dense_q8_ref, pack_dense
-from crisp_runtime.cpu.dense import DenseWeights, Q4Linear, attention_linears, swap_dense
+from crisp_runtime.cpu.dense import DenseWeights, Int8Linear, Q4Linear, attention_linears, swap_dense
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernel does not build here")
 
@@ -167,6 +167,7 @@ def test_apply_with_dense_q4_swaps_attention_and_restore_puts_it_back():
     model = transformers.AutoModelForCausalLM.from_pretrained(root / "models" / "tiny-mixtral",
                                                               dtype=torch.float32).eval()
     originals = {id(m) for _, _, m in attention_linears(model)}
+    head = model.lm_head
     ids = torch.arange(3, 35).unsqueeze(0)
     with torch.no_grad():
         plain = model(input_ids=ids).logits
@@ -174,9 +175,10 @@ def test_apply_with_dense_q4_swaps_attention_and_restore_puts_it_back():
     with apply(model, root / "models" / "tiny-mixtral-crisp", serving="cpu_only", cpu="on", gpu_budget="64MiB",
                config=config) as handle:
         assert all(isinstance(m, Q4Linear) for _, _, m in attention_linears(model))
+        assert isinstance(model.lm_head, Int8Linear)  # the head in 8-bit blocks, as llama.cpp's Q4_0 keeps it higher
         dense = handle.stats()["dense"]
-        assert dense["weights"] == "q4" and dense["layers"] == len(originals) and dense["bytes"] > 0
+        assert dense["weights"] == "q4" and dense["layers"] == len(originals) + 1 and dense["bytes"] > 0
         with torch.no_grad():
             served = model(input_ids=ids).logits
     assert 0 < rel(served, plain) < 0.5  # 4-bit experts and attention: rounded, the same model
-    assert {id(m) for _, _, m in attention_linears(model)} == originals
+    assert {id(m) for _, _, m in attention_linears(model)} == originals and model.lm_head is head

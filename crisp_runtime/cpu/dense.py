@@ -1,19 +1,29 @@
-"""Attention's dense layers in 8-bit blocks, bf16 or 4-bit rows on the CPU (``RuntimeConfig.dense``): CPU-only serving's
-other half.
+"""The model's dense layers in 8-bit blocks, bf16 or 4-bit rows on the CPU (``RuntimeConfig.dense``): CPU-only
+serving's other half.
 
-Under ``cpu_only`` every expert is computed by the CPU kernel from 4-bit rows, but attention's projections are
-the model's own ``nn.Linear`` layers: on a Mixtral-shaped model with 605 MB of 4-bit experts they read 201 MB a
-token in fp32 against the experts' 151 MB, 11.7 of a token's 33 ms on one core of a 2-core AMD EPYC VM, where
-llama.cpp's Q4_0 stores them at 4.5 bits (docs/cpu-kernel.md). ``DenseWeights.Q4`` replaces every
-``nn.Linear`` inside a module named ``*self_attn`` by :class:`Q4Linear`: its weight packed once into the experts'
-4-bit row format (``crisp_kernels.dense_q8.pack_dense``) and computed by the native kernel with 8-bit
-activations; ``DenseWeights.Q8`` by :class:`Int8Linear`: llama.cpp's Q8_0 layout (int8 codes, an fp16 scale per
-32 weights; ``crisp_kernels.dense_int8``), 53% of bf16's bytes, ~0.5% relative rounding where Q4 rounds ~10x more.
-``DenseWeights.BF16`` replaces those whose weights are all bf16 values (a bf16 checkpoint loaded in
-fp32) by :class:`Bf16Linear`: the same values in half the bytes, fp32 arithmetic (``crisp_kernels.dense_bf16``), so
-the layer computes what it did up to the order of the sums; a weight bf16 does not hold is kept. The router, the
-norms, the embeddings and the lm head are left alone. ``restore()`` puts the original modules (the same objects)
-back. The native kernel is needed (a C compiler at first use); the weights must be on the CPU.
+Under ``cpu_only`` every routed expert is computed by the CPU kernel from 4-bit rows; the rest of a token's weights
+are the model's own ``nn.Linear`` layers: attention's projections, the shared experts and dense MLP layers (Qwen-MoE,
+DeepSeek-MoE) and the lm head. On a Mixtral-shaped model with 605 MB of 4-bit experts attention alone read 201 MB
+a token in fp32 against the experts' 151 MB, 11.7 of a token's 33 ms on one core of a 2-core AMD EPYC VM, where
+llama.cpp's Q4_0 stores it at 4.5 bits (docs/cpu-kernel.md). In real checkpoints the others weigh as much (in fp32,
+arithmetic from the configs: Qwen1.5-MoE-A2.7B's shared experts 138 MB a layer and its lm head 1.2 GB, against
+~20 MB of routed 4-bit experts a layer and token; OLMoE's lm head 412 MB against ~450 MB of 4-bit experts a token;
+Mixtral-8x7B's 524 MB against 6.3 GB).
+
+:func:`dense_linears` finds them (:class:`DenseRole`): every ``nn.Linear`` directly inside a module named
+``*self_attn``; every ``nn.Linear`` named ``gate_proj`` / ``up_proj`` / ``down_proj`` outside an ``experts``
+container (a shared expert or a dense MLP layer; the routed experts are the CPU kernel's); the model's output
+embeddings. Not the router, the shared-expert gate, the norms or the input embeddings. ``DenseWeights.Q4`` replaces
+them by :class:`Q4Linear`: the weight packed once into the experts' 4-bit row format
+(``crisp_kernels.dense_q8.pack_dense``) and computed by the native kernel with 8-bit activations, except the lm
+head, which takes Q8 (llama.cpp's Q4_0 files store their output matrix at 6.6 bits, Q6_K); ``DenseWeights.Q8`` by
+:class:`Int8Linear`: llama.cpp's Q8_0 layout (int8 codes, an fp16 scale per 32 weights; ``crisp_kernels.dense_int8``),
+53% of bf16's bytes, ~0.5% relative rounding where Q4 rounds ~10x more. ``DenseWeights.BF16`` replaces those whose
+weights are all bf16 values (a bf16 checkpoint loaded in fp32) by :class:`Bf16Linear`: the same values in half the
+bytes, fp32 arithmetic (``crisp_kernels.dense_bf16``), so the layer computes what it did up to the order of the sums;
+a weight bf16 does not hold is kept. An lm head tied to the input embeddings is replaced too (its original stays:
+the embeddings read it). ``restore()`` puts the original modules (the same objects) back. The native kernel is
+needed (a C compiler at first use); the weights must be on the CPU.
 """
 
 from __future__ import annotations
@@ -29,20 +39,46 @@ from crisp_kernels.dense_bf16 import DenseBf16, bf16_exact, dense_bf16, pack_den
 from crisp_kernels.dense_int8 import BLOCK as INT8_BLOCK
 from crisp_kernels.dense_int8 import DenseInt8, dense_int8, pack_dense_int8
 from crisp_kernels.dense_q8 import DenseQ4, dense_q8, pack_dense
+from crisp_kernels.experts_module import without_backward
 
 ATTENTION_SUFFIX = "self_attn"  # transformers' attention modules (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
+# an MLP's projections in transformers' MoE families: Qwen-MoE's ``shared_expert``, DeepSeek's ``shared_experts`` and
+# its dense first layers' ``mlp``; inside an ``experts`` container they are routed experts (the CPU kernel's)
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERTS_CONTAINER = "experts"
+
+
+class DenseRole(enum.Enum):
+    """Which of a model's dense layers an ``nn.Linear`` is (:func:`dense_linears`)."""
+
+    ATTENTION = "attention"  # q, k, v and o projections
+    MLP = "mlp"  # a shared expert's or a dense MLP layer's projections
+    HEAD = "head"  # the output embeddings (lm head)
+
+
+# a rounded layer's result has no autograd graph: where its input needs a gradient, backward raises this (the layers
+# before it and their weights would silently get none)
+NO_GRADIENT_WHAT = "CRISP's dense layers (RuntimeConfig.dense)"
+NO_GRADIENT_WHY = "their rounded copies have no backward, so the layers before them would get no gradient"
+NO_GRADIENT_HINT = ("Run inference under torch.no_grad() or torch.inference_mode(); to train, restore() the model "
+                    "(or apply with RuntimeConfig(dense='keep'))")
+
+
+def _refusing_backward(fn, x: torch.Tensor) -> torch.Tensor:
+    return without_backward(NO_GRADIENT_WHAT, fn, x, why=NO_GRADIENT_WHY, hint=NO_GRADIENT_HINT)
 
 
 class DenseWeights(enum.Enum):
-    """What ``apply`` does with attention's dense layers."""
+    """What ``apply`` does with the model's dense layers (:func:`dense_linears`)."""
 
-    # default: where attention's weights are on the CPU and the native kernel builds, Q8 when every expert is
-    # computed by the CPU kernel with 8-bit activations (CPU-only serving at the default precision: attention in
-    # the same Q8_0 arithmetic, half of bf16's bytes), else BF16 (exact; also where an in_features is off Q8's
-    # blocks); KEEP where it cannot
+    # default: where their weights are on the CPU and the native kernel builds, Q8 when every expert is computed by
+    # the CPU kernel with 8-bit activations (CPU-only serving at the default precision: the dense layers in the same
+    # Q8_0 arithmetic, half of bf16's bytes), else BF16 (exact; also where an in_features is off Q8's blocks); KEEP
+    # where it cannot
     AUTO = "auto"
     KEEP = "keep"  # the model's own layers
-    Q4 = "q4"  # 4-bit rows, 8-bit activations, on the CPU (for cpu_only serving without a GPU)
+    # 4-bit rows, 8-bit activations, on the CPU (for cpu_only serving without a GPU); the lm head in Q8
+    Q4 = "q4"
     Q8 = "q8"  # 8-bit blocks of 32 (Q8_0), 8-bit activations, on the CPU: half of bf16's bytes, ~0.5% rounding
     # bf16 weights, fp32 activations, on the CPU: only layers whose weights are all bf16 values (a bf16 checkpoint
     # loaded in fp32), so nothing is rounded; the others are kept
@@ -94,6 +130,9 @@ class Q4Linear(_RoundedLinear):
         if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
             p = self.packed
             return torch.ops.crisp.dense_q8(x, p.qweight, p.scales, p.zeros, p.fmt.group_size, p.bias, self.threads)
+        return _refusing_backward(self._compute, x)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             return self.shared.output(self.shared_name, x, self)
         return dense_q8(x, self.packed, self.threads)
@@ -112,6 +151,9 @@ class Int8Linear(_RoundedLinear):
         if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
             p = self.packed
             return torch.ops.crisp.dense_int8(x, p.qweight, p.scales, p.bias, self.threads)
+        return _refusing_backward(self._compute, x)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             return self.shared.output(self.shared_name, x, self)
         return dense_int8(x, self.packed, self.threads)
@@ -138,6 +180,9 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
             return torch.ops.crisp.dense_bf16(x, self.packed.weight, self.packed.bias, self.threads)
+        return _refusing_backward(self._compute, x)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
         return dense_bf16(x, self.packed, self.threads)
 
     def exact_weight(self) -> torch.Tensor:
@@ -245,11 +290,15 @@ class DenseSwap:
     # refilled on restore from the replacement's bf16 copy (``exact_weight()``), which holds their values exactly
     released: dict = field(default_factory=dict)
     shared: int = 0  # attention modules whose q, k and v run as one call (SharedProjections)
+    roles: dict = field(default_factory=dict)  # layers replaced, by DenseRole value
+    role_bytes: dict = field(default_factory=dict)  # their packed bytes, by DenseRole value
 
     def restore(self, to_dtype: torch.dtype | None = None) -> None:
         """Put the original modules back (idempotent); ``to_dtype``: the dtype the model was converted to while
         applied (None: unchanged), which the originals, held outside the model, are then converted to as
         ``Module.to(dtype)`` would have (floating parameters and buffers only)."""
+        self.roles.clear()
+        self.role_bytes.clear()
         while self.swapped:
             parent, name, original = self.swapped.pop()
             dtype = self.released.pop(id(original), None)
@@ -261,59 +310,90 @@ class DenseSwap:
 
     def info(self) -> dict:
         out = {"layers": len(self.swapped), "bytes": self.nbytes, "original_bytes": self.original_nbytes,
-               "kept": self.kept, "chosen": self.chosen, "shared_qkv": self.shared}
+               "kept": self.kept, "chosen": self.chosen, "shared_qkv": self.shared, "roles": dict(self.roles),
+               "role_bytes": dict(self.role_bytes)}
         return out | ({"reason": self.reason} if self.reason else {})
 
 
 def attention_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """Every ``nn.Linear`` directly inside a module whose name ends with ``self_attn``, as (parent, name, linear)."""
-    out = []
-    for name, module in model.named_modules():
-        if name.split(".")[-1] != ATTENTION_SUFFIX:
-            continue
-        for child_name, child in module.named_children():
-            if type(child) is nn.Linear:
-                out.append((module, child_name, child))
+    return [(parent, name, linear) for parent, name, linear, role in dense_linears(model)
+            if role is DenseRole.ATTENTION]
+
+
+def dense_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, DenseRole]]:
+    """The model's dense layers as (parent, name, linear, role), each once: every ``nn.Linear`` directly inside a
+    ``*self_attn`` module; every ``nn.Linear`` named as an MLP projection (``MLP_PROJECTIONS``) with no
+    ``experts`` container on its path; the output embeddings where they are an ``nn.Linear``."""
+    out, seen = [], set()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for path, parent in model.named_modules():
+        parts = path.split(".") if path else []
+        for name, child in parent.named_children():
+            if type(child) is not nn.Linear or id(child) in seen:
+                continue
+            if child is head:
+                role = DenseRole.HEAD
+            elif parts and parts[-1] == ATTENTION_SUFFIX:
+                role = DenseRole.ATTENTION
+            elif name in MLP_PROJECTIONS and EXPERTS_CONTAINER not in parts:
+                role = DenseRole.MLP
+            else:
+                continue
+            seen.add(id(child))
+            out.append((parent, name, child, role))
     return out
 
 
+def _tied(model: nn.Module, linear: nn.Linear) -> bool:
+    """Whether ``linear``'s weight is the input embeddings' too (tied embeddings)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "weight", None) is linear.weight
+
+
 def _auto_refusal(found) -> str:
-    """Why ``DenseWeights.AUTO`` keeps attention's layers ("" when it replaces them)."""
+    """Why ``DenseWeights.AUTO`` keeps the dense layers ("" when it replaces them)."""
     if not found:
-        return f"no nn.Linear inside a '*{ATTENTION_SUFFIX}' module"
-    if any(linear.weight.device.type != "cpu" or linear.weight.is_meta for _, _, linear in found):
-        return "attention's weights are not on the CPU"
+        return f"no nn.Linear inside a '*{ATTENTION_SUFFIX}' module, no MLP projection, no lm head"
+    if any(linear.weight.device.type != "cpu" or linear.weight.is_meta for _, _, linear, _ in found):
+        return "the dense layers' weights are not on the CPU"
     if not cpu_native.available():
         return "the native CPU kernel does not build here"
     return ""
 
 
 def _auto_choice(found, exact_reason: str) -> tuple[DenseWeights, str]:
-    """What ``DenseWeights.AUTO`` replaces attention's layers with, and why (after :func:`_auto_refusal`)."""
+    """What ``DenseWeights.AUTO`` replaces the dense layers with, and why (after :func:`_auto_refusal`)."""
     if exact_reason:
         return DenseWeights.BF16, f"{exact_reason}: bf16, exact"
-    off = sorted({linear.in_features for _, _, linear in found if linear.in_features % INT8_BLOCK})
+    off = sorted({linear.in_features for _, _, linear, _ in found if linear.in_features % INT8_BLOCK})
     if off:
         return DenseWeights.BF16, f"in_features {off} not a multiple of the 8-bit block {INT8_BLOCK}: bf16, exact"
     return DenseWeights.Q8, "8-bit activations, as the CPU experts compute: llama.cpp's Q8_0 layout"
 
 
+def _layer_format(dense: DenseWeights, role: DenseRole) -> DenseWeights:
+    """The format one layer takes under ``dense``: the lm head in Q8 where the rest take Q4 (a vocabulary's
+    logits at 4 bits would round the one output a token is chosen from; llama.cpp's Q4_0 keeps it at 6.6 bits)."""
+    return DenseWeights.Q8 if dense is DenseWeights.Q4 and role is DenseRole.HEAD else dense
+
+
 def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None = None,
                threads: int | None = None, keep_original: bool = True, exact_reason: str = "") -> DenseSwap | None:
-    """Replace attention's linear layers per ``dense`` (None for KEEP); refuses layers not on the CPU or (Q4, Q8)
-    whose in_features the format's group does not divide, before replacing any. AUTO never refuses: where it can
-    (``_auto_refusal``) it takes Q8, or BF16 when ``exact_reason`` says why attention should stay exact (the
-    caller's experts are not computed by the CPU's 8-bit kernel) or an in_features is off Q8's blocks, and
-    otherwise replaces nothing; the swap's ``reason`` says why.
+    """Replace the model's dense layers (:func:`dense_linears`) per ``dense`` (None for KEEP); refuses layers not on
+    the CPU or (Q4, Q8) whose in_features the format's group does not divide, before replacing any. AUTO never
+    refuses: where it can (``_auto_refusal``) it takes Q8, or BF16 when ``exact_reason`` says why the dense layers
+    should stay exact (the caller's experts are not computed by the CPU's 8-bit kernel) or an in_features is off
+    Q8's blocks, and otherwise replaces nothing; the swap's ``reason`` says why.
     keep_original=False: a BF16 layer's original weight storage is released while applied (its values are the
     bf16 copy's, put back by ``restore``); a Q4 or Q8 layer's likewise where its values are all bf16, a bf16 copy
     kept beside the rounded rows; other originals stay (``state_dict`` and ``restore`` need them: the rounded copy
-    cannot give them back)."""
+    cannot give them back), and so does a tied lm head's (the input embeddings read it)."""
     dense = DenseWeights(dense)
     if dense is DenseWeights.KEEP:
         return None
     fmt = QuantFormat() if fmt is None else fmt
-    found = attention_linears(model)
+    found = dense_linears(model)
     reason = ""
     if dense is DenseWeights.AUTO:
         reason = _auto_refusal(found)
@@ -321,34 +401,38 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
             return DenseSwap(chosen="keep", reason=reason)
         dense, reason = _auto_choice(found, exact_reason)
     if not found:
-        raise ValueError(f"dense={dense.value!r}: the model has no nn.Linear inside a '*{ATTENTION_SUFFIX}' module")
-    for _, name, linear in found:
+        raise ValueError(f"dense={dense.value!r}: the model has no nn.Linear inside a '*{ATTENTION_SUFFIX}' module, "
+                         "no MLP projection and no lm head")
+    for _, name, linear, role in found:
+        where = f"the {role.value} layer {name}"
         if linear.weight.device.type != "cpu" or linear.weight.is_meta:
-            raise ValueError(f"dense={dense.value!r}: attention's {name} is on {linear.weight.device}; the replaced "
+            raise ValueError(f"dense={dense.value!r}: {where} is on {linear.weight.device}; the replaced "
                              "dense layers run on the CPU (CPU-only serving)")
-        if dense is DenseWeights.Q4 and linear.in_features % fmt.group_size:
-            raise ValueError(f"dense={dense.value!r}: attention's {name} has in_features {linear.in_features}, not a "
+        layer_format = _layer_format(dense, role)
+        if layer_format is DenseWeights.Q4 and linear.in_features % fmt.group_size:
+            raise ValueError(f"dense={dense.value!r}: {where} has in_features {linear.in_features}, not a "
                              f"multiple of the group size {fmt.group_size}")
-        if dense is DenseWeights.Q8 and linear.in_features % INT8_BLOCK:
-            raise ValueError(f"dense={dense.value!r}: attention's {name} has in_features {linear.in_features}, not a "
+        if layer_format is DenseWeights.Q8 and linear.in_features % INT8_BLOCK:
+            raise ValueError(f"dense={dense.value!r}: {where} has in_features {linear.in_features}, not a "
                              f"multiple of the 8-bit block {INT8_BLOCK}")
     swap = DenseSwap(chosen=dense.value, reason=reason)
-    for parent, name, linear in found:
+    for parent, name, linear, role in found:
+        layer_format = _layer_format(dense, role)
         # keep_original=False: an original whose values are all bf16 (and not held in bf16 already) is released
         # while applied and refilled exactly from a bf16 copy (BF16: the packed weight itself; Q4 / Q8: kept beside
-        # the rounded rows, 2 bytes a weight where an fp32 original costs 4)
-        release = (not keep_original and linear.weight.dtype != torch.bfloat16
-                   and (dense is DenseWeights.BF16 or bf16_exact(linear.weight)))
-        copy = linear.weight.detach().to(torch.bfloat16).contiguous() if release and dense is not DenseWeights.BF16 \
-            else None
-        if dense is DenseWeights.BF16:
+        # the rounded rows, 2 bytes a weight where an fp32 original costs 4); never a tied head's
+        release = (not keep_original and linear.weight.dtype != torch.bfloat16 and not _tied(model, linear)
+                   and (layer_format is DenseWeights.BF16 or bf16_exact(linear.weight)))
+        copy = linear.weight.detach().to(torch.bfloat16).contiguous() \
+            if release and layer_format is not DenseWeights.BF16 else None
+        if layer_format is DenseWeights.BF16:
             if not bf16_exact(linear.weight):
                 swap.kept += 1
                 continue
             packed = pack_dense_bf16(linear.weight, linear.bias)
             setattr(parent, name, Bf16Linear(packed, threads, linear.weight.dtype,
                                              None if linear.bias is None else linear.bias.dtype))
-        elif dense is DenseWeights.Q8:
+        elif layer_format is DenseWeights.Q8:
             try:
                 packed = pack_dense_int8(linear.weight, linear.bias)
             except ValueError:  # a block scale fp16 cannot hold, or a non-finite weight: kept, counted
@@ -359,11 +443,14 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
             packed = pack_dense(linear.weight, fmt, linear.bias)
             setattr(parent, name, Q4Linear(packed, threads, original=linear, exact_copy=copy))
         swap.swapped.append((parent, name, linear))
+        swap.roles[role.value] = swap.roles.get(role.value, 0) + 1
+        swap.role_bytes[role.value] = swap.role_bytes.get(role.value, 0) + packed.nbytes
         swap.nbytes += packed.nbytes
         swap.original_nbytes += linear.weight.nbytes + (0 if linear.bias is None else linear.bias.nbytes)
         if release:
             swap.released[id(linear)] = linear.weight.dtype  # (a bf16 weight is the copy itself: nothing to free)
             linear.weight.data = torch.empty(0, dtype=linear.weight.dtype)
     if dense in (DenseWeights.Q8, DenseWeights.Q4):
-        swap.shared = sum(_share_projections(parent, threads) for parent in {id(p): p for p, _, _ in found}.values())
+        attentions = {id(p): p for p, _, _, role in found if role is DenseRole.ATTENTION}
+        swap.shared = sum(_share_projections(parent, threads) for parent in attentions.values())
     return swap
