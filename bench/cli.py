@@ -1,12 +1,13 @@
 """``crisp-bench``: how fast CRISP runs on this machine, against what you would use instead.
 
-Subcommands: kernels, transfer, layer, e2e, simulate, and peer (against llama.cpp on the CPU).
+Subcommands: kernels, transfer, cpu, dense (the CPU default's dense layers on real shapes), layer, e2e, simulate,
+and peer (against llama.cpp on the CPU).
 With no subcommand a quick default suite runs the first five on the committed trained model (about a minute
 on a 2-core CPU; it uses the GPU when there is one). Every subcommand prints tables, and takes ``--json PATH``
 and ``--plot PATH.png``. Bad input exits with code 2 and a one-line message.
 
 This module only dispatches: each subcommand is a module with ``add_parser(subparsers)`` and
-``run(args) -> int`` (kernels, cpu, transfer, layer, e2e, simulate_cmd, peer); what they share (paths,
+``run(args) -> int`` (kernels, cpu, dense, transfer, layer, e2e, simulate_cmd, peer); what they share (paths,
 the CliError base class, argument types, model loading, device sync, the JSON emit) is in
 ``common``, tables and plots in ``report``. No module of the package imports this one.
 """
@@ -30,7 +31,7 @@ from crisp_runtime.planning.plan import PlanError
 from crisp_runtime.storage.outputs import check_outputs, plot_kind
 from crisp_runtime.storage.pack import PackMismatchError
 
-from . import cpu, e2e, kernels, layer, peer, report, report_cmd, simulate_cmd, transfer
+from . import cpu, dense, e2e, kernels, layer, peer, report, report_cmd, simulate_cmd, transfer
 from .common import CliError, pack_dir_for
 from .profiles import PROFILE_FORMAT
 from .traces import TRACE_FORMAT
@@ -46,10 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch CPU threads for the default suite (default: 1 on machines with <= 2 cores)")
     parser.add_argument("--model", metavar="DIR", default=None, type=ca.nonempty_path,
                         help="checkpoint for the default suite (default: the committed models/tiny-mixtral)")
-    sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,cpu,layer,e2e,simulate,peer,report}")
+    sub = parser.add_subparsers(dest="command", metavar="{kernels,transfer,cpu,dense,layer,e2e,simulate,peer,report}")
 
     # the order of `crisp-bench --help`
-    for module in (kernels, cpu, transfer, layer, e2e, simulate_cmd, peer, report_cmd):
+    for module in (kernels, cpu, dense, transfer, layer, e2e, simulate_cmd, peer, report_cmd):
         module.add_parser(sub)
     return parser
 
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
         handler = {"kernels": _cmd_kernels, "transfer": _cmd_transfer, "layer": _cmd_layer, "e2e": _cmd_e2e,
-                   "simulate": _cmd_simulate, "cpu": _cmd_cpu, "peer": _cmd_peer, "report": _cmd_report}[args.command]
+                   "simulate": _cmd_simulate, "cpu": _cmd_cpu, "dense": _cmd_dense, "peer": _cmd_peer,
+                   "report": _cmd_report}[args.command]
         return handler(args)
     except KeyboardInterrupt:
         return ca.interrupted("crisp-bench", resumable=False)
@@ -157,6 +159,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 # The handlers main dispatches to, looked up when it runs (tests replace them on this module).
 _cmd_kernels = kernels.run
 _cmd_cpu = cpu.run
+_cmd_dense = dense.run
 _cmd_transfer = transfer.run
 _cmd_layer = layer.run
 _cmd_e2e = e2e.run

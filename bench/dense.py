@@ -1,0 +1,192 @@
+"""``crisp-bench dense``: what the CPU default's dense layers cost and save on real MoE families' shapes.
+
+A model on the CPU runs its routed experts on the CPU kernel from 4-bit rows; the rest of a token's weights are the
+model's own layers: attention, the shared experts and dense MLP layers (Qwen-MoE, DeepSeek-MoE) and the lm head,
+whose vocabulary makes it one of the largest matrices a token reads (``crisp_runtime.cpu.dense``). This command
+builds a model with a real family's shapes (its first ``--layers`` layers, random weights: a whole one does not fit
+in fp32 on a small machine), applies CRISP as a user would (``apply(model, pack, gpu_budget=None)``: every expert on
+the CPU kernel, the dense layers in 8-bit blocks) and decodes batch-1 tokens with a KV cache, in rounds: the
+default (after an untimed decode of the same tokens: the CPU kernel prepares an expert at its first use), then the
+same handle with its dense layers put back as loaded (``dense="keep"``), the same routed experts in both. Before
+timing, the two are checked against each other on the prompt (8-bit rounding of the dense layers: within 5%
+relative on the logits). With fewer layers than the model has, the lm head weighs more in a token than it does in
+the whole model; the bytes of each part are in the table and the records.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from crisp_runtime import cli_args as ca
+
+from . import common, report
+from .common import CliError
+
+# the default's 8-bit dense layers against the same layers as loaded, on the prompt's logits: Q8_0 rounds inputs
+# and weights ~0.5% relative each (crisp_kernels.dense_int8), in every dense layer; measured 2.2% on olmoe's first
+# 2 layers with random weights, 0.5-0.9% on the committed trained tiny models. A wrong kernel or layout is off by
+# ~100%; 5% leaves the rounding 2x room
+CHECK_TOL = 5e-2
+
+
+@dataclass(frozen=True)
+class FamilyShape:
+    """A real checkpoint's shapes, from its config.json."""
+
+    name: str
+    source: str  # the checkpoint they are read from
+    family: str  # transformers' model_type
+    layers: int  # the whole model's
+    config: dict  # the transformers config's fields (all but num_hidden_layers)
+
+
+FAMILY_SHAPES = {s.name: s for s in (
+    FamilyShape("olmoe", "allenai/OLMoE-1B-7B-0924", "olmoe", 16,
+                dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_experts=64,
+                     num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16)),
+    FamilyShape("qwen-moe", "Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe", 24,
+                dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                     shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+                     num_attention_heads=16, num_key_value_heads=16)),
+)}
+VARIANTS = ("default", "keep")
+
+
+class DenseBenchError(CliError):
+    """A bad argument or a failed check of ``crisp-bench dense``."""
+
+
+def build_model(shape: FamilyShape, layers: int, seed: int = 0):
+    """``shape``'s first ``layers`` layers, random weights (transformers' own initialisation), fp32, eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(shape.family, **shape.config, num_hidden_layers=layers,
+                                  max_position_embeddings=4096)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _decode_s(model, ids: torch.Tensor, prompt: int, handle=None) -> float:
+    """Seconds per decoded token: the prompt in one forward (untimed), then one forward per remaining id; the
+    handle's statistics reset after the prompt (they count the decoded tokens)."""
+    kwargs = common.cache_argument(model)
+    with torch.no_grad():
+        past = common.cache_of(model(input_ids=ids[:, :prompt], use_cache=True))
+        if handle is not None:
+            handle.reset_stats()
+        t0 = time.perf_counter()
+        for i in range(prompt, ids.shape[1]):
+            past = common.cache_of(model(input_ids=ids[:, i:i + 1], **kwargs(past), use_cache=True))
+        return (time.perf_counter() - t0) / (ids.shape[1] - prompt)
+
+
+def measure(shape: FamilyShape, layers: int, tokens: int, prompt: int, rounds: int, progress=None) -> list[dict]:
+    """The default and ``dense="keep"`` decode, interleaved over ``rounds``; one record each."""
+    from crisp_runtime import apply, pack_model
+    from crisp_runtime.cpu.dense import dense_linears
+
+    model = build_model(shape, layers)
+    original: dict[str, int] = {}
+    for _, _, linear, role in dense_linears(model):
+        nbytes = linear.weight.nbytes + (0 if linear.bias is None else linear.bias.nbytes)
+        original[role.value] = original.get(role.value, 0) + nbytes
+    pack = pack_model(model)
+    ids = torch.randint(0, shape.config["vocab_size"], (1, prompt + tokens), generator=torch.Generator().manual_seed(1))
+    with apply(model, pack, gpu_budget=None) as handle:  # the two computed on the prompt before anything is timed
+        info, placement = handle.stats()["dense"], handle.stats()["cpu"]["placement"]
+        if placement != "cpu_only" or info["chosen"] != "q8":
+            raise DenseBenchError(f"{shape.name}: the default ran placement {placement!r} with dense "
+                                  f"{info.get('chosen')!r} ({info.get('reason', '')}), not the CPU kernel with 8-bit "
+                                  "dense layers (does the native kernel build here?)")
+        with torch.no_grad():
+            rounded = model(input_ids=ids[:, :prompt]).logits
+            handle.dense.restore()  # the same handle and experts; the dense layers as loaded
+            kept = model(input_ids=ids[:, :prompt]).logits
+    err = ((rounded - kept).norm() / kept.norm()).item()
+    if not err <= CHECK_TOL:
+        raise DenseBenchError(f"{shape.name}: the 8-bit dense layers' logits differ from the layers as loaded by "
+                              f"{err:.3%} relative (bound {CHECK_TOL:.1%})")
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        with apply(model, pack, gpu_budget=None) as handle:
+            _decode_s(model, ids, prompt)  # untimed: the CPU kernel prepares each expert at its first use
+            default_s = _decode_s(model, ids, prompt, handle)
+            expert_bytes = handle.stats()["bytes_read_per_token"]
+            handle.dense.restore()  # the same handle, experts and cache; the dense layers as loaded
+            keep_s = _decode_s(model, ids, prompt)
+        times["default"].append(default_s)
+        times["keep"].append(keep_s)
+        if progress:
+            progress(r + 1, rounds)
+    records = []
+    for v in VARIANTS:
+        ms = [1e3 * s for s in times[v]]
+        med = statistics.median(ms)
+        dense_bytes = info["role_bytes"] if v == "default" else original
+        records.append({"shape": shape.name, "source": shape.source, "layers": layers, "model_layers": shape.layers,
+                        "variant": v, "dense": "auto" if v == "default" else "keep",
+                        "ms_per_token": med, "tokens_per_s": 1e3 / med, "rounds_ms": ms,
+                        "dense_bytes": dict(dense_bytes), "dense_bytes_total": sum(dense_bytes.values()),
+                        "dense_original_bytes": dict(original), "logits_rel_err": err,
+                        "expert_bytes_per_token": expert_bytes,
+                        "threads": torch.get_num_threads(), "tokens": tokens, "prompt": prompt})
+    base = statistics.median(times["keep"])
+    for rec in records:
+        rec["speedup_vs_keep"] = base / statistics.median(times[rec["variant"]])
+    return records
+
+
+def add_parser(subparsers) -> None:
+    """The ``crisp-bench dense`` subcommand's options."""
+    p = subparsers.add_parser(
+        "dense", help="the CPU default's 8-bit dense layers (attention, shared experts, lm head) on real shapes",
+        description="Decode tokens/s of a model with a real MoE family's shapes (its first --layers layers, random "
+        "weights) on the CPU: CRISP's default (every expert on the CPU kernel; attention, shared experts, dense MLP "
+        "layers and the lm head in 8-bit blocks), then the same handle with those layers as loaded in fp32, in each "
+        "of --rounds rounds, after checking the two agree on a prompt. Shapes: "
+        + "; ".join(f"{s.name} ({s.source}, {s.layers} layers)" for s in FAMILY_SHAPES.values()) + ".")
+    p.add_argument("--shapes", type=common.csv_choices(tuple(FAMILY_SHAPES)), default=list(FAMILY_SHAPES),
+                   help=f"comma separated: {', '.join(FAMILY_SHAPES)} (default: all)")
+    p.add_argument("--layers", type=common.positive_int, default=2,
+                   help="the first N layers of each model (default 2: fp32 weights of 2 layers are 3-5 GB)")
+    p.add_argument("--tokens", type=common.positive_int, default=32, help="decoded tokens per round (default 32)")
+    p.add_argument("--prompt", type=common.positive_int, default=16, help="prompt tokens per round (default 16)")
+    p.add_argument("--rounds", type=common.positive_int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--json", metavar="PATH", type=ca.nonempty_path,
+                   help="write the records as JSON to PATH (atomically)")
+    ca.add_force(p)
+    p.add_argument("--threads", type=ca.threads_int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def run(args) -> int:
+    from crisp_kernels import cpu_native
+
+    if not cpu_native.available():
+        raise DenseBenchError("the native CPU kernel does not build here (a C compiler is needed at first use): "
+                              "the dense layers stay as loaded, nothing to compare")
+    records = []
+    for name in args.shapes:
+        shape = FAMILY_SHAPES[name]
+        if args.layers > shape.layers:
+            raise DenseBenchError(f"--layers {args.layers}: {shape.name} has {shape.layers} layers")
+        recs = measure(shape, args.layers, args.tokens, args.prompt, args.rounds,
+                       progress=report.Progress(f"dense {shape.name}"))
+        records += recs
+        rows = [dict(r, experts_mb=(r["expert_bytes_per_token"] or 0) / 1e6,
+                     **{f"{role}_mb": r["dense_bytes"].get(role, 0) / 1e6 for role in ("attention", "mlp", "head")})
+                for r in recs]
+        print(report.table(rows, [("variant", "dense layers"), ("ms_per_token", "ms/token"),
+                                  ("tokens_per_s", "tok/s"), ("speedup_vs_keep", "x keep"),
+                                  ("attention_mb", "attention MB"), ("mlp_mb", "shared/dense MLP MB"),
+                                  ("head_mb", "lm head MB"), ("experts_mb", "experts MB/token")],
+                           title=f"{shape.name} ({shape.source}'s shapes, {args.layers} of {shape.layers} layers, "
+                           f"random weights), batch-1 decode, {torch.get_num_threads()} threads; default = 8-bit "
+                           f"blocks, keep = fp32 as loaded; the default's logits within "
+                           f"{recs[0]['logits_rel_err']:.2%} of keep's on the prompt"))
+        print()
+    common.emit(args, "dense", records)
+    return 0

@@ -1,0 +1,74 @@
+"""``crisp-bench dense``: both variants measured on one handle, the check that catches a wrong dense kernel before
+anything is timed, and the command's argument errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from crisp_bench import dense  # noqa: E402
+from crisp_bench.cli import main  # noqa: E402
+
+from crisp_kernels import cpu_native  # noqa: E402
+
+needs_native = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernel does not build here")
+
+# a Qwen-MoE of test size: attention, a shared expert, a vocabulary larger than the hidden size
+SMALL = dense.FamilyShape("small-qwen", "test", "qwen2_moe", 3,
+                          dict(vocab_size=512, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                               num_attention_heads=4, num_key_value_heads=2))
+
+
+@needs_native
+def test_both_variants_are_measured_with_each_roles_bytes():
+    records = dense.measure(SMALL, layers=2, tokens=3, prompt=4, rounds=2)
+    by = {r["variant"]: r for r in records}
+    assert set(by) == {"default", "keep"}
+    assert by["keep"]["speedup_vs_keep"] == 1.0 and by["default"]["speedup_vs_keep"] > 0
+    assert by["keep"]["dense_bytes"] == by["default"]["dense_original_bytes"]
+    hidden, vocab = 64, 512
+    assert by["keep"]["dense_bytes"]["head"] == vocab * hidden * 4  # fp32 as loaded
+    assert set(by["default"]["dense_bytes"]) == {"attention", "mlp", "head"}
+    # 8-bit blocks of 32 with an fp16 scale: 8.5 bits a weight (a bias stays fp32)
+    assert by["default"]["dense_bytes"]["head"] == vocab * hidden * 8.5 / 8
+    for role, nbytes in by["default"]["dense_bytes"].items():
+        assert nbytes < 0.3 * by["keep"]["dense_bytes"][role]
+    assert 0 < by["default"]["logits_rel_err"] <= dense.CHECK_TOL
+    assert all(len(r["rounds_ms"]) == 2 and r["expert_bytes_per_token"] > 0 for r in records)
+
+
+@needs_native
+def test_a_wrong_dense_kernel_is_caught_before_anything_is_timed(monkeypatch):
+    from crisp_runtime.cpu import dense as cpu_dense
+
+    def zeros(x, packed, threads=None):
+        return torch.zeros(*x.shape[:-1], packed.out_features)
+
+    monkeypatch.setattr(cpu_dense, "dense_int8", zeros)
+    monkeypatch.setattr(dense, "_decode_s", lambda *a, **k: pytest.fail("timed a wrong kernel"))
+    with pytest.raises(dense.DenseBenchError, match="differ from the layers as loaded"):
+        dense.measure(SMALL, layers=1, tokens=2, prompt=4, rounds=1)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["dense", "--shapes", "mixtral"], "mixtral"),
+    (["dense", "--layers", "0"], "--layers"),
+    (["dense", "--shapes", "olmoe", "--layers", "17"], "olmoe has 16 layers"),
+])
+def test_bad_arguments_exit_2_without_a_traceback(argv, needle, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err
+
+
+def test_help_names_the_shapes_and_what_is_compared(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["dense", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "OLMoE-1B-7B" in out and "Qwen1.5-MoE-A2.7B" in out and "as loaded" in out
