@@ -31,9 +31,17 @@ Reading: the file is read into process memory (one ``readinto``), never memory-m
 file rewritten in place kills the process with SIGBUS. Every header field is checked (dtype,
 shape, offsets covering the data exactly), then shapes against the metadata, then the cheap value
 checks of :func:`crisp_kernels.format.check_layer_values` (finite positive scales, zero points
-<= 15, permutations). The per-tensor digests are compared only on request
-(``PackCheck.DIGESTS``): hashing costs about as much as reading the file again. Files written
-before the digests existed (same format version) load; their digest check reports
+<= 15, permutations). The per-tensor digests cost about as much as reading the file again:
+``PackCheck.DIGESTS`` compares them at every read; ``PackCheck.ONCE`` (what ``load_pack``, and so
+``apply`` and ``load_model``, do) compares them the first time this machine reads a file and records a
+stamp (the file's resolved path, size, modification time, inode and header digest, in
+``$CRISP_CACHE_DIR/verified``); a later read of the same unchanged file skips the hashing
+(``DigestStatus.VERIFIED_BEFORE``), and any change to the file (a rewrite, an edit, a copy) is hashed
+again. A file modified less than ``STAMP_MIN_AGE_S`` before it is read is not stamped: file systems
+keep modification times in ticks (a few ms on Linux, 1-2 s on some), and an edit within the tick of the
+last write would leave the recorded time unchanged (git's "racily clean" files). A stamp that cannot be
+written (a read-only cache) means the digests are compared at every read. Files
+written before the digests existed (same format version) load; their digest check reports
 ``DigestStatus.UNAVAILABLE``.
 """
 
@@ -44,6 +52,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -88,11 +97,13 @@ class PackIntegrityError(PackFormatError):
 class PackCheck(enum.Enum):
     VALUES = "values"  # header, shapes, dtypes and value ranges (always done)
     DIGESTS = "digests"  # also each tensor's sha256 against the digest recorded at save
+    ONCE = "once"  # DIGESTS, unless this machine verified this very file before, unchanged since (a stamp)
 
 
 class DigestStatus(enum.Enum):
     NOT_CHECKED = "not checked"
     VERIFIED = "verified"
+    VERIFIED_BEFORE = "verified before on this machine (the file is unchanged since)"
     UNAVAILABLE = "unavailable (file written before digests were recorded)"
 
 
@@ -445,6 +456,7 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
     if not path.is_file():
         raise FileNotFoundError(f"packed experts file not found: {path}")
+    before = os.stat(path)
     metadata, tensors, header_digest = read_safetensors(path)
     all_tensors = dict(tensors)  # the loop below pops from ``tensors``
     _check_metadata(path, metadata)
@@ -497,12 +509,21 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         raise PackFormatError(f"{path}: metadata field {DIGESTS_KEY} does not list exactly the file's tensors "
                               f"(differences: {sorted(set(digests) ^ set(all_tensors))[:5]})")
     status = DigestStatus.NOT_CHECKED
-    if check is PackCheck.DIGESTS:
-        status = DigestStatus.UNAVAILABLE if digests is None else DigestStatus.VERIFIED
-        for name in sorted(digests or {}):
-            if tensor_sha256(all_tensors[name]) != digests[name]:
-                raise PackIntegrityError(f"{path}: tensor {name}: sha256 differs from the digest recorded at "
-                                         f"save; the file is corrupt")
+    if check is not PackCheck.VALUES:
+        # ONCE trusts a stamp only when the file was not changed while read either
+        unchanged = _same_file(before, os.stat(path))
+        if digests is None:
+            status = DigestStatus.UNAVAILABLE
+        elif check is PackCheck.ONCE and unchanged and _stamped(path, before, header_digest):
+            status = DigestStatus.VERIFIED_BEFORE
+        else:
+            for name in sorted(digests):
+                if tensor_sha256(all_tensors[name]) != digests[name]:
+                    raise PackIntegrityError(f"{path}: tensor {name}: sha256 differs from the digest recorded at "
+                                             f"save; the file is corrupt")
+            status = DigestStatus.VERIFIED
+            if unchanged:
+                _write_stamp(path, before, header_digest)
     if device.type != "cpu":
         try:
             layers = {idx: replace(lay.to(device), neuron_order=lay.neuron_order.to(device))
@@ -510,6 +531,52 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         except (RuntimeError, AssertionError) as exc:  # no such device / torch built without CUDA
             raise ValueError(f"device: cannot place the packed layers on {device} ({exc})") from None
     return PackedFile(layers, dict(metadata), header_digest, status)
+
+
+# ----------------------------------------------------------------------------- digest stamps
+
+# a file modified this recently is not stamped: an edit within the same modification-time tick (FAT: 2 s) would
+# not show in the time a stamp records
+STAMP_MIN_AGE_S = 3
+
+
+def _stamp_path(path: Path) -> Path:
+    from .cpu_native import cache_dir  # the package's one cache folder ($CRISP_CACHE_DIR)
+
+    key = hashlib.sha256(os.fsencode(path.resolve())).hexdigest()[:32]
+    return cache_dir() / "verified" / f"{key}.json"
+
+
+def _file_identity(path: Path, st: os.stat_result, header_digest: str) -> dict:
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
+            "device": st.st_dev, "header_sha256": header_digest}
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_size, a.st_mtime_ns, a.st_ino, a.st_dev) == (b.st_size, b.st_mtime_ns, b.st_ino, b.st_dev)
+
+
+def _stamped(path: Path, st: os.stat_result, header_digest: str) -> bool:
+    """Whether this file, as ``st`` describes it, had its digests verified on this machine before."""
+    try:
+        recorded = json.loads(_stamp_path(path).read_text())
+    except (OSError, ValueError):  # none, unreadable or not JSON: verify
+        return False
+    return recorded == _file_identity(path, st, header_digest)
+
+
+def _write_stamp(path: Path, st: os.stat_result, header_digest: str) -> None:
+    """Record that this file's digests are verified, unless it was modified within ``STAMP_MIN_AGE_S`` (best
+    effort: a cache that cannot be written only means the digests are compared again at the next read)."""
+    if time.time_ns() - st.st_mtime_ns < STAMP_MIN_AGE_S * 1_000_000_000:
+        return
+    try:
+        stamp = _stamp_path(path)
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(_file_identity(path, st, header_digest), sort_keys=True)
+        atomic_write(stamp, lambda tmp: Path(tmp).write_text(text))
+    except OSError:
+        pass
 
 
 def load_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,

@@ -5,7 +5,9 @@ fingerprint, and the ``crisp-pack verify`` command."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -81,23 +83,79 @@ def test_same_inputs_give_byte_identical_packs(tmp_path, layers):
     assert list(header) == sorted(header) and list(header["__metadata__"]) == sorted(header["__metadata__"])
 
 
-def test_digests_recorded_and_verified(tmp_path, layers):
+@pytest.fixture
+def stamps(tmp_path, monkeypatch) -> Path:
+    """A cache folder of this test's own: where the digest stamps go."""
+    monkeypatch.setenv("CRISP_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "verified"
+
+
+def _age(path: Path, seconds: float) -> None:
+    """Set the file's modification time ``seconds`` into the past (as a pack written a while ago)."""
+    past = time.time_ns() - int(seconds * 1e9)
+    os.utime(path, ns=(past, past))
+
+
+def test_digests_recorded_and_verified(tmp_path, layers, stamps):
     save_pack(tmp_path / "p", layers, plan=_plan(layers))
     result = verify_pack(tmp_path / "p")
     assert (result.tensors, result.binding) == (DigestStatus.VERIFIED, DigestStatus.VERIFIED)
-    assert load_pack(tmp_path / "p").digests is DigestStatus.NOT_CHECKED
+    assert load_pack(tmp_path / "p", check=PackCheck.VALUES).digests is DigestStatus.NOT_CHECKED
     assert load_pack(tmp_path / "p", check=PackCheck.DIGESTS).digests is DigestStatus.VERIFIED
+    # just written: the default verifies at every read, stamping nothing (an edit within the same mtime tick
+    # would not show)
+    assert load_pack(tmp_path / "p").digests is DigestStatus.VERIFIED
+    assert not stamps.exists() or not list(stamps.iterdir())
 
 
-def test_flipped_weight_bit_is_found_by_verify(tmp_path, layers):
+def test_the_default_verifies_once_then_trusts_the_unchanged_file(tmp_path, layers, stamps, monkeypatch):
+    import crisp_kernels.io as io_mod
+
+    save_pack(tmp_path / "p", layers, plan=_plan(layers))
+    path = tmp_path / "p" / "experts.safetensors"
+    _age(path, 60)
+    assert load_pack(tmp_path / "p").digests is DigestStatus.VERIFIED
+    assert len(list(stamps.iterdir())) == 1
+    hashed = []
+    real = io_mod.tensor_sha256
+    monkeypatch.setattr(io_mod, "tensor_sha256", lambda t: hashed.append(1) or real(t))
+    assert load_pack(tmp_path / "p").digests is DigestStatus.VERIFIED_BEFORE and not hashed
+    assert load_pack(tmp_path / "p", check=PackCheck.DIGESTS).digests is DigestStatus.VERIFIED and hashed
+    # a copy is another file: verified on its own
+    shutil.copytree(tmp_path / "p", tmp_path / "copy")
+    _age(tmp_path / "copy" / "experts.safetensors", 60)
+    hashed.clear()
+    assert load_pack(tmp_path / "copy").digests is DigestStatus.VERIFIED and hashed
+
+
+@pytest.mark.parametrize("stamped", [False, True])
+def test_flipped_weight_bit_is_refused_by_the_default_load(tmp_path, layers, stamps, stamped):
     save_pack(tmp_path / "p", layers)
     path = tmp_path / "p" / "experts.safetensors"
+    if stamped:  # verified and stamped while intact, then edited in place: the edit changes the mtime
+        _age(path, 60)
+        assert load_pack(tmp_path / "p").digests is DigestStatus.VERIFIED
     offset = _data_offset(path, "layers.1.qweight") + 5
     byte = path.read_bytes()[offset]
     _poke(path, offset, bytes([byte ^ 0x10]))
-    load_pack(tmp_path / "p")  # qweight values have no invalid bit pattern: only the digest sees it
-    with pytest.raises(PackIntegrityError, match=r"experts.safetensors: tensor layers.1.qweight: sha256 differs"):
+    # qweight values have no invalid bit pattern: only the digest sees it
+    load_pack(tmp_path / "p", check=PackCheck.VALUES)
+    match = r"experts.safetensors: tensor layers.1.qweight: sha256 differs"
+    with pytest.raises(PackIntegrityError, match=match):
+        load_pack(tmp_path / "p")
+    with pytest.raises(PackIntegrityError, match=match):
         verify_pack(tmp_path / "p")
+
+
+def test_an_unwritable_cache_only_means_verifying_every_time(tmp_path, layers, monkeypatch):
+    blocker = tmp_path / "cache-is-a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("CRISP_CACHE_DIR", str(blocker))
+    save_pack(tmp_path / "p", layers)
+    _age(tmp_path / "p" / "experts.safetensors", 60)
+    for _ in range(2):
+        assert load_pack(tmp_path / "p").digests is DigestStatus.VERIFIED
+    assert blocker.read_text() == "not a folder"
 
 
 @pytest.mark.parametrize(
@@ -477,3 +535,23 @@ def test_bad_load_device(tmp_path, layers, device):
     save_pack(tmp_path / "p", layers)
     with pytest.raises(ValueError, match="device: "):
         load_pack(tmp_path / "p", device=device)
+
+
+def test_apply_and_load_model_refuse_a_pack_whose_weights_were_edited(tmp_path, stamps):
+    transformers = pytest.importorskip("transformers")
+    from crisp_runtime import apply, load_model
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "models" / "tiny-mixtral" / "config.json").is_file():
+        pytest.skip("committed tiny model absent")
+    shutil.copytree(root / "models" / "tiny-mixtral-crisp", tmp_path / "pack")
+    path = tmp_path / "pack" / "experts.safetensors"
+    offset = _data_offset(path, "layers.0.qweight")
+    _poke(path, offset, bytes(b ^ 0xFF for b in path.read_bytes()[offset:offset + 64]))
+    _age(path, 60)  # as a copy made a while ago and edited since: no stamp vouches for it
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "models" / "tiny-mixtral")
+    match = "tensor layers.0.qweight: sha256 differs"
+    with pytest.raises(PackIntegrityError, match=match):
+        apply(model, tmp_path / "pack", gpu_budget="25%")
+    with pytest.raises(PackIntegrityError, match=match):
+        load_model(root / "models" / "tiny-mixtral", tmp_path / "pack", gpu_budget="25%")

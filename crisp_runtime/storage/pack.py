@@ -24,9 +24,9 @@ Saving (``save_pack``) writes all files into a temporary sibling folder, then sw
   file is ever touched.
 A folder whose pack.json / experts.safetensors / plan.json are not those of a CRISP pack is refused.
 
-Verification on request: ``verify_pack(directory)``, or ``crisp-pack verify DIR`` (also
-``python -m crisp_runtime verify DIR``)
-also hashes every tensor and compares it with the digests recorded at save.
+``load_pack`` compares every tensor with the digests recorded at save the first time this machine reads the file,
+then trusts a stamp of the unchanged file (``PackCheck.ONCE``, ``crisp_kernels.io``). ``verify_pack(directory)``, or
+``crisp-pack verify DIR`` (also ``python -m crisp_runtime verify DIR``), hashes every tensor every time.
 """
 
 from __future__ import annotations
@@ -479,12 +479,14 @@ def _check_binding(directory: Path, files: Mapping, header_digest: str) -> None:
         raise PackIntegrityError(f"{directory}: {PLAN_FILE} is not the one {INFO_FILE} records; {_TORN}")
 
 
-def load_pack(directory: str | os.PathLike, *, device: str = "cpu", check: PackCheck = PackCheck.VALUES
+def load_pack(directory: str | os.PathLike, *, device: str = "cpu", check: PackCheck = PackCheck.ONCE
               ) -> CrispPack:
     """Read and cross-check a pack folder (see the module docstring).
 
-    check: ``PackCheck.VALUES`` (default: headers, shapes, value ranges and the ``files``
-    binding) or ``PackCheck.DIGESTS`` (also every tensor's sha256; costs about one more read).
+    check: ``PackCheck.VALUES`` (headers, shapes, value ranges and the ``files`` binding),
+    ``PackCheck.DIGESTS`` (also every tensor's sha256; costs about one more read) or ``PackCheck.ONCE``
+    (default: the digests the first time this machine reads this file, then a stamp of the unchanged file;
+    ``crisp_kernels.io``).
     The tensors are copied into memory: the file may be replaced or rewritten afterwards.
     """
     directory = Path(directory)
