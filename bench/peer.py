@@ -57,7 +57,8 @@ WIDTHS = ("full", "plan")
 CRISP_QUANT = "crisp-int4-g64"  # our format: 4-bit, group 64 along H, fp16 scales, uint8 zero points
 # CRISP's CPU configurations (peer_engines.CRISP_VARIANTS), each an engine of its own, and their records' quant:
 # fp32 activations; 8-bit activations with integer dots (llama.cpp's own arithmetic for Q4_0 x Q8_0); and those
-# with attention's linear layers in 4-bit rows too (RuntimeConfig(dense="q4"), as Q4_0 stores them)
+# with the dense layers rounded too (RuntimeConfig.dense: attention in 4-bit rows as Q4_0 stores it, or in 8-bit
+# blocks; the lm head in 8-bit blocks)
 CRISP_PRECISIONS = {v: CRISP_QUANT + ("" if v == "fp32" else f"-{v}") for v in CRISP_VARIANTS}
 # Conversion check: an F32 GGUF computes what the fp32 model does up to summation order (~1e-6 relative);
 # F16 rounds the weights (bf16 values: exact) and llama.cpp's F16 matmul rounds the activations to fp16
@@ -420,11 +421,12 @@ def add_parser(subparsers) -> None:
                    default=list(CRISP_PRECISIONS),
                    help="CRISP's CPU configurations, each timed as an engine of its own: fp32 (the expert kernel with "
                    "fp32 activations), q8 (8-bit activations and integer dot products, as llama.cpp's Q4_0 path, the "
-                   "experts' default; attention as loaded: dense='keep'), q8-dense4 (q8, and attention's linear "
-                   "layers in 4-bit rows: RuntimeConfig(dense='q4')), q8-dense8 (q8, and attention's layers in 8-bit "
-                   "blocks as llama.cpp's Q8_0: dense='q8', what the default dense='auto' does under cpu_only) and "
-                   "q8-dense16 (q8, and attention's layers whose weights are bf16 values in bf16, exact: "
-                   "dense='bf16'); "
+                   "experts' default; the dense layers, attention and lm head, as loaded: dense='keep'), q8-dense4 "
+                   "(q8, and attention's linear layers in 4-bit rows, the lm head in 8-bit blocks: "
+                   "RuntimeConfig(dense='q4')), "
+                   "q8-dense8 (q8, and the dense layers in 8-bit blocks as llama.cpp's Q8_0: dense='q8', what the "
+                   "default dense='auto' does under cpu_only) and q8-dense16 (q8, and the dense layers whose weights "
+                   "are bf16 values in bf16, exact: dense='bf16'); "
                    "comma separated (default: all; records' quant "
                    f"{', '.join(CRISP_PRECISIONS.values())})")
     p.add_argument("--accuracy-windows", type=common.positive_int, default=16,

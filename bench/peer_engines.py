@@ -48,11 +48,12 @@ def crisp_cpu_experts(precision: str, threads: int | None = None):
 
 
 def crisp_runtime_config(precision: str, threads: int | None = None):
-    """The CRISP engine's ``RuntimeConfig``: the experts as :func:`crisp_cpu_experts`; attention as loaded
-    (``dense="keep"``) for "fp32" and "q8", in 4-bit rows for "q8-dense4" (``dense="q4"``), in 8-bit blocks for
-    "q8-dense8" (``dense="q8"``, llama.cpp's Q8_0: what the default ``"auto"`` does under ``cpu_only``), its
-    bf16-valued weights in bf16 for "q8-dense16" (``dense="bf16"``, exact); the fp32 experts dropped once packed
-    (``keep_original=False``: the serving footprint)."""
+    """The CRISP engine's ``RuntimeConfig``: the experts as :func:`crisp_cpu_experts`; the dense layers (attention,
+    the lm head) as loaded (``dense="keep"``) for "fp32" and "q8", attention in 4-bit rows and the head in 8-bit
+    blocks for "q8-dense4" (``dense="q4"``), both in 8-bit blocks for "q8-dense8" (``dense="q8"``, llama.cpp's Q8_0:
+    what the default ``"auto"`` does under ``cpu_only``), their bf16-valued weights in bf16 for "q8-dense16"
+    (``dense="bf16"``, exact); the fp32 experts dropped once packed (``keep_original=False``: the serving
+    footprint)."""
     from crisp_runtime.execution.runtime import RuntimeConfig
 
     dense = {"q8-dense4": "q4", "q8-dense8": "q8", "q8-dense16": "bf16"}.get(precision, "keep")
@@ -241,7 +242,7 @@ class CrispEngine:
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
         original = cpu_native.NativeKernel._rows  # both arithmetics' calls go through it
         original_token = cpu_native.BoundRows.one_token_  # and a one-token step's, through the bound rows
-        dense_names = ("dense_int8", "dense_q8", "dense_bf16")  # attention's layers (RuntimeConfig.dense)
+        dense_names = ("dense_int8", "dense_q8", "dense_bf16")  # the dense layers (RuntimeConfig.dense)
         original_dense = {name: getattr(cpu_native.NativeKernel, name) for name in dense_names}
         native = {"kernel": [0.0, 0], "dense": [0.0, 0]}  # seconds and calls of the expert kernel, the dense layers
 
