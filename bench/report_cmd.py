@@ -8,18 +8,26 @@ reads with a Python format template. Nothing here holds a figure; every number p
 Output: the tables on the terminal (Markdown), or ``--markdown FILE``. That file is written atomically and
 starts with a marker line; the command replaces a file only when it starts with that marker (its own earlier
 output), or with ``--force``; any other existing file is refused, so a user's notes are never overwritten.
-``--check`` only verifies that every record the index names exists and every table row resolves.
+``--check`` only verifies that every record the index names exists, is the file the index lists, and every table
+row resolves.
+
+Each record's description in the index carries the sha256 of the record file as installed: a record edited or
+replaced since is refused by name, so the README's figures are never rebuilt from numbers that no command wrote.
+``--install FILE ...`` is how a regenerated record gets in: each FILE (a JSON object named as a record the index
+describes) is copied into the results folder (atomically; nothing is copied when FILE is already there) and its
+digest recorded in index.json, written last.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 from pathlib import Path
 
 from crisp_runtime import cli_args as ca
-from crisp_runtime.storage.outputs import check_outputs, markdown_kind, write_text
+from crisp_runtime.storage.outputs import check_outputs, markdown_kind, write_bytes, write_text
 
 from .common import CliError
 
@@ -45,8 +53,11 @@ def add_parser(subparsers) -> None:
                    "command's own earlier output (its first line is the report's marker) or with --force")
     p.add_argument("--force", action="store_true", help="with --markdown: replace FILE even if this command did "
                    "not write it")
-    p.add_argument("--check", action="store_true", help="only check that every record exists and every row "
-                   "resolves; print nothing but errors")
+    p.add_argument("--check", action="store_true", help="only check that every record exists, is the file "
+                   "index.json lists (its sha256), and every row resolves; print nothing but errors")
+    p.add_argument("--install", nargs="+", metavar="FILE", type=ca.nonempty_path, default=None,
+                   help="install regenerated records: copy each FILE (named as a record index.json describes) into "
+                   "the results folder and record its sha256 in index.json; nothing else is done")
 
 
 # ---------------------------------------------------------------------------- reading the index
@@ -95,8 +106,16 @@ class _Records:
             path = self.results / name
             if not path.is_file():
                 raise CliError(f"{path}: record named in index.json is missing")
+            data = path.read_bytes()
+            want, got = self.meta[name].get("sha256"), hashlib.sha256(data).hexdigest()
+            if want != got:
+                why = ("index.json lists no sha256 for it" if want is None else
+                       f"its sha256 {got[:12]}... is not the {str(want)[:12]}... index.json lists: edited or "
+                       "replaced since it was installed")
+                raise CliError(f"{path}: {why}; regenerate it with its command and install it with "
+                               f"`crisp-bench report --install {path}`")
             try:
-                record = json.loads(path.read_text(encoding="utf-8"))
+                record = json.loads(data.decode("utf-8"))
             except (UnicodeDecodeError, ValueError) as exc:
                 raise CliError(f"{path}: not JSON ({exc})") from None
             if not isinstance(record, dict):
@@ -202,12 +221,44 @@ def _render(table: dict, records: _Records, where: Path) -> str:
 
 
 def check_index(results: Path) -> None:
-    """Every record the index describes exists (inputs included), and every table renders."""
+    """Every record the index describes exists (inputs included) and is the file the index lists, and every table
+    renders."""
     index = load_index(results)
+    records = _Records(results, index)
     for name in index.get("records", {}):
         if not (results / name).is_file():
             raise CliError(f"{results / name}: described in index.json but missing")
+        records.get(name)
     build_report(results)
+
+
+def install_records(results: Path, paths: list[Path]) -> list[Path]:
+    """Copy each of ``paths`` into ``results`` as the record of its name and record its sha256 in index.json (see
+    the module docstring); everything is checked before anything is written, index.json is written last. Returns
+    the installed records' paths."""
+    index_path = results / "index.json"
+    index = load_index(results)
+    described = index["records"]
+    staged = []
+    for src in paths:
+        if not src.is_file():
+            raise CliError(f"--install {src}: no such file")
+        if src.name not in described:
+            raise CliError(f"--install {src}: index.json describes no record {src.name!r}; describe it under "
+                           f"'records' in {index_path} first")
+        data = src.read_bytes()
+        try:
+            if not isinstance(json.loads(data.decode("utf-8")), dict):
+                raise ValueError("not a JSON object")
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CliError(f"--install {src}: not a JSON record ({exc})") from None
+        staged.append((src, results / src.name, data))
+    for src, dst, data in staged:
+        if not (dst.exists() and src.resolve() == dst.resolve()):
+            write_bytes(dst, data)  # the record of that name, a CRISP output: replaced atomically
+        described[dst.name]["sha256"] = hashlib.sha256(data).hexdigest()
+    write_text(index_path, json.dumps(index, indent=1, ensure_ascii=False) + "\n")
+    return [dst for _, dst, _ in staged]
 
 
 # ---------------------------------------------------------------------------- the subcommand
@@ -235,6 +286,12 @@ def run(args) -> int:
     results = Path(args.results) if args.results else RESULTS_DIR
     if args.force and not args.markdown:
         raise CliError("--force: only with --markdown (it lets --markdown replace a file); nothing else is written")
+    if args.install:
+        if args.markdown or args.check or args.table:
+            raise CliError("--install: alone (it installs records; run the report afterwards)")
+        for path in install_records(results, [Path(p) for p in args.install]):
+            print(f"installed {path}")
+        return 0
     if args.check:
         check_index(results)
         if args.table:  # the tables asked for must exist (check_index rendered every table)

@@ -4,6 +4,7 @@ its --markdown output, and that each record's regenerating command names a real 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import shlex
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from crisp_bench import cli
-from crisp_bench.report_cmd import MARKER, RESULTS_DIR, build_report, check_index, load_index
+from crisp_bench.report_cmd import MARKER, RESULTS_DIR, build_report, check_index, install_records, load_index
 
 ROOT = Path(__file__).resolve().parent.parent
 INDEX = load_index(RESULTS_DIR)
@@ -77,6 +78,7 @@ def test_a_broken_record_is_a_clear_error(tmp_path, capsys, damage, message):
         else:
             crisp["relative_accuracy_loss_vs_full"] = None
         path.write_text(json.dumps(rec))
+        install_records(results, [path])  # as a regenerated record would be: the content checks, not the digest
     code, out, err = run_cli(["report", "--results", str(results)], capsys)
     assert code == 2
     assert message in err and err.count("\n") == 1
@@ -85,7 +87,8 @@ def test_a_broken_record_is_a_clear_error(tmp_path, capsys, damage, message):
 def test_a_dotted_field_reads_inside_an_entry(tmp_path):
     from crisp_bench.report_cmd import _Records, _value
     (tmp_path / "r.json").write_text(json.dumps({"records": [{"k": 1, "paired": {"median": 0.75}}]}))
-    records = _Records(tmp_path, {"records": {"r.json": {}}})
+    digest = hashlib.sha256((tmp_path / "r.json").read_bytes()).hexdigest()
+    records = _Records(tmp_path, {"records": {"r.json": {"sha256": digest}}})
     assert _value({"record": "r.json", "field": "paired.median", "select": {"k": 1}}, {}, records) == 0.75
     with pytest.raises(Exception, match="not a number"):
         _value({"record": "r.json", "field": "paired.nope", "select": {"k": 1}}, {}, records)
@@ -176,6 +179,8 @@ def _damage(results: Path, damage: str) -> str:
         rec = {"record-a-list": [1, 2, 3], "records-a-string": {"records": "x"},
                "records-of-strings": {"records": ["x", "y"]}}[damage]
         rec_path.write_text(json.dumps(rec))
+        if isinstance(rec, dict):  # installed (its digest recorded): the content checks must catch it
+            install_records(results, [rec_path])
         return rec_path.name
     if damage == "tables-a-string":
         index["tables"] = "results"
@@ -189,6 +194,9 @@ def _damage(results: Path, damage: str) -> str:
         rec = json.loads(rec_path.read_text())
         next(r for r in rec["records"] if r["policy"] == "crisp")["bytes_fraction_of_full"] = 0
         rec_path.write_text(json.dumps(rec))
+        install_records(results, [rec_path])
+        index = json.loads(index_path.read_text())
+        row = index["tables"][0]["rows"][0]
         row["values"]["crisp"] = {"ratio": [row["values"]["crisp"], row["values"]["bytes"]]}
     elif damage == "record-outside-results":
         (results.parent / "outside.json").write_text(rec_path.read_text())
@@ -228,3 +236,82 @@ def test_markdown_never_writes_onto_the_reports_inputs_even_with_force(tmp_path,
 def test_check_refuses_an_unknown_table(capsys):
     code, out, err = run_cli(["report", "--check", "--table", "nope"], capsys)
     assert code == 2 and "--table nope" in err and out == ""
+
+
+# ---------------------------------------------------------------------------- record digests, --install
+
+
+def _edit_a_figure(path: Path) -> None:
+    """Change one number of a record by hand (a figure no command wrote)."""
+    rec = json.loads(path.read_text())
+    next(r for r in rec["records"] if r["policy"] == "crisp")["relative_accuracy_loss_vs_full"] = 0.001
+    path.write_text(json.dumps(rec, indent=1))
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_record_edited_by_hand_is_refused_by_name(tmp_path, capsys, check):
+    results = _copy_results(tmp_path)
+    _edit_a_figure(results / "eval-tiny-mixtral.json")
+    code, out, err = run_cli(["report", "--results", str(results), *(["--check"] if check else [])], capsys)
+    assert code == 2 and err.count("\n") == 1 and out == ""
+    assert "eval-tiny-mixtral.json: its sha256" in err and "--install" in err
+
+
+def test_a_record_unused_by_any_table_is_checked_too(tmp_path, capsys):
+    results = _copy_results(tmp_path)
+    index = load_index(results)
+    used = {v.get("record", r.get("record")) for t in index["tables"] for r in t["rows"] if isinstance(r, dict)
+            for v in r.get("values", {}).values() if isinstance(v, dict)}
+    unused = sorted(set(index["records"]) - used)
+    assert unused, "every record feeds a table: nothing to check here"
+    path = results / unused[0]
+    path.write_bytes(path.read_bytes() + b" ")
+    code, _, err = run_cli(["report", "--results", str(results), "--check"], capsys)
+    assert code == 2 and unused[0] in err
+
+
+def test_install_copies_a_regenerated_record_and_records_its_digest(tmp_path, capsys):
+    results = _copy_results(tmp_path)
+    before = {p.name: p.read_bytes() for p in results.iterdir()}
+    regenerated = tmp_path / "eval-tiny-mixtral.json"
+    shutil.copy(results / "eval-tiny-mixtral.json", regenerated)
+    _edit_a_figure(regenerated)
+    code, out, _ = run_cli(["report", "--results", str(results), "--install", str(regenerated)], capsys)
+    assert code == 0 and "installed" in out
+    assert (results / "eval-tiny-mixtral.json").read_bytes() == regenerated.read_bytes()
+    index = load_index(results)
+    assert index["records"]["eval-tiny-mixtral.json"]["sha256"] == hashlib.sha256(regenerated.read_bytes()).hexdigest()
+    changed = {p.name for p in results.iterdir() if before.get(p.name) != p.read_bytes()}
+    assert changed == {"eval-tiny-mixtral.json", "index.json"}
+    code, out, _ = run_cli(["report", "--results", str(results), "--check"], capsys)
+    assert code == 0
+    # a record regenerated in place: only its digest is recorded
+    in_place = results / "eval-tiny-deepseek.json"
+    in_place.write_bytes(in_place.read_bytes() + b"\n")
+    assert run_cli(["report", "--results", str(results), "--install", str(in_place)], capsys)[0] == 0
+    assert run_cli(["report", "--results", str(results), "--check"], capsys)[0] == 0
+
+
+@pytest.mark.parametrize(("name", "content", "needle"), [
+    ("not-described.json", b"{}", "describes no record 'not-described.json'"),
+    ("eval-tiny-mixtral.json", b"[1, 2]", "not a JSON record"),
+    ("eval-tiny-mixtral.json", b"{not json", "not a JSON record"),
+    ("eval-tiny-mixtral.json", None, "no such file"),
+])
+def test_install_refuses_what_is_not_a_described_record_and_writes_nothing(tmp_path, capsys, name, content, needle):
+    results = _copy_results(tmp_path)
+    before = {p.name: p.read_bytes() for p in results.iterdir()}
+    good = tmp_path / "eval-tiny-deepseek.json"
+    shutil.copy(results / "eval-tiny-deepseek.json", good)
+    bad = tmp_path / "in" / name
+    bad.parent.mkdir()
+    if content is not None:
+        bad.write_bytes(content)
+    code, _, err = run_cli(["report", "--results", str(results), "--install", str(good), str(bad)], capsys)
+    assert code == 2 and needle in err
+    assert {p.name: p.read_bytes() for p in results.iterdir()} == before  # the good one is not installed either
+
+
+def test_install_is_used_alone(capsys):
+    code, _, err = run_cli(["report", "--install", "x.json", "--check"], capsys)
+    assert code == 2 and "--install: alone" in err
