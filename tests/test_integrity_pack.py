@@ -555,3 +555,15 @@ def test_apply_and_load_model_refuse_a_pack_whose_weights_were_edited(tmp_path, 
         apply(model, tmp_path / "pack", gpu_budget="25%")
     with pytest.raises(PackIntegrityError, match=match):
         load_model(root / "models" / "tiny-mixtral", tmp_path / "pack", gpu_budget="25%")
+
+
+def test_a_pack_json_stripped_of_its_files_record_is_refused(tmp_path, layers):
+    save_pack(tmp_path / "p", layers, plan=_plan(layers))
+    info_path = tmp_path / "p" / "pack.json"
+    info = json.loads(info_path.read_text())
+    info.pop("files")
+    info_path.write_text(json.dumps(info, indent=1, sort_keys=True))
+    # the experts file records tensor digests, so its writer also recorded the files: pack.json was edited
+    for read in (load_pack, verify_pack):
+        with pytest.raises(PackIntegrityError, match="has no 'files' record.*pack.json was edited"):
+            read(tmp_path / "p")

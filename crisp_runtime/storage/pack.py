@@ -47,6 +47,7 @@ from pathlib import Path
 
 from crisp_kernels import PackedLayer, PackFormatError, QuantFormat, pack_layer
 from crisp_kernels.io import (
+    DIGESTS_KEY,
     DigestStatus,
     PackCheck,
     PackIntegrityError,
@@ -505,6 +506,12 @@ def load_pack(directory: str | os.PathLike, *, device: str = "cpu", check: PackC
     _check_info_fields(info_path, info, summary)
     if files is not None:
         _check_binding(directory, files, packed.header_sha256)
+    elif DIGESTS_KEY in packed.metadata:
+        # every CRISP that records tensor digests in the experts file also records the files in pack.json: without
+        # the record nothing would tie plan.json to these experts
+        raise PackIntegrityError(f"{info_path}: has no {FILES_KEY!r} record, but {EXPERTS_FILE} was written by a CRISP "
+                                 f"that records it (the file holds tensor digests): {INFO_FILE} was edited or "
+                                 "replaced; save the pack again")
     plan = None
     plan_path = directory / PLAN_FILE
     if os.path.lexists(plan_path):
