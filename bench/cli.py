@@ -32,7 +32,7 @@ from crisp_runtime.storage.outputs import check_outputs, plot_kind
 from crisp_runtime.storage.pack import PackMismatchError
 
 from . import cpu, dense, e2e, kernels, layer, peer, report, report_cmd, simulate_cmd, transfer
-from .common import CliError, pack_dir_for
+from .common import CliError, check_model_dir, pack_dir_for
 from .profiles import PROFILE_FORMAT
 from .traces import TRACE_FORMAT
 
@@ -79,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - bad input must not end in a traceback
         if os.environ.get("CRISP_BENCH_DEBUG"):
             raise
+        prog = " ".join(["crisp-bench", *([args.command] if args.command else [])])
         if isinstance(exc, _known_errors()):
-            print(f"crisp-bench {args.command or ''}: error: {exc}".replace("  ", " "), file=sys.stderr)
+            print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
-        print(f"crisp-bench {args.command or ''}: internal error at {_where(exc)}: {type(exc).__name__}: {exc} "
+        print(f"{prog}: internal error at {_where(exc)}: {type(exc).__name__}: {exc} "
               f"(set CRISP_BENCH_DEBUG=1 for the traceback)", file=sys.stderr)
         return 1
     finally:
@@ -170,6 +171,11 @@ _cmd_report = report_cmd.run
 
 def _default_suite(args) -> int:
     """kernels, transfer, layer, e2e and simulate, each small, on the committed model."""
+    if args.model:  # layer, e2e and simulate load it and its pack: checked before the first step
+        try:
+            check_model_dir(args.model)
+        except CliError as exc:
+            raise CliError(f"--model {exc}") from None
     t0 = time.perf_counter()
     threads = args.threads or (1 if (os.cpu_count() or 1) <= 2 else None)
     common = ["--threads", str(threads)] if threads else []

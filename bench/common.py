@@ -16,7 +16,7 @@ import torch
 
 from crisp_runtime import cli_args as ca
 from crisp_runtime.cli_args import CliError  # re-exported: the one error base of every CLI
-from crisp_runtime.storage.pack import INFO_FILE, PLAN_FILE
+from crisp_runtime.storage.pack import INFO_FILE, PLAN_FILE, load_pack
 
 from . import report
 
@@ -138,8 +138,9 @@ def find_plan_file(pack_dir: str | Path) -> Path | None:
     return p if p.is_file() else None
 
 
-def load_model_for_bench(model_dir, pack_dir=None, *, need_pack: bool = True, device="cpu"):
-    """(unquantized model in eval mode on ``device``, pack folder or None)."""
+def check_model_dir(model_dir, pack_dir=None, *, need_pack: bool = True) -> Path | None:
+    """The pack folder of a checkpoint folder (``pack_dir_for``), or ModelInputError when ``model_dir`` is not a
+    transformers checkpoint or, with ``need_pack``, has no pack: cheap, so a command checks it before any work."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ModelInputError(f"{model_dir}: not a transformers checkpoint (no config.json)")
@@ -147,6 +148,13 @@ def load_model_for_bench(model_dir, pack_dir=None, *, need_pack: bool = True, de
     if need_pack and pack is None:
         raise ModelInputError(f"{model_dir}: no CRISP pack found (looked for {model_dir.name}-crisp/ beside it and "
                               f"in the folder itself); make one with `crisp-profile` or pass --pack DIR")
+    return pack
+
+
+def load_model_for_bench(model_dir, pack_dir=None, *, need_pack: bool = True, device="cpu"):
+    """(unquantized model in eval mode on ``device``, pack folder or None)."""
+    model_dir = Path(model_dir)
+    pack = check_model_dir(model_dir, pack_dir, need_pack=need_pack)
     try:  # optional dependency (the [hf] extra), and slow to import: only when a model is loaded
         from transformers import AutoModelForCausalLM
     except ImportError as exc:  # pragma: no cover
@@ -158,6 +166,19 @@ def load_model_for_bench(model_dir, pack_dir=None, *, need_pack: bool = True, de
         raise ModelInputError(f"{model_dir}: cannot load the checkpoint ({type(exc).__name__}: {exc})") from exc
     model.eval().to(device)
     return model, pack
+
+
+def load_pack_for_model(pack_dir, model):
+    """The CRISP pack in ``pack_dir`` (``load_pack``), refused (PackMismatchError: "this CRISP pack was made for
+    another model", as ``crisp_runtime.apply`` says) unless it was made for ``model``'s architecture."""
+    pack = load_pack(pack_dir)
+    pack.check_model(model)
+    return pack
+
+
+def pack_top_k(pack) -> int:
+    """The experts a token routes to, as the pack records it (its plan's, else pack.json's ``top_k``, else 2)."""
+    return pack.plan.top_k if pack.plan is not None else int(pack.info.get("top_k") or 2)
 
 
 def bench_device() -> torch.device:

@@ -49,7 +49,6 @@ from crisp_runtime.hf.moe_layers import max_positions
 from crisp_runtime.planning.serving import ServingPolicy
 from crisp_runtime.residency.ledger import pin_most_used
 from crisp_runtime.scheduling.scheduler import CostModel, Placement
-from crisp_runtime.storage.pack import load_pack
 
 from . import common, report
 from . import traces as tr
@@ -63,7 +62,7 @@ from .common import (
     sync,
 )
 from .sim_policies import DEFAULT_POLICY
-from .simulate import BudgetTooSmall
+from .simulate import budget_for_fraction
 
 PLACEMENTS = ("gpu", "hybrid", "hybrid_split", "static_hybrid", "cpu_only")  # scheduler.Placement values
 CPU_PRECISIONS = tuple(p.value for p in Precision)  # RuntimeConfig.cpu_experts: q8 (default), bf16 or fp32 (exact)
@@ -197,7 +196,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     device = bench_device()
     model, pack_dir = load_model_for_bench(args.model, args.pack, need_pack=True, device=device)
-    pack = load_pack(pack_dir)
+    pack = common.load_pack_for_model(pack_dir, model)
     if pack.plan is None and "crisp" in args.policies:
         raise ModelInputError(f"{pack_dir}: the pack has no plan.json, so there is no CRISP policy to run")
     warm = min(16, args.tokens // 4)
@@ -211,12 +210,7 @@ def run(args) -> int:
     except ValueError as exc:
         raise ModelInputError(str(exc)) from exc
     total = sum(layer.nbytes() for layer in pack.layers.values())
-    budget = int(args.budget * total)
-    top_k = pack.plan.top_k if pack.plan is not None else int(pack.info.get("top_k") or 2)
-    full_expert = max(layer.nbytes() // layer.num_experts for layer in pack.layers.values())
-    if budget < top_k * full_expert:
-        raise BudgetTooSmall(f"--budget {args.budget:g} = {budget:,} B is below one token's experts at full width "
-                             f"({top_k} x {full_expert:,} B = {top_k * full_expert / total:.1%} of the expert bytes)")
+    budget = budget_for_fraction("--budget", args.budget, pack.layers, common.pack_top_k(pack), total)
 
     what = "GPU" if device.type == "cuda" else "CPU (cache 'copies' are host memcpy; not an offloading measurement)"
     print(f"e2e: {rel(args.model)} + pack {rel(pack_dir)} on {what}; budget {args.budget:.0%} of "

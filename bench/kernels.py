@@ -26,6 +26,7 @@ the crisp-bench document, ``report.write_json``). Shapes come from ``shapes`` (a
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,33 @@ DEFAULT_TOKENS = (1, 4, 16, 128)
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 _L2_FLUSH_BYTES = 256 << 20
+
+
+def sweep_nbytes(shape: ModelShape, fmt: QuantFormat) -> int:
+    """About the peak bytes the sweep holds for one expert of ``shape``: its packed rows, its weights dequantized to
+    fp16 (gate and up concatenated once more for ``fp16_linear``) and to float64 (the reference)."""
+    weights = 3 * shape.hidden_size * shape.intermediate_size
+    return shape.intermediate_size * fmt.neuron_nbytes(shape.hidden_size) + weights * (2 + 8) + 2 * weights * 2 // 3
+
+
+def device_memory_nbytes(device: torch.device) -> int | None:
+    """The memory of ``device``: a GPU's total, a CPU's physical memory (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory  # GPU-only
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def shape_memory_problem(shape: ModelShape, fmt: QuantFormat, device: torch.device) -> str | None:
+    """Why one expert of ``shape`` cannot be swept on ``device`` (more memory than it has), or None."""
+    need, have = sweep_nbytes(shape, fmt), device_memory_nbytes(device)
+    if have is None or need <= have:
+        return None
+    return (f"one expert of H={shape.hidden_size} x I={shape.intermediate_size} needs about {need / 1e9:,.1f} GB "
+            f"for the sweep (its packed rows, fp16 and float64 copies of its weights); {device} has "
+            f"{have / 1e9:,.1f} GB")
 
 
 def random_packed_expert(shape: ModelShape, fmt: QuantFormat, device, seed: int = 0) -> PackedExpert:
@@ -187,6 +215,8 @@ def run_kernel_sweep(
             raise ValueError(f"token count {t}: must be >= 1")
     for s in resolved:
         fmt.check_hidden_size(s.hidden_size, f"shape {s.name}: hidden size")
+        if (why := shape_memory_problem(s, fmt, device)) is not None:
+            raise ValueError(f"shape {s.name}: {why}")
     if warmup is None:
         warmup = 2 if quick else 10
     if iters is None:
@@ -342,6 +372,10 @@ def run(args) -> int:
     auto = args.device in (None, "auto")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if auto else args.device)
     names = args.shapes or (list(GPU_SHAPES) if device.type == "cuda" else ["tiny"])
+    fmt = QuantFormat(group_size=args.group_size, symmetric=args.symmetric)
+    for name in names:  # before any allocation: a shape larger than this machine
+        if (why := shape_memory_problem(resolve_shape(name, allow_hxi=True), fmt, device)) is not None:
+            raise common.CliError(f"--shapes {name}: {why}")
     try:
         records = run_kernel_sweep(
             names, args.widths, args.tokens, device=device, dtype=args.dtype, group_size=args.group_size,

@@ -34,14 +34,13 @@ from crisp_runtime import RuntimeConfig
 from crisp_runtime.execution.runtime import CrispRuntime
 from crisp_runtime.hf.moe_layers import find_moe_layers
 from crisp_runtime.scheduling.scheduler import TaskOrder, flow_shop_makespan, johnson_order
-from crisp_runtime.storage.pack import load_pack
 
 from . import common, report
 from . import runtime as rt
 from . import traces as tr
 from .common import ORDERS, ModelInputError, bench_device, load_model_for_bench, sync
 from .runtime import _random_packed
-from .simulate import BudgetTooSmall
+from .simulate import budget_for_fraction
 
 
 def order_config(order: str, device, **kw) -> RuntimeConfig:
@@ -84,7 +83,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     device = bench_device()
     model, pack_dir = load_model_for_bench(args.model, args.pack, need_pack=True, device=device)
-    pack = load_pack(pack_dir)
+    pack = common.load_pack_for_model(pack_dir, model)
+    total = sum(layer.nbytes() for layer in pack.layers.values())
+    budget = budget_for_fraction("--budget", args.budget, pack.layers, common.pack_top_k(pack), total)
     warm = 8
     try:
         seqs = sample_sequences(read_texts(args.text), 1, args.steps + warm, seed=2)
@@ -93,12 +94,6 @@ def run(args) -> int:
     trace = tr.record_trace(model, seqs, source=str(args.text))
     crisp = pack.plan if pack.plan is not None and pack.plan.policy.value == "crisp" else None
     plans = {k: v for k, v in tr.policy_plans(trace, crisp).items() if k in args.policies}
-    total = sum(layer.nbytes() for layer in pack.layers.values())
-    full_expert = max(layer.nbytes() // layer.num_experts for layer in pack.layers.values())
-    budget = int(args.budget * total)
-    if budget < trace.top_k * full_expert:
-        raise BudgetTooSmall(f"--budget {args.budget:g} is below one token's experts at full width "
-                             f"({trace.top_k * full_expert / total:.1%} of the expert bytes)")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     hidden = next(iter(pack.layers.values())).hidden_size
     x = torch.randn(1, hidden, dtype=dtype).to(device)

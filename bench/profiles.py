@@ -234,6 +234,11 @@ BUILTIN_PROFILES = {"rtx4090-pcie4": _rtx4090, "rtx4090-pcie4-ddr5": _rtx4090_dd
 PAPER_LAYER_MS = {"total": 14.4, "load": 11.2, "compute": 2.6, "router": 0.4}
 
 
+def profiles_with_cpu() -> list[str]:
+    """The built-in profiles that have a CPU (``cpu_bytes_per_s``: what the CPU placements are simulated with)."""
+    return [name for name, make in BUILTIN_PROFILES.items() if make().has_cpu]
+
+
 def get_profile(name: str, profile_file: str | os.PathLike | None = None) -> HardwareProfile:
     """A built-in profile by name, ``measured`` (from ``profile_file``), or a path to a profile JSON."""
     if name in BUILTIN_PROFILES:

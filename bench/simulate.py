@@ -70,12 +70,14 @@ Everything here is plain Python and deterministic; times are seconds.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from crisp_runtime.execution.runtime import min_budget_bytes
 from crisp_runtime.planning.plan import CrispPlan
 from crisp_runtime.planning.serving import ServingPolicy, serve_slots
 from crisp_runtime.residency.eviction import POLICIES as ONLINE_EVICTIONS
@@ -125,6 +127,21 @@ CACHE_SCOPES = ("global", "layer")
 
 class BudgetTooSmall(CliError):
     """The cache budget cannot hold one full-width expert."""
+
+
+def budget_for_fraction(option: str, fraction: float, layers, top_k: int, total: int) -> int:
+    """The GPU budget in bytes of ``fraction`` of ``total`` expert bytes, checked against packed ``layers``: a
+    budget below one token's experts at full width (``min_budget_bytes``, what ``crisp_runtime.apply`` refuses) is
+    :class:`BudgetTooSmall` naming ``option``, before any work."""
+    budget = int(fraction * total)
+    need = min_budget_bytes(layers, top_k)
+    if budget < need:
+        least = math.ceil(need / total * 1000) / 1000 if total > 0 else math.inf
+        hint = f"give at least {least:g}" if least <= 1 else "no share of the expert bytes holds them"
+        raise BudgetTooSmall(f"{option} {fraction:g}: {budget:,} B is below one token's experts at full width "
+                             f"({top_k} x {need // top_k:,} B = {need / max(1, total):.1%} of the {total:,} expert "
+                             f"bytes); {hint}")
+    return budget
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from . import common, report
 from . import simulate as sim
 from . import traces as tr
 from .common import ORDERS, POLICIES, REPO_ROOT, CliError, find_plan_file, load_model_for_bench
-from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, PAPER_LAYER_MS, get_profile
+from .profiles import BUILTIN_PROFILES, MEASURED_PROFILE_FILE, PAPER_LAYER_MS, get_profile, profiles_with_cpu
 from .shapes import TARGETS, ModelShape
 from .sim_policies import (
     DEFAULT_POLICY,
@@ -376,6 +376,7 @@ def run(args) -> int:
 def _simulation_inputs(args):
     """(profile, target shape, trace, plans, notes, stored serving choice or None) for ``simulate``."""
     profile = get_profile(args.profile, args.profile_file)
+    _check_profile_has_cpu(args, profile)
     notes: list[str] = []
     pack_dir = None
     if args.trace:
@@ -435,6 +436,22 @@ def _simulation_inputs(args):
                        f"I={shape.intermediate_size}: widths cannot be mapped exactly (use --target native)")
     stored = _stored_serving(args, pack_dir, plans, notes) if args.matrix == "stored" else None
     return profile, shape, trace, plans, notes, stored, _pack_info(args, pack_dir)
+
+
+def _check_profile_has_cpu(args, profile) -> None:
+    """--matrix hybrid and the CPU placements of --serving simulate the host CPU: refused, before any work, with a
+    profile that has none."""
+    if profile.has_cpu:
+        return
+    on_cpu = [name for name in args.serving if serving_by_name(name).placement.uses_cpu]  # the product matrix's
+    if args.matrix == "hybrid":
+        what = "--matrix hybrid simulates CPU placements"
+    elif on_cpu and args.matrix == "product":
+        what = f"--serving {','.join(on_cpu)} runs experts on the host CPU"
+    else:
+        return
+    raise CliError(f"{what}, and --profile {args.profile} has no CPU (no cpu_bytes_per_s); give a --profile with "
+                   f"one: {', '.join(profiles_with_cpu())}, or a measured / PATH.json profile with cpu_bytes_per_s")
 
 
 def _default_configurations(args, plans, pack_info, trace, profile, budgets, notes) -> dict:

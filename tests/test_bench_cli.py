@@ -184,6 +184,45 @@ def test_bad_input_exit_2(argv, needle, tmp_path, capsys, tiny_model):
     assert rc == 2 and needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["layer", "e2e"])
+def test_a_pack_of_another_model_is_refused(command, tiny_model, tmp_path, capsys):
+    from crisp_bench.common import REPO_ROOT
+
+    other = REPO_ROOT / "models" / "tiny-deepseek-crisp"
+    rc = main([command, "--model", str(tiny_model / "tiny"), "--pack", str(other), "--text",
+               str(tiny_model / "text.txt"), "--json", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{command}: error: {other}: this CRISP pack was made for another model: " in err, err
+    assert err.count("error:") == 1 and "Traceback" not in err and not (tmp_path / "out.json").exists()
+
+
+def test_kernels_refuses_a_shape_larger_than_the_machine_before_allocating(tmp_path, capsys, monkeypatch):
+    from crisp_bench import kernels
+
+    monkeypatch.setattr(kernels, "copy_bandwidth_gbps", lambda *a, **k: pytest.fail("the sweep started"))
+    rc = main(["kernels", "--shapes", "tiny,100000000x100000000", "--quick", "--json", str(tmp_path / "k.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "kernels: error: --shapes 100000000x100000000: one expert of H=100000000 x I=100000000 " in err
+    assert "GB for the sweep" in err and "cpu has" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "k.json").exists()
+    with pytest.raises(ValueError, match="shape 100000000x100000000: one expert .* needs about"):
+        kernels.run_kernel_sweep(["100000000x100000000"], device="cpu")
+
+
+@pytest.mark.parametrize("model, needle", [("none", "not a transformers checkpoint"), ("bare", "no CRISP pack")])
+def test_default_suite_checks_model_before_any_step(model, needle, tmp_path, capsys, monkeypatch, tiny_model):
+    from crisp_bench import cli
+
+    for step in ("_cmd_transfer", "_cmd_kernels", "_cmd_layer", "_cmd_e2e", "_cmd_simulate"):
+        monkeypatch.setattr(cli, step, lambda args: pytest.fail("a step of the suite ran"))
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((tiny_model / "tiny" / "config.json").read_text())
+    rc = main(["--model", str(tmp_path / model)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"crisp-bench: error: --model {tmp_path / model}: {needle}"), err
+    assert err.count("\n") == 1
+
+
 class _nullcontext:
     def __enter__(self):
         return None

@@ -393,6 +393,19 @@ def test_options_that_would_be_silently_ignored_are_refused(extra, needle, tmp_p
                      "--tokens", "24", "--policies", "full"], capsys)[0] == 0
 
 
+@pytest.mark.parametrize("extra, needle", [
+    (["--matrix", "hybrid"], "--matrix hybrid simulates CPU placements"),
+    (["--serving", "plan,static_hybrid"], "--serving static_hybrid runs experts on the host CPU"),
+])
+def test_cpu_placements_on_a_profile_without_a_cpu_are_refused_before_any_work(extra, needle, tmp_path, capsys):
+    # the trace does not exist: the profile is refused before anything is read
+    rc, err = _sim(["--trace", str(tmp_path / "none.npz"), "--plan", "auto", "--profile", "rtx4090-pcie4", *extra,
+                    "--json", str(tmp_path / "s.json")], capsys)
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+    assert "--profile rtx4090-pcie4 has no CPU" in err and "rtx4090-pcie4-ddr5" in err
+    assert not (tmp_path / "s.json").exists()
+
+
 FROM_JSON_RUN = ["--plan", "auto", "--target", "native", "--warmup", "8", "--policies", "full,crisp",
                  "--orders", "widest_first", "--tokens", "40"]
 

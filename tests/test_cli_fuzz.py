@@ -96,6 +96,9 @@ BENCH = (
     + _cases("bench cpu", {"--json": ["", "DIR", "MISSING"], "--threads": THREADS, "--repeats": POS_INT,
                            "--shapes": SHAPES, "--widths": FRACTION_LIST, "--tokens": INT_LIST, "--model": [""],
                            "--precision": ["fp16", ""], "--impl": ["fast", "", "native-fp32,x", "NATIVE-FP32"]})
+    + _cases("bench dense", {"--json": ["", "DIR", "MISSING"], "--threads": THREADS,
+                             "--shapes": ["huge", "", "olmoe,x"], "--layers": POS_INT, "--tokens": POS_INT,
+                             "--prompt": POS_INT, "--rounds": POS_INT})
     + _cases("bench peer", {"--json": ["", "DIR", "MISSING"], "--threads": [*THREADS, ",", "1,0"],
                             "--models": ["huge", "", "tiny,x", "TINY"], "--tokens": POS_INT, "--prompt": POS_INT,
                             "--rounds": POS_INT, "--quants": ["Q8_0", "", "q4_0", "Q4_0,x"],
@@ -120,7 +123,8 @@ BENCH = (
         "--prefetch": ["always", ""],
         "--prefetch-width": ["full", "", "plan,x"], "--accuracy": [""], "--from-json": [""],
         "--tail-layout": TAIL_LAYOUTS_BAD})
-    + _cases("bench report", {"--results": ["", "MISSING"], "--table": ["", "nope"], "--markdown": ["", "DIR"]})
+    + _cases("bench report", {"--results": ["", "MISSING"], "--table": ["", "nope"], "--markdown": ["", "DIR"],
+                              "--install": ["", "MISSING", "DIR"]})
 )
 AUX_WEIGHT_BAD = ["", "-0.1", "1.5", "nan", "inf", "abc"]
 TAIL_EMULATION = _cases("tail-emulation", {

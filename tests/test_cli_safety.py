@@ -361,6 +361,31 @@ def test_check_outputs_follows_links_and_refuses_duplicates(tmp_path):
     assert data.read_text() == "input"
 
 
+@pytest.mark.parametrize("target", ["dangling", "crisp-output"])
+def test_an_output_that_is_a_symlink_is_the_users_unless_forced(target, tmp_path, capsys):
+    """A link at the output path, dangling or onto a CRISP output, is the user's: writing would replace it."""
+    trace = tmp_path / "t.npz"
+    tr.synthetic_trace(num_layers=2, num_tokens=24).save(trace)
+    run = ["simulate", "--trace", str(trace), "--plan", "auto", "--target", "native", "--policies", "full",
+           "--warmup", "4"]
+    link = tmp_path / "link.json"
+    if target == "crisp-output":
+        assert bench_cli.main([*run, "--json", str(tmp_path / "earlier.json")]) == 0
+        link.symlink_to("earlier.json")
+    else:
+        link.symlink_to("newtarget.json")
+    capsys.readouterr()
+    assert bench_cli.main([*run, "--json", str(link)]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {link}: exists and is a symbolic link" in err and "--force" in err and err.count("\n") == 1, err
+    assert link.is_symlink() and not (tmp_path / "newtarget.json").exists()
+    with pytest.raises(outputs.OutputPathError, match="is a symbolic link"):
+        outputs.check_outputs({"--json": link})
+    assert outputs.check_outputs({"--json": link}, force=True)
+    assert bench_cli.main([*run, "--json", str(link), "--force"]) == 0
+    assert not link.is_symlink() and json.loads(link.read_text())["format"] == "crisp-bench"
+
+
 def test_written_by_crisp_judges_by_content(tmp_path):
     import matplotlib
 

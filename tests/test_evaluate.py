@@ -115,6 +115,19 @@ def test_eval_bad_input(setup, tmp_path, capsys):
     assert "too little text" in capsys.readouterr().err
 
 
+def test_decode_budget_below_one_tokens_experts_is_refused_before_the_model_loads(setup, tmp_path, capsys,
+                                                                                    monkeypatch):
+    _, model, held, out = setup
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    path = tmp_path / "small.json"
+    rc = ev.main(["--model", str(model), "--crisp", str(out), "--data", str(held), "--seq-len", "8", "--samples", "1",
+                  "--mode", "decode", "--budgets", "0.5", "0.001", "--json", str(path), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("crisp-eval: error: --budgets 0.001: ") and err.count("\n") == 1, err
+    assert "below one token's experts at full width" in err and "give at least" in err
+    assert not path.exists()
+
+
 def test_evidence_report_runs(setup, tmp_path, capsys):
     from crisp_tools import evidence
 

@@ -222,6 +222,12 @@ def test_pack_made_from_other_weights_is_refused_unless_allowed(tmp_path):
     ("", ValueError, "gpu_budget: cannot read"),
     ("25%", ValueError, "gpu_budget: '25%' is a share of a pack's expert bytes; parse_budget reads bytes"),
     (" 0.25 % ", ValueError, "is a share"),
+    ("0.25", ValueError, r"gpu_budget: '0.25' reads as a fraction, not bytes; a budget is whole bytes \('6GiB', "
+                         r"'512 MB', 107520\) or a share of the pack's expert bytes \('25%'\)"),
+    ("1.0", ValueError, r"'1.0' reads as a fraction, not bytes.*\('100%'\)"),
+    ("1.9", ValueError, r"gpu_budget: '1.9' is not a whole number of bytes; a budget is whole bytes .*\('25%'\)"),
+    ("0.5 B", ValueError, r"reads as a fraction, not bytes.*\('50%'\)"),
+    ("1.0001KB", ValueError, "is not a whole number of bytes"),
     (2e9, TypeError, "gpu_budget: expected bytes .* got float 2000000000.0"),
     (float("nan"), TypeError, "gpu_budget: .* got float nan"),
     (0.5, TypeError, "for a share of the pack's expert bytes pass a string such as '25%'"),

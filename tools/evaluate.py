@@ -67,7 +67,9 @@ DECODE_BUDGETS = (0.1, 0.25, 0.5)  # --mode decode's default GPU budgets: the th
 
 class Evaluator:
     def __init__(self, model_dir, pack_dir, data, *, samples=None, seq_len=EVAL_SEQ_LEN, batch_size=16, device="cpu",
-                 engine="runtime", quiet=False, dtype="auto", reference_dir=None):
+                 engine="runtime", quiet=False, dtype="auto", reference_dir=None, budgets=None):
+        """``budgets``: the --mode decode budget fractions, checked against the pack before the model loads (against
+        the reference pack, the base of the fractions, once it is read)."""
         self.t0 = time.time()
         self.quiet = quiet
         if engine not in ("runtime", "reference"):
@@ -77,6 +79,8 @@ class Evaluator:
         texts = load_texts(data)
         self.layers, self.plan, self.info = load_pack_dir(pack_dir)
         self.pack_dir = Path(pack_dir)
+        if budgets and reference_dir is None:
+            self._check_budgets(budgets, self.layers)
         self.model, self.refs = load_model(model_dir, resolve_device(device), dtype)
         check_seq_len(self.model, seq_len)
         from crisp_runtime.storage.pack import PackMismatchError, check_layers_fit_model
@@ -93,6 +97,8 @@ class Evaluator:
         if self.plan is None or self.plan.policy is PolicyKind.FULL:
             raise CliError(f"--crisp {pack_dir}: the pack has no CRISP plan (plan.json); run crisp-profile")
         self.tail_layout, self.reference = self._reference(pack_dir, reference_dir)
+        if budgets and self.reference is not None:
+            self._check_budgets(budgets, self.reference[0])
         self.windows = contiguous_windows(texts, samples, seq_len)
         check_vocab(self.model, self.windows)
         first = next(iter(self.layers.values()))
@@ -112,6 +118,17 @@ class Evaluator:
         # bytes per token of the 4-bit full width: the reference pack's when there is one (a tail layout's share)
         full_layer = first if self.reference is None else next(iter(self.reference[0].values()))
         self.full_bpt = self.top_k * len(self.layer_ids) * full_layer.intermediate_size * self.neuron_bytes
+
+    def _check_budgets(self, budgets, base_layers) -> None:
+        """Each --budgets fraction of ``base_layers``' expert bytes must hold one token's experts at full width
+        (what ``crisp_runtime.apply`` refuses), the rule of ``crisp-bench e2e --budget``."""
+        from crisp_bench.simulate import budget_for_fraction
+
+        if self.plan is None:  # refused once the model is loaded ("no CRISP plan")
+            return
+        total = serving_eval.total_expert_bytes(base_layers)
+        for fraction in budgets:
+            budget_for_fraction("--budgets", fraction, self.layers, self.plan.top_k, total)
 
     def log(self, msg):
         log(f"[crisp-eval {time.time() - self.t0:6.1f}s] {msg}", quiet=self.quiet)
@@ -556,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         with threads(args.threads):
             ev = Evaluator(args.model, args.crisp, args.data, samples=args.samples, seq_len=args.seq_len,
                            batch_size=args.batch_size, device=args.device, engine=args.engine, quiet=args.quiet,
-                           dtype=args.dtype, reference_dir=args.reference_crisp)
+                           dtype=args.dtype, reference_dir=args.reference_crisp,
+                           budgets=_checked_budgets(args))
             if args.reference_crisp is not None and args.mode == "decode" and not ev.real_tail:
                 raise CliError("--reference-crisp with --mode decode: only for a 2-bit tail pack "
                                "(crisp_tools.tail_pack); the runtime's cache on a tail emulation counts 4-bit bytes, "
@@ -595,6 +613,16 @@ def main(argv: list[str] | None = None) -> int:
                               "plan_widths_sha256": ev.plan_digest,
                               "elapsed_s": round(time.time() - ev.t0, 1)})
     return 0 if all(math.isfinite(r["perplexity"]) for r in records) else 1
+
+
+def _checked_budgets(args) -> list[float] | None:
+    """The --mode decode budget fractions the Evaluator checks before the work (--budgets, else the defaults; with
+    --stored-serving and no --budgets each stored choice's own budget: None)."""
+    if args.mode != "decode":
+        return None
+    if args.budgets:
+        return list(args.budgets)
+    return None if args.stored_serving else list(DECODE_BUDGETS)
 
 
 def stored_cases(info, where: str) -> list:

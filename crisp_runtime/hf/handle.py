@@ -44,8 +44,9 @@ _BUDGET_HINT = "bytes (an int) or a string like '2GiB', '512 MB', '1.5GB'"
 def parse_budget(budget) -> int | None:
     """Bytes from an int or a string such as ``"2GiB"``, ``"512 MB"``, ``"1.5GB"``; None stays None.
 
-    Raises TypeError (bool, float, other types) or ValueError (unreadable text, unknown unit,
-    not positive, beyond ``MAX_BUDGET_BYTES``), each naming ``gpu_budget``.
+    Raises TypeError (bool, float, other types) or ValueError (unreadable text, unknown unit, not a whole
+    number of bytes such as ``"1.9"``, a fraction such as ``"0.25"`` (a share is ``"25%"``), not positive, beyond
+    ``MAX_BUDGET_BYTES``), each naming ``gpu_budget``.
     """
     if budget is None:
         return None
@@ -65,9 +66,17 @@ def parse_budget(budget) -> int | None:
             raise ValueError(f"gpu_budget: unknown unit {m.group(2)!r} in {budget!r}; use one of "
                              "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
         try:  # Decimal: "1.1GB" is exactly 1_100_000_000 bytes (a float gives 1_100_000_000.0000002)
-            value = int(Decimal(m.group(1)) * _UNITS[unit])
+            exact = Decimal(m.group(1)) * _UNITS[unit]
         except InvalidOperation as exc:  # pragma: no cover - the pattern admits only plain decimals
             raise ValueError(f"gpu_budget: cannot read {budget!r}; expected {_BUDGET_HINT}") from exc
+        # "1.9" is no byte count, and "0.25" or "1.0" without a unit a share written as a fraction (a share is "25%")
+        fraction = unit in ("", "b") and "." in m.group(1) and 0 < exact <= 1
+        if exact != exact.to_integral_value() or fraction:
+            what = "reads as a fraction, not bytes" if fraction else "is not a whole number of bytes"
+            share = f"'{float(exact) * 100:g}%'" if fraction else "'25%'"
+            raise ValueError(f"gpu_budget: {budget!r} {what}; a budget is whole bytes ('6GiB', '512 MB', 107520) or "
+                             f"a share of the pack's expert bytes ({share})")
+        value = int(exact)
     elif isinstance(budget, numbers.Real):
         hint = (" (for a share of the pack's expert bytes pass a string such as '25%')" if 0 < budget <= 1
                 else "")

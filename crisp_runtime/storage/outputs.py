@@ -12,7 +12,8 @@ costs nothing and no output can destroy an input. An output is refused when it
 - lies inside a CRISP pack folder (one holding ``pack.json``), input or not: a pack's files are
   written only by the pack writers, as a whole;
 - is given to two output options at once;
-- is an existing file that no CRISP tool wrote (:func:`written_by_crisp`), or that holds another kind of
+- is an existing symbolic link (dangling or not: writing would replace the link by a file), or an existing
+  file that no CRISP tool wrote (:func:`written_by_crisp`), or that holds another kind of
   CRISP output than the option writes (:func:`output_kind`: an evaluation record at a benchmark's
   ``--json``, an evidence page at the report's ``--markdown``), unless the command's ``--force`` is given:
   a rerun replaces its own earlier record, plot, trace or page, never a file of the user's that happens to
@@ -221,7 +222,13 @@ def check_output(option: str, path: PathLike, *, force: bool | None = False,
 
 def _check_replaceable(option: str, path: PathLike, resolved: Path, force: bool,
                        kinds: Collection[str] | None) -> None:
-    if not resolved.exists() or force:
+    if force:
+        return
+    given = Path(path).expanduser()
+    if given.is_symlink():  # the user's link, dangling or not: writing replaces the link itself by a file
+        raise OutputPathError(f"{option} {path}: exists and is a symbolic link (to {os.readlink(given)}); choose "
+                              f"another path, or pass --force to replace it")
+    if not resolved.exists():
         return
     kind = output_kind(resolved)
     if kind is None:
