@@ -104,3 +104,21 @@ def test_cli_refusals(packs, capsys, top_k, extra, message):
     assert ks.main(["--model", str(model), "--crisp", str(pack), "--data", str(text), "--fit-samples", "4",
                     "--test-samples", "4", "--seq-len", "32", "--quiet", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("experts, seed, message", [
+    (4, 0, "this CRISP pack was made for another model"),  # another architecture: 4 experts, the pack's 8
+    (8, 1, "made from other weights than this model (weights fingerprint"),  # the same one, other weights
+])
+def test_cli_refuses_a_pack_of_another_model_before_the_study(packs, tmp_path, capsys, monkeypatch, experts, seed,
+                                                              message):
+    monkeypatch.setattr(ks.KeyStudy, "run", lambda self: pytest.fail("studied"))
+    _, pack, text = packs[4]
+    model = make_tiny_mixtral(tmp_path / "model", seed, experts=experts, top_k=4)
+    capsys.readouterr()
+    assert ks.main(["--model", str(model), "--crisp", str(pack), "--data", str(text), "--fit-samples", "2",
+                    "--test-samples", "2", "--seq-len", "32", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]  # (transformers' loading bar aside)
+    assert len(errors) == 1 and errors[0].startswith(f"key_study: error: --crisp {pack}: ") and message in errors[0]
+    assert "Traceback" not in err

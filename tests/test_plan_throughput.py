@@ -196,3 +196,31 @@ def test_bad_tail_layouts_are_refused_before_any_work(tail, tmp_path, capsys, mo
         err = capsys.readouterr().err
         assert "--tail-layouts" in err and said in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_tail_layout_that_leaves_no_neuron_at_2_bits_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(pt, "search_variants", lambda *a, **k: pytest.fail("searched"))
+    monkeypatch.setattr(pt, "tail_layers", lambda *a, **k: pytest.fail("built"))
+    assert _run(TINY_PACK, tmp_path / "o", "--tail-layouts", "2g128@0.999", reference=None) == 2
+    err = capsys.readouterr().err
+    assert "--tail-layouts 2g128at0.999: " in err and "no neuron of I=256 is left for the 2-bit tail at 0.999" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("budget", [["--budget", "0.25"], ["--gpu-budget", "0.25"]])
+def test_the_search_options_are_refused_by_their_own_names_before_any_work(tmp_path, capsys, monkeypatch, budget):
+    monkeypatch.setattr(pt, "search_variants", lambda *a, **k: pytest.fail("searched"))
+    monkeypatch.setattr(pt, "search_budgets", lambda *a, **k: pytest.fail("searched"))
+    base = ["--model", str(TINY), "--crisp", str(TINY_PACK), "--data", CALIB, "--out", str(tmp_path / "o"), *budget,
+            *SMALL]
+    for extra, said in ((["--throughput-seq-len", "600"],  # tiny-mixtral: max_position_embeddings 512
+                         "plan-throughput: error: --throughput-seq-len 600 is beyond the model's "
+                         "max_position_embeddings (512)"),
+                        (["--throughput-seq-len", "99999999"], "fewer than --throughput-seq-len 99999999"),
+                        (["--hardware-profile", "nope"],
+                         "plan-throughput: error: --hardware-profile nope: unknown profile 'nope'; choose one of: ")):
+        assert pt.main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert said in err and sum("error:" in line for line in err.splitlines()) == 1, err
+        assert " --seq-len" not in err and "--budget" not in err and "--profile:" not in err, err
+    assert not (tmp_path / "o").exists()

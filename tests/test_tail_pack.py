@@ -64,6 +64,22 @@ def test_layouts_a_pack_cannot_store_are_refused(tail, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_layout_that_leaves_no_neuron_at_2_bits_is_refused(tmp_path, capsys):
+    # I=256: 2g128@0.999 starts its 2-bit rows at round(255.7) = 256, so every neuron would stay 4-bit
+    from crisp_tools.tail_emulation import layout_arg
+
+    assert tp.storable_tail_start(layout_arg("2g128@0.99"), 64, 256) == 253
+    assert tp.storable_tail_start(layout_arg("2g128@0"), 64, 256) == 0
+    with pytest.raises(ValueError, match="no neuron of I=256 is left for the 2-bit tail at 0.999"):
+        tp.storable_tail_start(layout_arg("2g128@0.999"), 64, 256)
+    out = tmp_path / "t"
+    assert tp.main(["--model", str(TINY), "--crisp", str(TINY_PACK), "--layout", "2g128@0.999", "--out", str(out),
+                    "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tail-pack: error: --layout 2g128at0.999: ") and len(err.splitlines()) == 1
+    assert "no neuron of I=256 is left for the 2-bit tail at 0.999" in err and not out.exists()
+
+
 def _same_widths(plan, want) -> bool:
     """The same plan but for its description (a derived pack's says what replaced the source's widths)."""
     from dataclasses import replace

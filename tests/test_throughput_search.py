@@ -493,7 +493,22 @@ def test_profile_refuses_a_bad_hardware_profile_before_any_work(tmp_path, capsys
     out = tmp_path / "pack"
     rc = prof.main(["--model", str(MODEL), "--data", str(TEXT), "--out", str(out), *PROFILE_ARGS,
                     "--plan-for-throughput", "0.25", "--hardware-profile", "abacus"])
-    assert rc == 2 and "--plan-for-throughput" in capsys.readouterr().err and not out.exists()
+    err = capsys.readouterr().err
+    assert rc == 2 and "--hardware-profile abacus: unknown profile 'abacus'; choose one of: " in err
+    assert "--profile:" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("budget", [["--plan-for-throughput", "0.25"], ["--gpu-budget", "0.25"]])
+def test_profile_refuses_throughput_windows_longer_than_the_model_takes_before_any_work(tmp_path, capsys, budget):
+    from crisp_tools import profiler as prof
+    from profile_helpers import PROFILE_ARGS
+
+    out = tmp_path / "pack"
+    rc = prof.main(["--model", str(MODEL), "--data", str(TEXT), "--out", str(out), *PROFILE_ARGS, *budget,
+                    "--throughput-seq-len", "600"])  # tiny-mixtral: max_position_embeddings 512
+    err = capsys.readouterr().err
+    assert rc == 2 and "--throughput-seq-len 600 is beyond the model's max_position_embeddings (512)" in err
+    assert not out.exists() and not (tmp_path / ".pack.crisp-work").exists()
 
 
 def test_profile_refuses_fewer_accuracy_windows_than_traced_before_any_work(tmp_path, capsys):

@@ -101,12 +101,26 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
     return model, layers
 
 
-def check_seq_len(model, seq_len: int) -> None:
+def check_seq_len(model, seq_len: int, option: str = "--seq-len") -> None:
+    """CliError naming ``option`` (the window length's option) unless ``seq_len`` tokens fit the model."""
     if seq_len < 2:
-        raise CliError(f"--seq-len must be at least 2 (one input and one next token), got {seq_len}")
+        raise CliError(f"{option} must be at least 2 (one input and one next token), got {seq_len}")
     limit = max_positions(model)
     if limit is not None and seq_len > limit:
-        raise CliError(f"--seq-len {seq_len} is beyond the model's max_position_embeddings ({limit})")
+        raise CliError(f"{option} {seq_len} is beyond the model's max_position_embeddings ({limit})")
+
+
+def check_pack_of_model(layers, info, model, where: str) -> None:
+    """CliError (prefixed ``where``: the option and its pack folder, e.g. ``--crisp PATH``) unless a pack's ``layers``
+    and pack.json ``info`` describe ``model``'s MoE layers and were made from its weights (when the pack records
+    their fingerprint): another model's pack, or a pack of other weights of the same architecture, is refused."""
+    from crisp_runtime.storage.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint
+
+    try:
+        check_layers_fit_model(layers, model, info=info)
+        check_weights_fingerprint(info, model)
+    except PackMismatchError as exc:
+        raise CliError(f"{where}: {exc}") from None
 
 
 def model_fingerprint(model, layers: Sequence[MoeLayerRef], digest: str | None = None) -> dict:
@@ -185,14 +199,16 @@ def split_texts(texts: Sequence[str], holdout_fraction: float) -> tuple[list[str
 
 
 def random_windows(
-    texts: Sequence[str], num_samples: int, seq_len: int, seed: int, what: str = "--data"
+    texts: Sequence[str], num_samples: int, seq_len: int, seed: int, what: str = "--data",
+    seq_len_option: str = "--seq-len",
 ) -> torch.Tensor:
-    """(num_samples, seq_len) windows drawn at random (seeded) from the text; checks the text suffices."""
+    """(num_samples, seq_len) windows drawn at random (seeded) from the text; checks the text suffices
+    (``seq_len_option``: the option that gave ``seq_len``, named in the refusal)."""
     from .text import sample_sequences
 
     nbytes = len(text_bytes(texts))
     if nbytes < seq_len:
-        raise CliError(f"{what}: the text has {nbytes} bytes, fewer than --seq-len {seq_len}")
+        raise CliError(f"{what}: the text has {nbytes} bytes, fewer than {seq_len_option} {seq_len}")
     if num_samples * seq_len > MAX_OVERSAMPLING * nbytes:
         raise CliError(
             f"{what}: too little text for {num_samples} samples of {seq_len} tokens ({nbytes} bytes; "

@@ -32,6 +32,7 @@ from crisp_runtime.storage.outputs import OutputPathError, check_outputs
 from .calibration import (
     CliError,
     MaskedExperts,
+    check_pack_of_model,
     check_seq_len,
     dump_json,
     load_model,
@@ -99,8 +100,9 @@ class KeyStudy:
     def __init__(self, model_dir, pack_dir, data, *, fit_samples=256, test_samples=64, seq_len=256, batch_size=16,
                  num_dominant=None, holdout_fraction=0.1, seed=0, quiet=False):
         self.t0, self.quiet, self.batch_size = time.time(), quiet, batch_size
-        layers, plan, _ = load_pack_dir(pack_dir)
+        layers, plan, info = load_pack_dir(pack_dir)
         self.model, self.refs = load_model(model_dir)
+        check_pack_of_model(layers, info, self.model, f"--crisp {pack_dir}")
         check_seq_len(self.model, seq_len)
         self.layer_ids = sorted(layers)
         first = layers[self.layer_ids[0]]

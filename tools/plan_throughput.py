@@ -36,6 +36,7 @@ from crisp_runtime.storage.outputs import OutputPathError
 
 from .calibration import (
     CliError,
+    check_seq_len,
     check_vocab,
     load_pack_dir,
     load_texts,
@@ -53,6 +54,7 @@ from .profiler.throughput import (
     add_budget_choice_options,
     add_search_options,
     budget_fractions,
+    check_hardware_profile,
     default_candidates,
     gpu_budget_arg,
     search_budgets,
@@ -138,11 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         out = new_out(args)
         if args.heldout_data is not None and args.gpu_budget is None:
             raise CliError("--heldout-data: only with --gpu-budget")
+        check_hardware_profile(args.hardware_profile)
         try:
             goal = ThroughputGoal(args.budget or 0.25, args.max_accuracy_loss, args.hardware_profile,
                                   confidence=args.accuracy_confidence)
         except (ValueError, OSError) as exc:
-            raise CliError(f"--budget / --hardware-profile: {exc}") from None
+            raise CliError(f"--budget: {exc}") from None
         try:
             count = accuracy_window_count(args.throughput_windows, args.throughput_accuracy_windows)
         except ValueError as exc:
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         _, holdout = split_texts(texts, args.holdout_fraction)
         windows = accuracy_windows_of(holdout, count, args.throughput_seq_len, args.seed, args.holdout_fraction)
         model, refs = source_model(args, layers, info)
+        check_seq_len(model, args.throughput_seq_len, "--throughput-seq-len")
         reference = None if args.reference_crisp is None else \
             reference_pack(args.reference_crisp, layers, model, args.crisp)[0]
         check_vocab(model, windows)
@@ -244,9 +248,10 @@ def _plan_budgets(args, out, layers, plan, info, layout, count: int, progress) -
     heldout = heldout_source = None
     if args.heldout_data is not None:
         heldout = random_windows(load_texts(args.heldout_data), args.heldout_windows, args.throughput_seq_len,
-                                 args.seed, "--heldout-data")
+                                 args.seed, "--heldout-data", seq_len_option="--throughput-seq-len")
         heldout_source = " ".join(map(str, args.heldout_data))
     model, _ = source_model(args, layers, info)
+    check_seq_len(model, args.throughput_seq_len, "--throughput-seq-len")
     check_vocab(model, windows)
     source = (f"held-out calibration windows ({count} x {args.throughput_seq_len} tokens of the last "
               f"{args.holdout_fraction:.0%} of --data; the first {args.throughput_windows} traced)")

@@ -43,7 +43,7 @@ from crisp_runtime import cli_args as ca
 from crisp_runtime.planning.plan import TierWidths
 from crisp_runtime.storage.outputs import OutputPathError, check_outputs
 
-from .calibration import CliError, load_model, load_pack_dir, log
+from .calibration import CliError, check_pack_of_model, load_model, load_pack_dir, log
 
 # 4-bit codes per low-bit code step, so that a low-bit grid lies exactly in the 4-bit one (0..15).
 CODE_STEP = {2: 5, 3: 2}
@@ -212,13 +212,7 @@ def source_pack(args):
 def source_model(args, layers, info):
     """(model, MoE layer refs) of ``--model``, refused unless the pack was made from these weights."""
     model, refs = load_model(args.model)
-    from crisp_runtime.storage.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint
-
-    try:
-        check_layers_fit_model(layers, model, info=info)
-        check_weights_fingerprint(info, model)
-    except PackMismatchError as exc:
-        raise CliError(f"--crisp {args.crisp}: {exc}") from None
+    check_pack_of_model(layers, info, model, f"--crisp {args.crisp}")
     return model, refs
 
 
@@ -226,16 +220,10 @@ def reference_pack(reference_dir, layers, model, pack_dir) -> tuple[dict, dict]:
     """(layers, info) of ``--reference-crisp``: the 4-bit pack whose full width is the reference of every relative
     loss of ``--crisp`` ``pack_dir`` (its ``layers``). CliError for a tail layout (emulated or stored), a pack of
     other weights than ``model``, or another neuron order than ``layers`` (another profile of the model)."""
-    from crisp_runtime.storage.pack import PackMismatchError, check_layers_fit_model, check_weights_fingerprint
-
     ref_layers, _, ref_info = load_pack_dir(reference_dir)
     if emulation_of(ref_info) is not None or next(iter(ref_layers.values())).tail_start is not None:
         raise CliError(f"--reference-crisp {reference_dir}: a tail layout itself; give a 4-bit pack")
-    try:
-        check_layers_fit_model(ref_layers, model, info=ref_info)
-        check_weights_fingerprint(ref_info, model)
-    except PackMismatchError as exc:
-        raise CliError(f"--reference-crisp {reference_dir}: {exc}") from exc
+    check_pack_of_model(ref_layers, ref_info, model, f"--reference-crisp {reference_dir}")
     for lid, lay in layers.items():
         if lid not in ref_layers or not torch.equal(ref_layers[lid].neuron_order, lay.neuron_order):
             raise CliError(f"--reference-crisp {reference_dir}: layer {lid}'s neuron order differs from --crisp "

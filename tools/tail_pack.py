@@ -59,10 +59,13 @@ def storable_tail_start(layout: TailLayout, group_size: int, intermediate_size: 
     if len(layout.segments) != 1 or layout.segments[0].bits != 2 or layout.segments[0].group_size != 2 * group_size:
         raise ValueError(f"layout {layout.name} ({layout.spec()}) is simulated and emulated only: a pack with groups "
                          f"of {group_size} stores {want}")
-    start = layout.row_ranges(intermediate_size)[-1][0]
-    if start >= intermediate_size:
-        raise ValueError(f"layout {layout.name}: no neuron of I={intermediate_size} is left for the 2-bit tail")
-    return start
+    # row_ranges drops empty ranges: a start fraction that rounds to I leaves only the 4-bit head (no tail pack)
+    tail = [lo for lo, _, bits, _ in layout.row_ranges(intermediate_size) if bits == 2]
+    if not tail:
+        raise ValueError(f"layout {layout.name}: no neuron of I={intermediate_size} is left for the 2-bit tail at "
+                         f"{layout.segments[0].start:g} (the 2-bit rows start at neuron "
+                         f"{round(layout.segments[0].start * intermediate_size)}); give a smaller fraction")
+    return tail[0]
 
 
 def checked_tail_start(layout: TailLayout, first) -> int:

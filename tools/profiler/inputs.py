@@ -153,6 +153,8 @@ def _check_paths(cfg: ProfileConfig) -> tuple[Path, Path]:
 def _check_model(cfg: ProfileConfig, model, layers: list[MoeLayerRef], fmt: QuantFormat) -> int:
     """The model's top-k, after checking that CRISP and the settings apply to it."""
     check_seq_len(model, cfg.seq_len)
+    if cfg.throughput_budget is not None or cfg.gpu_budget is not None:  # the throughput search's windows
+        check_seq_len(model, cfg.throughput_seq_len, "--throughput-seq-len")
     top_k = model_top_k(model)
     if top_k < 2:
         raise CliError(f"--model: routes top-{top_k}; CRISP's combinations need top-k >= 2")

@@ -65,7 +65,7 @@ from dataclasses import dataclass, replace
 from statistics import NormalDist
 
 import torch
-from crisp_bench.profiles import get_profile
+from crisp_bench.profiles import ProfileError, get_profile
 from crisp_bench.shapes import TARGETS, ModelShape
 from crisp_bench.simulate import SimPolicy, simulate_decode, target_window
 from crisp_bench.tail_sim import TailMapping, mapped_target
@@ -682,21 +682,32 @@ def accuracy_windows_of(holdout_texts, count: int, seq_len: int, seed: int, hold
     same windows)."""
     return random_windows(holdout_texts, count, seq_len, seed + 3,
                           f"--data (held-out calibration part, last {holdout_fraction:.0%}; --throughput-accuracy-"
-                          f"windows {count} x --throughput-seq-len {seq_len})")
+                          f"windows {count} x --throughput-seq-len {seq_len})", seq_len_option="--throughput-seq-len")
+
+
+def check_hardware_profile(name: str) -> None:
+    """CliError naming ``--hardware-profile`` (the search's option, shared by ``crisp-profile`` and
+    ``crisp_tools.plan_throughput``) unless crisp-bench has that profile or can read that profile file."""
+    try:
+        get_profile(name)
+    except (ProfileError, OSError) as exc:
+        # crisp-bench names its own option (--profile) and the path; say them once, as this option
+        why = str(exc).removeprefix("--profile: ").removeprefix(f"{name}: ")
+        raise CliError(f"--hardware-profile {name}: {why}") from None
 
 
 def goal_from_config(cfg) -> ThroughputGoal | None:
     """``crisp-profile --plan-for-throughput``'s goal (None without it); CliError naming the option. The
     hardware profile is checked even without it: a bad value is refused, never ignored."""
+    check_hardware_profile(cfg.hardware_profile)
     try:
-        get_profile(cfg.hardware_profile)
         if cfg.throughput_budget is None:
             return None
         accuracy_window_count(cfg.throughput_windows, cfg.throughput_accuracy_windows)
         return ThroughputGoal(cfg.throughput_budget, cfg.max_accuracy_loss, cfg.hardware_profile,
                               confidence=cfg.accuracy_confidence)
     except (ValueError, OSError) as exc:
-        raise CliError(f"--plan-for-throughput / --hardware-profile: {exc}") from None
+        raise CliError(f"--plan-for-throughput: {exc}") from None
 
 
 def plan_serving(inputs, goal: ThroughputGoal, packed, plan: CrispPlan, log: Callable[[str], None],
@@ -879,12 +890,12 @@ def check_gpu_budget_config(cfg) -> None:
                        "choice per budget; --plan-for-throughput searches the whole space at one budget)")
     if cfg.search_tier_widths:
         raise CliError("--search-tier-widths: only with --plan-for-throughput (--gpu-budget keeps the plan)")
+    check_hardware_profile(cfg.hardware_profile)
     try:
-        get_profile(cfg.hardware_profile)
         for fraction in (s for s in cfg.gpu_budget if isinstance(s, float)):
             ThroughputGoal(fraction, cfg.max_accuracy_loss, cfg.hardware_profile, confidence=cfg.accuracy_confidence)
     except (ValueError, OSError) as exc:
-        raise CliError(f"--gpu-budget / --hardware-profile: {exc}") from None
+        raise CliError(f"--gpu-budget: {exc}") from None
 
 
 def plan_budgets(inputs, packed, plan: CrispPlan, log: Callable[[str], None]):
@@ -905,7 +916,7 @@ def plan_budgets(inputs, packed, plan: CrispPlan, log: Callable[[str], None]):
     heldout = None
     if cfg.heldout_data is not None:
         heldout = random_windows(load_texts(list(cfg.heldout_data)), cfg.heldout_windows, cfg.throughput_seq_len,
-                                 cfg.seed, "--heldout-data")
+                                 cfg.seed, "--heldout-data", seq_len_option="--throughput-seq-len")
     source = (f"held-out calibration windows ({accuracy_windows.shape[0]} x {accuracy_windows.shape[1]} tokens of "
               f"the last {cfg.holdout_fraction:.0%} of --data; the first {windows.shape[0]} traced)")
     choices = search_budgets(inputs.model, packed, plan, windows, goals, accuracy_windows=accuracy_windows,
