@@ -1,7 +1,7 @@
 """``crisp-bench dense``: what the CPU default's dense layers cost and save on real MoE families' shapes.
 
 A model on the CPU runs its routed experts on the CPU kernel from 4-bit rows; the rest of a token's weights are the
-model's own layers: attention, the shared experts and dense MLP layers (Qwen-MoE, DeepSeek-MoE) and the lm head,
+model's own layers: attention, the shared experts and dense MLP layers (Qwen-MoE, DeepSeek) and the lm head,
 whose vocabulary makes it one of the largest matrices a token reads (``crisp_runtime.cpu.dense``). This command
 builds a model with a real family's shapes (its first ``--layers`` layers, random weights: a whole one does not fit
 in fp32 on a small machine), applies CRISP as a user would (``apply(model, pack, gpu_budget=None)``: every expert on
@@ -52,6 +52,11 @@ FAMILY_SHAPES = {s.name: s for s in (
                 dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
                      shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
                      num_attention_heads=16, num_key_value_heads=16)),
+    FamilyShape("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite", "deepseek_v2", 27,
+                dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                     n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+                     num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                     qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=1, topk_group=1)),
 )}
 VARIANTS = ("default", "keep")
 
@@ -152,7 +157,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--shapes", type=common.csv_choices(tuple(FAMILY_SHAPES)), default=list(FAMILY_SHAPES),
                    help=f"comma separated: {', '.join(FAMILY_SHAPES)} (default: all)")
     p.add_argument("--layers", type=common.positive_int, default=2,
-                   help="the first N layers of each model (default 2: fp32 weights of 2 layers are 3-5 GB)")
+                   help="the first N layers of each model (default 2: fp32 weights of 2 layers are 3-5 GB; "
+                   "DeepSeek-V2-Lite's first layer is its dense one)")
     p.add_argument("--tokens", type=common.positive_int, default=32, help="decoded tokens per round (default 32)")
     p.add_argument("--prompt", type=common.positive_int, default=16, help="prompt tokens per round (default 16)")
     p.add_argument("--rounds", type=common.positive_int, default=5, help="timed rounds (default 5)")

@@ -71,4 +71,5 @@ def test_help_names_the_shapes_and_what_is_compared(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["dense", "--help"])
     out = capsys.readouterr().out
-    assert exc.value.code == 0 and "OLMoE-1B-7B" in out and "Qwen1.5-MoE-A2.7B" in out and "as loaded" in out
+    assert exc.value.code == 0 and "as loaded" in out
+    assert all(name in out for name in ("OLMoE-1B-7B", "Qwen1.5-MoE-A2.7B", "DeepSeek-V2-Lite"))
