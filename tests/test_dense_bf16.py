@@ -215,14 +215,18 @@ def test_runtime_config_takes_bf16():
     assert RuntimeConfig(dense="bf16").dense is DenseWeights.BF16
 
 
-def tiny_mixtral():
-    """The committed tiny Mixtral in fp32 and its pack's folder (skips where transformers or the model is absent)."""
+def tiny_model(name: str = "tiny-mixtral"):
+    """A committed tiny model in fp32 and its pack's folder (skips where transformers or the model is absent)."""
     transformers = pytest.importorskip("transformers")
-    if not (ROOT / "models" / "tiny-mixtral" / "config.json").is_file():
+    if not (ROOT / "models" / name / "config.json").is_file():
         pytest.skip("committed tiny model absent")
-    model = transformers.AutoModelForCausalLM.from_pretrained(ROOT / "models" / "tiny-mixtral",
-                                                              dtype=torch.float32).eval()
-    return model, ROOT / "models" / "tiny-mixtral-crisp"
+    model = transformers.AutoModelForCausalLM.from_pretrained(ROOT / "models" / name, dtype=torch.float32).eval()
+    return model, ROOT / "models" / f"{name}-crisp"
+
+
+def tiny_mixtral():
+    """The committed tiny Mixtral in fp32 and its pack's folder."""
+    return tiny_model("tiny-mixtral")
 
 
 def test_apply_with_dense_bf16_gives_the_fp32_models_logits():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dense_bf16 import ROOT
+from test_dense_bf16 import ROOT, tiny_model
 from test_dense_int8 import FP32_TOL, OWN_TOL, rel
 from test_hf_dropin import make_model
 
@@ -94,14 +94,9 @@ def test_a_tied_head_is_replaced_and_its_weight_stays_for_the_embeddings():
 
 
 def test_applys_default_rounds_deepseeks_dense_layers_and_head_in_8_bits():
-    transformers = pytest.importorskip("transformers")
     from crisp_runtime import RuntimeConfig, apply
 
-    if not (ROOT / "models" / "tiny-deepseek" / "config.json").is_file():
-        pytest.skip("committed tiny model absent")
-    model = transformers.AutoModelForCausalLM.from_pretrained(ROOT / "models" / "tiny-deepseek",
-                                                              dtype=torch.float32).eval()
-    pack = ROOT / "models" / "tiny-deepseek-crisp"
+    model, pack = tiny_model("tiny-deepseek")
     found = dense_linears(model)
     ids = torch.tensor(list((ROOT / "data" / "stdlib-calib.txt").read_bytes()[:128])).unsqueeze(0)  # byte tokens
     with apply(model, pack, config=RuntimeConfig(dense="keep")), torch.no_grad():
