@@ -3,8 +3,8 @@
 The kernel against its float64 reference of the same quantized arithmetic (``dense_q8_ref``): 1e-5 in relative
 norm over the (T, O) output (fp32 accumulation of one fp32 term per 32 elements of H); against the fp32 weights
 it carries the 4-bit weights' rounding (a few percent on random Gaussian weights), far from an unrelated
-result's ~1.4. ``RuntimeConfig(dense="q4")``: attention's linear layers replaced while applied, the same objects
-back after ``restore()``.
+result's ~1.4. ``RuntimeConfig(dense="q4")``: attention's linear layers (and the lm head, in 8-bit blocks)
+replaced while applied, the same objects back after ``restore()``.
 """
 
 from __future__ import annotations

@@ -100,11 +100,13 @@ class RuntimeConfig:
     device: where the experts run (None = the device of the model's other parameters).
     cpu_experts: how the CPU computes the experts a CPU placement gives it (precision q8 / bf16 / fp32,
     when the int4pack copy is built, the worker's threads: ``crisp_runtime.cpu.experts``).
-    dense: what ``apply`` does with attention's dense layers: ``"auto"`` (default: ``"bf16"`` where attention's
-    weights are on the CPU and the native kernel builds, else ``"keep"``), ``"keep"``, ``"q4"`` (4-bit rows with
-    8-bit activations on the CPU), ``"q8"`` (llama.cpp's Q8_0: 8-bit blocks of 32, 8-bit activations, ~0.5%
-    rounding, half of bf16's bytes) or ``"bf16"`` (the layers whose weights are bf16 values kept in bf16, fp32
-    arithmetic: the same results up to summation order): ``crisp_runtime.cpu.dense``; restore puts them back
+    dense: what ``apply`` does with the model's dense layers (attention's projections, shared experts and dense MLP
+    layers, the lm head; not the router): ``"auto"`` (default: where their weights are on the CPU and the native
+    kernel builds, ``"q8"`` when every expert runs on the CPU's 8-bit kernel, as ``cpu_only`` at the default
+    precision does, else ``"bf16"``; ``"keep"`` where it cannot), ``"keep"``, ``"q4"`` (4-bit rows with 8-bit
+    activations on the CPU; the lm head in 8-bit blocks), ``"q8"`` (llama.cpp's Q8_0: 8-bit blocks of 32, 8-bit
+    activations, ~0.5% rounding, half of bf16's bytes) or ``"bf16"`` (the layers whose weights are bf16 values kept in
+    bf16, fp32 arithmetic: the same results up to summation order): ``crisp_runtime.cpu.dense``; restore puts them back
     (with ``keep_original=False`` a bf16 layer's fp32 original is freed while applied and refilled exactly).
     """
 

@@ -300,13 +300,13 @@ class CrispHandle(abc.ABC):
         self.refs = refs
         self.runtime = runtime
         self.active = True
-        self.dense: DenseSwap | None = None  # attention's layers replaced (RuntimeConfig.dense), if any
+        self.dense: DenseSwap | None = None  # the dense layers replaced (RuntimeConfig.dense), if any
         # the model's dtype once applied (floating_dtype): restore converts the originals it holds outside the
         # module tree when model.to(dtype) / .half() changed it meanwhile; None until the model is modified
         self._dtype: torch.dtype | None = None
 
     def _swap_dense(self) -> None:
-        """Replace attention's dense layers as ``RuntimeConfig.dense`` says (the caller restores on failure), the
+        """Replace the model's dense layers as ``RuntimeConfig.dense`` says (the caller restores on failure), the
         last change apply makes to the model; then records the model's dtype."""
         cpu = self.runtime.config.cpu_experts
         self.dense = swap_dense(self.model, self.runtime.config.dense, threads=cpu.threads,
