@@ -37,10 +37,10 @@ class ModelInputError(CliError):
 
 
 def csv_choices(choices):
-    """An argparse type: a comma-separated subset of ``choices``."""
+    """An argparse type: a comma-separated subset of ``choices`` (a repeated item once, in its first place)."""
 
     def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
+        items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
         bad = [t for t in items if t not in choices]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {', '.join(choices)}")

@@ -174,11 +174,12 @@ def run(args) -> int:
     if not cpu_native.available():
         raise DenseBenchError("the native CPU kernel does not build here (a C compiler is needed at first use): "
                               "the dense layers stay as loaded, nothing to compare")
+    shallow = [f"{s.name} has {s.layers}" for s in map(FAMILY_SHAPES.get, args.shapes) if args.layers > s.layers]
+    if shallow:  # every shape checked before the first is measured
+        raise DenseBenchError(f"--layers {args.layers}: {', '.join(shallow)} layers")
     records = []
     for name in args.shapes:
         shape = FAMILY_SHAPES[name]
-        if args.layers > shape.layers:
-            raise DenseBenchError(f"--layers {args.layers}: {shape.name} has {shape.layers} layers")
         recs = measure(shape, args.layers, args.tokens, args.prompt, args.rounds,
                        progress=report.Progress(f"dense {shape.name}"))
         records += recs

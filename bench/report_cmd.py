@@ -14,8 +14,9 @@ row resolves.
 Each record's description in the index carries the sha256 of the record file as installed: a record edited or
 replaced since is refused by name, so the README's figures are never rebuilt from numbers that no command wrote.
 ``--install FILE ...`` is how a regenerated record gets in: each FILE (a JSON object named as a record the index
-describes) is copied into the results folder (atomically; nothing is copied when FILE is already there) and its
-digest recorded in index.json, written last.
+describes, keeping that record's format, command, model and data) is copied into the results folder (atomically;
+nothing is copied when FILE is already there) and its digest recorded in index.json, written last. An edit made in
+place and then installed is not told from a regeneration: the digest guards against edits nobody installed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 from crisp_runtime import cli_args as ca
@@ -69,9 +71,11 @@ def load_index(results: Path) -> dict:
     if not path.is_file():
         raise CliError(f"--results {results}: no index.json there")
     try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
         raise CliError(f"{path}: not JSON ({exc})") from None
+    except RecursionError:
+        raise CliError(f"{path}: not JSON (nested deeper than the parser goes)") from None
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise CliError(f"{path}: not a {INDEX_FORMAT} file")
     records, tables = index.get("records", {}), index.get("tables", [])
@@ -116,6 +120,8 @@ class _Records:
                                f"`crisp-bench report --install {path}`")
             try:
                 record = json.loads(data.decode("utf-8"))
+            except RecursionError:
+                raise CliError(f"{path}: not JSON (nested deeper than the parser goes)") from None
             except (UnicodeDecodeError, ValueError) as exc:
                 raise CliError(f"{path}: not JSON ({exc})") from None
             if not isinstance(record, dict):
@@ -232,27 +238,70 @@ def check_index(results: Path) -> None:
     build_report(results)
 
 
+# what a record measured: a regenerated record keeps it (its numbers change, not its subject); the model and data by
+# file name (a regeneration may run from another checkout or folder)
+IDENTITY_FIELDS = ("format", "command", "model", "data")
+
+
+def _identity(record: dict) -> dict:
+    def names(value):
+        if isinstance(value, str):
+            return Path(value).name
+        if isinstance(value, list):
+            return [names(v) for v in value]
+        return value
+    return {f: (names(record[f]) if f in ("model", "data") else record[f]) for f in IDENTITY_FIELDS if f in record}
+
+
+def _read_record(src: Path, data: bytes) -> dict:
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise CliError(f"--install {src}: not a JSON record (nested deeper than the parser goes)") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CliError(f"--install {src}: not a JSON record ({exc})") from None
+    if not isinstance(record, dict):
+        raise CliError(f"--install {src}: not a JSON record (a JSON {type(record).__name__}, not an object)")
+    return record
+
+
 def install_records(results: Path, paths: list[Path]) -> list[Path]:
     """Copy each of ``paths`` into ``results`` as the record of its name and record its sha256 in index.json (see
-    the module docstring); everything is checked before anything is written, index.json is written last. Returns
-    the installed records' paths."""
+    the module docstring); everything is checked before anything is written, index.json is written last. A record
+    replacing one keeps its identity (``IDENTITY_FIELDS``: format, command, model and data), so one record's content
+    cannot be installed under another's name. Returns the installed records' paths."""
     index_path = results / "index.json"
     index = load_index(results)
     described = index["records"]
     staged = []
+    names = [Path(p).name for p in paths]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise CliError(f"--install: {', '.join(repeated)} given more than once (one file per record)")
     for src in paths:
         if not src.is_file():
             raise CliError(f"--install {src}: no such file")
         if src.name not in described:
             raise CliError(f"--install {src}: index.json describes no record {src.name!r}; describe it under "
                            f"'records' in {index_path} first")
+        dst = results / src.name
+        if os.path.lexists(dst) and (dst.is_symlink() or not dst.is_file()):
+            raise CliError(f"--install {src}: {dst} is not a regular file (a folder or a link); a record is "
+                           "replaced only as a file")
         data = src.read_bytes()
-        try:
-            if not isinstance(json.loads(data.decode("utf-8")), dict):
-                raise ValueError("not a JSON object")
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise CliError(f"--install {src}: not a JSON record ({exc})") from None
-        staged.append((src, results / src.name, data))
+        record = _read_record(src, data)
+        if dst.is_file() and src.resolve() != dst.resolve():
+            try:
+                current = json.loads(dst.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError):
+                current = None  # an unreadable record is replaced by a readable one
+            if isinstance(current, dict):
+                had, has = _identity(current), _identity(record)
+                differ = [f for f in had if had[f] != has.get(f)]
+                if differ:
+                    raise CliError(f"--install {src}: not a regeneration of {dst.name}: its "
+                                   + ", ".join(f"{f} {has.get(f)!r} (installed: {had[f]!r})" for f in differ))
+        staged.append((src, dst, data))
     for src, dst, data in staged:
         if not (dst.exists() and src.resolve() == dst.resolve()):
             write_bytes(dst, data)  # the record of that name, a CRISP output: replaced atomically

@@ -35,7 +35,8 @@ checks of :func:`crisp_kernels.format.check_layer_values` (finite positive scale
 ``PackCheck.DIGESTS`` compares them at every read; ``PackCheck.ONCE`` (what ``load_pack``, and so
 ``apply`` and ``load_model``, do) compares them the first time this machine reads a file and records a
 stamp (the file's resolved path, size, modification time, inode and header digest, in
-``$CRISP_CACHE_DIR/verified``); a later read of the same unchanged file skips the hashing
+``$CRISP_CACHE_DIR/verified``; also its status-change time, which ``cp -p`` or ``touch -r`` cannot set back);
+a later read of the same unchanged file skips the hashing
 (``DigestStatus.VERIFIED_BEFORE``), and any change to the file (a rewrite, an edit, a copy) is hashed
 again. A file modified less than ``STAMP_MIN_AGE_S`` before it is read is not stamped: file systems
 keep modification times in ticks (a few ms on Linux, 1-2 s on some), and an edit within the tick of the
@@ -548,19 +549,23 @@ def _stamp_path(path: Path) -> Path:
 
 
 def _file_identity(path: Path, st: os.stat_result, header_digest: str) -> dict:
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
-            "device": st.st_dev, "header_sha256": header_digest}
+    # ctime: set by the kernel at every change of the file or of its times, which no tool can set back (``cp -p``
+    # or ``touch -r`` restore the modification time, not this)
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino, "device": st.st_dev, "header_sha256": header_digest}
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_size, a.st_mtime_ns, a.st_ino, a.st_dev) == (b.st_size, b.st_mtime_ns, b.st_ino, b.st_dev)
+    def key(st):
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
+    return key(a) == key(b)
 
 
 def _stamped(path: Path, st: os.stat_result, header_digest: str) -> bool:
     """Whether this file, as ``st`` describes it, had its digests verified on this machine before."""
     try:
         recorded = json.loads(_stamp_path(path).read_text())
-    except (OSError, ValueError):  # none, unreadable or not JSON: verify
+    except (OSError, ValueError, RecursionError):  # none, unreadable, not JSON or nested beyond the parser: verify
         return False
     return recorded == _file_identity(path, st, header_digest)
 
@@ -568,7 +573,7 @@ def _stamped(path: Path, st: os.stat_result, header_digest: str) -> bool:
 def _write_stamp(path: Path, st: os.stat_result, header_digest: str) -> None:
     """Record that this file's digests are verified, unless it was modified within ``STAMP_MIN_AGE_S`` (best
     effort: a cache that cannot be written only means the digests are compared again at the next read)."""
-    if time.time_ns() - st.st_mtime_ns < STAMP_MIN_AGE_S * 1_000_000_000:
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < STAMP_MIN_AGE_S * 1_000_000_000:
         return
     try:
         stamp = _stamp_path(path)

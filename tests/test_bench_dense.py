@@ -57,8 +57,10 @@ def test_a_wrong_dense_kernel_is_caught_before_anything_is_timed(monkeypatch):
     (["dense", "--shapes", "mixtral"], "mixtral"),
     (["dense", "--layers", "0"], "--layers"),
     (["dense", "--shapes", "olmoe", "--layers", "17"], "olmoe has 16 layers"),
+    (["dense", "--shapes", "deepseek-v2-lite,olmoe", "--layers", "20"], "olmoe has 16 layers"),  # before any shape
 ])
-def test_bad_arguments_exit_2_without_a_traceback(argv, needle, capsys):
+def test_bad_arguments_exit_2_without_a_traceback(argv, needle, capsys, monkeypatch):
+    monkeypatch.setattr(dense, "measure", lambda *a, **k: pytest.fail("measured before every argument was checked"))
     try:
         rc = main(argv)
     except SystemExit as exc:  # argparse's own refusals

@@ -296,6 +296,7 @@ def test_install_copies_a_regenerated_record_and_records_its_digest(tmp_path, ca
     ("not-described.json", b"{}", "describes no record 'not-described.json'"),
     ("eval-tiny-mixtral.json", b"[1, 2]", "not a JSON record"),
     ("eval-tiny-mixtral.json", b"{not json", "not a JSON record"),
+    ("eval-tiny-mixtral.json", b"[" * 100_000, "nested deeper than the parser goes"),
     ("eval-tiny-mixtral.json", None, "no such file"),
 ])
 def test_install_refuses_what_is_not_a_described_record_and_writes_nothing(tmp_path, capsys, name, content, needle):
@@ -315,3 +316,43 @@ def test_install_refuses_what_is_not_a_described_record_and_writes_nothing(tmp_p
 def test_install_is_used_alone(capsys):
     code, _, err = run_cli(["report", "--install", "x.json", "--check"], capsys)
     assert code == 2 and "--install: alone" in err
+
+
+def test_install_refuses_another_records_content_under_a_records_name(tmp_path, capsys):
+    results = _copy_results(tmp_path)
+    before = {p.name: p.read_bytes() for p in results.iterdir()}
+    swapped = tmp_path / "in" / "eval-tiny-mixtral.json"
+    swapped.parent.mkdir()
+    shutil.copy(results / "eval-tiny-deepseek.json", swapped)  # the DeepSeek figures under the Mixtral record's name
+    code, _, err = run_cli(["report", "--results", str(results), "--install", str(swapped)], capsys)
+    assert code == 2 and "not a regeneration of eval-tiny-mixtral.json" in err and "tiny-deepseek" in err
+    assert {p.name: p.read_bytes() for p in results.iterdir()} == before
+
+
+@pytest.mark.parametrize("case", ["the-same-name-twice", "destination-is-a-folder"])
+def test_install_checks_every_destination_before_writing_any(tmp_path, capsys, case):
+    results = _copy_results(tmp_path)
+    first = tmp_path / "in" / "eval-tiny-deepseek.json"
+    first.parent.mkdir()
+    shutil.copy(results / "eval-tiny-deepseek.json", first)
+    first.write_bytes(first.read_bytes() + b"\n")  # a regeneration: other bytes, the same record
+    if case == "the-same-name-twice":
+        second, needle = results / "eval-tiny-deepseek.json", "given more than once"
+    else:
+        second, needle = tmp_path / "in" / "eval-tiny-mixtral.json", "not a regular file"
+        shutil.copy(results / "eval-tiny-mixtral.json", second)
+        (results / "eval-tiny-mixtral.json").unlink()
+        (results / "eval-tiny-mixtral.json").mkdir()
+    before = {p.name: (p.read_bytes() if p.is_file() else None) for p in results.iterdir()}
+    code, _, err = run_cli(["report", "--results", str(results), "--install", str(first), str(second)], capsys)
+    assert code == 2 and needle in err and "internal error" not in err
+    assert {p.name: (p.read_bytes() if p.is_file() else None) for p in results.iterdir()} == before
+
+
+@pytest.mark.parametrize("damage", [b"\xff", b"[" * 100_000])
+def test_an_index_that_is_no_utf8_or_too_deep_is_a_one_line_error(tmp_path, capsys, damage):
+    results = _copy_results(tmp_path)
+    (results / "index.json").write_bytes(damage)
+    for argv in (["--check"], ["--install", str(results / "eval-tiny-mixtral.json")]):
+        code, _, err = run_cli(["report", "--results", str(results), *argv], capsys)
+        assert code == 2 and "index.json: not JSON" in err and "internal error" not in err

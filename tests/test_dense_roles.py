@@ -113,3 +113,23 @@ def test_applys_default_rounds_deepseeks_dense_layers_and_head_in_8_bits():
     # head): measured 0.84% relative on these logits, 99.2% of the argmaxes kept; ~3x room
     assert rel(got, want) < 2.5e-2 and (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.97
     assert [linear for _, _, linear, _ in dense_linears(model)] == [linear for _, _, linear, _ in found]
+
+
+@pytest.mark.parametrize("dense", ["q8", "q4"])
+def test_training_a_replaced_layers_own_weight_is_refused_not_silently_zero(dense):
+    from crisp_runtime import RuntimeConfig, apply
+
+    model, pack = tiny_model("tiny-mixtral")
+    model.requires_grad_(False)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    weight.requires_grad_(True)  # only this layer trains: its input needs no gradient, its weight does
+    ids = torch.tensor([[3, 7, 11, 19, 23]])
+    with apply(model, pack, serving="cpu_only", cpu="on", gpu_budget="64MiB", config=RuntimeConfig(dense=dense)):
+        logits = model(input_ids=ids).logits
+        assert logits.requires_grad
+        loss = logits.float().pow(2).mean() + 1e-3 * weight.pow(2).sum()  # the regulariser alone would backprop
+        with pytest.raises(RuntimeError, match=r"dense layers \(RuntimeConfig.dense\) do not support gradients"):
+            loss.backward()
+    logits = model(input_ids=ids).logits  # restored: the layer trains
+    logits.float().pow(2).mean().backward()
+    assert weight.grad is not None and weight.grad.abs().sum() > 0

@@ -90,10 +90,17 @@ def stamps(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache" / "verified"
 
 
-def _age(path: Path, seconds: float) -> None:
-    """Set the file's modification time ``seconds`` into the past (as a pack written a while ago)."""
-    past = time.time_ns() - int(seconds * 1e9)
-    os.utime(path, ns=(past, past))
+@pytest.fixture
+def stamp_at_once(monkeypatch):
+    """Stamp files however recently they changed (the real minimum age, 3 s, guards a race these tests avoid by
+    sleeping past a clock tick instead: an edit within the tick of the file's last change would not show)."""
+    import crisp_kernels.io as io_mod
+
+    monkeypatch.setattr(io_mod, "STAMP_MIN_AGE_S", 0)
+
+
+def _past_a_tick() -> None:
+    time.sleep(0.05)  # > the coarse clock's tick (1-10 ms) that file times are kept in
 
 
 def test_digests_recorded_and_verified(tmp_path, layers, stamps):
@@ -108,12 +115,11 @@ def test_digests_recorded_and_verified(tmp_path, layers, stamps):
     assert not stamps.exists() or not list(stamps.iterdir())
 
 
-def test_the_default_verifies_once_then_trusts_the_unchanged_file(tmp_path, layers, stamps, monkeypatch):
+def test_the_default_verifies_once_then_trusts_the_unchanged_file(tmp_path, layers, stamps, stamp_at_once,
+                                                                   monkeypatch):
     import crisp_kernels.io as io_mod
 
     save_pack(tmp_path / "p", layers, plan=_plan(layers))
-    path = tmp_path / "p" / "experts.safetensors"
-    _age(path, 60)
     assert load_pack(tmp_path / "p").digests is DigestStatus.VERIFIED
     assert len(list(stamps.iterdir())) == 1
     hashed = []
@@ -123,21 +129,24 @@ def test_the_default_verifies_once_then_trusts_the_unchanged_file(tmp_path, laye
     assert load_pack(tmp_path / "p", check=PackCheck.DIGESTS).digests is DigestStatus.VERIFIED and hashed
     # a copy is another file: verified on its own
     shutil.copytree(tmp_path / "p", tmp_path / "copy")
-    _age(tmp_path / "copy" / "experts.safetensors", 60)
     hashed.clear()
     assert load_pack(tmp_path / "copy").digests is DigestStatus.VERIFIED and hashed
 
 
-@pytest.mark.parametrize("stamped", [False, True])
-def test_flipped_weight_bit_is_refused_by_the_default_load(tmp_path, layers, stamps, stamped):
+@pytest.mark.parametrize("stamped", ["no", "edited", "times-put-back"])
+def test_flipped_weight_bit_is_refused_by_the_default_load(tmp_path, layers, stamps, stamp_at_once, stamped):
     save_pack(tmp_path / "p", layers)
     path = tmp_path / "p" / "experts.safetensors"
-    if stamped:  # verified and stamped while intact, then edited in place: the edit changes the mtime
-        _age(path, 60)
+    if stamped != "no":  # verified and stamped while intact, then edited in place (the same inode and size)
         assert load_pack(tmp_path / "p").digests is DigestStatus.VERIFIED
+        _past_a_tick()
+    before = os.stat(path)
     offset = _data_offset(path, "layers.1.qweight") + 5
     byte = path.read_bytes()[offset]
     _poke(path, offset, bytes([byte ^ 0x10]))
+    if stamped == "times-put-back":  # as `cp -p` of a damaged backup or `touch -r` leave it: only ctime tells
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert os.stat(path).st_mtime_ns == before.st_mtime_ns
     # qweight values have no invalid bit pattern: only the digest sees it
     load_pack(tmp_path / "p", check=PackCheck.VALUES)
     match = r"experts.safetensors: tensor layers.1.qweight: sha256 differs"
@@ -147,12 +156,19 @@ def test_flipped_weight_bit_is_refused_by_the_default_load(tmp_path, layers, sta
         verify_pack(tmp_path / "p")
 
 
-def test_an_unwritable_cache_only_means_verifying_every_time(tmp_path, layers, monkeypatch):
+@pytest.mark.parametrize("damage", ["cache-is-a-file", "stamp-nested-too-deep"])
+def test_a_broken_cache_only_means_verifying_every_time(tmp_path, layers, monkeypatch, stamp_at_once, damage):
+    import crisp_kernels.io as io_mod
+
     blocker = tmp_path / "cache-is-a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv("CRISP_CACHE_DIR", str(blocker))
+    monkeypatch.setenv("CRISP_CACHE_DIR", str(blocker if damage == "cache-is-a-file" else tmp_path / "cache"))
     save_pack(tmp_path / "p", layers)
-    _age(tmp_path / "p" / "experts.safetensors", 60)
+    if damage == "stamp-nested-too-deep":
+        stamp = io_mod._stamp_path(tmp_path / "p" / "experts.safetensors")
+        stamp.parent.mkdir(parents=True)
+        stamp.write_text("[" * 100_000)
+        monkeypatch.setattr(io_mod, "_write_stamp", lambda *a: None)  # the broken stamp stays
     for _ in range(2):
         assert load_pack(tmp_path / "p").digests is DigestStatus.VERIFIED
     assert blocker.read_text() == "not a folder"
@@ -548,7 +564,6 @@ def test_apply_and_load_model_refuse_a_pack_whose_weights_were_edited(tmp_path, 
     path = tmp_path / "pack" / "experts.safetensors"
     offset = _data_offset(path, "layers.0.qweight")
     _poke(path, offset, bytes(b ^ 0xFF for b in path.read_bytes()[offset:offset + 64]))
-    _age(path, 60)  # as a copy made a while ago and edited since: no stamp vouches for it
     model = transformers.AutoModelForCausalLM.from_pretrained(root / "models" / "tiny-mixtral")
     match = "tensor layers.0.qweight: sha256 differs"
     with pytest.raises(PackIntegrityError, match=match):

@@ -64,8 +64,12 @@ NO_GRADIENT_HINT = ("Run inference under torch.no_grad() or torch.inference_mode
                     "(or apply with RuntimeConfig(dense='keep'))")
 
 
-def _refusing_backward(fn, x: torch.Tensor) -> torch.Tensor:
-    return without_backward(NO_GRADIENT_WHAT, fn, x, why=NO_GRADIENT_WHY, hint=NO_GRADIENT_HINT)
+def _refusing_backward(layer: nn.Module, fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)``, whose backward raises where x or the replaced layer's own weight asks for a gradient (a weight
+    being trained through the rounded copy would silently get none)."""
+    source = layer.__dict__.get("_source_weight")  # the original nn.Linear's weight (swap_dense), not a parameter
+    return without_backward(NO_GRADIENT_WHAT, lambda x, _: fn(x), x, source, why=NO_GRADIENT_WHY,
+                            hint=NO_GRADIENT_HINT)
 
 
 class DenseWeights(enum.Enum):
@@ -130,7 +134,7 @@ class Q4Linear(_RoundedLinear):
         if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
             p = self.packed
             return torch.ops.crisp.dense_q8(x, p.qweight, p.scales, p.zeros, p.fmt.group_size, p.bias, self.threads)
-        return _refusing_backward(self._compute, x)
+        return _refusing_backward(self, self._compute, x)
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
@@ -151,7 +155,7 @@ class Int8Linear(_RoundedLinear):
         if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
             p = self.packed
             return torch.ops.crisp.dense_int8(x, p.qweight, p.scales, p.bias, self.threads)
-        return _refusing_backward(self._compute, x)
+        return _refusing_backward(self, self._compute, x)
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
@@ -180,7 +184,7 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the op, opaque to dynamo (which cannot trace the native library)
             return torch.ops.crisp.dense_bf16(x, self.packed.weight, self.packed.bias, self.threads)
-        return _refusing_backward(self._compute, x)
+        return _refusing_backward(self, self._compute, x)
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         return dense_bf16(x, self.packed, self.threads)
@@ -442,6 +446,8 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
         else:
             packed = pack_dense(linear.weight, fmt, linear.bias)
             setattr(parent, name, Q4Linear(packed, threads, original=linear, exact_copy=copy))
+        # the original weight, for the gradient refusal (in __dict__: not a parameter of the replacement)
+        getattr(parent, name).__dict__["_source_weight"] = linear.weight
         swap.swapped.append((parent, name, linear))
         swap.roles[role.value] = swap.roles.get(role.value, 0) + 1
         swap.role_bytes[role.value] = swap.role_bytes.get(role.value, 0) + packed.nbytes
