@@ -56,10 +56,11 @@ class DenseRole(enum.Enum):
     HEAD = "head"  # the output embeddings (lm head)
 
 
-# a rounded layer's result has no autograd graph: where its input needs a gradient, backward raises this (the layers
-# before it and their weights would silently get none)
+# a rounded layer's result has no autograd graph: where its input or its original weight needs a gradient, backward
+# raises this (the layers before it, or its own weight, would silently get none)
 NO_GRADIENT_WHAT = "CRISP's dense layers (RuntimeConfig.dense)"
-NO_GRADIENT_WHY = "their rounded copies have no backward, so the layers before them would get no gradient"
+NO_GRADIENT_WHY = ("their rounded copies have no backward, so their own weights and the layers before them would get "
+                   "no gradient")
 NO_GRADIENT_HINT = ("Run inference under torch.no_grad() or torch.inference_mode(); to train, restore() the model "
                     "(or apply with RuntimeConfig(dense='keep'))")
 
