@@ -118,15 +118,7 @@ class _Records:
                        "replaced since it was installed")
                 raise CliError(f"{path}: {why}; regenerate it with its command and install it with "
                                f"`crisp-bench report --install {path}`")
-            try:
-                record = json.loads(data.decode("utf-8"))
-            except RecursionError:
-                raise CliError(f"{path}: not JSON (nested deeper than the parser goes)") from None
-            except (UnicodeDecodeError, ValueError) as exc:
-                raise CliError(f"{path}: not JSON ({exc})") from None
-            if not isinstance(record, dict):
-                raise CliError(f"{path}: expected a JSON object, got {type(record).__name__}")
-            self._cache[name] = record
+            self._cache[name] = _read_record(str(path), data)
         return self._cache[name]
 
 
@@ -253,15 +245,16 @@ def _identity(record: dict) -> dict:
     return {f: (names(record[f]) if f in ("model", "data") else record[f]) for f in IDENTITY_FIELDS if f in record}
 
 
-def _read_record(src: Path, data: bytes) -> dict:
+def _read_record(where: str, data: bytes) -> dict:
+    """A record's bytes as its JSON object, or a CliError starting with ``where``."""
     try:
         record = json.loads(data.decode("utf-8"))
     except RecursionError:
-        raise CliError(f"--install {src}: not a JSON record (nested deeper than the parser goes)") from None
+        raise CliError(f"{where}: not a JSON record (nested deeper than the parser goes)") from None
     except (UnicodeDecodeError, ValueError) as exc:
-        raise CliError(f"--install {src}: not a JSON record ({exc})") from None
+        raise CliError(f"{where}: not a JSON record ({exc})") from None
     if not isinstance(record, dict):
-        raise CliError(f"--install {src}: not a JSON record (a JSON {type(record).__name__}, not an object)")
+        raise CliError(f"{where}: not a JSON record (a JSON {type(record).__name__}, not an object)")
     return record
 
 
@@ -289,7 +282,7 @@ def install_records(results: Path, paths: list[Path]) -> list[Path]:
             raise CliError(f"--install {src}: {dst} is not a regular file (a folder or a link); a record is "
                            "replaced only as a file")
         data = src.read_bytes()
-        record = _read_record(src, data)
+        record = _read_record(f"--install {src}", data)
         if dst.is_file() and src.resolve() != dst.resolve():
             try:
                 current = json.loads(dst.read_text(encoding="utf-8"))
