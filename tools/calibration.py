@@ -118,7 +118,7 @@ def check_pack_of_model(layers, info, model, where: str) -> None:
 
     try:
         check_layers_fit_model(layers, model, info=info)
-        check_weights_fingerprint(info, model)
+        check_weights_fingerprint(info, model, argument=None)  # no option lets a command use another's pack
     except PackMismatchError as exc:
         raise CliError(f"{where}: {exc}") from None
 

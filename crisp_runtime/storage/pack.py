@@ -103,14 +103,16 @@ class CrispPack:
 
 
 def fingerprint_mismatch(recorded: str, found: str, *, directory=None,
-                         argument: str = "allow_mismatch") -> PackMismatchError:
+                         argument: str | None = "allow_mismatch") -> PackMismatchError:
     """The error for a pack made from other weights than the model's: both fingerprints, the pack's folder when
-    known, and ``argument``, the caller's way to use the pack anyway."""
+    known, and ``argument``, the caller's way to use the pack anyway (None: it has none, e.g. a command line)."""
     where = "" if directory is None else f"{directory}: "
+    remedy = ("make a pack of this model with crisp-profile" if argument is None
+              else f"pass {argument}=True to use it anyway")
     return PackMismatchError(
         f"{where}this CRISP pack was made from other weights than this model (weights fingerprint {recorded[:12]}... "
         f"in pack.json, {found[:12]}... in the model; the same checkpoint loaded in another dtype than the pack was "
-        f"made from also differs); pass {argument}=True to use it anyway")
+        f"made from also differs); {remedy}")
 
 
 def model_info(model, *, refs: Sequence[MoeLayerRef] | None = None) -> dict:
@@ -196,14 +198,15 @@ def recorded_model(directory: str | os.PathLike) -> dict | None:
 
 def check_weights_fingerprint(pack: CrispPack | Mapping, model, *, allow_mismatch: bool = False,
                               refs: Sequence[MoeLayerRef] | None = None,
-                              argument: str = "allow_mismatch") -> FingerprintStatus:
+                              argument: str | None = "allow_mismatch") -> FingerprintStatus:
     """Check that ``pack`` (a CrispPack or its pack.json ``info``) was made from ``model``'s weights.
 
     A pack made from other weights of the same architecture has the right shapes and would run,
     silently giving another model's outputs: that raises PackMismatchError unless
     ``allow_mismatch`` (then the status says so, for the caller to report). A pack without a
     recorded fingerprint, or a model whose experts are not loaded, cannot be checked: the status
-    says which. ``argument``: what the error tells the user to pass to use the pack anyway.
+    says which. ``argument``: what the error tells the user to pass to use the pack anyway (None: nothing can be
+    passed, as on a command line without such an option).
     """
     info = pack.info if isinstance(pack, CrispPack) else pack
     recorded = recorded_weights_sha256(info)
