@@ -548,17 +548,17 @@ def _stamp_path(path: Path) -> Path:
     return cache_dir() / "verified" / f"{key}.json"
 
 
+# what identifies a file's contents without reading them; ctime is set by the kernel at every change of the file or
+# of its times, which no tool can set back (``cp -p`` or ``touch -r`` restore the modification time, not this)
+STAT_FIELDS = ("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino", "st_dev")
+
+
 def _file_identity(path: Path, st: os.stat_result, header_digest: str) -> dict:
-    # ctime: set by the kernel at every change of the file or of its times, which no tool can set back (``cp -p``
-    # or ``touch -r`` restore the modification time, not this)
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
-            "inode": st.st_ino, "device": st.st_dev, "header_sha256": header_digest}
+    return {"path": str(path.resolve()), **{f: getattr(st, f) for f in STAT_FIELDS}, "header_sha256": header_digest}
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    def key(st):
-        return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
-    return key(a) == key(b)
+    return all(getattr(a, f) == getattr(b, f) for f in STAT_FIELDS)
 
 
 def _stamped(path: Path, st: os.stat_result, header_digest: str) -> bool:
