@@ -63,3 +63,23 @@ def test_refuses_models_without_supported_experts():
     experts.__class__ = type("OtherGateExperts", (type(experts),), {"_apply_gate": lambda self, gate_up: gate_up})
     with pytest.raises(UnsupportedModelError, match="OtherGateExperts.*biases"):
         find_moe_layers(model)
+
+
+@pytest.mark.parametrize(("act", "refused"), [
+    (torch.nn.SiLU(), None),
+    (torch.nn.functional.silu, None),  # the function itself, as LFM2-MoE's experts hold it
+    (torch.nn.GELU(), "GELU"),
+    (torch.nn.functional.gelu, "gelu"),
+    (torch.tanh, "tanh"),
+    (None, "missing"),
+])
+def test_experts_activation_must_be_silu(act, refused):
+    model = _tiny_mixtral(num_layers=1)
+    experts = model.model.layers[0].mlp.experts
+    del experts.act_fn  # a registered module: a function takes its place as a plain attribute
+    experts.act_fn = act
+    if refused is None:
+        assert len(find_moe_layers(model)) == 1
+        return
+    with pytest.raises(UnsupportedModelError, match=f"its activation is {refused}, CRISP's kernels implement SiLU"):
+        find_moe_layers(model)

@@ -59,7 +59,13 @@ from crisp_runtime.hf.handle import (
     serving_choice_for,
     to_dtype,
 )
-from crisp_runtime.hf.moe_layers import _LAYER_INDEX, UnsupportedModelError, _is_experts_module, model_top_k
+from crisp_runtime.hf.moe_layers import (
+    _LAYER_INDEX,
+    UnsupportedModelError,
+    _is_experts_module,
+    activation_problem,
+    model_top_k,
+)
 from crisp_runtime.planning.plan import CrispPlan
 from crisp_runtime.scheduling.prefetch import Prefetcher
 from crisp_runtime.storage.pack import (
@@ -199,9 +205,9 @@ def _unsupported_reason(ref: MoeBlockRef) -> str | None:
         gate, up, down = (getattr(mlp, p) for p in ref.shape.projections)
         if any(p.bias is not None for p in (gate, up, down)):
             return f"expert {e}'s projections have biases"
-        act = getattr(mlp, "act_fn", None)
-        if act is None or not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
-            return f"expert {e}'s activation is {type(act).__name__}, CRISP's kernels implement SiLU"
+        act = activation_problem(getattr(mlp, "act_fn", None))
+        if act is not None:
+            return f"expert {e}'s activation is {act}"
         shapes = (tuple(gate.weight.shape), tuple(up.weight.shape), tuple(down.weight.shape))
         inter, hidden = shapes[0]
         if shapes != ((inter, hidden), (inter, hidden), (hidden, inter)):

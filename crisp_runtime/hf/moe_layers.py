@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from crisp_kernels import SILU_GLU, Activation, ActivationKind, gpt_oss_to_v5
@@ -173,10 +174,18 @@ def unsupported_reason(module: nn.Module) -> str | None:
             f"expected gate_up_proj (E, 2I, H) and down_proj (E, H, I), "
             f"got {tuple(gate_up.shape)} and {tuple(down.shape)}"
         )
-    act = getattr(module, "act_fn", None)
-    if act is None or not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
-        return f"its activation is {type(act).__name__}, CRISP's kernels implement SiLU"
-    return None
+    act = activation_problem(getattr(module, "act_fn", None))
+    return None if act is None else f"its activation is {act}"
+
+
+def activation_problem(act) -> str | None:
+    """None where ``act`` (an experts module's ``act_fn``) is SiLU, which CRISP's kernels implement: a SiLU module
+    (torch's, or transformers' ``SiLUActivation``) or ``torch.nn.functional.silu`` itself (LFM2-MoE's experts hold
+    the function); else what it is instead, for a refusal."""
+    if act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU"):
+        return None
+    name = "missing" if act is None else getattr(act, "__name__", None) or type(act).__name__
+    return f"{name}, CRISP's kernels implement SiLU"
 
 
 def _default_apply_gate_of(module: nn.Module):
