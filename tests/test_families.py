@@ -1,0 +1,162 @@
+"""The transformers MoE families beyond test_hf_dropin's four, on tiny ``from_config`` models: every family of the
+installed transformers whose experts module takes CRISP's experts implementation (fused ``gate_up_proj`` /
+``down_proj``, SiLU gating), hybrid ones included (Mamba, linear attention, short convolutions beside attention).
+
+Per family: the device path (``cpu="off"``) and the CPU kernel's exact path at full width give the logits of the
+eager model with the dequantized 4-bit experts (the same bound as test_hf_dropin's exactness test), and ``restore()``
+gives back the original model bitwise; the CPU default (``apply(model)`` alone) rounds the dense layers expected of
+that family's architecture, never a router or a routed expert; ``load_model`` streams the checkpoint that
+``save_pretrained`` wrote (each family's own names for its experts) into the logits ``apply`` gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_dropin import _restored_twin as restored_twin  # noqa: E402
+from test_hf_dropin import dequantized_copy  # noqa: E402
+
+from crisp_runtime import RuntimeConfig, apply, load_model, pack_model, save_pack  # noqa: E402
+from crisp_runtime.cpu.dense import dense_linears  # noqa: E402
+from crisp_runtime.cpu.experts import EXACT  # noqa: E402
+from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
+from crisp_runtime.storage.pack import model_info, weights_sha256  # noqa: E402
+
+# the fields a family's config has among these are set (2 layers, 4 experts top-2, H 64): what makes each tiny
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=64, num_experts=4,
+             num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_topk=2,
+             shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=32,
+             q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+             pad_token_id=0, eos_token_id=None, bos_token_id=None)
+# MLA families: the rotary embedding spans qk_rope_head_dim, which their configs read as head_dim
+MLA = dict(head_dim=8, num_key_value_heads=4)
+
+# model_type -> (config fields beyond SMALL, the dense layers the CPU default rounds by role). Roles from each
+# architecture: 4 attention projections per attention layer (MLA: q, kv_a, kv_b, o); a shared expert's or a dense
+# layer's gate/up/down; the lm head. Mamba, linear-attention and convolution mixers are not attention (kept).
+FAMILIES = {
+    "qwen3_moe": ({}, {"head": 1, "attention": 8}),
+    # one linear-attention layer (gated delta rule), one full-attention layer; a shared expert per MoE layer
+    "qwen3_next": (dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+                   {"head": 1, "attention": 4, "mlp": 6}),
+    "glm4_moe": ({}, {"head": 1, "attention": 8, "mlp": 6}),  # a shared expert per layer
+    "glm4_moe_lite": (MLA, {"head": 1, "attention": 8, "mlp": 6}),
+    # MLA; layer 0 dense (its MLP), layers 1-2 MoE with a shared expert each
+    "deepseek_v2": (dict(MLA, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                         num_experts_per_tok=3, n_group=2), {"head": 1, "attention": 12, "mlp": 9}),
+    "ernie4_5_moe": ({}, {"head": 1, "attention": 8, "mlp": 6}),  # layer 0 dense, layer 1 with shared experts
+    "granitemoe": ({}, {"head": 1, "attention": 8}),
+    "granitemoeshared": ({}, {"head": 1, "attention": 8}),  # its shared MLP's input_linear / output_linear kept
+    "granitemoehybrid": (dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16,
+                              mamba_d_state=8, mamba_n_groups=1, mamba_expand=2), {"head": 1, "attention": 4}),
+    "phimoe": ({}, {"head": 1, "attention": 8}),
+    "minimax": ({}, {"head": 1, "attention": 7}),  # layer 0 lightning attention: qkv_proj, output_gate, out_proj
+    "minimax_m2": ({}, {"head": 1, "attention": 8}),
+    "hunyuan_v1_moe": ({}, {"head": 1, "attention": 8, "mlp": 6}),  # shared_mlp
+    "dots1": ({}, {"head": 1, "attention": 8, "mlp": 6}),
+    "flex_olmo": ({}, {"head": 1, "attention": 8}),
+    "exaone_moe": ({}, {"head": 1, "attention": 8, "mlp": 6}),
+    "afmoe": ({}, {"head": 1, "attention": 10, "mlp": 6}),  # attention's output gate a fifth projection
+    "cohere2_moe": ({}, {"head": 1, "attention": 8}),
+    "solar_open": ({}, {"head": 1, "attention": 8, "mlp": 6}),
+    "mimo_v2_flash": ({}, {"head": 1, "attention": 8, "mlp": 3}),  # layer 0 dense
+    "laguna": ({}, {"head": 1, "attention": 10, "mlp": 6}),
+    "jamba": (dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
+                   mamba_d_state=8, mamba_expand=2), {"head": 1, "attention": 4}),  # layer 0 Mamba
+    # layer 0 a short convolution; its experts hold torch.nn.functional.silu itself, not a module
+    "lfm2_moe": (dict(layer_types=["conv", "full_attention"], num_dense_layers=0), {"head": 1, "attention": 4}),
+}
+ROUTER_NAMES = {"gate", "router", "wg", "shared_expert_gate"}
+TOKENS = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+# exact paths against the dequantized eager model: fp32 sums in another order (test_hf_dropin: 1e-5; measured
+# 1.3e-7 - 5.0e-7 here)
+EXACT_TOL = 1e-5
+# the CPU default against the original model with from_config's init: 4-bit experts, 8-bit activations and 8-bit
+# dense layers; measured 0.007-0.086 over these families (routing flips on near ties move a token's logits whole).
+# A wrong dense layer or a rounded router is off by ~1
+DEFAULT_TOL = 0.15
+
+
+def make_family_model(family: str, expert_std: float | None = 0.1, vocab_size: int = 96):
+    """A tiny model of ``family`` (random weights); its experts scaled to std ``expert_std`` to dominate the logits
+    (None: from_config's init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    extra, _ = FAMILIES[family]
+    defaults = AutoConfig.for_model(family)
+    fields = {k: v for k, v in SMALL.items() if hasattr(defaults, k)} | extra | {"vocab_size": vocab_size}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields)).eval()
+    if expert_std is not None:
+        with torch.no_grad():
+            for ref in find_moe_layers(model):
+                ref.module.gate_up_proj.normal_(0, expert_std)
+                ref.module.down_proj.normal_(0, expert_std)
+    return model
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_full_width_is_the_dequantized_model_on_both_paths_and_restores(family):
+    model = make_family_model(family)
+    original = logits(model)
+    layers = pack_model(model)
+    handle = apply(model, gpu_budget=None, cpu="off")  # the device path (a GPU's), on this CPU
+    device = logits(model)
+    want = logits(dequantized_copy(restored_twin(model, handle), layers))
+    handle.restore()
+    assert torch.equal(logits(model), original)
+    assert rel(device, want) <= EXACT_TOL
+    # every expert on the CPU kernel's exact path, the dense layers as loaded
+    with apply(model, layers, gpu_budget=None, cpu="auto",
+               config=RuntimeConfig(dense="keep", cpu_experts=EXACT)) as handle:
+        on_cpu = logits(model)
+        assert handle.stats()["cpu"]["placement"] == "cpu_only"
+    assert rel(on_cpu, want) <= EXACT_TOL
+    assert torch.equal(logits(model), original)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cpu_default_rounds_the_dense_layers_of_the_architecture(family):
+    model = make_family_model(family, expert_std=None)
+    original = logits(model)
+    paths = {id(linear): role for _, _, linear, role in dense_linears(model)}
+    for path, module in model.named_modules():
+        if id(module) in paths:
+            parts = path.split(".")
+            assert parts[-1] not in ROUTER_NAMES and "experts" not in parts, path
+    with apply(model) as handle:  # what a user without a GPU gets
+        got = logits(model)
+        stats = handle.stats()
+    assert stats["cpu"]["placement"] == "cpu_only" and stats["dense"]["chosen"] == "q8"
+    assert stats["dense"]["roles"] == FAMILIES[family][1]
+    assert rel(got, original) <= DEFAULT_TOL
+    assert torch.equal(logits(model), original)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_load_model_streams_the_saved_checkpoint(family, tmp_path):
+    model = make_family_model(family)
+    model.save_pretrained(tmp_path / "ckpt")
+    info = {**model_info(model), "model": {"weights_sha256": weights_sha256(find_moe_layers(model))}}
+    save_pack(tmp_path / "pack", pack_model(model), info=info)
+    with apply(model, tmp_path / "pack"):
+        expected = logits(model)
+    loaded, handle = load_model(tmp_path / "ckpt", tmp_path / "pack")
+    assert torch.equal(logits(loaded), expected)
+    assert handle.stats()["tokens"] == TOKENS.numel()
