@@ -35,14 +35,15 @@ SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermedia
 MLA = dict(head_dim=8, num_key_value_heads=4)
 
 # model_type -> (config fields beyond SMALL, the dense layers the CPU default rounds by role). Roles from each
-# architecture: 4 attention projections per attention layer (MLA: q, kv_a, kv_b, o); a shared expert's or a dense
-# layer's gate/up/down; the lm head. Mamba, linear-attention and convolution mixers are not attention (kept).
+# architecture: 4 attention projections per attention layer (MLA: q, kv_a, kv_b, o); a hybrid's Mamba,
+# linear-attention or convolution layer's in_proj* and out_proj; a shared expert's or a dense layer's gate/up/down
+# (Granite's shared MLP: input_linear, output_linear); the lm head.
 FAMILIES = {
     "qwen3_moe": ({}, {"head": 1, "attention": 8}),
     # one linear-attention layer (gated delta rule), one full-attention layer; a shared expert per MoE layer
     "qwen3_next": (dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
-                   {"head": 1, "attention": 4, "mlp": 6}),
+                   {"head": 1, "attention": 4, "mixer": 3, "mlp": 6}),  # in_proj_qkvz, in_proj_ba, out_proj
     "glm4_moe": ({}, {"head": 1, "attention": 8, "mlp": 6}),  # a shared expert per layer
     "glm4_moe_lite": (MLA, {"head": 1, "attention": 8, "mlp": 6}),
     # MLA; layer 0 dense (its MLP), layers 1-2 MoE with a shared expert each
@@ -50,9 +51,10 @@ FAMILIES = {
                          num_experts_per_tok=3, n_group=2), {"head": 1, "attention": 12, "mlp": 9}),
     "ernie4_5_moe": ({}, {"head": 1, "attention": 8, "mlp": 6}),  # layer 0 dense, layer 1 with shared experts
     "granitemoe": ({}, {"head": 1, "attention": 8}),
-    "granitemoeshared": ({}, {"head": 1, "attention": 8}),  # its shared MLP's input_linear / output_linear kept
+    "granitemoeshared": (dict(shared_intermediate_size=32), {"head": 1, "attention": 8, "mlp": 4}),  # shared_mlp's 2
     "granitemoehybrid": (dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16,
-                              mamba_d_state=8, mamba_n_groups=1, mamba_expand=2), {"head": 1, "attention": 4}),
+                              mamba_d_state=8, mamba_n_groups=1, mamba_expand=2),
+                         {"head": 1, "attention": 4, "mixer": 2, "mlp": 4}),  # Mamba's in_proj and out_proj
     "phimoe": ({}, {"head": 1, "attention": 8}),
     "minimax": ({}, {"head": 1, "attention": 7}),  # layer 0 lightning attention: qkv_proj, output_gate, out_proj
     "minimax_m2": ({}, {"head": 1, "attention": 8}),
@@ -66,9 +68,11 @@ FAMILIES = {
     "mimo_v2_flash": ({}, {"head": 1, "attention": 8, "mlp": 3}),  # layer 0 dense
     "laguna": ({}, {"head": 1, "attention": 10, "mlp": 6}),
     "jamba": (dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
-                   mamba_d_state=8, mamba_expand=2), {"head": 1, "attention": 4}),  # layer 0 Mamba
+                   mamba_d_state=8, mamba_expand=2),
+              {"head": 1, "attention": 4, "mixer": 2}),  # layer 0 Mamba: its x_proj and dt_proj kept
     # layer 0 a short convolution; its experts hold torch.nn.functional.silu itself, not a module
-    "lfm2_moe": (dict(layer_types=["conv", "full_attention"], num_dense_layers=0), {"head": 1, "attention": 4}),
+    "lfm2_moe": (dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
+                 {"head": 1, "attention": 4, "mixer": 2}),
 }
 ROUTER_NAMES = {"gate", "router", "wg", "shared_expert_gate"}
 TOKENS = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -11,19 +11,19 @@ arithmetic from the configs: Qwen1.5-MoE-A2.7B's shared experts 138 MB a layer a
 Mixtral-8x7B's 524 MB against 6.3 GB).
 
 :func:`dense_linears` finds them (:class:`DenseRole`): every ``nn.Linear`` directly inside a module named
-``*self_attn``; every ``nn.Linear`` named ``gate_proj`` / ``up_proj`` / ``down_proj`` outside an ``experts``
-container (a shared expert or a dense MLP layer; the routed experts are the CPU kernel's); the model's output
-embeddings. Not the router, the shared-expert gate, the norms or the input embeddings. ``DenseWeights.Q4`` replaces
-them by :class:`Q4Linear`: the weight packed once into the experts' 4-bit row format
-(``crisp_kernels.dense_q8.pack_dense``) and computed by the native kernel with 8-bit activations, except the lm
-head, which takes Q8 (llama.cpp's Q4_0 files store their output matrix at 6.6 bits, Q6_K); ``DenseWeights.Q8`` by
-:class:`Int8Linear`: llama.cpp's Q8_0 layout (int8 codes, an fp16 scale per 32 weights; ``crisp_kernels.dense_int8``),
-53% of bf16's bytes, ~0.5% relative rounding where Q4 rounds ~10x more. ``DenseWeights.BF16`` replaces those whose
-weights are all bf16 values (a bf16 checkpoint loaded in fp32) by :class:`Bf16Linear`: the same values in half the
-bytes, fp32 arithmetic (``crisp_kernels.dense_bf16``), so the layer computes what it did up to the order of the sums;
-a weight bf16 does not hold is kept. An lm head tied to the input embeddings is replaced too (its original stays:
-the embeddings read it). ``restore()`` puts the original modules (the same objects) back. The native kernel is
-needed (a C compiler at first use); the weights must be on the CPU.
+``*self_attn``; a hybrid's Mamba, linear-attention and convolution layers' input and output projections; every
+``nn.Linear`` named ``gate_proj`` / ``up_proj`` / ``down_proj`` outside an ``experts`` container (a shared expert or a
+dense MLP layer; the routed experts are the CPU kernel's); the model's output embeddings. Not the router, the
+shared-expert gate, the norms or the input embeddings. ``DenseWeights.Q4`` replaces them by :class:`Q4Linear`: the
+weight packed once into the experts' 4-bit row format (``crisp_kernels.dense_q8.pack_dense``) and computed by the native
+kernel with 8-bit activations, except the lm head, which takes Q8 (llama.cpp's Q4_0 files store their output matrix at
+6.6 bits, Q6_K); ``DenseWeights.Q8`` by :class:`Int8Linear`: llama.cpp's Q8_0 layout (int8 codes, an fp16 scale per 32
+weights; ``crisp_kernels.dense_int8``), 53% of bf16's bytes, ~0.5% relative rounding where Q4 rounds ~10x more.
+``DenseWeights.BF16`` replaces those whose weights are all bf16 values (a bf16 checkpoint loaded in fp32) by
+:class:`Bf16Linear`: the same values in half the bytes, fp32 arithmetic (``crisp_kernels.dense_bf16``), so the layer
+computes what it did up to the order of the sums; a weight bf16 does not hold is kept. An lm head tied to the input
+embeddings is replaced too (its original stays: the embeddings read it). ``restore()`` puts the original modules (the
+same objects) back. The native kernel is needed (a C compiler at first use); the weights must be on the CPU.
 """
 
 from __future__ import annotations
@@ -45,13 +45,21 @@ ATTENTION_SUFFIX = "self_attn"  # transformers' attention modules (Mixtral, Qwen
 # an MLP's projections in transformers' MoE families: Qwen-MoE's ``shared_expert``, DeepSeek's ``shared_experts`` and
 # its dense first layers' ``mlp``; inside an ``experts`` container they are routed experts (the CPU kernel's)
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# Granite's shared MLP (granitemoeshared, granitemoehybrid): its fused gate and up (2 I, H), then down
+GRANITE_SHARED_MLP = {("shared_mlp", "input_linear"), ("shared_mlp", "output_linear")}
 EXPERTS_CONTAINER = "experts"
+# a hybrid's other token mixers, by the module's name: Mamba (Jamba, Granite 4.0-H), linear attention (Qwen3-Next's
+# gated delta rule), short convolutions (LFM2); their input and output projections (``in_proj*``, ``out_proj``),
+# nearly all of those layers' weights (from the configs: Qwen3-Next-80B-A3B's linear-attention layer 33.7 M in them,
+# against 33 K of convolution; Jamba-v0.1's Mamba layer 101 M, its x_proj and dt_proj 4.5 M, which stay as loaded)
+MIXER_SUFFIXES = ("mamba", "linear_attn", "conv")
 
 
 class DenseRole(enum.Enum):
     """Which of a model's dense layers an ``nn.Linear`` is (:func:`dense_linears`)."""
 
     ATTENTION = "attention"  # q, k, v and o projections
+    MIXER = "mixer"  # a hybrid's Mamba, linear-attention or convolution layer's input and output projections
     MLP = "mlp"  # a shared expert's or a dense MLP layer's projections
     HEAD = "head"  # the output embeddings (lm head)
 
@@ -328,8 +336,10 @@ def attention_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]
 
 def dense_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, DenseRole]]:
     """The model's dense layers as (parent, name, linear, role), each once: every ``nn.Linear`` directly inside a
-    ``*self_attn`` module; every ``nn.Linear`` named as an MLP projection (``MLP_PROJECTIONS``) with no
-    ``experts`` container on its path; the output embeddings where they are an ``nn.Linear``."""
+    ``*self_attn`` module; a hybrid's mixer projections (``in_proj*``, ``out_proj`` directly inside a module named
+    in ``MIXER_SUFFIXES``); every ``nn.Linear`` named as an MLP projection (``MLP_PROJECTIONS``, or Granite's
+    ``GRANITE_SHARED_MLP``) with no ``experts`` container on its path; the output embeddings where they are an
+    ``nn.Linear``."""
     out, seen = [], set()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for path, parent in model.named_modules():
@@ -341,7 +351,10 @@ def dense_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, Den
                 role = DenseRole.HEAD
             elif parts and parts[-1] == ATTENTION_SUFFIX:
                 role = DenseRole.ATTENTION
-            elif name in MLP_PROJECTIONS and EXPERTS_CONTAINER not in parts:
+            elif parts and parts[-1] in MIXER_SUFFIXES and (name.startswith("in_proj") or name == "out_proj"):
+                role = DenseRole.MIXER
+            elif EXPERTS_CONTAINER not in parts and (
+                    name in MLP_PROJECTIONS or parts and (parts[-1], name) in GRANITE_SHARED_MLP):
                 role = DenseRole.MLP
             else:
                 continue
