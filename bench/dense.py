@@ -1,23 +1,23 @@
 """``crisp-bench dense``: what the CPU default's dense layers cost and save on real MoE families' shapes.
 
 A model on the CPU runs its routed experts on the CPU kernel from 4-bit rows; the rest of a token's weights are the
-model's own layers: attention, the shared experts and dense MLP layers (Qwen-MoE, DeepSeek) and the lm head,
-whose vocabulary makes it one of the largest matrices a token reads (``crisp_runtime.cpu.dense``). This command
-builds a model with a real family's shapes (its first ``--layers`` layers, random weights: a whole one does not fit
-in fp32 on a small machine), applies CRISP as a user would (``apply(model, pack, gpu_budget=None)``: every expert on
-the CPU kernel, the dense layers in 8-bit blocks) and decodes batch-1 tokens with a KV cache, in rounds: the
-default (after an untimed decode of the same tokens: the CPU kernel prepares an expert at its first use), then the
-same handle with its dense layers put back as loaded (``dense="keep"``), the same routed experts in both. Before
-timing, the two are checked against each other on the prompt (8-bit rounding of the dense layers: within 5%
-relative on the logits). With fewer layers than the model has, the lm head weighs more in a token than it does in
-the whole model; the bytes of each part are in the table and the records.
+model's own layers: attention, a hybrid's linear-attention layers (Qwen3-Next), the shared experts and dense MLP
+layers (Qwen-MoE, DeepSeek) and the lm head, whose vocabulary makes it one of the largest matrices a token reads
+(``crisp_runtime.cpu.dense``). This command builds a model with a real family's shapes (its first ``--layers`` layers,
+random weights: a whole one does not fit in fp32 on a small machine), applies CRISP as a user would (``apply(model,
+pack, gpu_budget=None)``: every expert on the CPU kernel, the dense layers in 8-bit blocks) and decodes batch-1 tokens
+with a KV cache, in rounds: the default (after an untimed decode of the same tokens: the CPU kernel prepares an expert
+at its first use), then the same handle with its dense layers put back as loaded (``dense="keep"``), the same routed
+experts in both. Before timing, the two are checked against each other on the prompt (8-bit rounding of the dense
+layers: within 5% relative on the logits). With fewer layers than the model has, the lm head weighs more in a token
+than it does in the whole model; the bytes of each part are in the table and the records.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,10 +26,11 @@ from crisp_runtime import cli_args as ca
 from . import common, report
 from .common import CliError
 
-# the default's 8-bit dense layers against the same layers as loaded, on the prompt's logits: Q8_0 rounds inputs
-# and weights ~0.5% relative each (crisp_kernels.dense_int8), in every dense layer; measured 2.2% on olmoe's first
-# 2 layers with random weights, 0.5-0.9% on the committed trained tiny models. A wrong kernel or layout is off by
-# ~100%; 5% leaves the rounding 2x room
+# each of the default's 8-bit dense layers against the same layer as loaded, on the input the prompt gives it: Q8_0
+# rounds inputs and weights ~0.5% relative each (crisp_kernels.dense_int8). A wrong kernel or layout is off by ~100%;
+# 5% leaves the rounding ~5x room. Checked per layer, not on the logits: a model with random weights can amplify the
+# rounding (rounding Qwen3-Next's linear-attention weights alone to 8-bit blocks moved its first 4 layers' logits by
+# 17%; OLMoE's first 2 layers' by 2.2%); the logits' change is reported
 CHECK_TOL = 5e-2
 
 
@@ -42,6 +43,16 @@ class FamilyShape:
     family: str  # transformers' model_type
     layers: int  # the whole model's
     config: dict  # the transformers config's fields (all but num_hidden_layers)
+    # fields built otherwise to fit a small machine, that leave a token's bytes as they are (said in the table)
+    built: dict = field(default_factory=dict)
+    min_layers: int = 1  # the first layers that hold every kind the model has (built even where --layers is fewer)
+
+    def build_config(self) -> dict:
+        return {**self.config, **self.built}
+
+    def built_layers(self, layers: int) -> int:
+        """The layers built for ``--layers``: at least ``min_layers``."""
+        return max(layers, self.min_layers)
 
 
 FAMILY_SHAPES = {s.name: s for s in (
@@ -57,8 +68,19 @@ FAMILY_SHAPES = {s.name: s for s in (
                      n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
                      num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
                      qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=1, topk_group=1)),
+    # a hybrid: three linear-attention layers (gated delta rule) to one of attention; transformers' Qwen3NextConfig
+    # defaults are this checkpoint's. 512 experts of 512 neurons (6.4 GB a layer in fp32) built as 32: a token reads
+    # the same 10 experts' bytes
+    FamilyShape("qwen3-next", "Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 48,
+                dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+                     num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                     linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                     full_attention_interval=4),
+                built=dict(num_experts=32), min_layers=4),  # its first attention layer is the 4th
 )}
 VARIANTS = ("default", "keep")
+ROLE_COLUMNS = ("attention", "mixer", "mlp", "head")  # crisp_runtime.cpu.dense.DenseRole's values, in table order
 
 
 class DenseBenchError(CliError):
@@ -69,7 +91,7 @@ def build_model(shape: FamilyShape, layers: int, seed: int = 0):
     """``shape``'s first ``layers`` layers, random weights (transformers' own initialisation), fp32, eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(shape.family, **shape.config, num_hidden_layers=layers,
+    config = AutoConfig.for_model(shape.family, **shape.build_config(), num_hidden_layers=layers,
                                   max_position_embeddings=4096)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -89,11 +111,38 @@ def _decode_s(model, ids: torch.Tensor, prompt: int, handle=None) -> float:
         return (time.perf_counter() - t0) / (ids.shape[1] - prompt)
 
 
+def _layer_errors(model, swapped, ids: torch.Tensor) -> tuple[float, str, torch.Tensor]:
+    """One forward of ``ids`` with each replaced layer of ``swapped`` (``DenseSwap.swapped``: parent, name, original)
+    checked against its original on the same input: the largest relative error, that layer's name, the logits."""
+    worst, where = 0.0, ""
+
+    def check(name: str, original):
+        def hook(module, args, out):
+            nonlocal worst, where
+            want = original(args[0])
+            err = ((out - want).norm() / want.norm().clamp_min(torch.finfo(want.dtype).tiny)).item()
+            if not err <= worst:  # nan too
+                worst, where = err, name
+        return hook
+
+    paths = {id(module): path for path, module in model.named_modules()}
+    hooks = [getattr(parent, name).register_forward_hook(check(f"{paths[id(parent)]}.{name}", original))
+             for parent, name, original in swapped]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return worst, where, logits
+
+
 def measure(shape: FamilyShape, layers: int, tokens: int, prompt: int, rounds: int, progress=None) -> list[dict]:
     """The default and ``dense="keep"`` decode, interleaved over ``rounds``; one record each."""
     from crisp_runtime import apply, pack_model
     from crisp_runtime.cpu.dense import dense_linears
 
+    layers = shape.built_layers(layers)
     model = build_model(shape, layers)
     original: dict[str, int] = {}
     for _, _, linear, role in dense_linears(model):
@@ -107,14 +156,14 @@ def measure(shape: FamilyShape, layers: int, tokens: int, prompt: int, rounds: i
             raise DenseBenchError(f"{shape.name}: the default ran placement {placement!r} with dense "
                                   f"{info.get('chosen')!r} ({info.get('reason', '')}), not the CPU kernel with 8-bit "
                                   "dense layers (does the native kernel build here?)")
+        layer_err, where, rounded = _layer_errors(model, handle.dense.swapped, ids[:, :prompt])
+        if not layer_err <= CHECK_TOL:
+            raise DenseBenchError(f"{shape.name}: the 8-bit dense layer {where} differs from the layer as loaded by "
+                                  f"{layer_err:.3%} relative on the prompt (bound {CHECK_TOL:.1%})")
         with torch.no_grad():
-            rounded = model(input_ids=ids[:, :prompt]).logits
             handle.dense.restore()  # the same handle and experts; the dense layers as loaded
             kept = model(input_ids=ids[:, :prompt]).logits
     err = ((rounded - kept).norm() / kept.norm()).item()
-    if not err <= CHECK_TOL:
-        raise DenseBenchError(f"{shape.name}: the 8-bit dense layers' logits differ from the layers as loaded by "
-                              f"{err:.3%} relative (bound {CHECK_TOL:.1%})")
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(rounds):
         with apply(model, pack, gpu_budget=None) as handle:
@@ -133,10 +182,12 @@ def measure(shape: FamilyShape, layers: int, tokens: int, prompt: int, rounds: i
         med = statistics.median(ms)
         dense_bytes = info["role_bytes"] if v == "default" else original
         records.append({"shape": shape.name, "source": shape.source, "layers": layers, "model_layers": shape.layers,
+                        "built": dict(shape.built),
                         "variant": v, "dense": "auto" if v == "default" else "keep",
                         "ms_per_token": med, "tokens_per_s": 1e3 / med, "rounds_ms": ms,
                         "dense_bytes": dict(dense_bytes), "dense_bytes_total": sum(dense_bytes.values()),
                         "dense_original_bytes": dict(original), "logits_rel_err": err,
+                        "layer_rel_err_max": layer_err,
                         "expert_bytes_per_token": expert_bytes,
                         "threads": torch.get_num_threads(), "tokens": tokens, "prompt": prompt})
     base = statistics.median(times["keep"])
@@ -158,7 +209,8 @@ def add_parser(subparsers) -> None:
                    help=f"comma separated: {', '.join(FAMILY_SHAPES)} (default: all)")
     p.add_argument("--layers", type=common.positive_int, default=2,
                    help="the first N layers of each model (default 2: fp32 weights of 2 layers are 3-5 GB; "
-                   "DeepSeek-V2-Lite's first layer is its dense one)")
+                   "DeepSeek-V2-Lite's first layer is its dense one; qwen3-next is built with at least 4, its first "
+                   "attention layer being the 4th)")
     p.add_argument("--tokens", type=common.positive_int, default=32, help="decoded tokens per round (default 32)")
     p.add_argument("--prompt", type=common.positive_int, default=16, help="prompt tokens per round (default 16)")
     p.add_argument("--rounds", type=common.positive_int, default=5, help="timed rounds (default 5)")
@@ -184,16 +236,19 @@ def run(args) -> int:
                        progress=report.Progress(f"dense {shape.name}"))
         records += recs
         rows = [dict(r, experts_mb=(r["expert_bytes_per_token"] or 0) / 1e6,
-                     **{f"{role}_mb": r["dense_bytes"].get(role, 0) / 1e6 for role in ("attention", "mlp", "head")})
+                     **{f"{role}_mb": r["dense_bytes"].get(role, 0) / 1e6 for role in ROLE_COLUMNS})
                 for r in recs]
+        mixers = [("mixer_mb", "mixers MB")] if any(r["mixer_mb"] for r in rows) else []
+        built = "".join(f", {k} built as {v} of {shape.config[k]}" for k, v in shape.built.items())
         print(report.table(rows, [("variant", "dense layers"), ("ms_per_token", "ms/token"),
                                   ("tokens_per_s", "tok/s"), ("speedup_vs_keep", "x keep"),
-                                  ("attention_mb", "attention MB"), ("mlp_mb", "shared/dense MLP MB"),
+                                  ("attention_mb", "attention MB"), *mixers, ("mlp_mb", "shared/dense MLP MB"),
                                   ("head_mb", "lm head MB"), ("experts_mb", "experts MB/token")],
-                           title=f"{shape.name} ({shape.source}'s shapes, {args.layers} of {shape.layers} layers, "
-                           f"random weights), batch-1 decode, {torch.get_num_threads()} threads; default = 8-bit "
-                           f"blocks, keep = fp32 as loaded; the default's logits within "
-                           f"{recs[0]['logits_rel_err']:.2%} of keep's on the prompt"))
+                           title=f"{shape.name} ({shape.source}'s shapes, {recs[0]['layers']} of {shape.layers} layers"
+                           f"{built}, random weights), batch-1 decode, {torch.get_num_threads()} threads; default = "
+                           f"8-bit blocks, keep = fp32 as loaded; on the prompt each 8-bit layer within "
+                           f"{recs[0]['layer_rel_err_max']:.2%} of the layer as loaded, the logits "
+                           f"{recs[0]['logits_rel_err']:.2%} from keep's"))
         print()
     common.emit(args, "dense", records)
     return 0
