@@ -16,13 +16,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_hf_dropin import _restored_twin as restored_twin  # noqa: E402
-from test_hf_dropin import dequantized_copy  # noqa: E402
+from test_hf_dropin import dequantized_copy, scale_experts  # noqa: E402
+from test_streaming_load import streamed_and_applied  # noqa: E402
 
-from crisp_runtime import RuntimeConfig, apply, load_model, pack_model, save_pack  # noqa: E402
+from crisp_runtime import RuntimeConfig, apply, pack_model  # noqa: E402
 from crisp_runtime.cpu.dense import dense_linears  # noqa: E402
 from crisp_runtime.cpu.experts import EXACT  # noqa: E402
-from crisp_runtime.hf.moe_layers import find_moe_layers  # noqa: E402
-from crisp_runtime.storage.pack import model_info, weights_sha256  # noqa: E402
 
 # the fields a family's config has among these are set (2 layers, 4 experts top-2, H 64): what makes each tiny
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
@@ -97,13 +96,7 @@ def make_family_model(family: str, expert_std: float | None = 0.1, vocab_size: i
     defaults = AutoConfig.for_model(family)
     fields = {k: v for k, v in SMALL.items() if hasattr(defaults, k)} | extra | {"vocab_size": vocab_size}
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields)).eval()
-    if expert_std is not None:
-        with torch.no_grad():
-            for ref in find_moe_layers(model):
-                ref.module.gate_up_proj.normal_(0, expert_std)
-                ref.module.down_proj.normal_(0, expert_std)
-    return model
+    return scale_experts(AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields)).eval(), expert_std)
 
 
 def logits(model) -> torch.Tensor:
@@ -155,12 +148,6 @@ def test_cpu_default_rounds_the_dense_layers_of_the_architecture(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_load_model_streams_the_saved_checkpoint(family, tmp_path):
-    model = make_family_model(family)
-    model.save_pretrained(tmp_path / "ckpt")
-    info = {**model_info(model), "model": {"weights_sha256": weights_sha256(find_moe_layers(model))}}
-    save_pack(tmp_path / "pack", pack_model(model), info=info)
-    with apply(model, tmp_path / "pack"):
-        expected = logits(model)
-    loaded, handle = load_model(tmp_path / "ckpt", tmp_path / "pack")
-    assert torch.equal(logits(loaded), expected)
+    got, expected, handle = streamed_and_applied(make_family_model(family), tmp_path, logits)
+    assert torch.equal(got, expected)
     assert handle.stats()["tokens"] == TOKENS.numel()

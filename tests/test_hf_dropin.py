@@ -61,14 +61,18 @@ def make_model(family, seed=0, expert_std=0.1, **over):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(family, **over)).eval()
-    # from_config initialises with std 0.02; by default scale the experts up so that they dominate the logits
-    # and any error in the experts path shows in the tight comparison.
-    if expert_std is not None:
+    return scale_experts(AutoModelForCausalLM.from_config(make_config(family, **over)).eval(), expert_std)
+
+
+def scale_experts(model, std):
+    """``model`` with its experts drawn again at ``std`` (None: left as they are). from_config initialises with
+    std 0.02; the tests scale the experts up so that they dominate the logits and any error in the experts path
+    shows in the tight comparisons."""
+    if std is not None:
         with torch.no_grad():
             for ref in find_moe_layers(model):
-                ref.module.gate_up_proj.normal_(0, expert_std)
-                ref.module.down_proj.normal_(0, expert_std)
+                ref.module.gate_up_proj.normal_(0, std)
+                ref.module.down_proj.normal_(0, std)
     return model
 
 

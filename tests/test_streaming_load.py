@@ -53,16 +53,22 @@ def test_skeleton_and_streamed_pack_equal_from_pretrained(family, tmp_path):
     assert checkpoint_weights_sha256(skeleton, cmap) == weights_sha256(find_moe_layers(full))
 
 
+def streamed_and_applied(model, folder, logits):
+    """``model`` saved (``save_pretrained``) to ``folder / "ckpt"`` with its full-width pack in ``folder / "pack"``:
+    the logits of the checkpoint loaded by ``load_model``, those of ``apply`` on ``model``, and load_model's handle."""
+    model.save_pretrained(folder / "ckpt")
+    info = {**model_info(model), "model": {"weights_sha256": weights_sha256(find_moe_layers(model))}}
+    save_pack(folder / "pack", pack_model(model), info=info)
+    with apply(model, folder / "pack"):
+        expected = logits(model)
+    loaded, handle = load_model(folder / "ckpt", folder / "pack")
+    return logits(loaded), expected, handle
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_load_model_streams_and_matches_apply(family, tmp_path):
-    model = make_model(family)
-    model.save_pretrained(tmp_path / "ckpt")
-    info = {**model_info(model), "model": {"weights_sha256": weights_sha256(find_moe_layers(model))}}
-    save_pack(tmp_path / "pack", pack_model(model), info=info)
-    with apply(model, tmp_path / "pack"):
-        expected = logits(model)
-    loaded, handle = load_model(tmp_path / "ckpt", tmp_path / "pack")
-    assert torch.equal(logits(loaded), expected)
+    got, expected, handle = streamed_and_applied(make_model(family), tmp_path, logits)
+    assert torch.equal(got, expected)
     assert handle.stats()["tokens"] == TOKENS.numel()
     # same architecture, other weights: refused from the 4-row slices, accepted when the caller says so
     make_model(family, seed=1).save_pretrained(tmp_path / "other")
