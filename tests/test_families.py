@@ -6,7 +6,9 @@ Per family: the device path (``cpu="off"``) and the CPU kernel's exact path at f
 eager model with the dequantized 4-bit experts (the same bound as test_hf_dropin's exactness test), and ``restore()``
 gives back the original model bitwise; the CPU default (``apply(model)`` alone) rounds the dense layers expected of
 that family's architecture, never a router or a routed expert; ``load_model`` streams the checkpoint that
-``save_pretrained`` wrote (each family's own names for its experts) into the logits ``apply`` gives."""
+``save_pretrained`` wrote (each family's own names for its experts) into the logits ``apply`` gives. ``crisp-profile``
+on three of them (routers with softmax and with a sigmoid and bias, two hybrids) writes a pack whose neuron order
+leaves the model's function as it was."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from profile_helpers import PROFILE_ARGS, write_text  # noqa: E402
 from test_hf_dropin import _restored_twin as restored_twin  # noqa: E402
 from test_hf_dropin import dequantized_copy, scale_experts  # noqa: E402
 from test_streaming_load import streamed_and_applied  # noqa: E402
 
-from crisp_runtime import RuntimeConfig, apply, pack_model  # noqa: E402
+from crisp_runtime import RuntimeConfig, apply, load_pack, pack_model  # noqa: E402
 from crisp_runtime.cpu.dense import dense_linears  # noqa: E402
 from crisp_runtime.cpu.experts import EXACT  # noqa: E402
 
@@ -151,3 +154,36 @@ def test_load_model_streams_the_saved_checkpoint(family, tmp_path):
     got, expected, handle = streamed_and_applied(make_family_model(family), tmp_path, logits)
     assert torch.equal(got, expected)
     assert handle.stats()["tokens"] == TOKENS.numel()
+
+
+# softmax routing with a shared expert beside linear attention; sigmoid routing with a correction bias; short
+# convolutions with torch.nn.functional.silu experts
+PROFILED = ["qwen3_next", "glm4_moe", "lfm2_moe"]
+
+
+@pytest.mark.parametrize("family", PROFILED)
+def test_crisp_profile_writes_a_pack_whose_order_keeps_the_function(family, tmp_path):
+    from crisp_tools import profiler
+    from crisp_tools.calibration import load_model, reorder_expert_weights
+
+    make_family_model(family, expert_std=None, vocab_size=256).save_pretrained(tmp_path / "ckpt")  # byte tokens
+    text = write_text(tmp_path / "calib.txt")
+    assert profiler.main(["--model", str(tmp_path / "ckpt"), "--data", str(text), "--out", str(tmp_path / "pack"),
+                          *PROFILE_ARGS]) == 0
+    pack = load_pack(tmp_path / "pack")
+    model, layers = load_model(tmp_path / "ckpt")
+    pack.check_model(model)
+    assert pack.plan is not None and sorted(pack.layers) == [ref.layer_id for ref in layers]
+    model.double()
+    model.set_experts_implementation("eager")  # grouped_mm has no float64
+    ids = torch.tensor(list(text.read_bytes()[:64]), dtype=torch.long).view(2, 32)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        for ref in layers:
+            order = pack.layers[ref.layer_id].neuron_order
+            assert not torch.equal(order, torch.arange(order.shape[1]).expand_as(order))  # a real permutation
+            gate_up, down = reorder_expert_weights(ref.module.gate_up_proj.data, ref.module.down_proj.data, order)
+            ref.module.gate_up_proj.data.copy_(gate_up)
+            ref.module.down_proj.data.copy_(down)
+        after = model(input_ids=ids).logits
+    assert (after - before).abs().max().item() <= 1e-12  # float64: only the order of the sums moves
