@@ -157,9 +157,13 @@ def test_auto_takes_q8_or_bf16_where_it_can_and_otherwise_replaces_nothing(monke
     assert swap.info()["chosen"] == "bf16" and swap.info()["layers"] == 2
     assert swap.info()["reason"] == "exact experts: bf16, exact"
     swap.restore()
-    odd = nn.Sequential(TinyBlock(100))  # in_features off the 8-bit blocks of 32: bf16, which needs none
+    # in_features off the 8-bit blocks of 32: those layers alone in bf16, which needs no blocks
+    odd = nn.Sequential(TinyBlock(64), TinyBlock(100))
     swap = swap_dense(odd, "auto")
-    assert swap.info()["chosen"] == "bf16" and swap.info()["layers"] == 2 and "[100]" in swap.info()["reason"]
+    assert swap.info()["chosen"] == "q8" and swap.info()["layers"] == 4
+    assert "2 with in_features [100], not a multiple of the 8-bit block 32, in bf16" in swap.info()["reason"]
+    kinds = [type(m).__name__ for block in odd for m in block.self_attn.children()]
+    assert kinds == ["Int8Linear"] * 2 + ["Bf16Linear"] * 2
     swap.restore()
     fp32 = nn.Sequential(TinyBlock(64))
     with torch.no_grad():

@@ -380,14 +380,18 @@ def _auto_refusal(found) -> str:
     return ""
 
 
-def _auto_choice(found, exact_reason: str) -> tuple[DenseWeights, str]:
-    """What ``DenseWeights.AUTO`` replaces the dense layers with, and why (after :func:`_auto_refusal`)."""
+def _auto_choice(found, exact_reason: str) -> tuple[DenseWeights, str, set[int]]:
+    """What ``DenseWeights.AUTO`` replaces the dense layers with, and why (after :func:`_auto_refusal`), and the
+    ids of the layers that take bf16 instead of Q8 (an in_features off Q8's blocks: the others still take Q8)."""
     if exact_reason:
-        return DenseWeights.BF16, f"{exact_reason}: bf16, exact"
-    off = sorted({linear.in_features for _, _, linear, _ in found if linear.in_features % INT8_BLOCK})
+        return DenseWeights.BF16, f"{exact_reason}: bf16, exact", set()
+    reason = "8-bit activations, as the CPU experts compute: llama.cpp's Q8_0 layout"
+    off = [linear for _, _, linear, _ in found if linear.in_features % INT8_BLOCK]
     if off:
-        return DenseWeights.BF16, f"in_features {off} not a multiple of the 8-bit block {INT8_BLOCK}: bf16, exact"
-    return DenseWeights.Q8, "8-bit activations, as the CPU experts compute: llama.cpp's Q8_0 layout"
+        widths = sorted({linear.in_features for linear in off})
+        reason += (f"; {len(off)} with in_features {widths}, not a multiple of the 8-bit block {INT8_BLOCK}, in bf16 "
+                   "(kept as loaded where their values are not bf16)")
+    return DenseWeights.Q8, reason, {id(linear) for linear in off}
 
 
 def _layer_format(dense: DenseWeights, role: DenseRole) -> DenseWeights:
@@ -400,9 +404,9 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
                threads: int | None = None, keep_original: bool = True, exact_reason: str = "") -> DenseSwap | None:
     """Replace the model's dense layers (:func:`dense_linears`) per ``dense`` (None for KEEP); refuses layers not on
     the CPU or (Q4, Q8) whose in_features the format's group does not divide, before replacing any. AUTO never
-    refuses: where it can (``_auto_refusal``) it takes Q8, or BF16 when ``exact_reason`` says why the dense layers
-    should stay exact (the caller's experts are not computed by the CPU's 8-bit kernel) or an in_features is off
-    Q8's blocks, and otherwise replaces nothing; the swap's ``reason`` says why.
+    refuses: where it can (``_auto_refusal``) it takes Q8 (BF16 for a layer whose in_features is off Q8's blocks), or
+    BF16 when ``exact_reason`` says why the dense layers should stay exact (the caller's experts are not computed by
+    the CPU's 8-bit kernel), and otherwise replaces nothing; the swap's ``reason`` says why.
     keep_original=False: a BF16 layer's original weight storage is released while applied (its values are the
     bf16 copy's, put back by ``restore``); a Q4 or Q8 layer's likewise where its values are all bf16, a bf16 copy
     kept beside the rounded rows; other originals stay (``state_dict`` and ``restore`` need them: the rounded copy
@@ -412,12 +416,16 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
         return None
     fmt = QuantFormat() if fmt is None else fmt
     found = dense_linears(model)
-    reason = ""
+    reason, exact_layers = "", set()
     if dense is DenseWeights.AUTO:
         reason = _auto_refusal(found)
         if reason:
             return DenseSwap(chosen="keep", reason=reason)
-        dense, reason = _auto_choice(found, exact_reason)
+        dense, reason, exact_layers = _auto_choice(found, exact_reason)
+
+    def kind_of(linear: nn.Linear, role: DenseRole) -> DenseWeights:
+        return DenseWeights.BF16 if id(linear) in exact_layers else _layer_format(dense, role)
+
     if not found:
         raise ValueError(f"dense={dense.value!r}: the model has no nn.Linear inside a '*{ATTENTION_SUFFIX}' module, "
                          "no MLP projection and no lm head")
@@ -426,31 +434,31 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
         if linear.weight.device.type != "cpu" or linear.weight.is_meta:
             raise ValueError(f"dense={dense.value!r}: {where} is on {linear.weight.device}; the replaced "
                              "dense layers run on the CPU (CPU-only serving)")
-        layer_format = _layer_format(dense, role)
-        if layer_format is DenseWeights.Q4 and linear.in_features % fmt.group_size:
+        layer_kind = kind_of(linear, role)
+        if layer_kind is DenseWeights.Q4 and linear.in_features % fmt.group_size:
             raise ValueError(f"dense={dense.value!r}: {where} has in_features {linear.in_features}, not a "
                              f"multiple of the group size {fmt.group_size}")
-        if layer_format is DenseWeights.Q8 and linear.in_features % INT8_BLOCK:
+        if layer_kind is DenseWeights.Q8 and linear.in_features % INT8_BLOCK:
             raise ValueError(f"dense={dense.value!r}: {where} has in_features {linear.in_features}, not a "
                              f"multiple of the 8-bit block {INT8_BLOCK}")
     swap = DenseSwap(chosen=dense.value, reason=reason)
     for parent, name, linear, role in found:
-        layer_format = _layer_format(dense, role)
+        layer_kind = kind_of(linear, role)
         # keep_original=False: an original whose values are all bf16 (and not held in bf16 already) is released
         # while applied and refilled exactly from a bf16 copy (BF16: the packed weight itself; Q4 / Q8: kept beside
         # the rounded rows, 2 bytes a weight where an fp32 original costs 4); never a tied head's
         release = (not keep_original and linear.weight.dtype != torch.bfloat16 and not _tied(model, linear)
-                   and (layer_format is DenseWeights.BF16 or bf16_exact(linear.weight)))
+                   and (layer_kind is DenseWeights.BF16 or bf16_exact(linear.weight)))
         copy = linear.weight.detach().to(torch.bfloat16).contiguous() \
-            if release and layer_format is not DenseWeights.BF16 else None
-        if layer_format is DenseWeights.BF16:
+            if release and layer_kind is not DenseWeights.BF16 else None
+        if layer_kind is DenseWeights.BF16:
             if not bf16_exact(linear.weight):
                 swap.kept += 1
                 continue
             packed = pack_dense_bf16(linear.weight, linear.bias)
             setattr(parent, name, Bf16Linear(packed, threads, linear.weight.dtype,
                                              None if linear.bias is None else linear.bias.dtype))
-        elif layer_format is DenseWeights.Q8:
+        elif layer_kind is DenseWeights.Q8:
             try:
                 packed = pack_dense_int8(linear.weight, linear.bias)
             except ValueError:  # a block scale fp16 cannot hold, or a non-finite weight: kept, counted
