@@ -372,7 +372,7 @@ def _tied(model: nn.Module, linear: nn.Linear) -> bool:
 def _auto_refusal(found) -> str:
     """Why ``DenseWeights.AUTO`` keeps the dense layers ("" when it replaces them)."""
     if not found:
-        return f"no nn.Linear inside a '*{ATTENTION_SUFFIX}' module, no MLP projection, no lm head"
+        return f"no nn.Linear inside a '*{ATTENTION_SUFFIX}' module, no mixer or MLP projection, no lm head"
     if any(linear.weight.device.type != "cpu" or linear.weight.is_meta for _, _, linear, _ in found):
         return "the dense layers' weights are not on the CPU"
     if not cpu_native.available():
@@ -428,7 +428,7 @@ def swap_dense(model: nn.Module, dense: DenseWeights, *, fmt: QuantFormat | None
 
     if not found:
         raise ValueError(f"dense={dense.value!r}: the model has no nn.Linear inside a '*{ATTENTION_SUFFIX}' module, "
-                         "no MLP projection and no lm head")
+                         "no mixer or MLP projection and no lm head")
     for _, name, linear, role in found:
         where = f"the {role.value} layer {name}"
         if linear.weight.device.type != "cpu" or linear.weight.is_meta:
