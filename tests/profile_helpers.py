@@ -37,3 +37,24 @@ def make_tiny_mixtral(directory: Path, seed: int = 0, *, experts: int = 4, top_k
 def write_text(path: Path, nbytes: int = 8000) -> Path:
     path.write_text(TEXT_SOURCE.read_text(encoding="utf-8")[:nbytes], encoding="utf-8")
     return path
+
+
+def reorder_changes_nothing(model_dir: Path, pack, ids: torch.Tensor) -> float:
+    """The checkpoint's logits on ``ids`` in float64 before and after its experts' neurons are put in the pack's
+    order (gate/up rows and down columns together): their largest absolute difference, which only the order of the
+    sums moves. Each layer's order is checked to be a real permutation."""
+    from crisp_tools.calibration import load_model, reorder_expert_weights
+
+    model, layers = load_model(model_dir)
+    model.double()
+    model.set_experts_implementation("eager")  # grouped_mm has no float64
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        for ref in layers:
+            order = pack.layers[ref.layer_id].neuron_order
+            assert not torch.equal(order, torch.arange(order.shape[1]).expand_as(order))  # a real permutation
+            gate_up, down = reorder_expert_weights(ref.module.gate_up_proj.data, ref.module.down_proj.data, order)
+            ref.module.gate_up_proj.data.copy_(gate_up)
+            ref.module.down_proj.data.copy_(down)
+        after = model(input_ids=ids).logits
+    return (after - before).abs().max().item()
