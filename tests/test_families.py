@@ -25,6 +25,8 @@ from test_streaming_load import streamed_and_applied  # noqa: E402
 from crisp_runtime import RuntimeConfig, apply, load_pack, pack_model  # noqa: E402
 from crisp_runtime.cpu.dense import dense_linears  # noqa: E402
 from crisp_runtime.cpu.experts import EXACT  # noqa: E402
+from crisp_runtime.hf.moe_layers import UnsupportedModelError, find_moe_layers, record_routing  # noqa: E402
+from crisp_runtime.scheduling.prefetch import NextLayerPredictor, block_routing, find_routers  # noqa: E402
 
 # the fields a family's config has among these are set (2 layers, 4 experts top-2, H 64): what makes each tiny
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
@@ -176,3 +178,48 @@ def test_crisp_profile_writes_a_pack_whose_order_keeps_the_function(family, tmp_
     assert pack.plan is not None and sorted(pack.layers) == [ref.layer_id for ref in layers]
     ids = torch.tensor(list(text.read_bytes()[:64]), dtype=torch.long).view(2, 32)
     assert reorder_changes_nothing(tmp_path / "ckpt", pack, ids) <= 1e-12  # float64: the order of the sums alone
+
+
+# the families whose MoE block routes in its own forward (no 'gate' giving logits, weights and index): next-layer
+# prediction runs the block up to its experts call (crisp_runtime.scheduling.prefetch.block_routing)
+ROUTED_BY_BLOCK = {"afmoe", "granitemoe", "granitemoehybrid", "granitemoeshared", "jamba", "lfm2_moe", "minimax_m2",
+                   "phimoe"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_next_layer_routing_is_the_blocks_own(family):
+    model = make_family_model(family)
+    routers = find_routers(model)
+    assert {r.experts is not None for r in routers.values()} == {family in ROUTED_BY_BLOCK}
+    h = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for ref in find_moe_layers(model):
+        block = model.get_submodule(ref.name.rpartition(".")[0])
+        with record_routing(model, [ref]) as trace, torch.no_grad():
+            weights, index = block_routing(block, ref.module, h)
+            assert len(ref.module._forward_pre_hooks) == 1  # the recorder's: the stop is removed
+            block(h.unsqueeze(0))  # the block's own call, recorded: the stopped one was not
+        assert len(trace.index[ref.layer_id]) == 1
+        assert torch.equal(index.long(), trace.index[ref.layer_id][0])
+        assert torch.equal(weights.float(), trace.weights[ref.layer_id][0])
+        if family not in ROUTED_BY_BLOCK:  # the gate's own routing is the same
+            _, gate_weights, gate_index = routers[ref.layer_id].route(h)
+            assert torch.equal(gate_index, index) and torch.equal(gate_weights, weights)
+    if family in ROUTED_BY_BLOCK:  # no logits: no extra predicted expert
+        with pytest.raises(UnsupportedModelError, match="routes inside its own forward"):
+            NextLayerPredictor(model, experts=model.config.num_experts_per_tok + 1)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_budget_decodes_the_full_width_tokens_with_prefetch(family):
+    model = make_family_model(family)
+    layers = pack_model(model)
+    ids = torch.randint(1, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    with apply(model, layers, gpu_budget=None, cpu="off"):
+        full = model.generate(ids, max_new_tokens=6, do_sample=False)
+    with apply(model, layers, gpu_budget="60%", cpu="off") as handle:  # the default rule: next-layer prefetch
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+        stats = handle.stats()
+    assert torch.equal(got, full)
+    assert stats["bytes_h2d"] > 0 and stats["serving"]["prefetch"] is not None
+    if len(layers) > 1:  # a next MoE layer to predict: predicted experts were copied ahead and then used
+        assert stats["prefetches"] > 0 and stats["prefetch_hits"] > 0

@@ -9,9 +9,12 @@ measured precision / recall per layer are in docs/profile-and-eval.md; Pre-gated
 use the same idea).
 
 The router of each MoE layer is found through the model's public modules: the experts module that
-``crisp_runtime.hf.moe_layers.find_moe_layers`` finds sits in a sparse-MoE block whose ``gate`` is the router,
-and every transformers (v5) family CRISP runs (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) calls it as
-``router_logits, top_k_weights, top_k_index = block.gate(hidden_states)``.
+``crisp_runtime.hf.moe_layers.find_moe_layers`` finds sits in a sparse-MoE block whose ``gate`` is the router, and
+most transformers (v5) families (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GLM-4.5, ...) call it as
+``router_logits, top_k_weights, top_k_index = block.gate(hidden_states)`` (checked once on a zero token). Others route
+in the block's own forward (a router named otherwise, a plain linear ``gate`` with a bias added after it, a router
+taking more arguments: Granite, Jamba, Phi-3.5-MoE, LFM2-MoE, MiniMax-M2, AFMoE); for those the block itself is run
+on the hidden state and stopped where it calls its experts, whose inputs are its routing.
 
 A prediction of ``n`` experts per token is the router's own top-k (its routing rule, with its
 grouping and biases where the family has them) followed by the next ``n - k`` experts by router
@@ -42,25 +45,89 @@ from crisp_runtime.scheduling.copy_window import PrefetchWindow
 
 @dataclass(frozen=True)
 class RouterRef:
-    """The router (``gate``) of one MoE layer."""
+    """The router of one MoE layer: its ``gate`` (``experts`` None), or the MoE block whose forward routes and then
+    calls ``experts`` (the routing read from that call's inputs, :func:`block_routing`)."""
 
     layer_id: int
     name: str
     module: nn.Module = field(compare=False, repr=False)
+    experts: nn.Module | None = field(default=None, compare=False, repr=False)
+
+    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(router logits or None, (T, k) weights, (T, k) index) for hidden_states (T, H)."""
+        if self.experts is None:
+            return self.module(hidden_states)
+        weights, index = block_routing(self.module, self.experts, hidden_states)
+        return None, weights, index
+
+
+class _Routed(Exception):  # noqa: N818 - control flow, never seen outside block_routing
+    """The experts' inputs of a block's forward, which block_routing stops there."""
+
+    def __init__(self, index: torch.Tensor, weights: torch.Tensor) -> None:
+        super().__init__("routed")
+        self.index, self.weights = index, weights
+
+
+def block_routing(block: nn.Module, experts: nn.Module, hidden_states: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """((T, k) weights, (T, k) index) that ``block``'s forward on hidden_states (T, H) passes its ``experts``: the
+    block runs as a batch of one sequence up to that call, which a forward pre-hook stops (put first, so that no
+    other hook on the experts, such as a trace recorder, sees the call); nothing after it runs."""
+
+    def stop(module, args, kwargs):
+        index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+        weights = kwargs.get("top_k_weights", args[2] if len(args) > 2 else None)
+        raise _Routed(index, weights)
+
+    handle = experts.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
+    try:
+        block(hidden_states.unsqueeze(0))
+    except _Routed as routed:
+        if routed.index is None or routed.weights is None:
+            raise UnsupportedModelError(f"{type(block).__name__} calls its experts without top_k_index and "
+                                        "top_k_weights: its routing cannot be read") from None
+        return routed.weights.reshape(hidden_states.shape[0], -1), routed.index.reshape(hidden_states.shape[0], -1)
+    finally:
+        handle.remove()
+    raise UnsupportedModelError(f"{type(block).__name__}'s forward did not call its experts: its routing cannot be "
+                                "read")
+
+
+def _gives_routing(gate: nn.Module, ref: MoeLayerRef) -> bool:
+    """Whether ``gate`` maps hidden states (T, H) to (router logits (T, E), weights (T, k), index (T, k)), tried on
+    one zero token on its own device and dtype (meta included: then only the shapes are computed)."""
+    param = next(gate.parameters(), None)
+    x = torch.zeros(1, ref.hidden_size, device=None if param is None else param.device,
+                    dtype=None if param is None else param.dtype)
+    try:
+        with torch.no_grad():
+            out = gate(x)
+    except Exception:  # a router that takes other arguments: the block routes it
+        return False
+    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        return False
+    logits, weights, index = out
+    return (logits.shape == (1, ref.num_experts) and weights.dim() == 2 and weights.shape == index.shape
+            and not index.is_floating_point())
 
 
 def find_routers(model: nn.Module, refs: Sequence[MoeLayerRef] | None = None) -> dict[int, RouterRef]:
-    """{layer_id: router} for every supported MoE layer of ``model`` (the ``gate`` beside its experts)."""
+    """{layer_id: router} for every supported MoE layer of ``model``: the ``gate`` beside its experts where it gives
+    (logits, weights, index), else the MoE block holding them (routed by its own forward, :func:`block_routing`)."""
     refs = find_moe_layers(model) if refs is None else refs
     routers = {}
     for ref in refs:
         block_name = ref.name.rpartition(".")[0]
         block = model.get_submodule(block_name) if block_name else model
         gate = getattr(block, "gate", None)
-        if not isinstance(gate, nn.Module) or gate is ref.module:
-            raise UnsupportedModelError(f"{type(block).__name__} at {block_name!r} has no router module 'gate' beside "
-                                        f"its experts; next-layer prediction needs one")
-        routers[ref.layer_id] = RouterRef(ref.layer_id, f"{block_name}.gate" if block_name else "gate", gate)
+        if isinstance(gate, nn.Module) and gate is not ref.module and _gives_routing(gate, ref):
+            routers[ref.layer_id] = RouterRef(ref.layer_id, f"{block_name}.gate" if block_name else "gate", gate)
+        elif block is not ref.module:
+            routers[ref.layer_id] = RouterRef(ref.layer_id, block_name, block, experts=ref.module)
+        else:
+            raise UnsupportedModelError(f"the experts at {ref.name!r} sit in no MoE block with a router: next-layer "
+                                        "prediction needs one")
     return routers
 
 
@@ -82,6 +149,11 @@ class NextLayerPredictor:
         if not self.top_k <= self.experts <= self.num_experts:
             raise ValueError(f"experts: expected a count in [top_k={self.top_k}, num_experts={self.num_experts}], "
                              f"got {experts}")
+        by_block = [r.name for r in self.routers.values() if r.experts is not None]
+        if self.experts > self.top_k and by_block:
+            raise UnsupportedModelError(f"experts: {self.experts} predicted per token needs the router's logits beyond "
+                                        f"its top-{self.top_k}, and {by_block[0]} routes inside its own forward (no "
+                                        "'gate' giving logits, weights and index): predict top_k experts (no extra)")
         self._next = dict(zip(self.layer_ids[:-1], self.layer_ids[1:], strict=True))
 
     def next_layer(self, layer_id: int) -> int | None:
@@ -97,7 +169,7 @@ class NextLayerPredictor:
         nxt = self.next_layer(layer_id)
         if nxt is None:
             return None
-        logits, _, index = self.routers[nxt].module(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        logits, _, index = self.routers[nxt].route(hidden_states.reshape(-1, hidden_states.shape[-1]))
         index = index.long()
         extra = self.experts - index.shape[1]
         if extra <= 0:
@@ -112,7 +184,7 @@ class NextLayerPredictor:
         nxt = self.next_layer(layer_id)
         if nxt is None:
             return None
-        _, weights, index = self.routers[nxt].module(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        _, weights, index = self.routers[nxt].route(hidden_states.reshape(-1, hidden_states.shape[-1]))
         return nxt, index.long(), weights.float()
 
 
