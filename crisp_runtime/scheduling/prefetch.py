@@ -73,7 +73,8 @@ def block_routing(block: nn.Module, experts: nn.Module, hidden_states: torch.Ten
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """((T, k) weights, (T, k) index) that ``block``'s forward on hidden_states (T, H) passes its ``experts``: the
     block runs as a batch of one sequence up to that call, which a forward pre-hook stops (put first, so that no
-    other hook on the experts, such as a trace recorder, sees the call); nothing after it runs."""
+    other hook on the experts, such as a trace recorder, sees the call); nothing after it runs. What a block computes
+    before its experts runs twice (AFMoE's shared experts: one more shared-expert pass a predicted layer)."""
 
     def stop(module, args, kwargs):
         index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
