@@ -15,6 +15,7 @@ than it does in the whole model; the bytes of each part are in the table and the
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -121,12 +122,13 @@ def _layer_errors(model, swapped, ids: torch.Tensor) -> tuple[float, str, torch.
             nonlocal worst, where
             want = original(args[0])
             err = ((out - want).norm() / want.norm().clamp_min(torch.finfo(want.dtype).tiny)).item()
-            if not err <= worst:  # nan too
+            if not math.isnan(worst) and not err <= worst:  # a nan stays: no finite error after it hides it
                 worst, where = err, name
         return hook
 
     paths = {id(module): path for path, module in model.named_modules()}
-    hooks = [getattr(parent, name).register_forward_hook(check(f"{paths[id(parent)]}.{name}", original))
+    hooks = [getattr(parent, name).register_forward_hook(check(".".join(filter(None, (paths[id(parent)], name))),
+                                                               original))
              for parent, name, original in swapped]
     try:
         with torch.no_grad():

@@ -76,3 +76,31 @@ def test_help_names_the_shapes_and_what_is_compared(capsys):
     out = capsys.readouterr().out
     assert exc.value.code == 0 and "as loaded" in out
     assert all(name in out for name in ("OLMoE-1B-7B", "Qwen1.5-MoE-A2.7B", "DeepSeek-V2-Lite"))
+
+
+def test_a_layer_giving_nan_fails_the_check_whatever_the_layers_after_it_give():
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    class Two(nn.Module):  # two "rounded" layers at the root, a then b; the originals beside them
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, input_ids):  # b on the same input: its error is finite
+            x = input_ids.float()
+            return SimpleNamespace(logits=self.a(x) + self.b(x))
+
+    model = Two()
+    original_a, original_b = nn.Linear(4, 4), nn.Linear(4, 4)
+    original_a.load_state_dict(model.a.state_dict())
+    original_b.load_state_dict(model.b.state_dict())
+    with torch.no_grad():
+        model.b.weight.add_(1e-3)  # b a little off its original
+        nan_a = model.a.weight.clone()
+        nan_a[0, 0] = float("nan")
+        model.a.weight.copy_(nan_a)  # a gives nan
+    worst, where, _ = dense._layer_errors(model, [(model, "a", original_a), (model, "b", original_b)],
+                                          torch.ones(1, 4, dtype=torch.long))
+    assert torch.isnan(torch.tensor(worst)) and where == "a"

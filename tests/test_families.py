@@ -223,3 +223,51 @@ def test_a_budget_decodes_the_full_width_tokens_with_prefetch(family):
     assert stats["bytes_h2d"] > 0 and stats["serving"]["prefetch"] is not None
     if len(layers) > 1:  # a next MoE layer to predict: predicted experts were copied ahead and then used
         assert stats["prefetches"] > 0 and stats["prefetch_hits"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "granitemoe", "jamba", "minimax_m2"])  # a gate; routed by the block
+def test_prediction_is_out_of_the_models_sight(family):
+    """What the model records (router logits, the aux loss), the user's hooks on its MoE blocks, and another thread's
+    forward of the same model see nothing of next-layer prediction."""
+    import threading
+
+    model = make_family_model(family)
+    layers = pack_model(model)
+    blocks = [model.get_submodule(ref.name.rpartition(".")[0]) for ref in find_moe_layers(model)]
+    calls = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: calls.append(m)) for b in blocks]
+
+    def run():  # one token at a time, as a decode step: what prefetch serves
+        with torch.no_grad():
+            return model(TOKENS[:1, :1], output_router_logits=True)
+
+    try:
+        with apply(model, layers, gpu_budget=None, cpu="off"):
+            want, want_calls = run(), len(calls)
+        with apply(model, layers, gpu_budget="60%", cpu="off") as handle:
+            got = run()
+            got = run()  # with the first step's experts resident, the second's prefetch is admitted
+            assert len(calls) == 3 * want_calls  # the forwards' own block calls, no prediction's
+            outs, errors = [], []
+
+            def worker():
+                try:
+                    for _ in range(5):
+                        outs.append(run().logits)
+                except BaseException as err:  # noqa: BLE001 - the test reports what a thread raised
+                    errors.append(err)
+
+            threads = [threading.Thread(target=worker) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert handle.stats()["prefetches"] > 0
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(got.router_logits) == len(want.router_logits) == len(layers)
+    assert all(torch.equal(g, w) for g, w in zip(got.router_logits, want.router_logits, strict=True))
+    assert torch.equal(got.aux_loss, want.aux_loss) and torch.equal(got.logits, want.logits)
+    assert not errors, errors
+    assert len(outs) == 10 and all(torch.equal(o, want.logits) for o in outs)

@@ -24,7 +24,9 @@ logit. Nothing here touches a device beyond the one the hidden state is on.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -54,11 +56,21 @@ class RouterRef:
     experts: nn.Module | None = field(default=None, compare=False, repr=False)
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """(router logits or None, (T, k) weights, (T, k) index) for hidden_states (T, H)."""
+        """(router logits or None, (T, k) weights, (T, k) index) for hidden_states (T, H), out of the model's sight
+        (:func:`unseen`): the router's (or block's) own hooks do not run, and what the model records while it runs
+        (``output_router_logits``) gets no entry from the prediction."""
         if self.experts is None:
-            return self.module(hidden_states)
-        weights, index = block_routing(self.module, self.experts, hidden_states)
+            return unseen(self.module.forward, hidden_states)
+        weights, index = unseen(block_routing, self.module, self.experts, hidden_states)
         return None, weights, index
+
+
+def unseen(fn, *args):
+    """``fn(*args)`` in a fresh, empty ``contextvars`` context: every context variable at its default there, so
+    that what transformers collects during a forward (router logits and hidden states, by hooks that read the
+    collector from a context variable) does not see a prediction run in the middle of that forward, out of order
+    (``output_router_logits=True`` gained an entry per predicted layer, and the aux loss moved)."""
+    return contextvars.Context().run(fn, *args)
 
 
 class _Routed(Exception):  # noqa: N818 - control flow, never seen outside block_routing
@@ -73,17 +85,23 @@ def block_routing(block: nn.Module, experts: nn.Module, hidden_states: torch.Ten
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """((T, k) weights, (T, k) index) that ``block``'s forward on hidden_states (T, H) passes its ``experts``: the
     block runs as a batch of one sequence up to that call, which a forward pre-hook stops (put first, so that no
-    other hook on the experts, such as a trace recorder, sees the call); nothing after it runs. What a block computes
-    before its experts runs twice (AFMoE's shared experts: one more shared-expert pass a predicted layer)."""
+    other hook on the experts, such as a trace recorder, sees the call; in this thread only, so that another thread's
+    forward of the same model passes); nothing after it runs. What a block computes before its experts runs twice
+    (AFMoE's shared experts: one more shared-expert pass a predicted layer), and hooks on the modules it calls on
+    the way (its router) see that call."""
+
+    owner = threading.get_ident()
 
     def stop(module, args, kwargs):
+        if threading.get_ident() != owner:  # another thread's forward of the same model: not this prediction's
+            return None
         index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
         weights = kwargs.get("top_k_weights", args[2] if len(args) > 2 else None)
         raise _Routed(index, weights)
 
     handle = experts.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
     try:
-        block(hidden_states.unsqueeze(0))
+        block.forward(hidden_states.unsqueeze(0))  # forward, not __call__: the block's own hooks see no prediction
     except _Routed as routed:
         if routed.index is None or routed.weights is None:
             raise UnsupportedModelError(f"{type(block).__name__} calls its experts without top_k_index and "
@@ -103,7 +121,7 @@ def _gives_routing(gate: nn.Module, ref: MoeLayerRef) -> bool:
                     dtype=None if param is None else param.dtype)
     try:
         with torch.no_grad():
-            out = gate(x)
+            out = gate.forward(x)  # not __call__: the gate's hooks see no probe
     except Exception:  # a router that takes other arguments: the block routes it
         return False
     if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
@@ -152,9 +170,10 @@ class NextLayerPredictor:
                              f"got {experts}")
         by_block = [r.name for r in self.routers.values() if r.experts is not None]
         if self.experts > self.top_k and by_block:
-            raise UnsupportedModelError(f"experts: {self.experts} predicted per token needs the router's logits beyond "
-                                        f"its top-{self.top_k}, and {by_block[0]} routes inside its own forward (no "
-                                        "'gate' giving logits, weights and index): predict top_k experts (no extra)")
+            raise UnsupportedModelError(f"predicting {self.experts} experts a token (the router's top-{self.top_k} and "
+                                        f"{self.experts - self.top_k} more by logit: PrefetchPolicy.extra_experts) "
+                                        f"needs the router's logits, and {by_block[0]} routes inside its own forward "
+                                        "(no 'gate' giving logits, weights and index): use extra_experts=0")
         self._next = dict(zip(self.layer_ids[:-1], self.layer_ids[1:], strict=True))
 
     def next_layer(self, layer_id: int) -> int | None:
