@@ -209,16 +209,22 @@ def test_next_layer_routing_is_the_blocks_own(family):
             NextLayerPredictor(model, experts=model.config.num_experts_per_tok + 1)
 
 
+def decode_unbudgeted_and_at_60(model, layers) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """6 greedy tokens after a 5-token prompt with every expert resident, the same at a 60% budget (the default
+    serving: evictions, next-layer prefetch), and the budgeted handle's stats."""
+    ids = torch.randint(1, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    with apply(model, layers, gpu_budget=None, cpu="off"):
+        full = model.generate(ids, max_new_tokens=6, do_sample=False)
+    with apply(model, layers, gpu_budget="60%", cpu="off") as handle:
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+        return full, got, handle.stats()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_budget_decodes_the_full_width_tokens_with_prefetch(family):
     model = make_family_model(family)
     layers = pack_model(model)
-    ids = torch.randint(1, 96, (1, 5), generator=torch.Generator().manual_seed(0))
-    with apply(model, layers, gpu_budget=None, cpu="off"):
-        full = model.generate(ids, max_new_tokens=6, do_sample=False)
-    with apply(model, layers, gpu_budget="60%", cpu="off") as handle:  # the default rule: next-layer prefetch
-        got = model.generate(ids, max_new_tokens=6, do_sample=False)
-        stats = handle.stats()
+    full, got, stats = decode_unbudgeted_and_at_60(model, layers)
     assert torch.equal(got, full)
     assert stats["bytes_h2d"] > 0 and stats["serving"]["prefetch"] is not None
     if len(layers) > 1:  # a next MoE layer to predict: predicted experts were copied ahead and then used

@@ -155,16 +155,12 @@ def test_other_biased_layouts_are_still_refused():
 def test_a_budget_decodes_the_full_width_tokens_with_prefetch_from_the_blocks_routing():
     """gpt-oss's router is not a ``gate`` giving (logits, weights, index): next-layer prediction runs its MoE block up
     to the experts call (crisp_runtime.scheduling.prefetch.block_routing)."""
+    from test_families import decode_unbudgeted_and_at_60
+
     from crisp_runtime.scheduling.prefetch import find_routers
 
     model = make_model()
     assert all(r.experts is not None for r in find_routers(model).values())
-    layers = pack_model(model)
-    ids = torch.randint(1, 96, (1, 5), generator=torch.Generator().manual_seed(0))
-    with apply(model, layers, gpu_budget=None, cpu="off"):
-        full = model.generate(ids, max_new_tokens=6, do_sample=False)
-    with apply(model, layers, gpu_budget="60%", cpu="off") as handle:  # the default rule: next-layer prefetch
-        got = model.generate(ids, max_new_tokens=6, do_sample=False)
-        stats = handle.stats()
+    full, got, stats = decode_unbudgeted_and_at_60(model, pack_model(model))
     assert torch.equal(got, full)
     assert stats["prefetches"] > 0 and stats["prefetch_hits"] > 0
