@@ -231,7 +231,9 @@ def record_trace(model, sequences: torch.Tensor, *, source: str = "", progress=N
     """Run ``model`` over each row of ``sequences`` (S, N) and record every MoE layer's routing.
 
     predict_extra: also record the next layer's experts predicted from each layer's MoE input
-    (``crisp_runtime.scheduling.prefetch``), top_k + predict_extra per token; None records no prediction.
+    (``crisp_runtime.scheduling.prefetch``), top_k + predict_extra per token (top_k alone where a block routes inside
+    its own forward: no router logits to rank more by; the trace's ``prediction`` says how many); None records no
+    prediction.
     """
     from crisp_runtime.hf.moe_layers import find_moe_layers, model_top_k, record_routing
     from crisp_runtime.scheduling.prefetch import NextLayerPredictor, record_predictions
@@ -242,7 +244,9 @@ def record_trace(model, sequences: torch.Tensor, *, source: str = "", progress=N
     top_k = model_top_k(model)
     predictor = None
     if predict_extra is not None:
-        predictor = NextLayerPredictor(model, experts=min(ref.num_experts, top_k + predict_extra), refs=layers)
+        predictor = NextLayerPredictor(model, refs=layers)  # the routers' top-k
+        if predict_extra and predictor.ranks_by_logit:
+            predictor = NextLayerPredictor(model, experts=min(ref.num_experts, top_k + predict_extra), refs=layers)
     with contextlib.ExitStack() as stack:
         routing = stack.enter_context(record_routing(model, layers))
         predictions = stack.enter_context(record_predictions(model, predictor, layers)) if predictor else None

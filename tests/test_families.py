@@ -277,3 +277,15 @@ def test_prediction_is_out_of_the_models_sight(family):
     assert torch.equal(got.aux_loss, want.aux_loss) and torch.equal(got.logits, want.logits)
     assert not errors, errors
     assert len(outs) == 10 and all(torch.equal(o, want.logits) for o in outs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "jamba"])  # a gate with logits; a block routing in its forward
+def test_a_trace_records_the_predictions_the_routers_allow(family):
+    from crisp_bench import traces
+
+    model = make_family_model(family)
+    top_k = model.config.num_experts_per_tok
+    trace = traces.record_trace(model, torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(2)))
+    per_token = top_k + 1 if family not in ROUTED_BY_BLOCK else top_k  # no logits to rank a further expert by
+    assert trace.meta["prediction"]["experts_per_token"] == per_token and trace.predicted.shape[2] == per_token
+    assert (trace.predicted[:-1] >= 0).all() and (trace.predicted[-1] == -1).all()

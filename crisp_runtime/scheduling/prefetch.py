@@ -169,12 +169,18 @@ class NextLayerPredictor:
             raise ValueError(f"experts: expected a count in [top_k={self.top_k}, num_experts={self.num_experts}], "
                              f"got {experts}")
         by_block = [r.name for r in self.routers.values() if r.experts is not None]
-        if self.experts > self.top_k and by_block:
+        if self.experts > self.top_k and not self.ranks_by_logit:
             raise UnsupportedModelError(f"predicting {self.experts} experts a token (the router's top-{self.top_k} and "
                                         f"{self.experts - self.top_k} more by logit: PrefetchPolicy.extra_experts) "
                                         f"needs the router's logits, and {by_block[0]} routes inside its own forward "
                                         "(no 'gate' giving logits, weights and index): use extra_experts=0")
         self._next = dict(zip(self.layer_ids[:-1], self.layer_ids[1:], strict=True))
+
+    @property
+    def ranks_by_logit(self) -> bool:
+        """Whether every router gives its logits, so that experts beyond the top-k can be predicted (False where a
+        block routes inside its own forward)."""
+        return all(r.experts is None for r in self.routers.values())
 
     def next_layer(self, layer_id: int) -> int | None:
         """The MoE layer after ``layer_id``, or None for the last one."""
