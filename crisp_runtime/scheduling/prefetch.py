@@ -168,11 +168,11 @@ class NextLayerPredictor:
         if not self.top_k <= self.experts <= self.num_experts:
             raise ValueError(f"experts: expected a count in [top_k={self.top_k}, num_experts={self.num_experts}], "
                              f"got {experts}")
-        by_block = [r.name for r in self.routers.values() if r.experts is not None]
         if self.experts > self.top_k and not self.ranks_by_logit:
+            by_block = next(r.name for r in self.routers.values() if r.experts is not None)
             raise UnsupportedModelError(f"predicting {self.experts} experts a token (the router's top-{self.top_k} and "
                                         f"{self.experts - self.top_k} more by logit: PrefetchPolicy.extra_experts) "
-                                        f"needs the router's logits, and {by_block[0]} routes inside its own forward "
+                                        f"needs the router's logits, and {by_block} routes inside its own forward "
                                         "(no 'gate' giving logits, weights and index): use extra_experts=0")
         self._next = dict(zip(self.layer_ids[:-1], self.layer_ids[1:], strict=True))
 
